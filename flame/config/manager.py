@@ -1,0 +1,250 @@
+"""Parse a job: TOML file + ``--section.field`` flags over torchtitan's JobConfig merged with flame's sections.
+
+Precedence is torchtitan's: flags > TOML > defaults. Before tyro sees anything, every TOML key and every flag is
+checked against the merged schema, so a typo fails at once with one line naming it and the nearest valid name.
+"""
+
+import dataclasses
+import difflib
+import importlib
+import sys
+import typing
+from typing import Any
+
+import tyro
+
+from flame.config.job_config import ALIASES
+from flame.errors import ConfigError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+FLAME_CONFIG_MODULE = "flame.config.job_config"
+
+
+def job_config_class(custom_module: str | None = None) -> type:
+    """torchtitan's JobConfig merged with flame's sections (and a user's custom module, if any)."""
+    from flame.compat import torchtitan_job_config
+
+    merged = merge_configs(torchtitan_job_config(), importlib.import_module(FLAME_CONFIG_MODULE).JobConfig)
+    if custom_module and custom_module != FLAME_CONFIG_MODULE:
+        try:
+            user = importlib.import_module(custom_module).JobConfig
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"job.custom_config_module '{custom_module}' has no importable JobConfig ({e})") from e
+        merged = merge_configs(merged, user)
+    return merged
+
+
+def merge_configs(base: type, custom: type) -> type:
+    """torchtitan's merge rule (custom fields override, sections merge recursively), with the custom class
+    first in the bases so that tyro finds the docstrings of the fields it adds for --help."""
+    base_fields = {f.name: f for f in dataclasses.fields(base)}
+    custom_fields = {f.name: f for f in dataclasses.fields(custom)}
+    merged = []
+    for name in {**base_fields, **custom_fields}:
+        b, c = base_fields.get(name), custom_fields.get(name)
+        if b and c and dataclasses.is_dataclass(b.type) and dataclasses.is_dataclass(c.type):
+            section = merge_configs(b.type, c.type)
+            merged.append((name, section, dataclasses.field(default_factory=section)))
+        else:
+            f = c or b
+            merged.append((name, f.type, f))
+    return dataclasses.make_dataclass(base.__name__, merged, bases=(custom, base))
+
+
+def parse_args(argv: list[str]) -> Any:
+    """The merged JobConfig for a command line; raises ConfigError with one line for any mistake."""
+    toml_path = _flag_value(argv, "job.config_file")
+    toml_values = _load_toml(toml_path) if toml_path else {}
+    custom_module = _flag_value(argv, "job.custom_config_module") or toml_values.get("job", {}).get(
+        "custom_config_module"
+    )
+    config_cls = job_config_class(custom_module)
+    valid = valid_options(config_cls)
+    _check_toml_keys(toml_values, config_cls, toml_path or "")
+    _check_flags(argv, valid)
+
+    default = _dict_to_dataclass(config_cls, toml_values) if toml_values else config_cls()
+    config = tyro.cli(config_cls, args=argv, default=default, registry=_tyro_registry())
+    resolve_aliases(config)
+    return config
+
+
+def valid_options(config_cls: type) -> dict[str, dataclasses.Field]:
+    """Every dotted option name of a JobConfig class ('training.steps', 'training.dataloader.num_workers')."""
+    options = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            name = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(f.type):
+                walk(f.type, f"{name}.")
+            else:
+                options[name] = f
+
+    walk(config_cls, "")
+    return options
+
+
+def suggest(name: str, candidates: list[str]) -> str:
+    """' (did you mean 'x'?)' for the nearest candidate, or ''."""
+    section = name.rsplit(".", 1)[0] + "." if "." in name else ""
+    same_section = [c for c in candidates if c.startswith(section)]
+    match = difflib.get_close_matches(name, same_section, n=1, cutoff=0.6) or difflib.get_close_matches(
+        name, candidates, n=1, cutoff=0.6
+    )
+    return f"; did you mean '{match[0]}'?" if match else "; run with --help to list every option"
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key in spellings:
+            if eq:
+                return value
+            if i + 1 < len(argv):
+                return argv[i + 1]
+            raise ConfigError(f"--{name} needs a value")
+    return None
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError as e:
+        raise ConfigError(f"job config file {path} does not exist; check --job.config_file") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"job config file {path} is not valid TOML: {e}") from e
+
+
+def _check_toml_keys(values: dict[str, Any], cls: type, path: str, prefix: str = "") -> None:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            candidates = [f"{prefix}{k}" for k in fields]
+            raise ConfigError(f"unknown key '{name}' in {path}{suggest(name, candidates)}")
+        field_type = fields[key].type
+        if dataclasses.is_dataclass(field_type):
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{name}' in {path} must be a [{name}] table, not a value")
+            _check_toml_keys(value, field_type, path, f"{name}.")
+
+
+def _tyro_registry() -> "tyro.constructors.ConstructorRegistry":
+    """torchtitan's rule: list[str] options take one comma-separated value."""
+    registry = tyro.constructors.ConstructorRegistry()
+
+    @registry.primitive_rule
+    def list_str_rule(type_info: tyro.constructors.PrimitiveTypeInfo):
+        if type_info.type != list[str]:
+            return None
+        return tyro.constructors.PrimitiveConstructorSpec(
+            nargs=1,
+            metavar="A,B,C,...",
+            instance_from_str=lambda args: args[0].split(","),
+            is_instance=lambda instance: all(isinstance(i, str) for i in instance),
+            str_from_instance=lambda instance: [",".join(instance)],
+        )
+
+    return registry
+
+
+def _check_flags(argv: list[str], valid: dict[str, dataclasses.Field]) -> None:
+    """Every --flag exists, and values of int, float and choice options parse."""
+    names = list(valid)
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--") or arg == "--help":
+            continue
+        flag, eq, value = arg[2:].partition("=")
+        name = flag.replace("-", "_")
+        if name not in valid:
+            section, _, field_name = name.rpartition(".")
+            negated = f"{section}.{field_name.removeprefix('no_')}"
+            if field_name.startswith("no_") and negated in valid and _is_bool(valid[negated].type):
+                continue
+            raise ConfigError(f"unknown option --{flag}{suggest(name, names)}")
+        if _is_bool(valid[name].type):
+            continue
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"option --{flag} needs a value")
+            value = argv[i + 1]
+        _check_value(flag, value, valid[name].type)
+
+
+def _is_bool(annotation: Any) -> bool:
+    return annotation is bool or annotation == "bool"
+
+
+def _check_value(flag: str, value: str, annotation: Any) -> None:
+    options = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
+    if options is not None:
+        if value not in [str(o) for o in options]:
+            raise ConfigError(f"--{flag} must be one of {', '.join(map(str, options))}, got '{value}'")
+        return
+    types = set(typing.get_args(annotation)) or {annotation}
+    if value == "None" and type(None) in types:
+        return
+    for kind in (int, float):
+        if kind in types:
+            try:
+                kind(value)
+            except ValueError:
+                if not (kind is int and float in types):
+                    raise ConfigError(f"--{flag} takes {'an integer' if kind is int else 'a number'}, got '{value}'") from None
+            return
+
+
+def _dict_to_dataclass(cls: type, data: dict[str, Any]) -> Any:
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            value = data[f.name]
+            kwargs[f.name] = _dict_to_dataclass(f.type, value) if dataclasses.is_dataclass(f.type) else value
+    return cls(**kwargs)
+
+
+def _get(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _set(config: Any, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        config = getattr(config, part)
+    setattr(config, last, value)
+
+
+def resolve_aliases(config: Any) -> None:
+    """Copy flame's user-facing aliases (``training.batch_size`` ...) onto torchtitan's fields."""
+    for alias, target in ALIASES.items():
+        value = _get(config, alias)
+        # Switches default to False, so only an explicit True is copied.
+        if value is not None and value is not False:
+            _set(config, target, value)
+    accumulation = config.training.gradient_accumulation_steps
+    if accumulation is not None and accumulation < 1:
+        raise ConfigError(f"training.gradient_accumulation_steps must be >= 1, got {accumulation}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m flame.config.manager [flags]``: print the merged config (debugging aid)."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        config = parse_args(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(config)
+
+
+if __name__ == "__main__":
+    main()
