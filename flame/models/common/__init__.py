@@ -1,0 +1,1 @@
+"""Pieces every model family shares: the config-JSON args base and the decoder skeleton."""

@@ -1,0 +1,83 @@
+"""The decoder every family shares: embeddings -> pre-norm blocks -> norm -> lm head.
+
+Module names follow FLA's HF models (``embeddings``, ``layers.<i>.attn_norm/attn/mlp_norm/mlp``, ``norm``,
+``lm_head``) so conversion to and from FLA checkpoints is a prefix change. ``layers`` is a ModuleDict keyed by
+the layer index, as in torchtitan, so pipeline stages keep the original names.
+"""
+
+import torch
+from torch import nn
+
+from flame.models.common.args import ModelArgs
+from flame.models.layers.mlp import GatedMLP, swiglu_intermediate_size
+from flame.models.layers.norm import RMSNorm
+
+
+class Block(nn.Module):
+    """Pre-norm residual block around one sequence mixer and a SwiGLU MLP."""
+
+    def __init__(self, args: ModelArgs, mixer: nn.Module, intermediate_size: int | None = None):
+        super().__init__()
+        self.attn_norm = RMSNorm(args.hidden_size, eps=args.norm_eps)
+        self.attn = mixer
+        self.mlp_norm = RMSNorm(args.hidden_size, eps=args.norm_eps)
+        size = intermediate_size or swiglu_intermediate_size(
+            args.hidden_size, args.hidden_ratio, args.intermediate_size
+        )
+        self.mlp = GatedMLP(args.hidden_size, size)
+
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), position_ids, cu_seqlens)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DecoderLM(nn.Module):
+    """Causal LM over a list of blocks. Families subclass it and implement ``build_block``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.num_hidden_layers)})
+        self.norm = RMSNorm(args.hidden_size, eps=args.norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embeddings.weight
+
+    def build_block(self, layer_id: int) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab]. ``cu_seqlens`` (with batch 1) marks packed documents; ``position_ids`` then
+        restart per document. Stages of a pipeline may lack embeddings or lm_head (set to None)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        h = self.embeddings(input_ids) if self.embeddings is not None else input_ids
+        for block in self.layers.values():
+            h = block(h, position_ids, cu_seqlens)
+        h = self.norm(h) if self.norm is not None else h
+        return self.lm_head(h) if self.lm_head is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """FLA's initialisation: normal(0, initializer_range) for linear, conv and embedding weights, zero
+        biases, then each module's own ``reset_parameters`` (norms, decay parameters ...)."""
+        std = self.args.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Conv1d, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        self.post_init_weights()
+
+    def post_init_weights(self) -> None:
+        """Family-specific re-initialisation after the generic pass (e.g. residual rescaling)."""

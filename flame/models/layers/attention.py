@@ -1,0 +1,87 @@
+"""Multi-head attention mixer with GQA, RoPE, optional QK-norm, sliding window and the softpick family.
+
+``attn_impl`` takes the names of the softpick fork of flame/FLA; the ``naive_*`` names select the same math
+(flame picks the kernel per device, so there is no separate naive model).
+"""
+
+import torch
+from torch import nn
+
+from flame.errors import ModelConfigError
+from flame.models.layers.norm import RMSNorm
+from flame.models.layers.rotary import apply_rotary, rotary_cos_sin
+from flame.ops.attention import attention, scale_queries_by_position
+
+# attn_impl -> (score normalisation, queries scaled by a learnable per-head factor and log(position + 2))
+ATTN_IMPLS: dict[str, tuple[str, bool]] = {
+    "parallel_attn": ("softmax", False),
+    "parallel_softpick_attn": ("softpick", False),
+    "parallel_rectified_attn": ("rectified", False),
+    "parallel_scaled_softpick_attn": ("softpick", True),
+    "parallel_scaled_attn": ("softmax", True),
+}
+ATTN_IMPLS.update({name.replace("parallel_", "naive_"): spec for name, spec in list(ATTN_IMPLS.items())})
+
+# Initial value of the per-head query scale of the scaled variants (softpick paper, appendix).
+QUERY_SCALE_INIT = 0.3
+
+
+def check_attn_impl(attn_impl: str) -> None:
+    if attn_impl not in ATTN_IMPLS:
+        raise ModelConfigError(f"attn_impl '{attn_impl}' is unknown; choose one of: {', '.join(ATTN_IMPLS)}")
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        window_size: int | None = None,
+        rope_theta: float = 10000.0,
+        attn_impl: str = "parallel_attn",
+        norm_eps: float = 1e-6,
+    ):
+        super().__init__()
+        check_attn_impl(attn_impl)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.head_dim = head_dim or hidden_size // num_heads
+        self.window_size = window_size
+        self.rope_theta = rope_theta
+        self.score_fn, self.scaled = ATTN_IMPLS[attn_impl]
+
+        self.q_proj = nn.Linear(hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden_size, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        if self.scaled:
+            self.q_scale = nn.Parameter(torch.full((self.num_heads,), QUERY_SCALE_INIT))
+
+    def reset_parameters(self) -> None:
+        if self.scaled:
+            nn.init.constant_(self.q_scale, QUERY_SCALE_INIT)
+
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rope_theta)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.scaled:
+            q = scale_queries_by_position(q, self.q_scale, position_ids)
+        o = attention(q, k, v, impl=self.score_fn, causal=True, window_size=self.window_size, cu_seqlens=cu_seqlens)
+        return self.o_proj(o.reshape(batch, seq_len, -1))
