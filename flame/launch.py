@@ -1,0 +1,87 @@
+"""Pre-flight check that train.sh runs before torchrun starts any rank.
+
+Parses the job (fast: no torchtitan package init), checks the model config, the tokenizer's vocabulary and
+NGPU, and answers ``--help`` and ``--job.dry_run`` itself. A mistake is one line on stderr and exit code 2,
+before any rank could turn it into a wall of tracebacks. With FLAME_LAUNCH_ENV set, writes the resolved
+dump folder there for train.sh.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from flame.config import parse_args
+from flame.errors import FlameError
+from flame.models import build_model, load_model_args
+
+# train.sh stops after the pre-flight without starting ranks when it exits with this code.
+EXIT_DONE = 10
+
+
+def tokenizer_vocab_size(path: str) -> int | None:
+    """Vocabulary size (with added tokens) of a local HF tokenizer; None for hub names (checked by the ranks)."""
+    tokenizer_file = Path(path) / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        if Path(path).exists():
+            return None
+        if path.count("/") == 1 and not path.startswith((".", "/")):
+            return None  # looks like a hub name
+        raise FlameError(f"tokenizer path {path} does not exist; pass --model.tokenizer_path <dir or hub name>")
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
+
+
+def check_devices(ngpu: int) -> None:
+    import torch
+
+    visible = torch.cuda.device_count()
+    if visible and ngpu > visible:
+        raise FlameError(f"NGPU={ngpu} but only {visible} GPU(s) are visible; set NGPU <= {visible}")
+
+
+def dry_run(job_config, model_args) -> None:
+    import torch
+
+    print(json.dumps(dataclasses.asdict(job_config), indent=2, default=str))
+    with torch.device("meta"):
+        model = build_model(model_args)
+    nparams, flops = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
+    print(f"params: {nparams}")
+    print(f"flops_per_token: {flops}")
+
+
+def preflight(argv: list[str]) -> int:
+    job_config = parse_args(argv)
+    model_args, _ = load_model_args(job_config.model.config)
+    vocab = tokenizer_vocab_size(job_config.model.tokenizer_path)
+    if vocab is not None and vocab > model_args.vocab_size:
+        if not job_config.model.resize_vocab:
+            raise FlameError(
+                f"the tokenizer has {vocab} tokens but the model's vocab_size is {model_args.vocab_size}; "
+                "use a matching tokenizer, raise vocab_size in the model config, or pass --model.resize_vocab"
+            )
+        model_args.vocab_size = vocab
+    if job_config.job.dry_run:
+        dry_run(job_config, model_args)
+        return EXIT_DONE
+    check_devices(int(os.environ.get("NGPU", "1")))
+    if env_file := os.environ.get("FLAME_LAUNCH_ENV"):
+        Path(env_file).write_text(f"DUMP_FOLDER={job_config.job.dump_folder}\n")
+    return 0
+
+
+def main() -> int:
+    try:
+        return preflight(sys.argv[1:])
+    except FlameError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # tyro after --help (code 0) or after its own message for a bad value
+        return EXIT_DONE if e.code == 0 else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""train.sh's pre-flight: fast one-line errors, --help, and the dry run (no ranks, no dump folder)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_sh(*args, env=None, timeout=120):
+    return subprocess.run(
+        ["bash", str(REPO / "train.sh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+    )
+
+
+def test_unknown_option_fails_fast_with_one_line():
+    start = time.monotonic()
+    result = train_sh("--training.stepz", "3")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: unknown option --training.stepz; did you mean 'training.steps'?"
+    assert elapsed < 5, f"took {elapsed:.1f}s"
+
+
+def test_unknown_toml_key_fails_fast(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text("[optimizer]\nlearning_rate = 1e-3\n")
+    start = time.monotonic()
+    result = train_sh("--job.config_file", str(toml))
+    assert time.monotonic() - start < 5
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "unknown key 'optimizer.learning_rate'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model.config", "/nope.json"], "model config /nope.json does not exist"),
+        (["--model.tokenizer_path", "/nope/tok"], "tokenizer path /nope/tok does not exist"),
+    ],
+)
+def test_bad_paths_are_one_line(args, message):
+    result = train_sh(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: {message}" + result.stderr.strip().split(message, 1)[1]]
+
+
+def test_malformed_and_unknown_model_configs(tmp_path):
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('{"model_type": "transformer", ')
+    result = train_sh("--model.config", str(bad_json))
+    assert result.returncode == 2 and "is not valid JSON" in result.stderr
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text('{"model_type": "mamba9"}')
+    result = train_sh("--model.config", str(unknown))
+    assert result.returncode == 2
+    assert "model_type 'mamba9' is not supported" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_tokenizer_larger_than_vocab_is_refused_or_resized(tmp_path):
+    small = tmp_path / "small.json"
+    config = json.loads((REPO / "flame/assets/tiny.json").read_text())
+    small.write_text(json.dumps({**config, "vocab_size": 1000}))
+    result = train_sh("--model.config", str(small))
+    assert result.returncode == 2
+    assert "the tokenizer has 4096 tokens but the model's vocab_size is 1000" in result.stderr
+    result = train_sh("--model.config", str(small), "--model.resize_vocab", "--job.dry_run")
+    assert result.returncode == 0, result.stderr
+
+
+def test_ngpu_above_visible_gpus_is_refused(monkeypatch):
+    import torch
+
+    from flame.errors import FlameError
+    from flame.launch import check_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_devices(2)
+    with pytest.raises(FlameError, match=r"NGPU=3 but only 2 GPU\(s\) are visible; set NGPU <= 2"):
+        check_devices(3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    check_devices(3)  # no GPU: NGPU counts CPU processes
+
+
+def test_help_lists_every_option_with_flame_docs():
+    result = train_sh("--help")
+    assert result.returncode == 0
+    for text in ("--job.dry-run", "Build the model on the meta device", "--training.data-probs", "--model.config"):
+        assert text in result.stdout
+
+
+def test_dry_run_prints_config_params_and_flops_without_touching_dump(tmp_path):
+    dump = tmp_path / "dump"
+    result = train_sh("--job.dry_run", "--job.dump_folder", str(dump))
+    assert result.returncode == 0, result.stderr
+    assert not dump.exists()
+    params = int(re.search(r"^params: (\d+)$", result.stdout, re.M).group(1))
+    flops = int(re.search(r"^flops_per_token: (\d+)$", result.stdout, re.M).group(1))
+    assert 2_000_000 < params < 10_000_000  # the embedded default is a few million parameters
+    assert flops > 6 * (params - 4096 * 256)
+    merged = json.loads(result.stdout[: result.stdout.index("params:")])
+    assert merged["job"]["dry_run"] is True and merged["job"]["dump_folder"] == str(dump)
+
+
+def fla_transformer_param_count(config_path: Path) -> int:
+    """FLA's TransformerForCausalLM on the meta device (its Attention only checks that flash_attn imported)."""
+    import torch
+    import fla.layers.attn
+    from fla.models import TransformerConfig, TransformerForCausalLM
+
+    fla.layers.attn.flash_attn_func = lambda *a, **k: None
+    config = TransformerConfig(**json.loads(config_path.read_text()))
+    with torch.device("meta"):
+        return sum(p.numel() for p in TransformerForCausalLM(config).parameters())
+
+
+def test_dry_run_of_transformer_340m_matches_fla():
+    config = REPO / "configs/transformer_340M.json"
+    result = train_sh("--job.dry_run", "--model.config", str(config), "--model.tokenizer_path", str(REPO / "flame/assets/tokenizer"))
+    assert result.returncode == 0, result.stderr
+    params = int(re.search(r"^params: (\d+)$", result.stdout, re.M).group(1))
+    assert params == fla_transformer_param_count(config)
+    assert 370_000_000 < params < 380_000_000

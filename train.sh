@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Launch a flame training job: NGPU=8 bash train.sh --job.config_file job.toml --model.config configs/x.json ...
+#
+# Environment: NGPU (processes per node; default: visible GPUs, 1 without GPU — CPU processes then),
+# NNODE (nodes, default 1), NODE_RANK (default 0), MASTER_ADDR (default localhost), MASTER_PORT (default 29500),
+# LOG_RANK (ranks whose output the console shows, comma separated, default 0).
+# Every rank's full output is kept under <dump_folder>/logs.
+set -uo pipefail
+
+visible_gpus() {
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    local n
+    n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then n=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
+    echo "${n:-0}"
+  else
+    echo 0
+  fi
+}
+
+gpus=$(visible_gpus)
+NGPU=${NGPU:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 1)}
+NNODE=${NNODE:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-29500}
+LOG_RANK=${LOG_RANK:-0}
+export NGPU
+
+# Check the job before starting ranks: a mistake is one line here, not a traceback per rank.
+# --help and --job.dry_run are answered by this step alone.
+env_file=$(mktemp)
+trap 'rm -f "$env_file"' EXIT
+FLAME_LAUNCH_ENV=$env_file python -m flame.launch "$@"
+rc=$?
+if [ "$rc" -eq 10 ]; then exit 0; fi
+if [ "$rc" -ne 0 ]; then exit "$rc"; fi
+# shellcheck disable=SC1090
+source "$env_file"
+
+mkdir -p "$DUMP_FOLDER/logs"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
+torchrun --nnodes "$NNODE" --nproc_per_node "$NGPU" --node_rank "$NODE_RANK" \
+  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 --log-dir "$DUMP_FOLDER/logs" \
+  -m flame.train "$@"
