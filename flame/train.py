@@ -5,6 +5,7 @@ ranks, forward + backward each micro-batch with the loss summed and divided by t
 gradient norm, step the optimizer and the schedule (or skip a non-finite step), log, checkpoint.
 """
 
+import contextlib
 import os
 import sys
 import time
@@ -113,7 +114,12 @@ class Trainer(Stateful):
             self.accumulation = 1
         self.optimizers = build_optimizers(self.model_parts, job_config.optimizer, self.parallel_dims)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config.lr_scheduler, training.steps)
-        self.amp = dist_utils.maybe_enable_amp(self.parallel_dims, training.mixed_precision_param, self.device.type)
+        # bf16 autocast is slower than float32 on CPUs: CPU runs train in float32 throughout.
+        self.amp = (
+            dist_utils.maybe_enable_amp(self.parallel_dims, training.mixed_precision_param, self.device.type)
+            if self.device.type == "cuda"
+            else contextlib.nullcontext()
+        )
 
         # State saved with every checkpoint (train_state is this object: step, tokens, skipped steps).
         self.step = 0
@@ -217,6 +223,15 @@ class Trainer(Stateful):
                 )
         logger.info("Training completed")
 
+    def create_seed_checkpoint(self) -> None:
+        """Save the initial weights as step 0 (model only): runs with any parallelism that load it start
+        from identical weights, which random init on sharded parameters does not guarantee."""
+        if torch.distributed.get_world_size() != 1:
+            raise FlameError("create the seed checkpoint with one process (NGPU=1); other runs then load it")
+        self.checkpointer.last_save_model_only = True
+        self.checkpointer.save(curr_step=0, last_step=True)
+        logger.info(f"Saved the seed checkpoint in {self.checkpointer.folder}/step-0")
+
     def state_dict(self) -> dict:
         return {"step": self.step, "ntokens_seen": self.ntokens_seen, "skipped_steps": self.skipped_steps}
 
@@ -240,7 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        trainer.train()
+        if job_config.checkpoint.create_seed_checkpoint:
+            trainer.create_seed_checkpoint()
+        else:
+            trainer.train()
+    except FlameError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         trainer.close()
         if torch.distributed.is_initialized():

@@ -123,6 +123,9 @@ class Checkpoint:
     keep_latest_k: int = 2
     """Keep only the latest k checkpoints (0: keep all)"""
 
+    last_save_model_only: bool = False
+    """Save only the model at the last step (no optimizer/data state: the run cannot resume from it)"""
+
 
 @dataclass
 class Metrics:

@@ -13,7 +13,7 @@ from typing import Any
 
 import tyro
 
-from flame.config.job_config import ALIASES
+from flame.config.job_config import ALIASES, REPO_ROOT
 from flame.errors import ConfigError
 
 try:
@@ -22,6 +22,10 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 FLAME_CONFIG_MODULE = "flame.config.job_config"
+# The embedded default job, used when no --job.config_file is given.
+DEFAULT_JOB = REPO_ROOT / "flame" / "assets" / "default_job.toml"
+# TOML keys holding paths that the embedded job gives relative to the repository.
+PATH_KEYS = (("model", "config"), ("model", "tokenizer_path"), ("training", "dataset"))
 
 
 def job_config_class(custom_module: str | None = None) -> type:
@@ -57,8 +61,8 @@ def merge_configs(base: type, custom: type) -> type:
 
 def parse_args(argv: list[str]) -> Any:
     """The merged JobConfig for a command line; raises ConfigError with one line for any mistake."""
-    toml_path = _flag_value(argv, "job.config_file")
-    toml_values = _load_toml(toml_path) if toml_path else {}
+    toml_path = _flag_value(argv, "job.config_file") or str(DEFAULT_JOB)
+    toml_values = _resolve_paths(_load_toml(toml_path), toml_path)
     custom_module = _flag_value(argv, "job.custom_config_module") or toml_values.get("job", {}).get(
         "custom_config_module"
     )
@@ -71,6 +75,16 @@ def parse_args(argv: list[str]) -> Any:
     config = tyro.cli(config_cls, args=argv, default=default, registry=_tyro_registry())
     resolve_aliases(config)
     return config
+
+
+def _resolve_paths(values: dict[str, Any], toml_path: str) -> dict[str, Any]:
+    """The default job names files relative to the repository, so it runs from any directory."""
+    if toml_path != str(DEFAULT_JOB):
+        return values
+    for section, key in PATH_KEYS:
+        if key in values.get(section, {}):
+            values[section][key] = str(REPO_ROOT / values[section][key])
+    return values
 
 
 def valid_options(config_cls: type) -> dict[str, dataclasses.Field]:

@@ -27,10 +27,11 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config)
         compile_blocks(model, job_config.compile.backend)
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        on_gpu = torch.cuda.is_available()  # CPU runs stay in float32 (bf16 is slower there)
         apply_fsdp(
             model,
             parallel_dims.get_mesh(names),
-            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param] if on_gpu else torch.float32,
             reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
             cpu_offload=job_config.training.enable_cpu_offload,
         )

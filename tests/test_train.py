@@ -1,0 +1,88 @@
+"""The default job end to end through train.sh: one process, and two processes with FSDP over gloo."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LOSS = re.compile(r"step\s+(\d+)/\d+\s+loss\s+([0-9.]+)")
+
+
+def tensorboard_scalars(dump: Path, tag: str) -> dict[int, float]:
+    """{step: value} of one scalar, read back with TensorBoard's own event reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = {p.parent for p in (dump / "tb").rglob("events.out.tfevents.*")}
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    return {event.step: event.value for event in accumulator.Scalars(tag)}
+
+
+def run_train_sh(dump: Path, ngpu: int, *args: str) -> dict[int, float]:
+    """Run train.sh; return {step: loss} from the console."""
+    result = subprocess.run(
+        ["bash", str(REPO / "train.sh"), "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NGPU": str(ngpu), "MASTER_PORT": str(29500 + ngpu)},
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {int(step): float(loss) for step, loss in LOSS.findall(result.stdout)}
+
+
+@pytest.fixture(scope="module")
+def periodic_corpus(tmp_path_factory):
+    """Identical documents of exactly seq_len tokens (with BOS/EOS): every packed row is the same sequence, so
+    one process with batch 4 and two processes with batch 2 each see the same global batch."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "flame/assets/tokenizer")
+    text = (
+        "Return a new sorted list from the items in iterable. A custom key function can be supplied to customize "
+        "the sort order, and the reverse flag can be set to request the result in descending order."
+    )
+    seq_len = len(tokenizer.encode(text)) + 2
+    folder = tmp_path_factory.mktemp("periodic")
+    with open(folder / "train.jsonl", "w") as f:
+        for _ in range(64):
+            f.write(json.dumps({"text": text}) + "\n")
+    return folder, seq_len
+
+
+def test_default_job_trains_and_writes_checkpoint_and_tensorboard(tmp_path):
+    dump = tmp_path / "run"
+    losses = run_train_sh(dump, 1, "--training.steps", "12", "--checkpoint.interval", "6")
+    assert sorted(losses) == list(range(1, 13))
+    assert losses[1] > 8.0  # ~ln(4096) at initialisation
+    assert losses[12] < losses[1] - 0.8  # clearly falling
+    assert (dump / "checkpoint" / "step-6").is_dir() and (dump / "checkpoint" / "step-12").is_dir()
+    logged = tensorboard_scalars(dump, "loss/train")
+    assert sorted(logged) == list(range(1, 13))
+    assert logged[12] == pytest.approx(losses[12], abs=1e-4)  # the console shows 4 decimals
+    assert (dump / "logs").is_dir()
+
+
+def test_fsdp_on_two_processes_matches_one_process(tmp_path, periodic_corpus):
+    folder, seq_len = periodic_corpus
+    common = ["--training.dataset", str(folder), "--training.seq_len", str(seq_len), "--training.steps", "3",
+              "--checkpoint.interval", "100", "--training.seed", "7"]  # fmt: skip
+    # Both runs start from the same seed checkpoint (step 0, model only), resharded by DCP on load.
+    run_train_sh(tmp_path / "seed", 1, *common, "--checkpoint.create_seed_checkpoint")
+    for run in ("one", "two"):
+        shutil.copytree(tmp_path / "seed" / "checkpoint", tmp_path / run / "checkpoint")
+    run_train_sh(tmp_path / "one", 1, *common, "--training.batch_size", "4")
+    run_train_sh(tmp_path / "two", 2, *common, "--training.batch_size", "2")
+    single = tensorboard_scalars(tmp_path / "one", "loss/train")
+    sharded = tensorboard_scalars(tmp_path / "two", "loss/train")
+    assert sorted(single) == sorted(sharded) == [1, 2, 3]
+    assert single[3] < single[1] - 0.1  # the steps do train
+    # Same weights, same global batch: only float32 summation order differs between 1 and 2 ranks.
+    for step in (1, 2, 3):
+        assert sharded[step] == pytest.approx(single[step], rel=1e-5), (step, single, sharded)
