@@ -1,0 +1,97 @@
+"""Attention of the softmax / softpick / rectified family behind one signature.
+
+`attention(q, k, v, *, impl, causal, window_size, cu_seqlens, scale)`: causal softmax attention on CUDA goes to
+`cuda_softmax_implementation`: torch SDPA (FlashAttention backend) for plain causal batches, FLA's Triton
+`parallel_attn` (GQA, sliding windows, cu_seqlens) otherwise; everything else runs the materialized `reference_attention` (see reference.py for the exact
+semantics). FLA 0.6.0 has no softpick or rectified kernel, so those run the O(T^2) reference on every device until
+a kernel for them is added here.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from flame.ops.attention.reference import (
+    IMPLS,
+    SOFTPICK_EPS,
+    rectified_softmax_weights,
+    reference_attention,
+    softpick_weights,
+    visibility_mask,
+)
+from flame.ops.attention.scaling import scale_queries_by_position
+
+
+def fla_parallel_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window_size: int | None,
+    cu_seqlens: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """FLA 0.6.0's causal softmax attention kernel, imported on first use (importing fla.ops pulls in Triton)."""
+    from fla.ops.attn import parallel_attn
+
+    return parallel_attn(q, k, v, scale=scale, window_size=window_size, cu_seqlens=cu_seqlens)
+
+
+def cuda_softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window_size: int | None,
+    cu_seqlens: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """SDPA's flash kernel where it applies (the fastest causal softmax on the GPUs here), else FLA's."""
+    if window_size is None and cu_seqlens is None:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2)
+    return fla_parallel_attn(q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale)
+
+
+# What serves CUDA tensors; assign a function with the same signature to use another kernel.
+cuda_softmax_implementation = cuda_softmax_attention
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    impl: str,
+    causal: bool = True,
+    window_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """q [B, T, H, D], k/v [B, T, HKV, D] -> [B, T, H, D]; impl is "softmax", "softpick" or "rectified"."""
+    if q.is_cuda and impl == "softmax" and causal:
+        return cuda_softmax_implementation(
+            q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
+        )
+    return reference_attention(
+        q, k, v, impl=impl, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
+    )
+
+
+__all__ = [
+    "IMPLS",
+    "SOFTPICK_EPS",
+    "attention",
+    "cuda_softmax_attention",
+    "cuda_softmax_implementation",
+    "fla_parallel_attn",
+    "rectified_softmax_weights",
+    "reference_attention",
+    "scale_queries_by_position",
+    "softpick_weights",
+    "visibility_mask",
+]

@@ -1,0 +1,167 @@
+"""Delta rule (DeltaNet's sequence mixer) with the semantics of FLA 0.6.0's `fla.ops.delta_rule`.
+
+The delta rule is the gated delta rule without decay, so the PyTorch side reuses the gated code with g=None
+(`naive_recurrent_gated_delta_rule` is its ground truth, `chunk_gated_delta_rule_torch` its CPU path). Layouts are
+FLA's: q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states key-first [N, H, K, V], float32 (float64 for
+float64 inputs); o in q's dtype.
+
+FLA's DeltaNet layer calls `fused_recurrent_delta_rule` for sequences of at most 64 tokens (training included) and
+`chunk_delta_rule` otherwise; both dispatchers keep FLA's signatures. CUDA tensors go to `cuda_chunk_implementation`
+/ `cuda_fused_recurrent_implementation` (FLA's Triton ops unless replaced), others to the shared PyTorch code.
+Differences that stay FLA's: its chunk kernel refuses float32 inputs, and its fused-recurrent kernel also accepts a
+per-channel beta [B, T, H, V], which the PyTorch path rejects (FLA's DeltaNet layer never passes one).
+"""
+
+import torch
+
+from flame.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_torch
+from flame.ops.norm import l2norm
+from flame.ops.varlen import check_packed_batch
+
+
+def fla_chunk_delta_rule(*args, **kwargs):
+    """FLA 0.6.0's chunked Triton op, imported on first use (importing fla.ops pulls in Triton)."""
+    from fla.ops.delta_rule import chunk_delta_rule as fla_op
+
+    return fla_op(*args, **kwargs)
+
+
+def fla_fused_recurrent_delta_rule(*args, **kwargs):
+    """FLA 0.6.0's fused recurrent Triton op, imported on first use."""
+    from fla.ops.delta_rule import fused_recurrent_delta_rule as fla_op
+
+    return fla_op(*args, **kwargs)
+
+
+# What serves CUDA tensors; assign a function with the same signature to use another kernel.
+cuda_chunk_implementation = fla_chunk_delta_rule
+cuda_fused_recurrent_implementation = fla_fused_recurrent_delta_rule
+
+
+def _delta_rule_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The PyTorch path shared by both dispatchers."""
+    if not q.shape[2] == k.shape[2] == v.shape[2]:
+        raise ValueError(
+            f"q, k and v must have the same number of heads, got {q.shape[2]}, {k.shape[2]}, {v.shape[2]}"
+        )
+    if beta.ndim != 3:
+        raise ValueError(f"beta must be [B, T, H] on the PyTorch path, got shape {tuple(beta.shape)}")
+    check_packed_batch(q.shape[0], cu_seqlens, initial_state)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    return chunk_gated_delta_rule_torch(
+        q,
+        k,
+        v,
+        None,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+    )
+
+
+def chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Delta rule, FLA's chunked op on CUDA. Returns (o [B, T, H, V], final state [N, H, K, V] or None)."""
+    if q.is_cuda:
+        return cuda_chunk_implementation(
+            q=q,
+            k=k,
+            v=v,
+            beta=beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+            chunk_size=chunk_size,
+        )
+    return _delta_rule_torch(
+        q,
+        k,
+        v,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        use_qk_l2norm_in_kernel,
+        cu_seqlens,
+        chunk_size,
+    )
+
+
+def fused_recurrent_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Delta rule, FLA's fused recurrent op on CUDA; beta=None means beta = 1. Same results as `chunk_delta_rule`."""
+    if q.is_cuda:
+        return cuda_fused_recurrent_implementation(
+            q=q,
+            k=k,
+            v=v,
+            beta=beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=cu_seqlens,
+        )
+    if beta is None:
+        beta = torch.ones_like(q[..., 0])
+    return _delta_rule_torch(
+        q,
+        k,
+        v,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        use_qk_l2norm_in_kernel,
+        cu_seqlens,
+        chunk_size=64,
+    )
+
+
+__all__ = [
+    "chunk_delta_rule",
+    "cuda_chunk_implementation",
+    "cuda_fused_recurrent_implementation",
+    "fla_chunk_delta_rule",
+    "fla_fused_recurrent_delta_rule",
+    "fused_recurrent_delta_rule",
+]

@@ -1,0 +1,146 @@
+"""Gated delta rule (Gated DeltaNet's sequence mixer) with the semantics of FLA 0.6.0's `chunk_gated_delta_rule`.
+
+`chunk_gated_delta_rule` takes FLA's arguments in FLA's order and dispatches on the device of q: CUDA tensors go to
+`cuda_implementation` (FLA's Triton kernel unless replaced), anything else to the chunked PyTorch code in
+`chunk.py`, after applying in PyTorch what FLA fuses into its kernel:
+
+- use_qk_l2norm_in_kernel: q, k <- x * rsqrt(sum(x^2) + 1e-6) (flame.ops.norm.l2norm);
+- use_beta_sigmoid_in_kernel: beta <- sigmoid(beta), times 2 if allow_neg_eigval (which requires the former);
+- use_gate_in_kernel: g <- -exp(A_log) * softplus(g + dt_bias) (gate.py); otherwise g is already the log decay;
+- state_v_first: initial and final states are [N, HV, V, K] instead of FLA's default key-first [N, HV, K, V].
+  FLA's GatedDeltaNet layer passes state_v_first=True, so its cached states are value-first.
+
+Final states are float32 (float64 for float64 inputs) and o has q's dtype, as in FLA. Context parallelism
+(`cp_context`) exists only in FLA's kernels; `cu_seqlens_cpu` and `chunk_indices` only save FLA work and are
+ignored on CPU. FLA's deprecated `transpose_state_layout` / `head_first` keywords are not accepted.
+
+To serve CUDA tensors with another kernel (e.g. while FLA issue 640 breaks the gated backward on Hopper), assign a
+function with this signature to `flame.ops.gated_delta_rule.cuda_implementation`.
+"""
+
+import torch
+
+from flame.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_torch
+from flame.ops.gated_delta_rule.gate import gdn_gate
+from flame.ops.gated_delta_rule.hopper_backward import register_backend as register_hopper_backward
+from flame.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+from flame.ops.norm import l2norm
+from flame.ops.varlen import check_packed_batch
+
+# FLA's kernels take these chunk sizes; the CPU path accepts the same so that a setting valid here is valid on GPU.
+CHUNK_SIZES = (16, 32, 64)
+
+
+def fla_chunk_gated_delta_rule(*args, **kwargs):
+    """FLA 0.6.0's Triton op, imported on first use (importing fla.ops pulls in Triton). On Hopper GPUs with
+    Triton 3.4-3.7.0 its gated backward is served by flame's correct one (hopper_backward.py)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+
+    register_hopper_backward()
+    return fla_op(*args, **kwargs)
+
+
+# What serves CUDA tensors; assign a function with the same signature to use another kernel.
+cuda_implementation = fla_chunk_gated_delta_rule
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    cp_context=None,
+    *,
+    chunk_size: int = 64,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule over q, k [B, T, H, K], v [B, T, HV, V], g and beta [B, T, HV].
+
+    Returns (o [B, T, HV, V], final state [N, HV, K, V] (or [N, HV, V, K] with state_v_first) or None).
+    """
+    if q.is_cuda:
+        return cuda_implementation(
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval,
+            state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+            chunk_indices=chunk_indices,
+            cp_context=cp_context,
+            chunk_size=chunk_size,
+            use_gate_in_kernel=use_gate_in_kernel,
+            A_log=A_log,
+            dt_bias=dt_bias,
+        )
+
+    if cp_context is not None:
+        raise NotImplementedError("context parallelism (cp_context) needs FLA's CUDA kernels")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must have the same number of heads, got {q.shape[2]} and {k.shape[2]}")
+    if v.shape[2] % q.shape[2] != 0:
+        raise ValueError(f"value heads ({v.shape[2]}) must be a multiple of query/key heads ({q.shape[2]})")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+    if use_gate_in_kernel and A_log is None:
+        raise ValueError("use_gate_in_kernel=True requires A_log")
+    check_packed_batch(q.shape[0], cu_seqlens, initial_state)
+
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.to(torch.promote_types(beta.dtype, torch.float32)))
+        if allow_neg_eigval:
+            beta = beta * 2
+    if use_gate_in_kernel:
+        g = gdn_gate(g, A_log, dt_bias)
+    if state_v_first and initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2)
+    o, final_state = chunk_gated_delta_rule_torch(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+    )
+    if state_v_first and final_state is not None:
+        final_state = final_state.transpose(-1, -2).contiguous()
+    return o, final_state
+
+
+__all__ = [
+    "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_torch",
+    "cuda_implementation",
+    "fla_chunk_gated_delta_rule",
+    "gdn_gate",
+    "naive_recurrent_gated_delta_rule",
+]

@@ -1,0 +1,92 @@
+"""RMSNorm, gated RMSNorm and the L2 normalisation used inside the delta-rule kernels.
+
+The semantics follow FLA 0.6.0's Triton kernels (`fla.modules.norm`):
+- `rms_norm`: y = x * rsqrt(mean(x^2) + eps) * weight, computed in float32 (float64 stays float64), cast back to
+  x.dtype. This is what `fla.modules.RMSNorm` (bias=False, no residual) computes.
+- `gated_rms_norm`: y = rms_norm(x) * weight * act(gate), again all in float32 with one cast at the end; act is
+  silu ('swish' and 'silu' are aliases) or sigmoid. This is `fla.modules.FusedRMSNormGated`: the gate is applied
+  AFTER the normalisation and the weight (Mamba2's norm_before_gate=True).
+- `l2norm`: x * rsqrt(sum(x^2) + eps) with eps = 1e-6 inside the square root, as FLA's `l2norm_fwd` (used by
+  `use_qk_l2norm_in_kernel`); unlike `F.normalize`, which divides by max(||x||, eps).
+
+On CUDA tensors `rms_norm` and `gated_rms_norm` call FLA's fused Triton kernels (unless their
+`cuda_*_implementation` is replaced); elsewhere the PyTorch code here.
+"""
+
+import torch
+import torch.nn.functional as F
+
+GATE_ACTIVATIONS = ("swish", "silu", "sigmoid")
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 for half-precision and float32 inputs, float64 for float64 ones."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Normalise the last dimension to unit L2 norm the way FLA's in-kernel l2norm does."""
+    x_f = x.to(_compute_dtype(x))
+    return (x_f * torch.rsqrt(x_f.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rms_normalize_in_compute_dtype(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight, left in the compute dtype so that a gate can follow before the cast."""
+    compute_dtype = _compute_dtype(x)
+    x_f = x.to(compute_dtype)
+    y = x_f * torch.rsqrt(x_f.square().mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight.to(compute_dtype)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """PyTorch RMSNorm over the last dimension; weight [D] or None (no affine)."""
+    return _rms_normalize_in_compute_dtype(x, weight, eps).to(x.dtype)
+
+
+def gated_rms_norm_torch(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float, activation: str = "swish"
+) -> torch.Tensor:
+    """PyTorch RMSNorm(x) * weight * act(gate) over the last dimension."""
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {GATE_ACTIVATIONS}, got {activation!r}")
+    y = _rms_normalize_in_compute_dtype(x, weight, eps)
+    gate_f = gate.to(y.dtype)
+    y = y * (torch.sigmoid(gate_f) if activation == "sigmoid" else F.silu(gate_f))
+    return y.to(x.dtype)
+
+
+def fla_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """FLA 0.6.0's Triton RMSNorm, imported on first use (importing fla pulls in Triton)."""
+    from fla.modules.norm.layernorm import rms_norm as fla_op
+
+    return fla_op(x, weight, None, eps=eps)
+
+
+def fla_gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float, activation: str
+) -> torch.Tensor:
+    """FLA 0.6.0's fused Triton gated RMSNorm, imported on first use."""
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated as fla_op
+
+    return fla_op(x, gate, weight, None, activation=activation, eps=eps)
+
+
+# What serves CUDA tensors; assign a function with the same signature to use another kernel.
+cuda_rms_norm_implementation = fla_rms_norm
+cuda_gated_rms_norm_implementation = fla_gated_rms_norm
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension: `cuda_rms_norm_implementation` on CUDA, `rms_norm_torch` elsewhere."""
+    if x.is_cuda:
+        return cuda_rms_norm_implementation(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float, activation: str = "swish"
+) -> torch.Tensor:
+    """RMSNorm(x) * weight * act(gate): `cuda_gated_rms_norm_implementation` on CUDA, PyTorch elsewhere."""
+    if x.is_cuda:
+        return cuda_gated_rms_norm_implementation(x, gate, weight, eps, activation)
+    return gated_rms_norm_torch(x, gate, weight, eps, activation)

@@ -1,0 +1,157 @@
+"""The dispatchers' CUDA branches, driven without a GPU: a CPU tensor that claims is_cuda=True walks each branch down
+to FLA's public function, which is replaced by a recorder that binds the call to the real function's signature.
+This checks that CUDA tensors reach FLA, with argument names FLA 0.6.0 accepts (and, for the ones FLA reads from
+**kwargs, names its source reads). That CPU tensors never reach FLA is checked by every other test: FLA's kernels
+raise on CPU tensors ("0 active drivers")."""
+
+import inspect
+
+import fla.modules.causal_conv1d
+import fla.modules.norm.fused_norm_gate
+import fla.modules.norm.layernorm
+import fla.ops.attn
+import fla.ops.delta_rule
+import fla.ops.gated_delta_rule
+import pytest
+import torch
+
+from flame.ops import (
+    attention,
+    chunk_delta_rule,
+    chunk_gated_delta_rule,
+    fused_recurrent_delta_rule,
+    gated_rms_norm,
+    rms_norm,
+    short_conv,
+)
+
+
+class PretendCuda(torch.Tensor):
+    """A CPU tensor that answers is_cuda=True."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def tensor(*shape):
+    return torch.randn(*shape).as_subclass(PretendCuda)
+
+
+SENTINEL = object()
+cu_seqlens = torch.tensor([0, 5, 8], dtype=torch.int32)
+
+# (FLA module, name of its public function, what the function returns, the flame call, arguments FLA must receive)
+CASES = {
+    "chunk_gated_delta_rule": (
+        fla.ops.gated_delta_rule,
+        "chunk_gated_delta_rule",
+        SENTINEL,
+        lambda: chunk_gated_delta_rule(
+            tensor(1, 8, 2, 4),
+            tensor(1, 8, 2, 4),
+            tensor(1, 8, 4, 4),
+            tensor(1, 8, 4),
+            tensor(1, 8, 4),
+            use_qk_l2norm_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            state_v_first=True,
+            cu_seqlens=cu_seqlens,
+            use_gate_in_kernel=True,
+            A_log=torch.zeros(4),
+            dt_bias=torch.zeros(4),
+            chunk_size=32,
+        ),
+        {"state_v_first": True, "use_gate_in_kernel": True, "chunk_size": 32, "cu_seqlens": cu_seqlens},
+    ),
+    "chunk_delta_rule": (
+        fla.ops.delta_rule,
+        "chunk_delta_rule",
+        SENTINEL,
+        lambda: chunk_delta_rule(
+            tensor(1, 8, 2, 4), tensor(1, 8, 2, 4), tensor(1, 8, 2, 4), tensor(1, 8, 2), chunk_size=16
+        ),
+        {"chunk_size": 16},
+    ),
+    "fused_recurrent_delta_rule": (
+        fla.ops.delta_rule,
+        "fused_recurrent_delta_rule",
+        SENTINEL,
+        lambda: fused_recurrent_delta_rule(
+            tensor(1, 8, 2, 4), tensor(1, 8, 2, 4), tensor(1, 8, 2, 4), use_qk_l2norm_in_kernel=True
+        ),
+        {"use_qk_l2norm_in_kernel": True},
+    ),
+    "short_conv": (
+        fla.modules.causal_conv1d,
+        "causal_conv1d",
+        (SENTINEL, None),
+        lambda: short_conv(tensor(1, 8, 6), torch.randn(6, 1, 4), activation="silu", cu_seqlens=cu_seqlens),
+        {"activation": "silu", "cu_seqlens": cu_seqlens},
+    ),
+    "rms_norm": (
+        fla.modules.norm.layernorm,
+        "rms_norm",
+        SENTINEL,
+        lambda: rms_norm(tensor(3, 6), torch.ones(6), eps=1e-6),
+        {"eps": 1e-6},
+    ),
+    "gated_rms_norm": (
+        fla.modules.norm.fused_norm_gate,
+        "rms_norm_gated",
+        SENTINEL,
+        lambda: gated_rms_norm(tensor(3, 6), tensor(3, 6), torch.ones(6), eps=1e-6, activation="sigmoid"),
+        {"eps": 1e-6, "activation": "sigmoid"},
+    ),
+    "attention": (
+        fla.ops.attn,
+        "parallel_attn",
+        SENTINEL,
+        lambda: attention(
+            tensor(1, 8, 4, 4),
+            tensor(1, 8, 2, 4),
+            tensor(1, 8, 2, 4),
+            impl="softmax",
+            window_size=3,
+            scale=0.5,
+        ),
+        {"window_size": 3, "scale": 0.5},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_tensors_reach_fla_with_arguments_it_accepts(case, monkeypatch):
+    module, name, returns, call, expected_arguments = CASES[case]
+    fla_function = getattr(module, name)
+    signature = inspect.signature(fla_function)
+    calls = []
+
+    def recorder(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        calls.append(bound.arguments)
+        return returns
+
+    monkeypatch.setattr(module, name, recorder)
+    result = call()
+    assert result is SENTINEL
+    (arguments,) = calls
+    extra_keywords = arguments.pop("kwargs", {})
+    source = inspect.getsource(fla_function)
+    for keyword in extra_keywords:
+        assert f"'{keyword}'" in source, f"FLA's {name} never reads **kwargs[{keyword!r}]"
+    arguments.update(extra_keywords)
+    for key, value in expected_arguments.items():
+        assert arguments[key] is value or arguments[key] == value, key
+
+
+@pytest.mark.parametrize("impl", ["softpick", "rectified"])
+def test_softpick_family_has_no_cuda_kernel_yet(impl, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("softpick/rectified must not be sent to FLA's softmax kernel")
+
+    monkeypatch.setattr(fla.ops.attn, "parallel_attn", fail)
+    q, k, v = (torch.randn(1, 8, 2, 4) for _ in range(3))
+    expected = attention(q, k, v, impl=impl)
+    actual = attention(*(x.as_subclass(PretendCuda) for x in (q, k, v)), impl=impl)
+    torch.testing.assert_close(actual.as_subclass(torch.Tensor), expected, rtol=0, atol=0)
