@@ -1,0 +1,190 @@
+"""flame's dataloader: sources -> per-shard document streams -> mixture -> packed rows -> batches.
+
+``build_dataloader`` opens and checks every dataset in the calling process, so that configuration mistakes
+fail at once (:class:`DataConfigError`). Reading, tokenizing and packing happen in the dataloader workers
+(``training.dataloader.num_workers``), or on the training thread when there are none.
+
+The loader is torchtitan's ``ParallelAwareDataloader`` (a torchdata ``StatefulDataLoader``): its
+``state_dict()`` holds, under ``dp_rank_<r>``, the state of every worker's pipeline as of the last batch the
+trainer received (prefetched batches do not count), so a run resumed from a checkpoint gets exactly the
+batches the uninterrupted run would have got. Resuming needs the same data flags, data-parallel degree and
+number of workers.
+"""
+
+import logging
+import os
+from dataclasses import asdict
+
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset, get_worker_info
+from torchtitan.components.dataloader import ParallelAwareDataloader
+
+from flame.data.config import TRAIN, DataConfigError, DataSpec, data_spec
+from flame.data.documents import IndexedDocuments, StreamedDocuments
+from flame.data.mixing import DocumentMixer
+from flame.data.packing import FixedWindowPacker, VarlenPacker, collate
+from flame.data.shards import TokenShards
+from flame.data.sources import Source, StreamedTextSource, open_source
+from flame.data.tokenize import DocumentEncoder, Encoded
+
+logger = logging.getLogger(__name__)
+
+
+class PackedTextDataset(IterableDataset, Stateful):
+    """The rows of one data-parallel rank; each dataloader worker builds its own pipeline for its data shard."""
+
+    def __init__(self, spec: DataSpec, sources: list[Source], tokenizer, dp_rank: int, dp_world_size: int):
+        self.spec = spec
+        self.sources = sources
+        self.encoder = DocumentEncoder(tokenizer)
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self._pipeline: _Pipeline | None = None
+        self._resume_state: dict | None = None
+
+    def __iter__(self):
+        # Every iterator starts from the loaded state if there is one, else from the beginning.
+        pipeline = _Pipeline(self, *self._shard())
+        if self._resume_state is not None:
+            pipeline.load_state_dict(self._resume_state)
+            self._resume_state = None
+        self._pipeline = pipeline
+        # A plain generator: an iterator with state_dict() would have its state saved a second time by torchdata.
+        return (row for row in pipeline.packer)
+
+    def _shard(self) -> tuple[int, int]:
+        worker = get_worker_info()
+        worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
+        return self.dp_rank * num_workers + worker_id, self.dp_world_size * num_workers
+
+    def state_dict(self) -> dict:
+        if self._pipeline is not None:
+            return self._pipeline.state_dict()
+        return self._resume_state or {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume_state = state or None
+        self._pipeline = None
+
+
+class _Pipeline:
+    """One data shard's iterator of rows, and its state."""
+
+    def __init__(self, dataset: PackedTextDataset, shard: int, num_shards: int):
+        spec = dataset.spec
+        self.shard, self.num_shards = shard, num_shards
+        self.stats: dict[str, int] = {}
+        streams = [
+            self._documents(source, index, dataset.encoder, spec)
+            for index, source in enumerate(dataset.sources)
+        ]
+        mixer = DocumentMixer(streams, spec.probs, spec.seed, shard)
+        self.packer = (
+            VarlenPacker(mixer, spec.seq_len, spec.context_len, self.stats)
+            if spec.varlen
+            else FixedWindowPacker(mixer, spec.seq_len)
+        )
+        self.mixer = mixer
+
+    def _documents(self, source: Source, index: int, encoder: DocumentEncoder, spec: DataSpec):
+        common = dict(source_index=index, shard=self.shard, num_shards=self.num_shards, seed=spec.seed)
+        if isinstance(source, StreamedTextSource):
+            return StreamedDocuments(
+                source,
+                encoder,
+                **common,
+                shuffle_buffer=spec.shuffle_buffer if spec.shuffle else 0,
+                infinite=spec.infinite,
+                stats=self.stats,
+            )
+        encode = _already_tokenized if isinstance(source, TokenShards) else encoder
+        return IndexedDocuments(
+            source, encode, **common, shuffle=spec.shuffle, infinite=spec.infinite, stats=self.stats
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "shard": self.shard,
+            "num_shards": self.num_shards,
+            "stats": dict(self.stats),
+            "documents": self.mixer.state_dict(),
+            "packer": self.packer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["shard"], state["num_shards"]) != (self.shard, self.num_shards):
+            raise DataConfigError(
+                f"the checkpoint's dataloader state is for data shard {state['shard']} of {state['num_shards']}, "
+                f"this worker reads shard {self.shard} of {self.num_shards}: resume with the same data-parallel "
+                "degree and training.dataloader.num_workers"
+            )
+        self.stats.clear()
+        self.stats.update(state["stats"])
+        self.mixer.load_state_dict(state["documents"])
+        self.packer.load_state_dict(state["packer"])
+
+
+def _already_tokenized(documents: list) -> list[Encoded]:
+    return [Encoded(document, None) for document in documents]
+
+
+class FlameDataLoader(ParallelAwareDataloader):
+    """torchtitan's data-parallel-aware StatefulDataLoader over a :class:`PackedTextDataset`."""
+
+    def data_stats(self) -> dict[str, int]:
+        """Counts of skipped or repaired documents (and documents split in varlen mode) summed over this rank's
+        workers, as of the last batch received."""
+        totals: dict[str, int] = {}
+        for pipeline_state in _pipeline_states(super(ParallelAwareDataloader, self).state_dict()):
+            for key, value in pipeline_state["stats"].items():
+                totals[key] = totals.get(key, 0) + value
+        return totals
+
+
+def _pipeline_states(state):
+    """The pipeline states inside a StatefulDataLoader state, wherever torchdata nests them."""
+    if isinstance(state, dict):
+        if "packer" in state and "stats" in state:
+            yield state
+        else:
+            for value in state.values():
+                yield from _pipeline_states(value)
+
+
+def build_dataloader(
+    job_config, tokenizer, dp_rank: int = 0, dp_world_size: int = 1, split: str = TRAIN
+) -> FlameDataLoader:
+    """The dataloader of one data-parallel rank.
+
+    Yields ``({"input": LongTensor[B, L]}, labels LongTensor[B, L])`` with -100 for no target; in varlen mode
+    the dict also holds ``cu_seqlens`` (int32 [documents + 1]) and ``position_ids`` (LongTensor[1, L]).
+
+    ``split="train"`` reads ``training.dataset_split``, shuffled and looped forever; another split name (e.g.
+    ``"validation"``) reads that split of every dataset once, in order, and then stops.
+    """
+    spec = data_spec(job_config, split)
+    sources = [open_source(source_spec, tokenizer) for source_spec in spec.sources]
+    options = job_config.training.dataloader
+    num_shards = dp_world_size * max(options.num_workers, 1)
+    for source in sources:
+        if not isinstance(source, StreamedTextSource) and len(source) < num_shards:
+            raise DataConfigError(
+                f"{source.description} has {len(source)} documents, fewer than its {num_shards} data shards "
+                f"({dp_world_size} data-parallel ranks x {max(options.num_workers, 1)} dataloader workers)"
+            )
+    if options.num_workers > 0:
+        # The tokenizer's own threads cannot be used after the workers fork; say so once instead of per worker.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    dataset = PackedTextDataset(spec, sources, tokenizer, dp_rank, dp_world_size)
+    logger.info(
+        f"data: {' + '.join(s.description for s in sources)}; rank {dp_rank}/{dp_world_size}, "
+        f"{options.num_workers} workers, batch {spec.batch_size} x {spec.seq_len}{' varlen' if spec.varlen else ''}"
+    )
+    return FlameDataLoader(
+        dataset,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        batch_size=spec.batch_size,
+        collate_fn=collate,
+        **asdict(options),
+    )
