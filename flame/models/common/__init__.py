@@ -1,1 +1,2 @@
-"""Pieces every model family shares: the config-JSON args base and the decoder skeleton."""
+"""Pieces model families share: the config-JSON args base, the decoder skeleton, hybrid attention specs (``attn``)
+and the weight-decay rule."""

@@ -18,6 +18,9 @@ IGNORED_KEYS = {
     "fuse_norm", "fuse_swiglu", "fuse_cross_entropy", "fuse_linear_cross_entropy", "use_l2warp", "hidden_act",
     "elementwise_affine", "keys_to_ignore_at_inference", "output_attentions", "output_hidden_states",
     "return_dict", "auto_map", "attnres_block_size", "norm_first",
+    # FLA config keys that leave the architecture alone: "attn_mode" (a kernel choice; flame trains the chunked
+    # form), DeltaNet's "use_output_norm" (FLA's layer never reads it), the legacy "attention_bias" of flame's configs.
+    "attn_mode", "use_output_norm", "attention_bias",
 }  # fmt: skip
 
 
@@ -65,6 +68,13 @@ class ModelArgs:
         # The embedding lookup costs no FLOPs; a tied matrix still does the lm head's matmul.
         dense = nparams if self.tie_word_embeddings else nparams - model.embeddings.weight.numel()
         return nparams, 6 * dense + self.layer_flops_per_token(seq_len)
+
+
+def require_positive_int(args: ModelArgs, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
 def require_divisible(numerator: int, denominator: int, what: str) -> None:

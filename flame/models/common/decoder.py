@@ -58,7 +58,9 @@ class DecoderLM(nn.Module):
         """Logits [B, T, vocab]. ``cu_seqlens`` (with batch 1) marks packed documents; ``position_ids`` then
         restart per document. Stages of a pipeline may lack embeddings or lm_head (set to None)."""
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(
+                input_ids.shape[0], -1
+            )
         h = self.embeddings(input_ids) if self.embeddings is not None else input_ids
         for block in self.layers.values():
             h = block(h, position_ids, cu_seqlens)

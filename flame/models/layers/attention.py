@@ -83,5 +83,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.scaled:
             q = scale_queries_by_position(q, self.q_scale, position_ids)
-        o = attention(q, k, v, impl=self.score_fn, causal=True, window_size=self.window_size, cu_seqlens=cu_seqlens)
+        o = attention(
+            q, k, v, impl=self.score_fn, causal=True, window_size=self.window_size, cu_seqlens=cu_seqlens
+        )
         return self.o_proj(o.reshape(batch, seq_len, -1))

@@ -5,7 +5,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def swiglu_intermediate_size(hidden_size: int, hidden_ratio: float | None, intermediate_size: int | None) -> int:
+def swiglu_intermediate_size(
+    hidden_size: int, hidden_ratio: float | None, intermediate_size: int | None
+) -> int:
     """FLA's rule: 2/3 * hidden * ratio, rounded up to a multiple of 256, unless given explicitly."""
     if intermediate_size is not None:
         return intermediate_size

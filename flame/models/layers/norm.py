@@ -1,9 +1,9 @@
-"""RMSNorm as FLA computes it (float32 statistics, output in the input dtype)."""
+"""RMSNorm and gated RMSNorm as FLA computes them (float32 statistics, output in the input dtype)."""
 
 import torch
 from torch import nn
 
-from flame.ops.norm import rms_norm
+from flame.ops.norm import gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -14,6 +14,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * weight * act(gate) over the last dimension: FLA's ``FusedRMSNormGated`` (gate after the norm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, activation: str = "swish"):
+        super().__init__()
+        self.eps = eps
+        self.activation = activation
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, gate, self.weight, self.eps, self.activation)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

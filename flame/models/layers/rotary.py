@@ -6,7 +6,9 @@ Positions come from ``position_ids`` so that packed documents (varlen) restart a
 import torch
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [B, T, 1, head_dim] in float32 for positions [B, T]."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)

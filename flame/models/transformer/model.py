@@ -1,4 +1,4 @@
-"""The transformer: every block mixes with attention."""
+"""The transformer: every block mixes with attention (per-layer windows and widths from the args)."""
 
 from torch import nn
 
@@ -12,15 +12,17 @@ class Transformer(DecoderLM):
 
     def build_block(self, layer_id: int) -> nn.Module:
         args = self.args
+        dims = args.layer_dims(layer_id)
         attention = Attention(
             hidden_size=args.hidden_size,
-            num_heads=args.num_heads,
-            num_kv_heads=args.num_kv_heads,
+            num_heads=dims.num_heads,
+            num_kv_heads=dims.num_kv_heads,
+            head_dim=dims.head_dim,
             qkv_bias=args.qkv_bias,
             qk_norm=args.qk_norm,
-            window_size=args.window_size,
+            window_size=args.layer_window(layer_id),
             rope_theta=args.rope_theta,
             attn_impl=args.attn_impl,
             norm_eps=args.norm_eps,
         )
-        return Block(args, attention)
+        return Block(args, attention, intermediate_size=dims.intermediate_size)

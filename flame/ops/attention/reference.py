@@ -114,6 +114,17 @@ def reference_attention(
         scale = head_dim**-0.5
     visible = visibility_mask(seq_len, causal, window_size, cu_seqlens, q.device)
 
+    # Scores and weights in float32 even under autocast (which would run the matmuls in bf16): softpick's
+    # relu(e^s - 1) and |e^s - 1| flip at s = 0, where bf16 rounding of s changes the result, and a fused
+    # kernel accumulates in float32 as well.
+    with torch.autocast(q.device.type, enabled=False):
+        out = _materialized_attention(q, k, v, impl, causal, window_size, cu_seqlens, scale, visible)
+    return out.transpose(1, 2).to(q.dtype)
+
+
+def _materialized_attention(q, k, v, impl, causal, window_size, cu_seqlens, scale, visible) -> torch.Tensor:
+    """[B, H, T, Dv] in float32 (float64 for float64 inputs)."""
+    num_heads, num_kv_heads = q.shape[2], k.shape[2]
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     group = num_heads // num_kv_heads
     # [B, H, T, D], key/value heads repeated for the query heads they serve.
@@ -134,4 +145,4 @@ def reference_attention(
             else rectified_softmax_weights(scores, visible)
         )
         out = weights @ v_h
-    return out.transpose(1, 2).to(q.dtype)
+    return out

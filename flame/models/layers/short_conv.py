@@ -1,0 +1,26 @@
+"""Causal depthwise short convolution over time, the q/k/v "short conv" of DeltaNet and Gated DeltaNet.
+
+An ``nn.Conv1d`` subclass, as FLA's ``ShortConvolution`` is: the weight is [D, 1, W] under the name ``weight``, so
+state dicts map 1:1, and the generic initialisation (normal for ``nn.Conv1d``) covers it. The forward takes
+[B, T, D] and runs ``flame.ops.short_conv.short_conv`` (FLA's Triton kernel on CUDA, PyTorch elsewhere), which keeps
+packed documents (``cu_seqlens``) from seeing each other.
+"""
+
+import torch
+from torch import nn
+
+from flame.ops.short_conv import short_conv
+
+
+class ShortConvolution(nn.Conv1d):
+    def __init__(self, hidden_size: int, kernel_size: int, activation: str | None = "silu"):
+        super().__init__(
+            hidden_size, hidden_size, kernel_size, groups=hidden_size, padding=kernel_size - 1, bias=False
+        )
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        return short_conv(x, self.weight, self.bias, activation=self.activation, cu_seqlens=cu_seqlens)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation}"

@@ -1,0 +1,59 @@
+"""The gated_deltanet family: a tiny model's forward and backward in float32, FLA's initialisation, and config
+values that must raise ModelConfigError naming the field."""
+
+import pytest
+import torch
+
+from flame.errors import ModelConfigError
+from tests.models.helpers import tiny_args, tiny_model
+
+GDN = {"head_dim": 8, "num_heads": 2}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"num_v_heads": 4, "use_gate": False, "allow_neg_eigval": True},
+        {"attn": {"layers": [1], "num_heads": 4}},
+    ],
+    ids=["gated_deltanet", "grouped_ungated_neg_eigval", "hybrid"],
+)
+def test_forward_shape_and_backward(overrides):
+    model = tiny_model("gated_deltanet", **GDN, **overrides)
+    logits = model(torch.randint(0, 64, (2, 70)))
+    assert logits.shape == (2, 70, 64) and logits.dtype == torch.float32
+    logits.logsumexp(-1).mean().backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []
+
+
+def test_init_weights_is_flas():
+    # Wide enough (1024 conv taps, 16k weights elsewhere) for 3-sigma bounds on the sample statistics.
+    model = tiny_model("gated_deltanet", hidden_size=256, head_dim=64, num_heads=4, initializer_range=0.02)
+    mixer = model.layers["0"].attn
+    for weight in (mixer.q_proj.weight, mixer.q_conv1d.weight, mixer.o_proj.weight, model.embeddings.weight):
+        assert abs(weight.std().item() - 0.02) < 0.002 and abs(weight.mean().item()) < 0.002
+    assert torch.equal(mixer.o_norm.weight, torch.ones_like(mixer.o_norm.weight))
+    A = mixer.A_log.exp()
+    assert (A > 0).all() and (A <= 16).all()
+    dt = torch.nn.functional.softplus(mixer.dt_bias)
+    assert (dt >= 1e-3 * (1 - 1e-5)).all() and (dt <= 0.1 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"num_v_heads": 3}, "num_v_heads"),
+        ({"num_v_heads": 1, "num_heads": 2}, "num_v_heads"),  # FLA lets this through to its kernels
+        ({"expand_v": 0.3}, "expand_v"),  # head_dim 8 * 0.3 is not an integer
+        ({"head_dim": 0}, "head_dim"),
+        ({"conv_size": 0}, "conv_size"),
+        ({"output_gate_activation": "relu"}, "output_gate_activation"),
+        ({"attn": {"layers": [2], "num_heads": 4}}, "attn.layers"),
+        ({"attn": {"layers": [0], "num_heads": 4, "attn_impl": "nope"}}, "attn.attn_impl"),
+    ],
+)
+def test_bad_values_name_the_field(overrides, field):
+    with pytest.raises(ModelConfigError, match=field):
+        tiny_args("gated_deltanet", **{**GDN, **overrides})
