@@ -28,7 +28,9 @@ def tokenizer_vocab_size(path: str) -> int | None:
             return None
         if path.count("/") == 1 and not path.startswith((".", "/")):
             return None  # looks like a hub name
-        raise FlameError(f"tokenizer path {path} does not exist; pass --model.tokenizer_path <dir or hub name>")
+        raise FlameError(
+            f"tokenizer path {path} does not exist; pass --model.tokenizer_path <dir or hub name>"
+        )
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)

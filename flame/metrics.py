@@ -24,13 +24,17 @@ class MetricsLogger:
         self.total_steps = job_config.training.steps
         self.device = device
         self.flops_per_token = flops_per_token
-        self.peak_flops = get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        self.peak_flops = (
+            get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        )
         self.writer = None
         if job_config.metrics.enable_tensorboard and (rank == 0 or job_config.metrics.save_for_all_ranks):
             from torch.utils.tensorboard import SummaryWriter
 
             folder = os.path.join(
-                job_config.job.dump_folder, job_config.metrics.save_tb_folder, datetime.now().strftime("%Y%m%d-%H%M")
+                job_config.job.dump_folder,
+                job_config.metrics.save_tb_folder,
+                datetime.now().strftime("%Y%m%d-%H%M"),
             )
             if job_config.metrics.save_for_all_ranks:
                 folder = os.path.join(folder, f"rank_{rank}")
@@ -55,8 +59,12 @@ class MetricsLogger:
         metrics["throughput/tokens_per_second_per_device"] = tokens_per_second
         metrics["throughput/data_loading_share"] = self.window_data_time / elapsed
         if self.peak_flops:
-            metrics["throughput/mfu_percent"] = 100 * self.flops_per_token * tokens_per_second / self.peak_flops
-        metrics["memory/peak_allocated_gib"], metrics["memory/peak_reserved_gib"] = device_memory_gib(self.device)
+            metrics["throughput/mfu_percent"] = (
+                100 * self.flops_per_token * tokens_per_second / self.peak_flops
+            )
+        metrics["memory/peak_allocated_gib"], metrics["memory/peak_reserved_gib"] = device_memory_gib(
+            self.device
+        )
         steps_done = step - self.window_step
         eta = timedelta(seconds=int(elapsed / max(steps_done, 1) * (self.total_steps - step)))
 

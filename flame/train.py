@@ -77,7 +77,9 @@ class Trainer(Stateful):
             self.dp_degree, self.dp_rank = batch_mesh.size(), batch_mesh.get_local_rank()
         else:
             self.dp_degree, self.dp_rank = 1, 0
-        dist_utils.set_determinism(self.parallel_dims, self.device, job_config.debug, distinct_seed_mesh_dims=["pp"])
+        dist_utils.set_determinism(
+            self.parallel_dims, self.device, job_config.debug, distinct_seed_mesh_dims=["pp"]
+        )
         self.gc_handler = tt_utils.GarbageCollection(gc_freq=training.gc_freq, debug=training.gc_debug)
 
         # Tokenizer, model config and data.
@@ -86,13 +88,17 @@ class Trainer(Stateful):
         if unknown_keys:
             logger.warning(f"Model config keys flame does not use: {', '.join(unknown_keys)}")
         fit_vocab_to_tokenizer(self.model_args, self.tokenizer, job_config.model.resize_vocab)
-        self.dataloader = build_dataloader(job_config, self.tokenizer, dp_rank=self.dp_rank, dp_world_size=self.dp_degree)
+        self.dataloader = build_dataloader(
+            job_config, self.tokenizer, dp_rank=self.dp_rank, dp_world_size=self.dp_degree
+        )
 
         # Model: built on the meta device, parallelized, then materialized and initialized.
         with torch.device("meta"):
             model = build_model(self.model_args)
         nparams, flops_per_token = self.model_args.get_nparams_and_flops(model, training.seq_len)
-        logger.info(f"Model {self.model_args.model_type}: {nparams:,} parameters, {flops_per_token:,} FLOPs/token")
+        logger.info(
+            f"Model {self.model_args.model_type}: {nparams:,} parameters, {flops_per_token:,} FLOPs/token"
+        )
         model = parallelize_model(model, self.parallel_dims, job_config)
         model.to_empty(device="cpu" if training.enable_cpu_offload else self.device)
         model.init_weights()
@@ -147,7 +153,9 @@ class Trainer(Stateful):
         self.metrics.window_data_time += time.perf_counter() - start
         return batches
 
-    def forward_backward(self, input_dict: dict, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
+    def forward_backward(
+        self, input_dict: dict, labels: torch.Tensor, global_tokens: torch.Tensor
+    ) -> torch.Tensor:
         model = self.model_parts[0]
         inputs = {k: v.to(self.device) for k, v in input_dict.items()}
         labels = labels.to(self.device)
@@ -182,7 +190,9 @@ class Trainer(Stateful):
         self.metrics.window_tokens += step_tokens
 
         grad_norm = dist_utils.clip_grad_norm_(
-            [p for m in self.model_parts for p in m.parameters()], self.job_config.training.max_norm, foreach=True
+            [p for m in self.model_parts for p in m.parameters()],
+            self.job_config.training.max_norm,
+            foreach=True,
         )
         if self.job_config.training.skip_nan_inf and not torch.isfinite(grad_norm):
             self.skipped_steps += 1

@@ -4,7 +4,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -54,7 +53,9 @@ def test_unknown_toml_key_fails_fast(tmp_path):
 def test_bad_paths_are_one_line(args, message):
     result = train_sh(*args)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [f"error: {message}" + result.stderr.strip().split(message, 1)[1]]
+    assert result.stderr.strip().splitlines() == [
+        f"error: {message}" + result.stderr.strip().split(message, 1)[1]
+    ]
 
 
 def test_malformed_and_unknown_model_configs(tmp_path):
@@ -98,7 +99,12 @@ def test_ngpu_above_visible_gpus_is_refused(monkeypatch):
 def test_help_lists_every_option_with_flame_docs():
     result = train_sh("--help")
     assert result.returncode == 0
-    for text in ("--job.dry-run", "Build the model on the meta device", "--training.data-probs", "--model.config"):
+    for text in (
+        "--job.dry-run",
+        "Build the model on the meta device",
+        "--training.data-probs",
+        "--model.config",
+    ):
         assert text in result.stdout
 
 
@@ -117,8 +123,8 @@ def test_dry_run_prints_config_params_and_flops_without_touching_dump(tmp_path):
 
 def fla_transformer_param_count(config_path: Path) -> int:
     """FLA's TransformerForCausalLM on the meta device (its Attention only checks that flash_attn imported)."""
-    import torch
     import fla.layers.attn
+    import torch
     from fla.models import TransformerConfig, TransformerForCausalLM
 
     fla.layers.attn.flash_attn_func = lambda *a, **k: None
@@ -129,7 +135,13 @@ def fla_transformer_param_count(config_path: Path) -> int:
 
 def test_dry_run_of_transformer_340m_matches_fla():
     config = REPO / "configs/transformer_340M.json"
-    result = train_sh("--job.dry_run", "--model.config", str(config), "--model.tokenizer_path", str(REPO / "flame/assets/tokenizer"))
+    result = train_sh(
+        "--job.dry_run",
+        "--model.config",
+        str(config),
+        "--model.tokenizer_path",
+        str(REPO / "flame/assets/tokenizer"),
+    )
     assert result.returncode == 0, result.stderr
     params = int(re.search(r"^params: (\d+)$", result.stdout, re.M).group(1))
     assert params == fla_transformer_param_count(config)

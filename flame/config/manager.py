@@ -37,7 +37,9 @@ def job_config_class(custom_module: str | None = None) -> type:
         try:
             user = importlib.import_module(custom_module).JobConfig
         except (ImportError, AttributeError) as e:
-            raise ConfigError(f"job.custom_config_module '{custom_module}' has no importable JobConfig ({e})") from e
+            raise ConfigError(
+                f"job.custom_config_module '{custom_module}' has no importable JobConfig ({e})"
+            ) from e
         merged = merge_configs(merged, user)
     return merged
 
@@ -211,7 +213,9 @@ def _check_value(flag: str, value: str, annotation: Any) -> None:
                 kind(value)
             except ValueError:
                 if not (kind is int and float in types):
-                    raise ConfigError(f"--{flag} takes {'an integer' if kind is int else 'a number'}, got '{value}'") from None
+                    raise ConfigError(
+                        f"--{flag} takes {'an integer' if kind is int else 'a number'}, got '{value}'"
+                    ) from None
             return
 
 

@@ -15,7 +15,9 @@ from flame.errors import ConfigError
 
 def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
     if parallel_dims.tp_enabled or parallel_dims.pp_enabled or parallel_dims.cp_enabled:
-        raise ConfigError("tensor, pipeline and context parallelism are not available yet; use data parallelism")
+        raise ConfigError(
+            "tensor, pipeline and context parallelism are not available yet; use data parallelism"
+        )
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(
             model,
@@ -31,7 +33,9 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config)
         apply_fsdp(
             model,
             parallel_dims.get_mesh(names),
-            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param] if on_gpu else torch.float32,
+            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+            if on_gpu
+            else torch.float32,
             reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
             cpu_offload=job_config.training.enable_cpu_offload,
         )
@@ -61,7 +65,10 @@ def apply_fsdp(
 ) -> None:
     """Shard per block (one all-gather per block, never per parameter: seed 004's 16x slowdown), then the
     embeddings, the final norm + lm head, and the root for whatever is left."""
-    config = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    config = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+    }
     if cpu_offload:
         config["offload_policy"] = CPUOffloadPolicy()
     tied = model.lm_head.weight is model.embeddings.weight

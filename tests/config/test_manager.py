@@ -48,15 +48,56 @@ def test_flame_aliases_set_torchtitan_fields():
 
 def test_flame_user_flags_from_the_seed_commands_parse():
     # The softpick paper's command line (seed 003), minus hub-only options.
-    argv = (
-        "--optimizer.name AdamW --optimizer.eps 1e-15 --optimizer.lr 3e-4 --lr_scheduler.warmup_steps 1000 "
-        "--lr_scheduler.lr_min 0.1 --lr_scheduler.decay_type cosine --training.batch_size 16 --training.seq_len 4096 "
-        "--training.context_len 4096 --training.gradient_accumulation_steps 1 --training.steps 100000 "
-        "--training.max_norm 1.0 --training.skip_nan_inf --training.dataset_split train --training.num_workers 32 "
-        "--training.prefetch_factor 2 --training.seed 79 --training.compile --checkpoint.interval 10000 "
-        "--checkpoint.load_step -1 --metrics.log_freq 5 --comm.init_timeout_seconds 600 --training.varlen "
-        "--training.streaming --training.dataset_name sample-100BT --checkpoint.keep_latest_k 2"
-    ).split()
+    argv = [
+        "--optimizer.name",
+        "AdamW",
+        "--optimizer.eps",
+        "1e-15",
+        "--optimizer.lr",
+        "3e-4",
+        "--lr_scheduler.warmup_steps",
+        "1000",
+        "--lr_scheduler.lr_min",
+        "0.1",
+        "--lr_scheduler.decay_type",
+        "cosine",
+        "--training.batch_size",
+        "16",
+        "--training.seq_len",
+        "4096",
+        "--training.context_len",
+        "4096",
+        "--training.gradient_accumulation_steps",
+        "1",
+        "--training.steps",
+        "100000",
+        "--training.max_norm",
+        "1.0",
+        "--training.skip_nan_inf",
+        "--training.dataset_split",
+        "train",
+        "--training.num_workers",
+        "32",
+        "--training.prefetch_factor",
+        "2",
+        "--training.seed",
+        "79",
+        "--training.compile",
+        "--checkpoint.interval",
+        "10000",
+        "--checkpoint.load_step",
+        "-1",
+        "--metrics.log_freq",
+        "5",
+        "--comm.init_timeout_seconds",
+        "600",
+        "--training.varlen",
+        "--training.streaming",
+        "--training.dataset_name",
+        "sample-100BT",
+        "--checkpoint.keep_latest_k",
+        "2",
+    ]
     config = parse_args(argv)
     assert config.optimizer.eps == 1e-15 and config.training.skip_nan_inf and config.training.varlen
     assert config.training.dataloader.prefetch_factor == 2 and config.checkpoint.load_step == -1
@@ -65,7 +106,10 @@ def test_flame_user_flags_from_the_seed_commands_parse():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--training.batchsize", "3"], "unknown option --training.batchsize; did you mean 'training.batch_size'?"),
+        (
+            ["--training.batchsize", "3"],
+            "unknown option --training.batchsize; did you mean 'training.batch_size'?",
+        ),
         (["--trainng.steps", "3"], "did you mean 'training.steps'?"),
         (["--training.steps", "abc"], "--training.steps takes an integer, got 'abc'"),
         (["--optimizer.lr", "fast"], "--optimizer.lr takes a number, got 'fast'"),
@@ -83,7 +127,9 @@ def test_mistakes_are_one_line_errors(argv, message):
 
 def test_unknown_toml_key_names_the_key_and_the_nearest(tmp_path):
     toml = write_toml(tmp_path, "[training]\nsteps = 7\nseqlen = 64\n")
-    with pytest.raises(ConfigError, match=r"unknown key 'training.seqlen' in .*job.toml; did you mean 'training.seq_len'\?"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'training.seqlen' in .*job.toml; did you mean 'training.seq_len'\?"
+    ):
         parse_args(["--job.config_file", toml])
 
 
