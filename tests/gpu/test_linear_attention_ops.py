@@ -75,16 +75,11 @@ def run(op, q, k, v, g, beta, h0, cu_seqlens, do, dht, round_to, dtype, device):
     else:
         o, ht = op(leaves[0], leaves[1], leaves[2], leaves[3], **kwargs)
     ((o.float() * do.to(device)).sum() + (ht.float() * dht.to(device)).sum()).backward()
-    grads = {
-        "dq": leaves[0].grad,
-        "dk": leaves[1].grad,
-        "dv": leaves[2].grad,
-        "dbeta": leaves[3].grad,
-        "dh0": h0.grad,
-    }
+    results = {"o": o, "ht": ht, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    results.update({"dbeta": leaves[3].grad, "dh0": h0.grad})
     if g_leaf is not None:
-        grads["dg"] = g_leaf.grad
-    return o, ht, grads
+        results["dg"] = g_leaf.grad
+    return results
 
 
 CASES = [

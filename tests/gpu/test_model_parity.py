@@ -1,8 +1,14 @@
 """Every model family on the GPU path (FLA's Triton kernels / SDPA, bf16 autocast) against the PyTorch path
 (CPU, float32) with the same weights: logits and every parameter gradient.
 
-Limits on the relative RMS error ||x - ref|| / ||ref||: 0.02 for logits and 0.05 for each parameter's
-gradient (bf16 autocast through two layers; FLA's own op tests allow 0.005-0.02 per op in float16).
+Limits on the relative error ||x - ref|| / ||ref||: 0.02 for logits and 0.05 for each parameter's gradient (bf16
+autocast through two layers; FLA's own op tests allow 0.005-0.02 per op in float16). Softpick and rectified
+softmax are not smooth at a score of 0 (rectified is not even continuous there), so bf16 rounding of q and k moves
+scores across it: their limits are 0.15 for gradients, and 0.06 for rectified logits. Their GPU path is still the
+materialized PyTorch one (no fused kernel yet); the comparison is then bf16 on GPU against float32 on CPU.
+A gradient far smaller than the model's largest (e.g. the one-element A_log of a single-head layer, a sum of
+terms that nearly cancel) is judged against 1% of the largest gradient norm instead of its own norm: bf16 alone
+(the PyTorch path under CPU autocast) moves such a gradient by 16% relative while the error stays 1e-4 absolute.
 """
 
 import copy
@@ -14,6 +20,7 @@ import torch.nn.functional as F
 from flame.models import build_model, get_model_spec
 
 LOGIT_LIMIT, GRAD_LIMIT = 0.02, 0.05
+NON_SMOOTH_LIMITS = {"softpick": (0.02, 0.15), "scaled-softpick": (0.02, 0.15), "rectified": (0.06, 0.15)}
 VOCAB = 512
 TRANSFORMER = dict(model_type="transformer", hidden_size=128, num_hidden_layers=2, num_heads=4, num_kv_heads=2,
                    vocab_size=VOCAB, qk_norm=True)  # fmt: skip
@@ -36,9 +43,10 @@ FAMILIES = {
 }
 
 
-def err_ratio(ref: torch.Tensor, out: torch.Tensor) -> float:
+def err_ratio(ref: torch.Tensor, out: torch.Tensor, floor: float = 0.0) -> float:
+    """||out - ref|| / max(||ref||, floor)."""
     ref, out = ref.double(), out.double()
-    return ((ref - out).norm() / (ref.norm() + 1e-12)).item()
+    return ((ref - out).norm() / max(ref.norm().item(), floor, 1e-12)).item()
 
 
 def forward_backward(model, tokens, labels, position_ids, cu_seqlens, autocast: bool):
@@ -74,11 +82,13 @@ def test_gpu_path_matches_pytorch_path(family, varlen):
     logits, grads = forward_backward(gpu_model, tokens, labels, position_ids, cu_seqlens, autocast=True)
 
     ratios = {"logits": err_ratio(ref_logits, logits)}
-    ratios.update({name: err_ratio(ref_grads[name], grads[name]) for name in ref_grads})
+    floor = 0.01 * max(g.norm().item() for g in ref_grads.values())
+    ratios.update({name: err_ratio(ref_grads[name], grads[name], floor) for name in ref_grads})
     worst = max((r, n) for n, r in ratios.items() if n != "logits")
     print(f"{family:>22} {'varlen' if varlen else 'batch':>6}: logits {ratios['logits']:.5f}, "
           f"worst grad {worst[0]:.5f} ({worst[1]}), {len(ref_grads)} parameters")  # fmt: skip
-    assert ratios["logits"] < LOGIT_LIMIT
+    logit_limit, grad_limit = NON_SMOOTH_LIMITS.get(family, (LOGIT_LIMIT, GRAD_LIMIT))
+    assert torch.isfinite(logits).all()
     for name, ratio in ratios.items():
-        assert torch.isfinite(grads.get(name, logits)).all(), name
-        assert ratio < (LOGIT_LIMIT if name == "logits" else GRAD_LIMIT), f"{name}: {ratio:.5f}"
+        assert name == "logits" or torch.isfinite(grads[name]).all(), name
+        assert ratio < (logit_limit if name == "logits" else grad_limit), f"{name}: {ratio:.5f}"

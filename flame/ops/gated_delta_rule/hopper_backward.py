@@ -151,6 +151,8 @@ def register_backend() -> None:
             return True, None
 
         def chunk_bwd_dqkwg(self, *args, **kwargs):
-            return chunk_bwd_dqkwg_torch(*args, **kwargs)
+            # FLA's backward may run under autocast; this computation keeps its own (float32) precision.
+            with torch.autocast("cuda", enabled=False):
+                return chunk_bwd_dqkwg_torch(*args, **kwargs)
 
     _registered = True
