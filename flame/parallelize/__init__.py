@@ -1,7 +1,31 @@
-"""Apply parallelisms to a flame model built on the meta device: activation checkpointing, per-block
-torch.compile, then FSDP2/HSDP (or DDP) per block + root. One plan serves every family: all of them are a
-``DecoderLM`` whose ``layers`` children are the blocks."""
+"""Apply parallelisms to a flame model built on the meta device: float8, tensor parallelism, activation
+checkpointing, per-block torch.compile, then FSDP2/HSDP per block + root, or DDP. One plan serves every family:
+all of them are a ``DecoderLM`` whose ``layers`` children are the blocks; tensor_parallel.py holds the per-mixer
+plans. checks.py validates the options (train.sh's pre-flight runs it too).
 
-from flame.parallelize.parallelize import parallelize_model
+Names are imported on first use, so that the pre-flight's ``flame.parallelize.checks`` does not import torchtitan.
+"""
 
-__all__ = ["parallelize_model"]
+__all__ = [
+    "TokenNormalizedLoss",
+    "check_parallelism",
+    "parallelize_model",
+    "pipeline_model",
+    "tie_embeddings",
+]
+
+
+def __getattr__(name: str):
+    if name == "check_parallelism":
+        from flame.parallelize.checks import check_parallelism
+
+        return check_parallelism
+    if name in ("parallelize_model", "tie_embeddings"):
+        from flame.parallelize import parallelize
+
+        return getattr(parallelize, name)
+    if name in ("pipeline_model", "TokenNormalizedLoss"):
+        from flame.parallelize import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'flame.parallelize' has no attribute {name!r}")

@@ -1,91 +1,81 @@
-"""The parallelization plan of flame's models."""
+"""The parallelization plan of flame's models, in torchtitan's order: float8 conversion, tensor parallelism,
+activation checkpointing, per-block torch.compile, then FSDP2/HSDP per block + root, or DDP."""
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
-from flame.errors import ConfigError
+from flame.parallelize.activation_checkpoint import apply_activation_checkpointing
+from flame.parallelize.checks import check_parallelism
+from flame.parallelize.compile import compile_blocks
+from flame.parallelize.float8 import apply_float8
+from flame.parallelize.fsdp import apply_ddp, apply_fsdp
+from flame.parallelize.tensor_parallel import apply_tp, reduce_partial_grads
 
 
-def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
-    if parallel_dims.tp_enabled or parallel_dims.pp_enabled or parallel_dims.cp_enabled:
-        raise ConfigError(
-            "tensor, pipeline and context parallelism are not available yet; use data parallelism"
-        )
-    if job_config.activation_checkpoint.mode != "none":
-        apply_ac(
+def parallelize_model(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config,
+    *,
+    loss_parallel: bool = False,
+    sequence_parallel: bool = True,
+) -> nn.Module:
+    """Parallelize a flame model built on the meta device (or one pipeline stage of it), in place.
+
+    ``loss_parallel``: with tensor parallelism, leave the logits sharded over the vocabulary (a DTensor); the
+    caller must then compute the loss and run backward under ``torch.distributed.tensor.parallel.loss_parallel()``.
+    Off by default: the logits are gathered to a plain tensor and any loss code works.
+    """
+    check_parallelism(job_config, model.args, parallel_dims.world_size, model=model)
+    on_gpu = torch.cuda.is_available()
+    float8 = apply_float8(model, job_config, parallel_dims)
+    if float8 is not None:
+        model.float8_converter = float8  # the trainer calls its post_optimizer_hook after each step
+
+    if parallel_dims.tp_enabled:
+        apply_tp(
             model,
-            job_config.activation_checkpoint,
-            model_compile_enabled=job_config.compile.enable,
-            base_folder=job_config.job.dump_folder,
+            parallel_dims.get_mesh("tp"),
+            # Pipeline stages pass full-length hidden states: the next stage derives positions from them.
+            sequence_parallel=sequence_parallel and not parallel_dims.pp_enabled,
+            loss_parallel=loss_parallel and not job_config.parallelism.disable_loss_parallel,
         )
+        if not parallel_dims.fsdp_enabled:
+            reduce_partial_grads(model)
+    if job_config.activation_checkpoint.mode != "none":
+        apply_activation_checkpointing(model, job_config)
     if job_config.compile.enable:
         compile_blocks(model, job_config.compile.backend)
+
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-        on_gpu = torch.cuda.is_available()  # CPU runs stay in float32 (bf16 is slower there)
         apply_fsdp(
             model,
             parallel_dims.get_mesh(names),
+            # CPU runs stay in float32 (bf16 is slower there); GPUs gather bf16 and reduce in float32.
             param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
             if on_gpu
             else torch.float32,
             reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
             cpu_offload=job_config.training.enable_cpu_offload,
+            reshard_policy=job_config.parallelism.fsdp_reshard_after_forward,
+            pp_enabled=parallel_dims.pp_enabled,
         )
         logger.info("Applied %s to the model", "HSDP" if parallel_dims.dp_replicate_enabled else "FSDP")
     elif parallel_dims.dp_replicate_enabled:
-        # DDP averages gradients while the trainer expects sums (loss / global tokens); until that is handled,
-        # replicate-only runs are refused rather than silently mis-scaled.
-        raise ConfigError("pure DDP is not available yet; use data_parallel_shard_degree > 1 (FSDP or HSDP)")
+        apply_ddp(model, parallel_dims.get_mesh("dp_replicate"), compile_enabled=job_config.compile.enable)
     return model
 
 
-def compile_blocks(model: nn.Module, backend: str) -> None:
-    """Compile each block separately: repeated structure compiles once, and FSDP hooks stay outside the graphs
-    (pytorch#181924: FSDP2 hooks break fullgraph graphs). fullgraph is off because FLA's ops are
-    ``torch.compiler.disable``d and graph-break."""
-    for layer_id, block in model.layers.named_children():
-        model.layers.register_module(layer_id, torch.compile(block, backend=backend, fullgraph=False))
-    logger.info("Compiled each block with torch.compile (backend %s)", backend)
-
-
-def apply_fsdp(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    cpu_offload: bool = False,
-) -> None:
-    """Shard per block (one all-gather per block, never per parameter: seed 004's 16x slowdown), then the
-    embeddings, the final norm + lm head, and the root for whatever is left."""
-    config = {
-        "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-    }
-    if cpu_offload:
-        config["offload_policy"] = CPUOffloadPolicy()
-    tied = model.lm_head.weight is model.embeddings.weight
-    if not tied:  # a tied matrix must live in one group: the root's
-        fully_shard(model.embeddings, **config)
-    for block in model.layers.values():
-        fully_shard(block, **config)
-    if not tied:
-        # The last group is needed right after forward: keep it gathered (torchtitan's default).
-        fully_shard([model.norm, model.lm_head], **config, reshard_after_forward=False)
-    fully_shard(model, **config)
-
-    on_gloo = dist.get_backend(mesh.get_group(0)) == "gloo"
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            # The trainer divides the loss by the global token count, so FSDP must sum, not average.
-            module.set_gradient_divide_factor(1.0)
-            if on_gloo:
-                # gloo has no PREMUL_SUM (pytorch#162338: FSDP2 averaging on gloo silently sums).
-                module.set_force_sum_reduction_for_comms(True)
+def tie_embeddings(model: nn.Module) -> None:
+    """Re-tie lm_head to the embeddings after ``model.to_empty()``, which gives each module its own copy of a
+    shared plain Parameter (DTensor parameters of FSDP/TP runs keep the tie: they are swapped in place). Call it
+    after to_empty and before init_weights or loading weights; a no-op for untied models and intact ties."""
+    embeddings, lm_head = getattr(model, "embeddings", None), getattr(model, "lm_head", None)
+    if embeddings is None or lm_head is None or not model.args.tie_word_embeddings:
+        return
+    if lm_head.weight is not embeddings.weight:
+        lm_head.weight = embeddings.weight

@@ -10,6 +10,7 @@ from torch import nn
 from flame.errors import ModelConfigError
 from flame.models.layers.norm import RMSNorm
 from flame.models.layers.rotary import apply_rotary, rotary_cos_sin
+from flame.models.layers.sharding import local_param
 from flame.ops.attention import attention, scale_queries_by_position
 
 # attn_impl -> (score normalisation, queries scaled by a learnable per-head factor and log(position + 2))
@@ -82,7 +83,7 @@ class Attention(nn.Module):
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rope_theta)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.scaled:
-            q = scale_queries_by_position(q, self.q_scale, position_ids)
+            q = scale_queries_by_position(q, local_param(self, "q_scale"), position_ids)
         o = attention(
             q, k, v, impl=self.score_fn, causal=True, window_size=self.window_size, cu_seqlens=cu_seqlens
         )

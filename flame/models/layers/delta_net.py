@@ -97,9 +97,9 @@ class DeltaNet(nn.Module):
         # position_ids are not needed: only document boundaries (cu_seqlens) matter to convolutions and recurrence.
         batch, seq_len, _ = x.shape
         q, k, v = self._qkv(x, cu_seqlens)
-        q = qk_feature_map(q.view(batch, seq_len, self.num_heads, self.head_k_dim), self.qk_activation)
-        k = qk_feature_map(k.view(batch, seq_len, self.num_heads, self.head_k_dim), self.qk_activation)
-        v = v.view(batch, seq_len, self.num_heads, self.head_v_dim)
+        q = qk_feature_map(q.view(batch, seq_len, -1, self.head_k_dim), self.qk_activation)
+        k = qk_feature_map(k.view(batch, seq_len, -1, self.head_k_dim), self.qk_activation)
+        v = v.view(batch, seq_len, -1, self.head_v_dim)
         if self.qk_norm == "sum":
             q = F.normalize(q, p=1, dim=-1, eps=SUM_NORM_EPS)
             k = F.normalize(k, p=1, dim=-1, eps=SUM_NORM_EPS)
@@ -110,7 +110,7 @@ class DeltaNet(nn.Module):
         delta_rule = fused_recurrent_delta_rule if seq_len <= FUSED_RECURRENT_MAX_LEN else chunk_delta_rule
         o, _ = delta_rule(q, k, v, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=self.qk_norm == "l2")
         if self.use_gate:
-            o = self.o_norm(o, self.g_proj(x).view(batch, seq_len, self.num_heads, self.head_v_dim))
+            o = self.o_norm(o, self.g_proj(x).view(batch, seq_len, -1, self.head_v_dim))
         else:
             o = self.o_norm(o)
-        return self.o_proj(o.reshape(batch, seq_len, self.value_dim))
+        return self.o_proj(o.reshape(batch, seq_len, -1))

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flame.models.layers.norm import GatedRMSNorm, RMSNorm
+from flame.models.layers.sharding import local_param
 from flame.models.layers.short_conv import ShortConvolution
 from flame.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -96,9 +97,9 @@ class GatedDeltaNet(nn.Module):
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         o, _ = chunk_gated_delta_rule(
-            q.view(batch, seq_len, self.num_heads, self.head_dim),
-            k.view(batch, seq_len, self.num_heads, self.head_dim),
-            v.view(batch, seq_len, self.num_v_heads, self.head_v_dim),
+            q.view(batch, seq_len, -1, self.head_dim),
+            k.view(batch, seq_len, -1, self.head_dim),
+            v.view(batch, seq_len, -1, self.head_v_dim),
             g=self.a_proj(x),
             beta=self.b_proj(x),
             use_qk_l2norm_in_kernel=True,
@@ -109,11 +110,11 @@ class GatedDeltaNet(nn.Module):
             state_v_first=True,
             cu_seqlens=cu_seqlens,
             use_gate_in_kernel=True,
-            A_log=self.A_log,
-            dt_bias=self.dt_bias,
+            A_log=local_param(self, "A_log"),
+            dt_bias=local_param(self, "dt_bias"),
         )
         if self.use_gate:
-            o = self.o_norm(o, self.g_proj(x).view(batch, seq_len, self.num_v_heads, self.head_v_dim))
+            o = self.o_norm(o, self.g_proj(x).view(batch, seq_len, -1, self.head_v_dim))
         else:
             o = self.o_norm(o)
-        return self.o_proj(o.reshape(batch, seq_len, self.value_dim))
+        return self.o_proj(o.reshape(batch, seq_len, -1))

@@ -3,6 +3,7 @@
 import torch
 from torch import nn
 
+from flame.models.layers.sharding import local_param
 from flame.ops.norm import gated_rms_norm, rms_norm
 
 
@@ -13,7 +14,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, local_param(self, "weight"), self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -29,7 +30,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, gate, self.weight, self.eps, self.activation)
+        return gated_rms_norm(x, gate, local_param(self, "weight"), self.eps, self.activation)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

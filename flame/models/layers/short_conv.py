@@ -9,6 +9,7 @@ packed documents (``cu_seqlens``) from seeing each other.
 import torch
 from torch import nn
 
+from flame.models.layers.sharding import local_param
 from flame.ops.short_conv import short_conv
 
 
@@ -20,7 +21,8 @@ class ShortConvolution(nn.Conv1d):
         self.activation = activation
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        return short_conv(x, self.weight, self.bias, activation=self.activation, cu_seqlens=cu_seqlens)
+        weight, bias = local_param(self, "weight"), local_param(self, "bias")
+        return short_conv(x, weight, bias, activation=self.activation, cu_seqlens=cu_seqlens)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation}"

@@ -1,0 +1,351 @@
+"""Training throughput of flame's models on this machine's GPUs: tokens/s per GPU, MFU, peak memory, step time.
+
+    python bench/train_throughput.py [--quick]                          # one GPU
+    torchrun --nproc_per_node 4 bench/train_throughput.py [--quick]     # FSDP over 4 GPUs (per-GPU batch unchanged)
+    python bench/train_throughput.py --device cpu --tiny                # smoke test of the script itself
+
+It drives flame's real components, as the trainer does: ``build_model`` on the meta device, ``parallelize_model``
+(per-block torch.compile in the compiled mode; FSDP with bf16 parameters and float32 gradient reduction when
+several processes run, bf16 autocast on one GPU), materialisation + ``init_weights``, flame's optimizer (AdamW),
+the summed cross-entropy divided by the global token count, gradient clipping at 1.0. Batches are random tokens
+(no dataset), ``--tokens_per_gpu`` per step (batch = tokens // seq_len). Each case runs ``--warmup`` steps
+(compilation, allocator warm-up), then ``--steps`` timed steps.
+
+Cases: every model in ``--models`` x ``--seq_lens`` x ``--modes`` (eager, compiled). The models are the 340M
+configs transformer_340M, softpick_transformer_340M, gated_deltanet_340M, and a hybrid: gated_deltanet_340M with
+attention (16 heads, QK-norm) at every fourth layer (3, 7, 11, 15, 19), the OLMo-3 hybrid pattern.
+
+MFU = FLOPs per token (the model args' get_nparams_and_flops: 6 x non-embedding parameters + attention terms, as
+torchtitan counts) x tokens/s per GPU / peak; peak is 989 TFLOP/s (H100/H200 dense bf16), ``--peak_tflops``
+otherwise. Rank 0 prints a markdown table and writes it into docs/performance.md between
+``<!-- bench_train_throughput_<N>gpu -->`` markers (N = number of GPUs; other sections are kept).
+"""
+
+import argparse
+import contextlib
+import gc
+import os
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torchtitan  # noqa: E402,F401  (the real package before flame.config: see compat.torchtitan_job_config)
+
+from flame import compat  # noqa: E402
+from flame.config import parse_args  # noqa: E402
+from flame.models import build_model, get_model_spec, read_model_config  # noqa: E402
+from flame.parallelize import parallelize_model, tie_embeddings  # noqa: E402
+
+PERFORMANCE_DOC = REPO / "docs" / "performance.md"
+H100_BF16_PEAK_TFLOPS = 989.0  # dense bf16, H100 SXM and H200 alike
+HYBRID_ATTN = {"every": 4, "offset": 3, "num_heads": 16, "qk_norm": True}
+MODELS = {
+    "transformer": ("configs/transformer_340M.json", {}),
+    "softpick_transformer": ("configs/softpick_transformer_340M.json", {}),
+    "gated_deltanet": ("configs/gated_deltanet_340M.json", {}),
+    "hybrid": ("configs/gated_deltanet_340M.json", {"attn": HYBRID_ATTN}),
+}
+# --tiny: the same families at a size a CPU steps through in well under a second.
+TINY = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256, "intermediate_size": 128}
+TINY_FAMILY = {
+    "transformer": {"num_heads": 4},
+    "softpick_transformer": {"num_heads": 4},
+    "gated_deltanet": {"num_heads": 2, "head_dim": 32},
+    "hybrid": {"num_heads": 2, "head_dim": 32, "attn": {"layers": [1], "num_heads": 4, "qk_norm": True}},
+}
+
+
+@dataclass
+class Result:
+    model: str
+    params: int
+    seq_len: int
+    batch: int
+    mode: str
+    step_s: float = float("nan")
+    tokens_per_s: float = float("nan")
+    tflops: float = float("nan")
+    mfu: float = float("nan")
+    peak_gib: float = float("nan")
+    error: str = ""
+
+
+def model_args(name: str, tiny: bool):
+    path, overrides = MODELS[name]
+    config = {**read_model_config(REPO / path), **overrides}
+    if tiny:
+        config.update(TINY, **TINY_FAMILY[name])
+    args, _ = get_model_spec(config["model_type"]).args_cls.from_dict(config)
+    return args
+
+
+def job_config(seq_len: int, compiled: bool, world_size: int, ac: str, backend: str = "inductor"):
+    flags = ["--training.seq_len", str(seq_len), "--parallelism.data_parallel_shard_degree", str(world_size),
+             "--activation_checkpoint.mode", ac, "--optimizer.lr", "3e-4"]  # fmt: skip
+    if compiled:
+        flags += ["--compile.enable", "--compile.backend", backend]
+    return parse_args(flags)
+
+
+def build_optimizers(model, config, parallel_dims):
+    try:  # flame's own (weight-decay groups), as the trainer uses
+        from flame.optim import build_optimizers as flame_build
+
+        return flame_build([model], config)
+    except ImportError:
+        from torchtitan.components.optimizer import build_optimizers as titan_build
+
+        return titan_build([model], config.optimizer, parallel_dims)
+
+
+def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
+    from torchtitan.distributed import utils as dist_utils
+
+    world_size = parallel_dims.world_size
+    margs = model_args(name, args.tiny)
+    batch = max(1, args.tokens_per_gpu // seq_len)
+    config = job_config(seq_len, mode == "compiled", world_size, args.ac, args.compile_backend)
+    with torch.device("meta"):
+        model = build_model(margs)
+    params, flops_per_token = margs.get_nparams_and_flops(model, seq_len)
+    result = Result(name, params, seq_len, batch, mode)
+    model = parallelize_model(model, parallel_dims, config)
+    model.to_empty(device=device)
+    tie_embeddings(model)
+    model.init_weights()
+    model.train()
+    optimizers = build_optimizers(model, config, parallel_dims)
+    # One GPU trains in float32 under bf16 autocast; FSDP gathers bf16 parameters itself (the trainer's rule).
+    amp = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda" and world_size == 1
+        else contextlib.nullcontext()
+    )
+    generator = torch.Generator(device=device).manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+    tokens = torch.randint(0, margs.vocab_size, (batch, seq_len + 1), device=device, generator=generator)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    global_tokens = labels.numel() * world_size
+
+    def step():
+        optimizers.zero_grad()
+        with amp:
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        del logits
+        (loss / global_tokens).backward()
+        dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+        optimizers.step()
+
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    for _ in range(args.warmup):
+        step()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    synchronize()
+    result.step_s = (time.perf_counter() - start) / args.steps
+    result.tokens_per_s = batch * seq_len / result.step_s
+    result.tflops = flops_per_token * result.tokens_per_s / 1e12
+    if args.peak_tflops:
+        result.mfu = result.tflops / args.peak_tflops
+    if device.type == "cuda":
+        result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    return result
+
+
+def cleanup(device) -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    found = (
+        re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE) if cpuinfo.exists() else None
+    )
+    return found.group(1).strip() if found else "CPU"
+
+
+def millions(n: int) -> str:
+    return f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n:,}"
+
+
+def table(results: list[Result], world_size: int) -> str:
+    lines = [
+        "| model | params | GPUs | seq | batch/GPU | mode | step s | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if r.error:
+            lines.append(f"| {r.model} | {millions(r.params)} | {world_size} | {r.seq_len} | {r.batch} | {r.mode} | "
+                         f"failed: {r.error} | | | | |")  # fmt: skip
+            continue
+        mfu = f"{100 * r.mfu:.1f}%" if r.mfu == r.mfu else "n/a"
+        peak = f"{r.peak_gib:.1f}" if r.peak_gib == r.peak_gib else "n/a"
+        lines.append(
+            f"| {r.model} | {millions(r.params)} | {world_size} | {r.seq_len} | {r.batch} | {r.mode} | "
+            f"{r.step_s:.3f} | {r.tokens_per_s:,.0f} | {r.tflops:.1f} | {mfu} | {peak} |"
+        )
+    return "\n".join(lines)
+
+
+def write_section(doc: Path, start: str, end: str, section: str) -> None:
+    text = doc.read_text() if doc.exists() else "# Performance\n"
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.DOTALL)
+    text = (
+        pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
+    )
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text.rstrip("\n") + "\n")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS), help="comma separated: " + ", ".join(MODELS))
+    parser.add_argument("--seq_lens", default=None, help="comma separated (default 2048,4096; --tiny: 64)")
+    parser.add_argument("--modes", default="eager,compiled", help="eager, compiled or both")
+    parser.add_argument(
+        "--tokens_per_gpu", type=int, default=None, help="per step (default 16384; --tiny: 128)"
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny: 1)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny: 2)")
+    parser.add_argument(
+        "--compile_backend", default="inductor", help="torch.compile backend of the compiled mode"
+    )
+    parser.add_argument(
+        "--ac", default="none", choices=["none", "full", "selective"], help="activation checkpointing"
+    )
+    parser.add_argument("--quick", action="store_true", help="seq 2048 only, 2 warm-up + 5 timed steps")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny versions of the models (smoke test)")
+    parser.add_argument("--peak_tflops", type=float, default=None, help="default: 989 on CUDA, none on CPU")
+    parser.add_argument(
+        "--doc", type=Path, default=PERFORMANCE_DOC, help="markdown file to write the table into"
+    )
+    parser.add_argument("--no_write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    defaults = {"seq_lens": "64", "tokens_per_gpu": 128, "warmup": 1, "steps": 2} if args.tiny else {
+        "seq_lens": "2048,4096", "tokens_per_gpu": 16384, "warmup": 3, "steps": 10}  # fmt: skip
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.quick:
+        args.seq_lens, args.warmup, args.steps = (
+            args.seq_lens.split(",")[0],
+            min(args.warmup, 2),
+            min(args.steps, 5),
+        )
+    if args.peak_tflops is None and args.device == "cuda":
+        args.peak_tflops = H100_BF16_PEAK_TFLOPS
+    for name in args.models.split(","):
+        if name not in MODELS:
+            parser.error(f"unknown model {name}; choose from {', '.join(MODELS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from torchtitan.distributed import ParallelDims
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    compat.apply()
+    # Each block of each model compiles separately; keep dynamo from falling back to eager after many graphs.
+    for name, value in (
+        ("recompile_limit", 256),
+        ("cache_size_limit", 256),
+        ("accumulated_recompile_limit", 4096),
+    ):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, value)
+    parallel_dims = ParallelDims(
+        dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world_size
+    )
+    if world_size > 1:
+        parallel_dims.build_mesh()
+
+    results = []
+    started = time.perf_counter()
+    for name in args.models.split(","):
+        for seq_len in (int(s) for s in args.seq_lens.split(",")):
+            for mode in args.modes.split(","):
+                case_start = time.perf_counter()
+                try:
+                    result = run_case(name, seq_len, mode, args, device, parallel_dims)
+                except Exception as e:  # e.g. out of memory: report it and go on
+                    if rank == 0:
+                        traceback.print_exc()
+                    message = "out of memory" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
+                    result = Result(
+                        name, 0, seq_len, max(1, args.tokens_per_gpu // seq_len), mode, error=message
+                    )
+                cleanup(device)
+                results.append(result)
+                if rank == 0:
+                    print(table([result], world_size).splitlines()[-1], f"({time.perf_counter() - case_start:.0f} s)",
+                          flush=True)  # fmt: skip
+    if rank == 0:
+        text = table(results, world_size)
+        print("\n" + text)
+        if not args.no_write:
+            marker = f"bench_train_throughput_{world_size}gpu"
+            command = " ".join(
+                (["torchrun --nproc_per_node", str(world_size)] if world_size > 1 else ["python"])
+                + ["bench/train_throughput.py", *(sys.argv[1:] if argv is None else argv)]
+            )
+            if device.type == "cpu":
+                parallelism = "float32" + (", FSDP" if world_size > 1 else "")
+            else:
+                parallelism = (
+                    "FSDP (bf16 params, fp32 reduce)" if world_size > 1 else "one GPU, bf16 autocast"
+                )
+            section = "\n".join(
+                [
+                    f"<!-- {marker} -->",
+                    f"## Training throughput, {world_size} {device.type.upper()}{'s' * (world_size > 1)}",
+                    "",
+                    f"Command: `{command}` on {world_size} x {device_name(device)}, torch {torch.__version__} "
+                    f"({time.strftime('%Y-%m-%d')}); {parallelism}, random tokens, {args.tokens_per_gpu:,} tokens "
+                    f"per GPU per step, activation checkpointing {args.ac}, AdamW, {args.warmup} warm-up then "
+                    f"{args.steps} timed steps. MFU against {args.peak_tflops or 'n/a'} TFLOP/s; FLOPs per token "
+                    "from get_nparams_and_flops. Total run time "
+                    f"{time.perf_counter() - started:.0f} s.",
+                    "",
+                    text,
+                    f"<!-- /{marker} -->",
+                ]
+            )
+            write_section(args.doc, f"<!-- {marker} -->", f"<!-- /{marker} -->", section)
+            print(f"\nwrote the {marker} section of {args.doc}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 1 if any(r.error for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Validation of the parallelism options against the world size and the model, before any rank starts.
+
+:func:`check_parallelism` raises :class:`flame.errors.ConfigError` with one line for: degrees that do not multiply
+to the world size; parallelisms flame does not implement (context, expert); DDP combined with tensor or pipeline
+parallelism; head counts, MLP widths or the sequence length not divisible by the tensor-parallel degree; more
+pipeline stages than layers; CPU offload without FSDP; activation-checkpointing and converter options that cannot
+work. train.sh's pre-flight (flame.launch) calls it with NGPU x NNODE, and parallelize_model calls it again on the
+ranks. It imports no torchtitan module, so the pre-flight stays fast.
+"""
+
+import torch
+
+from flame.errors import ConfigError
+from flame.models import build_model
+from flame.models.layers.attention import Attention
+from flame.models.layers.delta_net import DeltaNet
+from flame.models.layers.gated_deltanet import GatedDeltaNet
+from flame.parallelize.float8 import check_converters
+
+SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
+
+
+def resolved_degrees(parallelism, world_size: int) -> dict[str, int]:
+    """{dp_replicate, dp_shard, cp, tp, pp} with dp_shard = -1 resolved to the leftover ranks."""
+    names = {
+        "dp_replicate": "data_parallel_replicate_degree",
+        "dp_shard": "data_parallel_shard_degree",
+        "cp": "context_parallel_degree",
+        "tp": "tensor_parallel_degree",
+        "pp": "pipeline_parallel_degree",
+        "ep": "expert_parallel_degree",
+        "etp": "expert_tensor_parallel_degree",
+    }
+    degrees = {}
+    for key, field in names.items():
+        value = getattr(parallelism, field)
+        if (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or (value < 1 and value != -1)
+            or (value == -1 and key != "dp_shard")
+        ):
+            allowed = (
+                "a positive integer or -1 (the leftover ranks)" if key == "dp_shard" else "a positive integer"
+            )
+            raise ConfigError(f"parallelism.{field} must be {allowed}, got {value!r}")
+        degrees[key] = value
+    others = degrees["dp_replicate"] * degrees["cp"] * degrees["tp"] * degrees["pp"]
+    spelled = (
+        f"data_parallel_replicate_degree {degrees['dp_replicate']} x context_parallel_degree {degrees['cp']} x "
+        f"tensor_parallel_degree {degrees['tp']} x pipeline_parallel_degree {degrees['pp']}"
+    )
+    if degrees["dp_shard"] == -1:
+        if world_size % others:
+            raise ConfigError(
+                f"{spelled} = {others} does not divide the world size {world_size} (NGPU x NNODE)"
+            )
+        degrees["dp_shard"] = world_size // others
+    elif others * degrees["dp_shard"] != world_size:
+        raise ConfigError(
+            f"{spelled} x data_parallel_shard_degree {degrees['dp_shard']} = {others * degrees['dp_shard']} "
+            f"is not the world size {world_size} (NGPU x NNODE); use data_parallel_shard_degree -1 for the rest"
+        )
+    return degrees
+
+
+def mixer_head_counts(mixer) -> dict[str, int]:
+    """The head counts of a sequence mixer that tensor parallelism splits."""
+    if isinstance(mixer, Attention):
+        return {"attention num_heads": mixer.num_heads, "attention num_kv_heads": mixer.num_kv_heads}
+    if isinstance(mixer, GatedDeltaNet):
+        return {"GatedDeltaNet num_heads": mixer.num_heads, "GatedDeltaNet num_v_heads": mixer.num_v_heads}
+    if isinstance(mixer, DeltaNet):
+        return {"DeltaNet num_heads": mixer.num_heads}
+    raise ConfigError(f"tensor parallelism has no plan for the mixer {type(mixer).__name__}")
+
+
+def check_tensor_parallel(model, tp: int, seq_len: int) -> None:
+    for layer_id, block in model.layers.items():
+        for what, count in mixer_head_counts(block.attn).items():
+            if count % tp:
+                raise ConfigError(
+                    f"tensor_parallel_degree {tp} does not divide the {what} ({count}) of layer {layer_id}; "
+                    f"pick a degree that divides it"
+                )
+        width = block.mlp.gate_proj.out_features
+        if width % tp:
+            raise ConfigError(
+                f"tensor_parallel_degree {tp} does not divide the MLP intermediate size ({width}) of layer {layer_id}"
+            )
+    if seq_len % tp:
+        raise ConfigError(
+            f"training.seq_len {seq_len} is not divisible by tensor_parallel_degree {tp} (sequence parallelism "
+            "splits the sequence across the tensor-parallel ranks)"
+        )
+
+
+def pipeline_stages(parallelism, num_layers: int) -> int:
+    """Number of pipeline stages torchtitan's rules give: one per rank for single-stage schedules, else
+    pipeline_parallel_layers_per_stage decides (default two per rank)."""
+    pp = parallelism.pipeline_parallel_degree
+    single = parallelism.pipeline_parallel_schedule.lower() in SINGLE_STAGE_SCHEDULES
+    if parallelism.module_fqns_per_model_part is not None:
+        return len(parallelism.module_fqns_per_model_part)
+    per_stage = parallelism.pipeline_parallel_layers_per_stage
+    if per_stage is None:
+        return pp if single else 2 * pp
+    extra = (
+        parallelism.pipeline_parallel_first_stage_less_layers
+        + parallelism.pipeline_parallel_last_stage_less_layers
+    )
+    return -(-(num_layers + extra) // per_stage)
+
+
+def check_pipeline_parallel(job_config, model_args) -> None:
+    parallelism = job_config.parallelism
+    pp, num_layers = parallelism.pipeline_parallel_degree, model_args.num_hidden_layers
+    if model_args.tie_word_embeddings:
+        raise ConfigError(
+            "pipeline parallelism puts the embeddings and lm_head on different stages, so they cannot share "
+            "weights: set tie_word_embeddings false in the model config or pipeline_parallel_degree 1"
+        )
+    stages = pipeline_stages(parallelism, num_layers)
+    if stages > num_layers:
+        raise ConfigError(
+            f"pipeline parallelism would make {stages} stages from {num_layers} layers; use at most {num_layers} "
+            "stages (pipeline_parallel_degree, pipeline_parallel_layers_per_stage)"
+        )
+    if stages % pp:
+        raise ConfigError(
+            f"{stages} pipeline stages cannot be spread evenly over pipeline_parallel_degree {pp}"
+        )
+    microbatch = parallelism.pipeline_parallel_microbatch_size
+    if job_config.training.local_batch_size % microbatch:
+        raise ConfigError(
+            f"training.local_batch_size {job_config.training.local_batch_size} is not divisible by "
+            f"parallelism.pipeline_parallel_microbatch_size {microbatch}"
+        )
+
+
+def check_activation_checkpoint(job_config) -> None:
+    ac = job_config.activation_checkpoint
+    if ac.mode == "memory_budget":
+        if not job_config.compile.enable:
+            raise ConfigError(
+                "activation_checkpoint.mode memory_budget works through the compiler; add --compile.enable"
+            )
+        if not 0.0 <= ac.memory_budget <= 1.0:
+            raise ConfigError(
+                f"activation_checkpoint.memory_budget must be in [0, 1], got {ac.memory_budget}"
+            )
+    if ac.mode == "selective":
+        option = ac.selective_ac_option
+        if option != "op" and not (option.isdigit() and int(option) > 0):
+            raise ConfigError(
+                f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {option!r}"
+            )
+
+
+def check_parallelism(job_config, model_args, world_size: int, model=None) -> dict[str, int]:
+    """Raise ConfigError (one line) if the job's parallelism cannot run on ``world_size`` ranks with this model;
+    return the resolved degrees. ``model``: the model built on the meta device, if the caller has it."""
+    degrees = resolved_degrees(job_config.parallelism, world_size)
+    if degrees["ep"] > 1 or degrees["etp"] > 1:
+        raise ConfigError(
+            "expert parallelism needs mixture-of-experts layers, which flame's models do not have; "
+            "set expert_parallel_degree and expert_tensor_parallel_degree to 1"
+        )
+    if degrees["cp"] > 1:
+        raise ConfigError("context parallelism is not supported by flame yet; set context_parallel_degree 1")
+    ddp = degrees["dp_replicate"] > 1 and degrees["dp_shard"] == 1
+    if ddp and (degrees["tp"] > 1 or degrees["pp"] > 1):
+        raise ConfigError(
+            "DDP (data_parallel_replicate_degree > 1 with data_parallel_shard_degree 1) does not combine with "
+            "tensor or pipeline parallelism; use data_parallel_shard_degree > 1 (FSDP/HSDP)"
+        )
+    if job_config.training.enable_cpu_offload and degrees["dp_shard"] == 1:
+        raise ConfigError(
+            "training.enable_cpu_offload works through FSDP; set data_parallel_shard_degree > 1"
+        )
+    check_activation_checkpoint(job_config)
+    check_converters(job_config, on_gpu=True)  # the GPU is checked on the ranks
+    if degrees["tp"] > 1:
+        if model is None:
+            with torch.device("meta"):
+                model = build_model(model_args)
+        # Sequence parallelism (off with pipeline parallelism) splits the sequence over the TP ranks.
+        seq_len = job_config.training.seq_len if degrees["pp"] == 1 else degrees["tp"]
+        check_tensor_parallel(model, degrees["tp"], seq_len)
+    if degrees["pp"] > 1:
+        check_pipeline_parallel(job_config, model_args)
+    return degrees

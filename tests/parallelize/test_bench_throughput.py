@@ -1,0 +1,60 @@
+"""bench/train_throughput.py (a GPU benchmark) runs end to end on the CPU with tiny models: one process (eager and
+compiled with the eager backend) and two processes with FSDP under torchrun; it writes its own section of the
+performance document and keeps the others."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench" / "train_throughput.py"
+
+pytestmark = pytest.mark.slow
+
+
+def run(command: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def rows(section: str) -> list[list[str]]:
+    return [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in section.splitlines()
+        if line.startswith("| ")
+    ][1:]
+
+
+def test_bench_smoke_on_cpu_writes_its_sections(tmp_path):
+    doc = tmp_path / "performance.md"
+    doc.write_text("# Performance\n\n<!-- bench_dataloader -->\nloader table\n<!-- /bench_dataloader -->\n")
+    tiny = ["--device", "cpu", "--tiny", "--doc", str(doc)]
+    run([sys.executable, str(BENCH), *tiny, "--models", "transformer,hybrid", "--modes", "eager,compiled",
+         "--compile_backend", "eager"])  # fmt: skip
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(BENCH), *tiny,
+         "--models", "gated_deltanet", "--modes", "eager"])  # fmt: skip
+
+    text = doc.read_text()
+    assert "<!-- bench_dataloader -->\nloader table\n<!-- /bench_dataloader -->" in text
+    one = text.split("<!-- bench_train_throughput_1gpu -->")[1].split(
+        "<!-- /bench_train_throughput_1gpu -->"
+    )[0]
+    two = text.split("<!-- bench_train_throughput_2gpu -->")[1].split(
+        "<!-- /bench_train_throughput_2gpu -->"
+    )[0]
+    table = rows(one)
+    assert [(r[0], r[5]) for r in table] == [
+        ("transformer", "eager"),
+        ("transformer", "compiled"),
+        ("hybrid", "eager"),
+        ("hybrid", "compiled"),
+    ]
+    for row in table + rows(two):
+        assert float(row[6]) > 0 and float(row[7].replace(",", "")) > 0, row  # step time, tokens/s
+    assert [(r[0], r[2]) for r in rows(two)] == [("gated_deltanet", "2")]
+    assert "FSDP" in two
