@@ -44,3 +44,12 @@ torchrun --nnodes "$NNODE" --nproc_per_node "$NGPU" --node_rank "$NODE_RANK" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 --log-dir "$DUMP_FOLDER/logs" \
   -m flame.train "$@"
+rc=$?
+
+# End of run: convert the final checkpoint (the latest complete one) to an HF folder in the dump folder, as flame
+# does. The converter finds the step and the run's model config and tokenizer in the checkpoint itself, so nothing
+# is parsed from this command line. FLAME_EXPORT_HF=0 skips it; only node 0 exports.
+if [ "$rc" -eq 0 ] && [ "${FLAME_EXPORT_HF:-1}" != 0 ] && [ "$NODE_RANK" -eq 0 ]; then
+  python -m flame.utils.convert_dcp_to_hf --path "$DUMP_FOLDER" --step -1 --after_training || rc=$?
+fi
+exit "$rc"

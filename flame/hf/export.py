@@ -1,0 +1,107 @@
+"""Writing a flame model as an HF model folder: config.json, generation_config.json, tokenizer files, safetensors.
+
+Every check (format, tokenizer vocabulary, output folder) runs before the first file is written, so bad input
+leaves the output folder as it was.
+"""
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flame.errors import FlameError
+from flame.hf.formats import export_adapter
+from flame.hf.safetensors_io import existing_export_files, save_safetensors
+from flame.models.common.args import ModelArgs
+from flame.models.common.state_dict_adapter import StateDictAdapter
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+@dataclass
+class ExportPlan:
+    adapter: StateDictAdapter
+    note: str | None
+    output: Path
+    dtype: torch.dtype
+    tokenizer: object | None
+
+
+def check_output_folder(output: Path) -> None:
+    """FlameError unless output is (or can be created as) a folder this process can write into."""
+    if output.exists() and not output.is_dir():
+        raise FlameError(f"output {output} exists and is not a folder; choose another --output")
+    ancestor = output
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise FlameError(f"cannot create the output folder {output}: {ancestor} is not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise FlameError(f"the output folder {output} is not writable ({ancestor}); choose another --output")
+    if output.exists():  # permissions can lie (network file systems, read-only mounts): try it
+        try:
+            with tempfile.NamedTemporaryFile(dir=output):
+                pass
+        except OSError as e:
+            raise FlameError(f"cannot write into the output folder {output}: {e.strerror}") from e
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FlameError(f"cannot load the tokenizer {path}: {first_line}") from e
+
+
+def check_tokenizer(tokenizer, args: ModelArgs) -> None:
+    if len(tokenizer) > args.vocab_size:
+        raise FlameError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {args.vocab_size}: "
+            "it is not the tokenizer this model was trained with; pass the right --tokenizer"
+        )
+
+
+def plan_export(args: ModelArgs, output: Path, fmt: str, dtype: str, tokenizer: str | None) -> ExportPlan:
+    if dtype not in DTYPES:
+        raise FlameError(f"dtype {dtype} is not supported; choose one of: {', '.join(DTYPES)}")
+    adapter, note = export_adapter(args, fmt)
+    loaded = None
+    if tokenizer is not None:
+        loaded = load_tokenizer(tokenizer)
+        check_tokenizer(loaded, args)
+    check_output_folder(output)
+    return ExportPlan(adapter, note, output, DTYPES[dtype], loaded)
+
+
+def write_export(plan: ExportPlan, state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> list[str]:
+    """Write the HF folder; returns the names of the files written."""
+    import transformers
+    from transformers import GenerationConfig
+
+    hf_state = {k: v.to(plan.dtype) for k, v in plan.adapter.to_hf(state_dict).items()}
+    config = plan.adapter.hf_config()
+    config["dtype"] = str(plan.dtype).removeprefix("torch.")
+    config["transformers_version"] = transformers.__version__
+    output = plan.output
+    output.mkdir(parents=True, exist_ok=True)
+    for old in existing_export_files(output):  # an earlier export may have had other shards
+        old.unlink()
+    (output / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = GenerationConfig(
+        bos_token_id=plan.adapter.args.bos_token_id,
+        eos_token_id=plan.adapter.args.eos_token_id,
+        pad_token_id=getattr(plan.tokenizer, "pad_token_id", None),
+    )
+    generation.save_pretrained(output)
+    files = ["config.json", "generation_config.json"]
+    if plan.tokenizer is not None:
+        files += [Path(f).name for f in plan.tokenizer.save_pretrained(output)]
+    files += save_safetensors(hf_state, output, max_shard_bytes)
+    return files

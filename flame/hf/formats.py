@@ -1,0 +1,64 @@
+"""Which HF format a model is exported in, and how an HF checkpoint is read back (no transformers import).
+
+Export formats (``--format``):
+- ``auto`` (default): ``fla`` when FLA's class computes exactly what flame trained, else ``flame``;
+- ``fla``: FLA's model_type (``transformer``, ``gated_deltanet``, ``delta_net``); loads after ``import fla``;
+- ``flame``: flame's model_type (``flame_<family>``); loads after ``import flame``, runs flame's model code;
+- ``llama`` (transformer) and ``olmo_hybrid`` (gated_deltanet): transformers' own classes, no import needed.
+An explicit format that cannot express the model exactly is refused with the reason.
+"""
+
+import importlib
+
+from flame.models import FAMILIES, get_model_spec
+from flame.models.common.args import ModelArgs
+from flame.models.common.state_dict_adapter import ExportError, StateDictAdapter
+
+EXPORT_FORMATS = ("auto", "fla", "flame", "llama", "olmo_hybrid")
+
+
+def family_adapters(model_type: str) -> dict[str, type[StateDictAdapter]]:
+    return importlib.import_module(f"{FAMILIES[model_type]}.state_dict_adapter").ADAPTERS
+
+
+def export_adapter(args: ModelArgs, fmt: str = "auto") -> tuple[StateDictAdapter, str | None]:
+    """The adapter for an export, and for ``auto`` a note on why FLA's format was not taken (else None)."""
+    adapters = family_adapters(args.model_type)
+    if fmt == "auto":
+        fla = adapters["fla"](args, check=False)
+        problems = fla.incompatibilities()
+        if not problems:
+            return fla, None
+        note = f"FLA's {args.model_type} would compute a different model ({'; '.join(problems)})"
+        return adapters["flame"](args), note
+    if fmt not in adapters:
+        known = ", ".join(f for f in EXPORT_FORMATS if f == "auto" or f in adapters)
+        raise ExportError(
+            f"format {fmt} is not available for {args.model_type} models; choose one of: {known}"
+        )
+    return adapters[fmt](args), None
+
+
+def import_adapter(config: dict) -> StateDictAdapter:
+    """flame's args and the adapter for an HF checkpoint's config.json."""
+    model_type = config.get("model_type")
+    # FLA's format: flame reads FLA's config fields (and its own extensions) as written.
+    if model_type in FAMILIES:
+        args, _ = get_model_spec(model_type).args_cls.from_dict(config)
+        return family_adapters(model_type)["fla"](args, check=False)
+    family = model_type.removeprefix("flame_") if isinstance(model_type, str) else None
+    if family != model_type and family in FAMILIES:
+        values = {k: v for k, v in config.items() if k != "model_type"}
+        args, _ = get_model_spec(family).args_cls.from_dict(values)
+        return family_adapters(family)["flame"](args, check=False)
+    if model_type == "llama":
+        from flame.models.transformer.state_dict_adapter import LlamaAdapter
+
+        return LlamaAdapter(LlamaAdapter.args_from_hf_config(config))
+    if model_type == "olmo_hybrid":
+        raise ExportError(
+            "flame cannot build OLMo hybrid's attention blocks (post-norm, full-width q/k norm); "
+            "see flame/models/gated_deltanet/state_dict_adapter.py"
+        )
+    known = sorted(FAMILIES) + [f"flame_{f}" for f in sorted(FAMILIES)] + ["llama"]
+    raise ExportError(f"flame cannot read model_type {model_type!r}; it reads: {', '.join(known)}")

@@ -1,0 +1,120 @@
+"""Convert a flame DCP checkpoint to an HF model folder.
+
+    python -m flame.utils.convert_dcp_to_hf --path <dump_folder> --step <n> [--config <model json>]
+        [--tokenizer <dir or hub name>] [--output <dir>] [--format auto|fla|flame|llama|olmo_hybrid]
+        [--dtype float32|bfloat16] [--max_shard_size 5GB]
+
+``--step -1`` takes the latest complete checkpoint. ``--config`` and ``--tokenizer`` default to what the run
+recorded in the checkpoint (``flame.json``); a given ``--config`` must describe the same model. The checkpoint
+is read through DCP in this one process, so it may have been written by any number of ranks and nodes (into one
+shared folder). The HF folder (default: the dump folder, as flame does) gets config.json, generation_config.json,
+the tokenizer files and the weights (``model.safetensors``, or shards with an index above ``--max_shard_size``).
+See flame.hf.formats for the formats.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from flame.checkpoint.layout import (
+    CheckpointError,
+    checkpoint_folder,
+    config_differences,
+    latest_step,
+    read_sidecar,
+    resolve_step_dir,
+)
+from flame.errors import FlameError
+from flame.hf.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, plan_export, write_export
+from flame.hf.formats import EXPORT_FORMATS, export_adapter
+from flame.hf.safetensors_io import parse_size
+from flame.utils import run_cli
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m flame.utils.convert_dcp_to_hf", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--path", required=True, help="dump folder of the run (or its checkpoint folder)")
+    parser.add_argument("--step", type=int, default=-1, help="checkpoint step; -1: the latest complete one")
+    parser.add_argument("--config", help="model config JSON (default: the one recorded in the checkpoint)")
+    parser.add_argument("--tokenizer", help="tokenizer dir or hub name (default: the run's)")
+    parser.add_argument("--output", help="HF folder to write (default: --path)")
+    parser.add_argument("--format", default="auto", choices=EXPORT_FORMATS)
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument(
+        "--max_shard_size", default=DEFAULT_MAX_SHARD_SIZE, help="shard above this size (5GB)"
+    )
+    parser.add_argument(
+        "--after_training", action="store_true",
+        help="train.sh's end-of-run export: no checkpoint, or only step 0, is a note instead of an error",
+    )  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def model_args_for(step_path: Path, config: str | None, sidecar: dict | None):
+    from flame.models import get_model_spec, load_model_args
+
+    if config is not None:
+        args, _ = load_model_args(config)
+        if sidecar is not None:
+            differences = config_differences(sidecar["model_config"], args.to_dict())
+            if differences:
+                raise CheckpointError(
+                    f"checkpoint {step_path} was trained with a different model config than {config}: "
+                    + "; ".join(differences)
+                )
+        return args
+    if sidecar is None:
+        raise CheckpointError(
+            f"checkpoint {step_path} records no model config (no flame.json); pass --config"
+        )
+    saved = sidecar["model_config"]
+    args, _ = get_model_spec(saved["model_type"]).args_cls.from_dict(saved)
+    return args
+
+
+def convert(argv: list[str]) -> int:
+    options = parse(argv)
+    max_shard_bytes = parse_size(options.max_shard_size)
+    if options.after_training:
+        try:
+            folder = checkpoint_folder(options.path)
+        except CheckpointError:
+            folder = None
+        if folder is None or latest_step(folder) <= 0:
+            print("No trained checkpoint to convert to HF (checkpointing off, or only a seed checkpoint)")
+            return 0
+    step_path = resolve_step_dir(checkpoint_folder(options.path), options.step)
+    sidecar = read_sidecar(step_path)
+    args = model_args_for(step_path, options.config, sidecar)
+    export_adapter(args, options.format)  # an impossible format fails before anything else is read
+    tokenizer = options.tokenizer or (sidecar or {}).get("tokenizer")
+    if tokenizer is None:
+        raise FlameError(f"checkpoint {step_path} records no tokenizer; pass --tokenizer")
+    output = Path(options.output or options.path)
+    plan = plan_export(args, output, options.format, options.dtype, tokenizer)
+
+    import torch
+
+    from flame.checkpoint.dcp_io import load_model_tensors
+    from flame.models import build_model
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in build_model(args).state_dict().items()}
+    state = {k: torch.empty(shape, dtype=torch.float32) for k, shape in shapes.items()}
+    load_model_tensors(step_path, state)
+    files = write_export(plan, state, max_shard_bytes)
+    model_type = plan.adapter.hf_config()["model_type"]
+    if plan.note:
+        print(f"Exporting as {model_type} (loads after `import flame`): {plan.note}")
+    print(f"Converted {step_path} to {output} ({model_type}, {options.dtype}): {', '.join(files)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(convert, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""``torchrun ... -m tests.checkpoint.crash_run <flame.train flags>``: flame's trainer, killed at a controlled point.
+
+FLAME_TEST_KILL="<when>:<step>" makes the coordinating rank SIGKILL itself while saving checkpoint step-<step>:
+- ``before_metadata``: every rank has written its data files, ``.metadata`` is not written yet (a save cut short);
+- ``after_save``: right after ``.metadata`` was written (the run stops between steps, its checkpoint complete).
+torchrun then tears down the other ranks, as after a node failure.
+"""
+
+import os
+import signal
+import sys
+
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+
+def _install(spec: str) -> None:
+    when, step = spec.split(":")
+    original = FileSystemWriter.finish
+
+    def finish(self, metadata, results):
+        target = os.path.basename(os.path.normpath(str(self.path))) == f"step-{step}"
+        if target and when == "before_metadata":
+            os.kill(os.getpid(), signal.SIGKILL)
+        original(self, metadata, results)
+        if target and when == "after_save":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    FileSystemWriter.finish = finish
+
+
+if __name__ == "__main__":
+    _install(os.environ["FLAME_TEST_KILL"])
+    from flame.train import main
+
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Running flame's trainer on 2 CPU ranks for the checkpoint tests, and reading back what it logged."""
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# A fresh rendezvous port for every launch (apart from tests/test_train.py's): a killed run's port may linger.
+PORTS = itertools.count(29731)
+
+
+def run(command: list[str], env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})}
+    )
+
+
+def train_sh(dump: Path, *args: str, ngpu: int = 2, export_hf: bool = True) -> subprocess.CompletedProcess:
+    return run(
+        ["bash", str(REPO / "train.sh"), "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *args],
+        env={
+            "NGPU": str(ngpu),
+            "MASTER_PORT": str(next(PORTS)),
+            "FLAME_EXPORT_HF": "1" if export_hf else "0",
+        },
+    )
+
+
+def killed_run(dump: Path, kill: str, *args: str, ngpu: int = 2) -> subprocess.CompletedProcess:
+    """flame.train under torchrun with FLAME_TEST_KILL=kill (see crash_run.py)."""
+    return run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ngpu), "--master_port", str(next(PORTS)),
+         "-m", "tests.checkpoint.crash_run", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *args],
+        env={"FLAME_TEST_KILL": kill, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+def tensorboard_scalars(folder: Path, tag: str = "loss/train") -> dict[int, float]:
+    """{step: value} of one scalar over every event file under a folder (float32, as TensorBoard stores it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = {}
+    for events in sorted({p.parent for p in folder.rglob("events.out.tfevents.*")}):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        if tag in accumulator.Tags()["scalars"]:
+            values.update({event.step: event.value for event in accumulator.Scalars(tag)})
+    return values
+
+
+def output(result: subprocess.CompletedProcess, dump: Path | None = None) -> str:
+    """The end of a run's console output and, given its dump folder, of every rank's own log."""
+    text = result.stdout[-3000:] + result.stderr[-3000:]
+    for log in sorted((dump / "logs").rglob("stderr.log")) if dump else []:
+        text += f"\n--- {log}\n" + log.read_text()[-3000:]
+    return text

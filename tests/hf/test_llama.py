@@ -1,0 +1,67 @@
+"""--format llama: transformer models as transformers' LlamaForCausalLM, which runs with no flame or FLA import
+(tests/hf/test_flame_types.py loads one in a fresh process); logits equal flame's up to float32 rounding."""
+
+import json
+
+import pytest
+import torch
+
+from flame.utils import convert_dcp_to_hf, convert_hf_to_dcp
+from tests.utils.helpers import save_checkpoint, tiny_model, tokens
+
+CASES = {
+    "gqa": {},
+    "mha-tied-theta": {"num_kv_heads": 4, "tie_word_embeddings": True, "rope_theta": 500000.0},
+    "explicit-width": {"intermediate_size": 96, "hidden_ratio": None},
+}
+REFUSED = {
+    "softpick": ({"attn_impl": "parallel_softpick_attn"}, "attn_impl"),
+    "qk-norm": ({"qk_norm": True}, "qk_norm"),
+    "window": ({"window_size": 8}, "sliding window"),
+    "qkv-bias": ({"qkv_bias": True}, "qkv_bias"),
+}
+
+
+def export_llama(tmp_path, overrides):
+    model = tiny_model("transformer", **overrides)
+    save_checkpoint(tmp_path / "dump", model, step=1)
+    out = tmp_path / "llama"
+    code = convert_dcp_to_hf.main(
+        ["--path", str(tmp_path / "dump"), "--output", str(out), "--format", "llama"]
+    )
+    return model, out, code
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_llama_export_matches_flame_logits(tmp_path, case):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    model, out, code = export_llama(tmp_path, CASES[case])
+    assert code == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    llama = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert isinstance(llama, LlamaForCausalLM)
+    x = tokens(length=40)
+    with torch.no_grad():
+        torch.testing.assert_close(llama(x).logits, model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_llama_refuses_what_it_cannot_express(tmp_path, capsys, case):
+    overrides, reason = REFUSED[case]
+    _, out, code = export_llama(tmp_path, overrides)
+    assert code == 2 and not out.exists()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: cannot export this transformer model as llama") and reason in line
+
+
+def test_llama_round_trip_through_dcp(tmp_path):
+    _, first, code = export_llama(tmp_path, {"tie_word_embeddings": True})
+    assert code == 0
+    step0 = tmp_path / "again" / "checkpoint" / "step-0"
+    assert convert_hf_to_dcp.main(["--model", str(first), "--checkpoint", str(step0)]) == 0
+    second = tmp_path / "second"
+    assert convert_dcp_to_hf.main(["--path", str(tmp_path / "again"), "--output", str(second),
+                                   "--format", "llama"]) == 0  # fmt: skip
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
