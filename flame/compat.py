@@ -31,6 +31,7 @@ def torchtitan_job_config() -> type:
 def apply() -> None:
     _register_fake_process_group()
     _use_cpu_when_no_accelerator()
+    _profile_cpu_only_without_gpu()
 
 
 def _register_fake_process_group() -> None:
@@ -68,3 +69,28 @@ def _use_cpu_when_no_accelerator() -> None:
             module.device_type = "cpu"
         if hasattr(module, "device_module"):
             module.device_module = cpu_module
+
+
+def _profile_cpu_only_without_gpu() -> None:
+    # torchtitan 0.2.2 tools/profiling.maybe_enable_profiling passes activities=[CPU, None] when neither CUDA nor
+    # XPU is available, and torch.profiler.profile rejects the None ("Expected ProfilerActivity or dict"; no
+    # upstream issue filed). Give that module a torch whose profiler drops it.
+    if torch.cuda.is_available() or torch.xpu.is_available():
+        return
+    import torchtitan.tools.profiling as profiling
+
+    class CpuProfile(torch.profiler.profile):
+        def __init__(self, *args, activities=None, **kwargs):
+            super().__init__(
+                *args, activities=[a for a in activities or () if a is not None] or None, **kwargs
+            )
+
+    class TorchWithCpuProfiler(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    patched = TorchWithCpuProfiler("torch")
+    patched.profiler = types.SimpleNamespace(
+        profile=CpuProfile, schedule=torch.profiler.schedule, ProfilerActivity=torch.profiler.ProfilerActivity
+    )
+    profiling.torch = patched

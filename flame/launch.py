@@ -1,8 +1,9 @@
 """Pre-flight check that train.sh runs before torchrun starts any rank.
 
-Parses the job (fast: no torchtitan package init), checks the model config, the tokenizer's vocabulary and
-NGPU, and answers ``--help`` and ``--job.dry_run`` itself. A mistake is one line on stderr and exit code 2,
-before any rank could turn it into a wall of tracebacks. With FLAME_LAUNCH_ENV set, writes the resolved
+Parses the job (fast: no torchtitan package init), checks the model config, the tokenizer's vocabulary, NGPU
+and the parallelism degrees against NGPU x NNODE and the model (flame.parallelize.checks), and answers ``--help``
+and ``--job.dry_run`` itself. A mistake is one line on stderr and exit code 2, before any rank could turn it into
+a wall of tracebacks. With FLAME_LAUNCH_ENV set, writes the resolved
 dump folder there for train.sh.
 """
 
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 from flame.config import parse_args
+from flame.config.checks import validate_job
 from flame.errors import FlameError
 from flame.models import build_model, load_model_args
 
@@ -57,6 +59,7 @@ def dry_run(job_config, model_args) -> None:
 
 def preflight(argv: list[str]) -> int:
     job_config = parse_args(argv)
+    validate_job(job_config)
     model_args, _ = load_model_args(job_config.model.config)
     vocab = tokenizer_vocab_size(job_config.model.tokenizer_path)
     if vocab is not None and vocab > model_args.vocab_size:
@@ -69,9 +72,16 @@ def preflight(argv: list[str]) -> int:
     if job_config.job.dry_run:
         dry_run(job_config, model_args)
         return EXIT_DONE
-    check_devices(int(os.environ.get("NGPU", "1")))
+    ngpu = int(os.environ.get("NGPU", "1"))
+    check_devices(ngpu)
+    from flame.parallelize.checks import check_parallelism
+
+    check_parallelism(job_config, model_args, world_size=ngpu * int(os.environ.get("NNODE", "1")))
     if env_file := os.environ.get("FLAME_LAUNCH_ENV"):
-        Path(env_file).write_text(f"DUMP_FOLDER={job_config.job.dump_folder}\n")
+        lines = [f"DUMP_FOLDER={job_config.job.dump_folder}"]
+        if job_config.debug.enable:  # read when CUDA starts: exported before any rank does
+            lines.append("export CUDA_LAUNCH_BLOCKING=1")
+        Path(env_file).write_text("\n".join(lines) + "\n")
     return 0
 
 

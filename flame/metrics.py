@@ -1,5 +1,12 @@
-"""What a run reports every ``metrics.log_freq`` steps: one console line and TensorBoard scalars."""
+"""What a run reports: one console line every ``metrics.log_freq`` steps, the same values as TensorBoard scalars
+(``--metrics.enable_tensorboard``, on by default) and W&B (``--metrics.enable_wandb``), plus validation results
+and text samples. docs/metrics.md lists every metric.
 
+Only rank 0 writes (every rank with ``--metrics.save_for_all_ranks``, each in its own TensorBoard folder); the
+values are global (loss summed over data-parallel ranks) except throughput and memory, which are per device.
+"""
+
+import dataclasses
 import os
 import resource
 import time
@@ -9,55 +16,107 @@ import torch
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import get_peak_flops
 
+from flame.errors import ConfigError
+
 
 def device_memory_gib(device: torch.device) -> tuple[float, float]:
-    """(peak allocated, peak reserved) GiB on a GPU; on the CPU the process's peak resident set twice."""
+    """(peak allocated, peak reserved) GiB since start on a GPU; on the CPU the process's peak resident set twice."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     return peak_rss, peak_rss
 
 
+class TensorBoardWriter:
+    def __init__(self, folder: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(folder, max_queue=1000)
+
+    def scalars(self, metrics: dict[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.writer.add_text(tag, text, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbWriter:
+    """A W&B run in <dump_folder>/wandb; WANDB_MODE=offline logs there without network (``wandb sync`` later)."""
+
+    def __init__(self, job_config):
+        try:
+            import wandb
+        except ImportError as e:  # also checked at start-up by flame.config.checks
+            raise ConfigError(
+                "metrics.enable_wandb needs the wandb package: pip install 'flame[wandb]' (or pip install wandb)"
+            ) from e
+        self.wandb = wandb
+        dump = job_config.job.dump_folder
+        os.makedirs(dump, exist_ok=True)
+        wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "flame"),
+            name=os.environ.get("WANDB_NAME") or os.path.basename(os.path.abspath(dump)),
+            dir=dump,
+            config=dataclasses.asdict(job_config),
+        )
+        logger.info(f"W&B run {wandb.run.name} ({os.environ.get('WANDB_MODE', 'online')})")
+
+    def scalars(self, metrics: dict[str, float], step: int) -> None:
+        self.wandb.log(metrics, step=step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.wandb.log({tag: self.wandb.Html(f"<pre>{text}</pre>")}, step=step)
+
+    def close(self) -> None:
+        self.wandb.finish()
+
+
 class MetricsLogger:
-    def __init__(self, job_config, device: torch.device, rank: int, flops_per_token: int):
+    def __init__(self, job_config, device: torch.device, rank: int, flops_per_token: int, last_step: int):
         self.log_freq = job_config.metrics.log_freq
-        self.total_steps = job_config.training.steps
+        self.last_step = last_step
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak_flops = (
             get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         )
-        self.writer = None
-        if job_config.metrics.enable_tensorboard and (rank == 0 or job_config.metrics.save_for_all_ranks):
-            from torch.utils.tensorboard import SummaryWriter
-
-            folder = os.path.join(
-                job_config.job.dump_folder,
-                job_config.metrics.save_tb_folder,
-                datetime.now().strftime("%Y%m%d-%H%M"),
-            )
-            if job_config.metrics.save_for_all_ranks:
-                folder = os.path.join(folder, f"rank_{rank}")
-            self.writer = SummaryWriter(folder, max_queue=1000)
+        self.writers = []
+        metrics = job_config.metrics
+        if rank == 0 or metrics.save_for_all_ranks:
+            if metrics.enable_tensorboard:
+                folder = os.path.join(
+                    job_config.job.dump_folder, metrics.save_tb_folder, datetime.now().strftime("%Y%m%d-%H%M")
+                )
+                if metrics.save_for_all_ranks:
+                    folder = os.path.join(folder, f"rank_{rank}")
+                self.writers.append(TensorBoardWriter(folder))
+            if metrics.enable_wandb and rank == 0:
+                self.writers.append(WandbWriter(job_config))
         self.reset_window(step=0)
 
     def should_log(self, step: int) -> bool:
-        return step == 1 or step % self.log_freq == 0 or step == self.total_steps
+        return step == 1 or step % self.log_freq == 0 or step == self.last_step
 
     def reset_window(self, step: int) -> None:
+        """Start a new measuring window (throughput, data-loading share and ETA average over it)."""
         self.window_start = time.perf_counter()
         self.window_step = step
         self.window_tokens = 0
         self.window_data_time = 0.0
-        if step == 0:
-            self.run_start = self.window_start
+        self.window_other_time = 0.0  # validation and text samples: not part of the training throughput
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Add throughput, MFU, memory and ETA to ``metrics`` (loss, grad_norm, lr ...), print, write TB."""
+        """Add throughput, MFU, memory and ETA to ``metrics`` (loss, grad_norm, lr ...), print, write."""
         elapsed = time.perf_counter() - self.window_start
-        tokens_per_second = self.window_tokens / elapsed
+        training_time = elapsed - self.window_other_time
+        tokens_per_second = self.window_tokens / training_time
         metrics["throughput/tokens_per_second_per_device"] = tokens_per_second
-        metrics["throughput/data_loading_share"] = self.window_data_time / elapsed
+        metrics["throughput/data_loading_share"] = self.window_data_time / training_time
         if self.peak_flops:
             metrics["throughput/mfu_percent"] = (
                 100 * self.flops_per_token * tokens_per_second / self.peak_flops
@@ -65,21 +124,43 @@ class MetricsLogger:
         metrics["memory/peak_allocated_gib"], metrics["memory/peak_reserved_gib"] = device_memory_gib(
             self.device
         )
-        steps_done = step - self.window_step
-        eta = timedelta(seconds=int(elapsed / max(steps_done, 1) * (self.total_steps - step)))
+        steps_done = max(step - self.window_step, 1)
+        eta = timedelta(seconds=int(elapsed / steps_done * (self.last_step - step)))
 
-        mfu = f"  mfu {metrics['throughput/mfu_percent']:5.1f}%" if self.peak_flops else ""
-        logger.info(
-            f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {metrics['loss/train']:7.4f}  "
-            f"grad_norm {metrics['grad_norm']:7.3f}  lr {metrics['lr']:.2e}  "
-            f"tok/s {tokens_per_second:,.0f}{mfu}  mem {metrics['memory/peak_reserved_gib']:.2f}GiB  "
-            f"data {100 * metrics['throughput/data_loading_share']:.0f}%  eta {eta}"
-        )
-        if self.writer is not None:
-            for name, value in metrics.items():
-                self.writer.add_scalar(name, value, step)
+        parts = [
+            f"step {step:>{len(str(self.last_step))}}/{self.last_step}",
+            f"loss {metrics['loss/train']:7.4f}",
+            f"z_loss {metrics['loss/z_loss']:.2e}" if "loss/z_loss" in metrics else "",
+            f"grad_norm {metrics['grad_norm']:7.3f}",
+            f"lr {metrics['lr']:.2e}",
+            f"tok/s {tokens_per_second:,.0f}",
+            f"mfu {metrics['throughput/mfu_percent']:5.1f}%" if self.peak_flops else "",
+            f"mem {metrics['memory/peak_reserved_gib']:.2f}GiB",
+            f"data {100 * metrics['throughput/data_loading_share']:.0f}%",
+            f"skipped {metrics['skipped_steps']}" if metrics.get("skipped_steps") else "",
+            f"eta {eta}",
+        ]
+        logger.info("  ".join(part for part in parts if part))
+        for writer in self.writers:
+            writer.scalars(metrics, step)
         self.reset_window(step)
 
+    def log_validation(self, step: int, metrics: dict[str, float], seconds: float) -> None:
+        logger.info(
+            f"validation at step {step}: loss {metrics['loss/validation']:.4f}  "
+            f"perplexity {metrics['perplexity/validation']:.2f}  "
+            f"({metrics['validation/tokens']:,.0f} tokens, {seconds:.1f}s)"
+        )
+        for writer in self.writers:
+            writer.scalars(metrics, step)
+
+    def log_samples(self, step: int, samples: list[tuple[str, str]]) -> None:
+        """(prompt, completion) pairs: console, and TensorBoard text under samples/<i>."""
+        for i, (prompt, completion) in enumerate(samples):
+            logger.info(f"sample {i} at step {step}: {prompt!r} -> {completion!r}")
+            for writer in self.writers:
+                writer.text(f"samples/{i}", f"**{prompt}**{completion}", step)
+
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for writer in self.writers:
+            writer.close()

@@ -1,8 +1,10 @@
 """flame's trainer: ``torchrun ... -m flame.train [--section.field value ...]`` (train.sh does this).
 
-One step, top to bottom: draw ``accumulation`` micro-batches, count the labelled tokens over all data-parallel
-ranks, forward + backward each micro-batch with the loss summed and divided by that global count, clip the
-gradient norm, step the optimizer and the schedule (or skip a non-finite step), log, checkpoint.
+One step, top to bottom (``train_step``): draw ``accumulation`` micro-batches, count the labelled tokens over all
+data-parallel ranks, forward + backward each micro-batch with the loss (cross-entropy, plus the z-loss if asked)
+summed and divided by that global count, clip the gradient norm, step the optimizer and the schedule (or skip a
+non-finite step), log. Then (``train``) checkpoint, validate and sample text when due, until training.steps or the
+hard stop training.stop_at_step.
 """
 
 import contextlib
@@ -15,24 +17,38 @@ import torch
 import torch.nn.functional as F
 import torchtitan  # noqa: F401  (the real package, before flame.config parses: see compat.torchtitan_job_config)
 from torch.distributed.checkpoint.stateful import Stateful
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools import utils as tt_utils
 from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 from flame import compat
+from flame.checkpoint.manager import CheckpointManager
+from flame.checkpoint.rng import RNGState
 from flame.config import parse_args
+from flame.config.checks import last_step, validate_job
 from flame.data import build_dataloader, build_tokenizer
 from flame.errors import FlameError
 from flame.metrics import MetricsLogger
 from flame.models import build_model, load_model_args
 from flame.models.common.args import ModelArgs
-from flame.parallelize import parallelize_model
+from flame.optim import build_lr_schedulers, build_optimizers
+from flame.parallelize import parallelize_model, tie_embeddings
+from flame.samples import SampleGenerator
+from flame.validate import Validator
 
 IGNORE_INDEX = -100
+
+
+def loss_sums(logits: torch.Tensor, labels: torch.Tensor, z_loss: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy summed over the labelled tokens, and the z-loss term logsumexp(logits)^2 summed over the same
+    tokens (zero unless ``z_loss``)."""
+    logits, labels = logits.flatten(0, 1).float(), labels.flatten()
+    cross_entropy = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if not z_loss:
+        return cross_entropy, torch.zeros_like(cross_entropy)
+    return cross_entropy, (logits.logsumexp(-1).square() * (labels != IGNORE_INDEX)).sum()
 
 
 def fit_vocab_to_tokenizer(model_args: ModelArgs, tokenizer, resize: bool) -> None:
@@ -51,8 +67,10 @@ def fit_vocab_to_tokenizer(model_args: ModelArgs, tokenizer, resize: bool) -> No
 
 class Trainer(Stateful):
     def __init__(self, job_config):
+        validate_job(job_config)
         self.job_config = job_config
         training = job_config.training
+        self.last_step = last_step(job_config)  # training.steps, or training.stop_at_step (hard stop)
 
         # Devices and process groups.
         if torch.cuda.is_available():
@@ -101,6 +119,7 @@ class Trainer(Stateful):
         )
         model = parallelize_model(model, self.parallel_dims, job_config)
         model.to_empty(device="cpu" if training.enable_cpu_offload else self.device)
+        tie_embeddings(model)  # to_empty unties a shared plain Parameter
         model.init_weights()
         model.train()
         self.model_parts = [model]
@@ -118,8 +137,8 @@ class Trainer(Stateful):
             self.accumulation = training.global_batch_size // per_step
         else:
             self.accumulation = 1
-        self.optimizers = build_optimizers(self.model_parts, job_config.optimizer, self.parallel_dims)
-        self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config.lr_scheduler, training.steps)
+        self.optimizers = build_optimizers(self.model_parts, job_config)
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config)
         # bf16 autocast is slower than float32 on CPUs: CPU runs train in float32 throughout.
         self.amp = (
             dist_utils.maybe_enable_amp(self.parallel_dims, training.mixed_precision_param, self.device.type)
@@ -127,24 +146,42 @@ class Trainer(Stateful):
             else contextlib.nullcontext()
         )
 
-        # State saved with every checkpoint (train_state is this object: step, tokens, skipped steps).
+        # State saved with every checkpoint (train_state is this object: step, tokens, skipped steps; rng: the
+        # random generators of every rank). flame.json in each step directory records the model config.
         self.step = 0
         self.ntokens_seen = 0
         self.skipped_steps = 0
+        tokenizer_path = job_config.model.tokenizer_path
         self.checkpointer = CheckpointManager(
             dataloader=self.dataloader,
             model_parts=self.model_parts,
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
-            states={"train_state": self},
+            states={"train_state": self, "rng": RNGState()},
             checkpoint_config=job_config.checkpoint,
             sd_adapter=None,
             base_folder=job_config.job.dump_folder,
+            model_config=self.model_args.to_dict(),
+            tokenizer=os.path.abspath(tokenizer_path) if os.path.isdir(tokenizer_path) else tokenizer_path,
         )
-        self.metrics = MetricsLogger(job_config, self.device, torch.distributed.get_rank(), flops_per_token)
+        self.metrics = MetricsLogger(
+            job_config, self.device, torch.distributed.get_rank(), flops_per_token, self.last_step
+        )
+
+        # Optional work between steps: validation loss and text samples.
+        batch_mesh = self.parallel_dims.get_mesh("batch") if self.parallel_dims.dp_enabled else None
+        self.validator = (
+            Validator(job_config, self.tokenizer, self.dp_rank, self.dp_degree, batch_mesh)
+            if job_config.validation.enable
+            else None
+        )
+        self.sampler = SampleGenerator(job_config, self.tokenizer) if job_config.inference.interval else None
+        if job_config.profiling.enable_memory_snapshot and self.device.type != "cuda":
+            raise FlameError("profiling.enable_memory_snapshot records CUDA memory; it needs a GPU")
+        stop = f", stopping at step {self.last_step}" if self.last_step < training.steps else ""
         logger.info(
-            f"Training {training.steps} steps of {training.local_batch_size} x {training.seq_len} tokens per device, "
-            f"{self.dp_degree} data-parallel ranks, {self.accumulation} accumulation step(s)"
+            f"Training {training.steps} steps{stop} of {training.local_batch_size} x {training.seq_len} tokens per "
+            f"device, {self.dp_degree} data-parallel ranks, {self.accumulation} accumulation step(s)"
         )
 
     def next_batches(self, data_iterator) -> list[tuple[dict, torch.Tensor]]:
@@ -155,21 +192,21 @@ class Trainer(Stateful):
 
     def forward_backward(
         self, input_dict: dict, labels: torch.Tensor, global_tokens: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward + backward of one micro-batch; returns its shares of the step's cross-entropy and z-loss."""
         model = self.model_parts[0]
+        z_loss = self.job_config.training.z_loss
         inputs = {k: v.to(self.device) for k, v in input_dict.items()}
         labels = labels.to(self.device)
         with self.amp:
             logits = model(
                 inputs["input"], position_ids=inputs.get("position_ids"), cu_seqlens=inputs.get("cu_seqlens")
             )
-            loss_sum = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-        loss = loss_sum / global_tokens
+            cross_entropy, z_term = loss_sums(logits, labels, z_loss=z_loss > 0)
+        loss = (cross_entropy + z_loss * z_term) / global_tokens
         del logits  # free before backward
         loss.backward()
-        return loss.detach()
+        return cross_entropy.detach() / global_tokens, z_loss * z_term.detach() / global_tokens
 
     def train_step(self, data_iterator) -> None:
         self.optimizers.zero_grad()
@@ -184,11 +221,14 @@ class Trainer(Stateful):
             if self.parallel_dims.dp_enabled
             else local_tokens.float()
         )
-        loss = sum(self.forward_backward(inputs, labels, global_tokens) for inputs, labels in batches)
+        losses = [self.forward_backward(inputs, labels, global_tokens) for inputs, labels in batches]
+        loss = sum(cross_entropy for cross_entropy, _ in losses)
+        z_loss = sum(z_term for _, z_term in losses)
         step_tokens = sum(labels.numel() for _, labels in batches)
         self.ntokens_seen += step_tokens
         self.metrics.window_tokens += step_tokens
 
+        # The norm before clipping (what clip_grad_norm_ returns) is the one logged.
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.job_config.training.max_norm,
@@ -203,18 +243,32 @@ class Trainer(Stateful):
         self.lr_schedulers.step()
 
         if self.metrics.should_log(self.step):
+            totals = torch.stack([loss, z_loss])
             if self.parallel_dims.dp_enabled:
-                loss = dist_utils.dist_sum(loss, self.parallel_dims.get_mesh("batch"))
-            self.metrics.log(
-                self.step,
-                {
-                    "loss/train": float(loss),
-                    "grad_norm": float(grad_norm),
-                    "lr": lr,
-                    "skipped_steps": self.skipped_steps,
-                    "tokens_seen": self.ntokens_seen * self.dp_degree,
-                },
-            )
+                torch.distributed.all_reduce(totals, group=self.parallel_dims.get_mesh("batch").get_group())
+            metrics = {
+                "loss/train": float(totals[0]),
+                "grad_norm": float(grad_norm),
+                "lr": lr,
+                "skipped_steps": self.skipped_steps,
+                "tokens_seen": self.ntokens_seen * self.dp_degree,
+            }
+            if self.job_config.training.z_loss > 0:
+                metrics["loss/z_loss"] = float(totals[1])
+            self.metrics.log(self.step, metrics)
+
+    def validate(self) -> None:
+        start = time.perf_counter()
+        results = self.validator.validate(self.model_parts[0], self.device, self.amp)
+        seconds = time.perf_counter() - start
+        self.metrics.window_other_time += seconds
+        self.metrics.log_validation(self.step, results, seconds)
+
+    def sample(self) -> None:
+        start = time.perf_counter()
+        samples = self.sampler.generate(self.model_parts[0], self.device, self.amp, self.step)
+        self.metrics.window_other_time += time.perf_counter() - start
+        self.metrics.log_samples(self.step, samples)
 
     def train(self) -> None:
         job_config = self.job_config
@@ -222,16 +276,35 @@ class Trainer(Stateful):
         logger.info(f"Training starts at step {self.step + 1}")
         self.metrics.reset_window(self.step)
         data_iterator = iter(self.dataloader)
-        while self.step < job_config.training.steps:
-            self.step += 1
-            self.gc_handler.run(self.step)
-            self.train_step(data_iterator)
-            self.checkpointer.save(self.step, last_step=self.step == job_config.training.steps)
-            if self.step == 1:  # lazy init and compilation are done: tighten the timeout for faster failure
-                dist_utils.set_pg_timeouts(
-                    timedelta(seconds=job_config.comm.train_timeout_seconds), self.parallel_dims
-                )
-        logger.info("Training completed")
+        # The profiler (--profiling.enable_profiling) and the CUDA memory recorder (--profiling.enable_memory_snapshot)
+        # write under <dump_folder>/<their folders> every profiling.profile_freq steps; off, they are None.
+        profiling, dump, step = job_config.profiling, job_config.job.dump_folder, self.step
+        with (
+            maybe_enable_profiling(profiling, global_step=step, base_folder=dump) as torch_profiler,
+            maybe_enable_memory_snapshot(profiling, global_step=step, base_folder=dump) as memory_profiler,
+        ):
+            while self.step < self.last_step:
+                self.step += 1
+                self.gc_handler.run(self.step)
+                self.train_step(data_iterator)
+                self.checkpointer.save(self.step, last_step=self.step == self.last_step)
+                if self.validator and self.validator.should_validate(self.step, self.last_step):
+                    self.validate()
+                if self.sampler and self.sampler.should_sample(self.step):
+                    self.sample()
+                if torch_profiler:
+                    torch_profiler.step()
+                if memory_profiler:
+                    memory_profiler.step()
+                if self.step == 1:
+                    # Lazy init and compilation are done: tighten the timeout for faster failure.
+                    dist_utils.set_pg_timeouts(
+                        timedelta(seconds=job_config.comm.train_timeout_seconds), self.parallel_dims
+                    )
+        if self.last_step < job_config.training.steps:
+            logger.info(f"Stopped at step {self.step} of {job_config.training.steps} (training.stop_at_step)")
+        else:
+            logger.info("Training completed")
 
     def create_seed_checkpoint(self) -> None:
         """Save the initial weights as step 0 (model only): runs with any parallelism that load it start
@@ -255,10 +328,21 @@ class Trainer(Stateful):
         self.metrics.close()
 
 
+def enable_debug_mode() -> None:
+    """--debug.enable: synchronous CUDA kernels, so an error is raised at the kernel that failed (read when CUDA
+    starts: set before any CUDA call here, and exported by train.sh), and autograd anomaly detection, which names
+    the forward op whose backward produced a NaN. Both slow training down."""
+    os.environ["CUDA_LAUNCH_BLOCKING"] = "1"
+    torch.autograd.set_detect_anomaly(True)
+    logger.info("Debug mode: CUDA_LAUNCH_BLOCKING=1, autograd anomaly detection on")
+
+
 def main(argv: list[str] | None = None) -> int:
     init_logger()
     try:
         job_config = parse_args(sys.argv[1:] if argv is None else argv)
+        if job_config.debug.enable:
+            enable_debug_mode()
         compat.apply()
         trainer = Trainer(job_config)
     except FlameError as e:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.trainer_helpers import text_events
+
 REPO = Path(__file__).resolve().parents[1]
 LOSS = re.compile(r"step\s+(\d+)/\d+\s+loss\s+([0-9.]+)")
 
@@ -50,15 +52,17 @@ def periodic_corpus(tmp_path_factory):
     )
     seq_len = len(tokenizer.encode(text)) + 2
     folder = tmp_path_factory.mktemp("periodic")
-    with open(folder / "train.jsonl", "w") as f:
-        for _ in range(64):
-            f.write(json.dumps({"text": text}) + "\n")
+    for split, count in (("train", 64), ("validation", 8)):
+        with open(folder / f"{split}.jsonl", "w") as f:
+            for _ in range(count):
+                f.write(json.dumps({"text": text}) + "\n")
     return folder, seq_len
 
 
 def test_default_job_trains_and_writes_checkpoint_and_tensorboard(tmp_path):
     dump = tmp_path / "run"
-    losses = run_train_sh(dump, 1, "--training.steps", "12", "--checkpoint.interval", "6")
+    losses = run_train_sh(dump, 1, "--training.steps", "12", "--lr_scheduler.warmup_steps", "2",
+                          "--checkpoint.interval", "6")  # fmt: skip
     assert sorted(losses) == list(range(1, 13))
     assert losses[1] > 8.0  # ~ln(4096) at initialisation
     assert losses[12] < losses[1] - 0.8  # clearly falling
@@ -72,13 +76,16 @@ def test_default_job_trains_and_writes_checkpoint_and_tensorboard(tmp_path):
 def test_fsdp_on_two_processes_matches_one_process(tmp_path, periodic_corpus):
     folder, seq_len = periodic_corpus
     common = ["--training.dataset", str(folder), "--training.seq_len", str(seq_len), "--training.steps", "3",
-              "--checkpoint.interval", "100", "--training.seed", "7"]  # fmt: skip
+              "--lr_scheduler.warmup_steps", "1", "--checkpoint.interval", "100", "--training.seed", "7"]  # fmt: skip
+    # Validation and text samples run on every rank of a sharded model (only rank 0 logs).
+    extras = ["--validation.enable", "--validation.freq", "2", "--inference.interval", "2",
+              "--inference.max_new_tokens", "4"]  # fmt: skip
     # Both runs start from the same seed checkpoint (step 0, model only), resharded by DCP on load.
     run_train_sh(tmp_path / "seed", 1, *common, "--checkpoint.create_seed_checkpoint")
     for run in ("one", "two"):
         shutil.copytree(tmp_path / "seed" / "checkpoint", tmp_path / run / "checkpoint")
-    run_train_sh(tmp_path / "one", 1, *common, "--training.batch_size", "4")
-    run_train_sh(tmp_path / "two", 2, *common, "--training.batch_size", "2")
+    run_train_sh(tmp_path / "one", 1, *common, *extras, "--training.batch_size", "4")
+    run_train_sh(tmp_path / "two", 2, *common, *extras, "--training.batch_size", "2")
     single = tensorboard_scalars(tmp_path / "one", "loss/train")
     sharded = tensorboard_scalars(tmp_path / "two", "loss/train")
     assert sorted(single) == sorted(sharded) == [1, 2, 3]
@@ -86,3 +93,10 @@ def test_fsdp_on_two_processes_matches_one_process(tmp_path, periodic_corpus):
     # Same weights, same global batch: only float32 summation order differs between 1 and 2 ranks.
     for step in (1, 2, 3):
         assert sharded[step] == pytest.approx(single[step], rel=1e-5), (step, single, sharded)
+    # Every row of the validation split is the same sequence: same loss whichever rank reads it.
+    single_validation = tensorboard_scalars(tmp_path / "one", "loss/validation")
+    sharded_validation = tensorboard_scalars(tmp_path / "two", "loss/validation")
+    assert sorted(single_validation) == sorted(sharded_validation) == [2, 3]
+    for step in (2, 3):
+        assert sharded_validation[step] == pytest.approx(single_validation[step], rel=1e-5)
+    assert sorted(text_events(tmp_path / "two", "samples/0")) == [2]

@@ -99,6 +99,16 @@ class Training:
     skip_nan_inf: bool = False
     """Skip the optimizer step when the gradient norm is NaN or Inf, and count it"""
 
+    z_loss: float = 0.0
+    """Z-loss coefficient: adds coef x logsumexp(logits)^2, averaged over labelled tokens like the cross-entropy
+    (OLMo uses 1e-5); 0 disables"""
+
+    stop_at_step: int | None = None
+    """Hard stop: end the run after this step (saving a checkpoint); the LR schedule still spans training.steps"""
+
+    warmup_steps: int | None = None
+    """Alias of lr_scheduler.warmup_steps (older flame)"""
+
     data_parallel_replicate_degree: int | None = None
     """Alias of parallelism.data_parallel_replicate_degree"""
 
@@ -107,6 +117,23 @@ class Training:
 
     tensor_parallel_degree: int | None = None
     """Alias of parallelism.tensor_parallel_degree"""
+
+
+@dataclass
+class Optimizer:
+    decay_embeddings: bool = True
+    """Apply weight decay to the embeddings (flame's and FLA's recipes; OLMo's exclude them:
+    --optimizer.no-decay-embeddings). Norm scales, biases and other parameters below 2 dimensions never decay"""
+
+    scheduler: Literal["wsd", "cosine", "linear"] | None = None
+    """Older flame's schedule name: cosine and linear set lr_scheduler.decay_type (decay from the end of warmup),
+    wsd keeps the LR stable until the last lr_scheduler.decay_ratio of the steps (default 0.1)"""
+
+    min_lr_ratio: float | None = None
+    """Alias of lr_scheduler.min_lr_factor (older flame)"""
+
+    fused: bool = False
+    """Older flame's switch for optimizer.implementation = fused (already the default)"""
 
 
 @dataclass
@@ -132,6 +159,59 @@ class Metrics:
     enable_tensorboard: bool = True
     """Write TensorBoard event files under <dump_folder>/<save_tb_folder>"""
 
+    enable_wandb: bool = False
+    """Log to Weights & Biases (pip install 'flame[wandb]'); project $WANDB_PROJECT (default flame), run name
+    $WANDB_NAME (default: the dump folder's name); WANDB_MODE=offline needs no network"""
+
+
+@dataclass
+class Validation:
+    freq: int = 100
+    """Validate every freq steps (and at the last step)"""
+
+    dataset: str | None = None
+    """Dataset to validate on (default: the training dataset(s), read at validation.split)"""
+
+    dataset_name: str | None = None
+    """Config name of validation.dataset"""
+
+    split: str = "validation"
+    """Split read (once, in order) for validation"""
+
+    local_batch_size: int | None = None
+    """Sequences per device per validation step (default: training.local_batch_size)"""
+
+    seq_len: int | None = None
+    """Tokens per validation sequence (default: training.seq_len)"""
+
+    def __post_init__(self):
+        pass  # replaces torchtitan's assert on steps: flame.config.checks reports bad values in one line
+
+
+@dataclass
+class Inference:
+    interval: int = 0
+    """Generate text from inference.prompt every interval steps and log it (0: never)"""
+
+    prompt: str = "The"
+    """Prompt(s) for the text samples; separate several with '|'"""
+
+    max_new_tokens: int = 32
+    """Tokens generated per prompt"""
+
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy decoding"""
+
+    top_k: int = 0
+    """Sample among the top_k most likely tokens (0: all)"""
+
+
+@dataclass
+class Debug:
+    enable: bool = False
+    """Debug mode: CUDA_LAUNCH_BLOCKING=1 (a CUDA error points at the failing kernel) and autograd anomaly
+    detection (names the op that produced a NaN in backward); slow"""
+
 
 @dataclass
 class ActivationCheckpoint:
@@ -144,10 +224,14 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    validation: Validation = field(default_factory=Validation)
+    inference: Inference = field(default_factory=Inference)
+    debug: Debug = field(default_factory=Debug)
 
 
 # flame flag -> torchtitan field it sets (when the flame flag is given).
@@ -161,5 +245,7 @@ ALIASES: dict[str, str] = {
     "training.data_parallel_replicate_degree": "parallelism.data_parallel_replicate_degree",
     "training.data_parallel_shard_degree": "parallelism.data_parallel_shard_degree",
     "training.tensor_parallel_degree": "parallelism.tensor_parallel_degree",
+    "training.warmup_steps": "lr_scheduler.warmup_steps",
     "lr_scheduler.lr_min": "lr_scheduler.min_lr_factor",
+    "optimizer.min_lr_ratio": "lr_scheduler.min_lr_factor",
 }

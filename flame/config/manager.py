@@ -199,13 +199,18 @@ def _is_bool(annotation: Any) -> bool:
 
 
 def _check_value(flag: str, value: str, annotation: Any) -> None:
-    options = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
+    types = set(typing.get_args(annotation)) or {annotation}
+    if value == "None" and type(None) in types:
+        return
+    # A Literal, or an optional one (Literal[...] | None).
+    literal = next(
+        (a for a in (annotation, *typing.get_args(annotation)) if typing.get_origin(a) is typing.Literal),
+        None,
+    )
+    options = typing.get_args(literal) if literal is not None else None
     if options is not None:
         if value not in [str(o) for o in options]:
             raise ConfigError(f"--{flag} must be one of {', '.join(map(str, options))}, got '{value}'")
-        return
-    types = set(typing.get_args(annotation)) or {annotation}
-    if value == "None" and type(None) in types:
         return
     for kind in (int, float):
         if kind in types:
@@ -251,6 +256,30 @@ def resolve_aliases(config: Any) -> None:
     accumulation = config.training.gradient_accumulation_steps
     if accumulation is not None and accumulation < 1:
         raise ConfigError(f"training.gradient_accumulation_steps must be >= 1, got {accumulation}")
+    if config.optimizer.fused:
+        config.optimizer.implementation = "fused"
+    _resolve_scheduler_name(config)
+
+
+# Fraction of the steps that older flame's "wsd" schedule decays over when lr_scheduler.decay_ratio is unset.
+WSD_DEFAULT_DECAY_RATIO = 0.1
+
+
+def _resolve_scheduler_name(config: Any) -> None:
+    """Older flame's ``--optimizer.scheduler {wsd,cosine,linear}`` on torchtitan's warmup-stable-decay schedule."""
+    name, scheduler = config.optimizer.scheduler, config.lr_scheduler
+    if name is None:
+        return
+    if name == "wsd":
+        if scheduler.decay_ratio is None:
+            scheduler.decay_ratio = WSD_DEFAULT_DECAY_RATIO
+        return
+    if scheduler.decay_ratio is not None:
+        raise ConfigError(
+            f"optimizer.scheduler {name} decays from the end of warmup and takes no lr_scheduler.decay_ratio; "
+            "use --optimizer.scheduler wsd (with --lr_scheduler.decay_type) for a stable phase"
+        )
+    scheduler.decay_type = name
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -187,12 +187,18 @@ class HybridModelArgs(ModelArgs):
         return None
 
     def layer_flops_per_token(self, seq_len: int) -> int:
-        # Attention layers only, counted as the transformer family counts them (full square, x3 for backward).
-        total = 0
+        # Attention layers counted as the transformer family counts them (full square, x3 for backward), the
+        # other layers with the family's own mixer term (flame.models.common.flops).
+        total, attention_layers = 0, 0
         for spec in parse_attn(self.attn, self.num_hidden_layers, self.hidden_size):
             context = min(seq_len, spec.window_size) if spec.window_size else seq_len
             total += 12 * len(spec.layers) * self.hidden_size * context
-        return total
+            attention_layers += len(spec.layers)
+        return total + (self.num_hidden_layers - attention_layers) * self.mixer_flops_per_token()
+
+    def mixer_flops_per_token(self) -> int:
+        """Training FLOPs per token of one layer of the family's own mixer, beyond its parameters."""
+        return 0
 
 
 def build_hybrid_attention(args: HybridModelArgs, layer_id: int) -> Attention | None:

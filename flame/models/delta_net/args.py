@@ -6,6 +6,7 @@ from typing import ClassVar
 
 from flame.errors import ModelConfigError
 from flame.models.common.args import require_positive_int
+from flame.models.common.flops import chunked_delta_rule_flops_per_token
 from flame.models.common.hybrid import HybridModelArgs
 from flame.models.layers.delta_net import QK_ACTIVATIONS, QK_NORMS
 
@@ -44,3 +45,8 @@ class DeltaNetArgs(HybridModelArgs):
             )
         if self.qk_norm not in QK_NORMS:
             raise ModelConfigError(f"qk_norm must be one of {', '.join(QK_NORMS)}, got {self.qk_norm!r}")
+
+    def mixer_flops_per_token(self) -> int:
+        head_k_dim = round(self.hidden_size * self.expand_k) // self.num_heads
+        head_v_dim = round(self.hidden_size * self.expand_v) // self.num_heads
+        return self.num_heads * chunked_delta_rule_flops_per_token(head_k_dim, head_v_dim)

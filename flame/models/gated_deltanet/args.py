@@ -6,6 +6,7 @@ from typing import ClassVar
 
 from flame.errors import ModelConfigError
 from flame.models.common.args import require_positive_int
+from flame.models.common.flops import chunked_delta_rule_flops_per_token
 from flame.models.common.hybrid import HybridModelArgs
 from flame.ops.norm import GATE_ACTIVATIONS
 
@@ -47,3 +48,9 @@ class GatedDeltaNetArgs(HybridModelArgs):
                 f"output_gate_activation must be one of {', '.join(GATE_ACTIVATIONS)}, "
                 f"got {self.output_gate_activation!r}"
             )
+
+    def mixer_flops_per_token(self) -> int:
+        # The op runs per value head, with q and k shared by the value heads of a group.
+        num_v_heads = self.num_v_heads or self.num_heads
+        head_v_dim = round(self.head_dim * self.expand_v)
+        return num_v_heads * chunked_delta_rule_flops_per_token(self.head_dim, head_v_dim)

@@ -60,7 +60,9 @@ def test_attention_layers_get_their_spec():
 
 def test_flops_count_attention_layers():
     args = tiny_args("gated_deltanet", **GDN, num_hidden_layers=3, attn=MIXED_ATTN)
-    assert args.layer_flops_per_token(64) == 12 * args.hidden_size * (6 + 64)
+    # Two attention layers (window 6, full 64) and one Gated DeltaNet layer.
+    assert args.layer_flops_per_token(64) == 12 * args.hidden_size * (6 + 64) + args.mixer_flops_per_token()
+    assert args.mixer_flops_per_token() > 0
 
 
 @pytest.mark.parametrize(

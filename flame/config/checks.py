@@ -1,0 +1,178 @@
+"""Value checks of a parsed job: a wrong value stops the run at start-up with one line naming the option.
+
+:func:`validate_job` runs in train.sh's pre-flight (flame.launch) and again in the trainer (for runs started
+without train.sh), after the aliases are resolved. Parsing (flame.config.manager) only checks names and types;
+this module checks that the values make sense together.
+"""
+
+import importlib.util
+import math
+
+from flame.errors import ConfigError
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def schedule_steps(job_config) -> int:
+    """Steps the LR schedule spans: lr_scheduler.total_steps if set, else training.steps."""
+    total = job_config.lr_scheduler.total_steps
+    return job_config.training.steps if total is None else total
+
+
+def last_step(job_config) -> int:
+    """The step a run ends at: training.stop_at_step (hard stop) if set, else training.steps."""
+    stop = job_config.training.stop_at_step
+    return job_config.training.steps if stop is None else stop
+
+
+def validate_job(job_config) -> None:
+    """Raise ConfigError with one line for the first bad value."""
+    _check_training(job_config)
+    _check_optimizer(job_config.optimizer)
+    _check_lr_scheduler(job_config)
+    _check_metrics(job_config.metrics)
+    _check_validation(job_config.validation)
+    _check_inference(job_config.inference)
+    _check_profiling(job_config.profiling)
+
+
+def _check_training(job_config) -> None:
+    training = job_config.training
+    _require(training.steps >= 1, f"training.steps must be >= 1, got {training.steps}")
+    stop = training.stop_at_step
+    _require(
+        stop is None or 1 <= stop <= training.steps,
+        f"training.stop_at_step must be between 1 and training.steps ({training.steps}), got {stop}",
+    )
+    _require(
+        math.isfinite(training.max_norm) and training.max_norm > 0,
+        f"training.max_norm must be a positive number, got {training.max_norm} "
+        "(gradients are always clipped; a large value such as 1e9 leaves them unchanged)",
+    )
+    _require(
+        math.isfinite(training.z_loss) and training.z_loss >= 0,
+        f"training.z_loss must be >= 0 (0 disables it), got {training.z_loss}",
+    )
+    _require(training.gc_freq >= 1, f"training.gc_freq must be >= 1, got {training.gc_freq}")
+
+
+def _check_optimizer(optimizer) -> None:
+    _require(
+        optimizer.name in ("Adam", "AdamW"),
+        f"optimizer.name must be AdamW or Adam, got '{optimizer.name}'",
+    )
+    _require(
+        math.isfinite(optimizer.lr) and optimizer.lr > 0, f"optimizer.lr must be > 0, got {optimizer.lr}"
+    )
+    _require(optimizer.eps > 0, f"optimizer.eps must be > 0, got {optimizer.eps}")
+    for name in ("beta1", "beta2"):
+        value = getattr(optimizer, name)
+        _require(0 <= value < 1, f"optimizer.{name} must be in [0, 1), got {value}")
+    _require(
+        optimizer.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {optimizer.weight_decay}"
+    )
+    _require(
+        not optimizer.early_step_in_backward,
+        "optimizer.early_step_in_backward is not supported: flame clips the gradient norm before every step",
+    )
+
+
+def _check_lr_scheduler(job_config) -> None:
+    scheduler = job_config.lr_scheduler
+    total = schedule_steps(job_config)
+    _require(
+        total >= job_config.training.steps,
+        f"lr_scheduler.total_steps ({total}) must be >= training.steps ({job_config.training.steps}); "
+        "to stop early on a longer schedule use --training.stop_at_step",
+    )
+    _require(
+        scheduler.warmup_steps >= 0,
+        f"lr_scheduler.warmup_steps must be >= 0, got {scheduler.warmup_steps}",
+    )
+    _require(
+        scheduler.warmup_steps <= total,
+        f"lr_scheduler.warmup_steps ({scheduler.warmup_steps}) is longer than the schedule ({total} steps); "
+        "lower --lr_scheduler.warmup_steps or raise --training.steps",
+    )
+    _require(
+        0 <= scheduler.min_lr_factor <= 1,
+        f"lr_scheduler.min_lr_factor (lr_min) is a fraction of the peak LR in [0, 1], got {scheduler.min_lr_factor}",
+    )
+    if scheduler.decay_ratio is not None:
+        _require(
+            0 <= scheduler.decay_ratio <= 1,
+            f"lr_scheduler.decay_ratio must be in [0, 1], got {scheduler.decay_ratio}",
+        )
+        decay_steps = round(total * scheduler.decay_ratio)
+        _require(
+            scheduler.warmup_steps + decay_steps <= total,
+            f"lr_scheduler.warmup_steps ({scheduler.warmup_steps}) + decay steps ({decay_steps} = "
+            f"decay_ratio x {total}) exceed the schedule ({total} steps)",
+        )
+
+
+def _check_metrics(metrics) -> None:
+    _require(metrics.log_freq >= 1, f"metrics.log_freq must be >= 1, got {metrics.log_freq}")
+    if metrics.enable_wandb:
+        _require(
+            importlib.util.find_spec("wandb") is not None,
+            "metrics.enable_wandb needs the wandb package: pip install 'flame[wandb]' (or pip install wandb)",
+        )
+
+
+def _check_validation(validation) -> None:
+    if not validation.enable:
+        return
+    _require(
+        validation.dataset_path is None,
+        "validation.dataset_path is not read by flame; name the data with --validation.dataset (and "
+        "--validation.dataset_name, --validation.split)",
+    )
+    _require(validation.freq >= 1, f"validation.freq must be >= 1, got {validation.freq}")
+    _require(
+        validation.steps >= 1 or validation.steps == -1,
+        f"validation.steps must be >= 1, or -1 for the whole split, got {validation.steps}",
+    )
+    for name in ("local_batch_size", "seq_len"):
+        value = getattr(validation, name)
+        _require(value is None or value >= 1, f"validation.{name} must be >= 1, got {value}")
+
+
+def _check_inference(inference) -> None:
+    _require(inference.interval >= 0, f"inference.interval must be >= 0 (0: off), got {inference.interval}")
+    if not inference.interval:
+        return
+    _require(
+        any(p.strip() for p in inference.prompt.split("|")),
+        "inference.prompt is empty; give a prompt (several separated by '|')",
+    )
+    _require(
+        inference.max_new_tokens >= 1,
+        f"inference.max_new_tokens must be >= 1, got {inference.max_new_tokens}",
+    )
+    _require(
+        inference.temperature >= 0,
+        f"inference.temperature must be >= 0 (0: greedy), got {inference.temperature}",
+    )
+    _require(inference.top_k >= 0, f"inference.top_k must be >= 0 (0: all tokens), got {inference.top_k}")
+
+
+def _check_profiling(profiling) -> None:
+    if not (profiling.enable_profiling or profiling.enable_memory_snapshot):
+        return
+    _require(
+        profiling.profile_freq >= 1, f"profiling.profile_freq must be >= 1, got {profiling.profile_freq}"
+    )
+    if profiling.enable_profiling:
+        _require(
+            profiling.profiler_warmup >= 0 and profiling.profiler_active >= 1,
+            "profiling.profiler_warmup must be >= 0 and profiling.profiler_active >= 1",
+        )
+        _require(
+            profiling.profiler_warmup + profiling.profiler_active <= profiling.profile_freq,
+            f"profiling.profile_freq ({profiling.profile_freq}) must be >= profiler_warmup + profiler_active "
+            f"({profiling.profiler_warmup} + {profiling.profiler_active})",
+        )

@@ -1,0 +1,37 @@
+"""The learning-rate schedule: torchtitan's linear warmup, optional stable phase, then decay.
+
+Per step (0-indexed s, total T = lr_scheduler.total_steps or training.steps, W = warmup_steps):
+
+- warmup: lr x (s + 1) / W for s < W;
+- stable: lr until the last D = round(decay_ratio x T) steps (WSD); without decay_ratio, D = T - W (no stable phase);
+- decay: lr x (m + (1 - m) x f(p)), p = (s + 1 - (T + 1 - D)) / D, m = min_lr_factor (flame's lr_min) and
+  f = 1 - p (linear), 1 - sqrt(p) (sqrt) or (1 + cos(pi p)) / 2 (cosine). p = 1 falls one step after the last
+  (torchtitan's "virtual last step"), so the last step's LR is still slightly above m x lr.
+
+Older flame's ``--optimizer.scheduler {cosine,linear,wsd}`` maps onto these fields (flame.config.manager).
+"""
+
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
+from torchtitan.components.lr_scheduler import build_lr_schedulers as build_torchtitan_lr_schedulers
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.tools.logging import logger
+
+from flame.config.checks import schedule_steps
+
+
+def schedule_phases(job_config) -> tuple[int, int, int]:
+    """(warmup, stable, decay) steps of the schedule."""
+    config, total = job_config.lr_scheduler, schedule_steps(job_config)
+    warmup = config.warmup_steps
+    decay = total - warmup if config.decay_ratio is None else round(total * config.decay_ratio)
+    return warmup, total - warmup - decay, decay
+
+
+def build_lr_schedulers(optimizers: OptimizersContainer, job_config) -> LRSchedulersContainer:
+    config = job_config.lr_scheduler
+    warmup, stable, decay = schedule_phases(job_config)
+    logger.info(
+        f"LR schedule: {warmup} warmup steps, {stable} stable, {decay} {config.decay_type} decay to "
+        f"{config.min_lr_factor:g} x lr"
+    )
+    return build_torchtitan_lr_schedulers(optimizers, config, schedule_steps(job_config))

@@ -1,0 +1,128 @@
+"""The metrics logger (console line, TensorBoard, W&B offline) and the FLOPs per token behind MFU."""
+
+import importlib.util
+import re
+
+import pytest
+import torch
+
+from flame.config import parse_args
+from flame.config.checks import validate_job
+from flame.errors import ConfigError
+from flame.metrics import MetricsLogger
+from flame.models.common.flops import chunked_delta_rule_flops_per_token
+from tests.trainer_helpers import tensorboard_scalars
+
+STEP_METRICS = {"loss/train": 5.25, "grad_norm": 0.5, "lr": 3e-4, "skipped_steps": 2, "tokens_seen": 4096.0}
+
+
+def test_console_line_tensorboard_and_mfu(tmp_path, caplog):
+    config = parse_args(["--job.dump_folder", str(tmp_path)])
+    metrics = MetricsLogger(config, torch.device("cpu"), rank=0, flops_per_token=1000, last_step=20)
+    metrics.peak_flops = 1e6  # as on a GPU with a known peak
+    metrics.window_tokens = 2048
+    with caplog.at_level("INFO"):
+        metrics.log(10, dict(STEP_METRICS))
+        metrics.log_validation(
+            10, {"loss/validation": 5.0, "perplexity/validation": 148.4, "validation/tokens": 512}, 1.0
+        )
+    metrics.close()
+    line = next(r.message for r in caplog.records if r.message.startswith("step"))
+    assert re.fullmatch(
+        r"step 10/20  loss  5\.2500  grad_norm   0\.500  lr 3\.00e-04  tok/s [\d,]+  mfu +[\d.]+%  "
+        r"mem [\d.]+GiB  data 0%  skipped 2  eta \d+:\d\d:\d\d",
+        line,
+    ), line
+    assert "validation at step 10: loss 5.0000  perplexity 148.40  (512 tokens, 1.0s)" in caplog.text
+    tokens_per_second = tensorboard_scalars(tmp_path, "throughput/tokens_per_second_per_device")[10]
+    mfu = tensorboard_scalars(tmp_path, "throughput/mfu_percent")[10]
+    assert mfu == pytest.approx(100 * 1000 * tokens_per_second / 1e6, rel=1e-5)
+    for tag in ("loss/train", "grad_norm", "lr", "skipped_steps", "tokens_seen", "memory/peak_allocated_gib",
+                "memory/peak_reserved_gib", "throughput/data_loading_share", "loss/validation"):  # fmt: skip
+        assert 10 in tensorboard_scalars(tmp_path, tag), tag
+
+
+def test_only_rank_zero_writes(tmp_path):
+    config = parse_args(["--job.dump_folder", str(tmp_path)])
+    assert MetricsLogger(config, torch.device("cpu"), rank=1, flops_per_token=1, last_step=5).writers == []
+    assert not (tmp_path / "tb").exists()
+
+
+def test_wandb_offline_run_is_written_under_the_dump_folder(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = parse_args(["--job.dump_folder", str(tmp_path / "run"), "--metrics.enable_wandb",
+                         "--metrics.no-enable-tensorboard"])  # fmt: skip
+    metrics = MetricsLogger(config, torch.device("cpu"), rank=0, flops_per_token=1, last_step=5)
+    metrics.window_tokens = 100
+    metrics.log(1, dict(STEP_METRICS))
+    metrics.log_samples(1, [("The", " end")])
+    metrics.close()
+    (run,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    records = run.read_bytes()  # the run's records, for `wandb sync`; the keys and values appear as text
+    for text in (
+        b"loss/train",
+        b"5.25",
+        b"grad_norm",
+        b"throughput/tokens_per_second_per_device",
+        b"dump_folder",
+    ):
+        assert text in records, text
+    assert list(run.parent.glob("files/media/html/samples/*.html"))
+
+
+def test_wandb_enabled_but_not_installed_is_one_line(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a)
+    )
+    with pytest.raises(ConfigError) as info:
+        validate_job(parse_args(["--metrics.enable_wandb"]))
+    assert str(info.value) == (
+        "metrics.enable_wandb needs the wandb package: pip install 'flame[wandb]' (or pip install wandb)"
+    )
+
+
+def test_chunked_delta_rule_flops_formula():
+    # K = V = 128, C = 64: 4C(K+V) + 2CK + C^2/3 + 6KV forward, x3.
+    assert chunked_delta_rule_flops_per_token(128, 128) == 3 * (65536 + 16384 + 1365 + 98304)
+
+
+def flops(config: dict, seq_len: int = 2048) -> tuple[int, int]:
+    from flame.models import build_model, get_model_spec
+
+    args, _ = get_model_spec(config["model_type"]).args_cls.from_dict(config)
+    with torch.device("meta"):
+        model = build_model(args)
+    return args.get_nparams_and_flops(model, seq_len)
+
+
+BASE = {"vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 4}
+
+
+@pytest.mark.parametrize(
+    ("config", "per_layer"),
+    [
+        # Gated DeltaNet: the op runs per value head (q/k shared across a group), K = head_dim, V = expand_v x K.
+        ({"model_type": "gated_deltanet", "num_heads": 2, "head_dim": 64, "expand_v": 2},
+         2 * chunked_delta_rule_flops_per_token(64, 128)),
+        ({"model_type": "gated_deltanet", "num_heads": 2, "num_v_heads": 4, "head_dim": 64, "expand_v": 1},
+         4 * chunked_delta_rule_flops_per_token(64, 64)),
+        ({"model_type": "delta_net", "num_heads": 4}, 4 * chunked_delta_rule_flops_per_token(64, 64)),
+        # Softmax attention: 12 x heads x head_dim x seq_len.
+        ({"model_type": "transformer", "num_heads": 4}, 12 * 256 * 2048),
+    ],
+)  # fmt: skip
+def test_flops_per_token_count_each_familys_mixer(config, per_layer):
+    nparams, total = flops({**BASE, **config})
+    assert total == 6 * (nparams - 1000 * 256) + 4 * per_layer
+
+
+def test_hybrid_flops_sum_attention_and_linear_layers():
+    gdn = {**BASE, "model_type": "gated_deltanet", "num_heads": 2, "head_dim": 64, "expand_v": 2}
+    nparams, total = flops({**gdn, "attn": {"layers": [1, 3], "num_heads": 4}})
+    linear = 2 * chunked_delta_rule_flops_per_token(64, 128)
+    assert total == 6 * (nparams - 1000 * 256) + 2 * 12 * 256 * 2048 + 2 * linear
+    # At 2048 tokens a linear-attention layer costs less than an attention layer.
+    assert linear < 12 * 256 * 2048

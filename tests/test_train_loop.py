@@ -1,0 +1,180 @@
+"""One training step in-process: token-weighted accumulation, non-finite steps skipped, z-loss, gradient norm
+before clipping, hard stop, profiler and debug switches."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from flame.train import IGNORE_INDEX, loss_sums
+from tests.trainer_helpers import tensorboard_scalars
+
+
+def captured_metrics(trainer) -> list[dict]:
+    """Every dict the trainer logs from now on."""
+    logged = []
+    original = trainer.metrics.log
+
+    def log(step, metrics):
+        logged.append(dict(metrics))
+        original(step, metrics)
+
+    trainer.metrics.log = log
+    return logged
+
+
+def run_step(trainer, batches, step: int = 1) -> None:
+    trainer.step = step
+    trainer.train_step(iter(batches))
+
+
+def first_rows(trainer, rows: int) -> tuple[dict, torch.Tensor]:
+    """The first rows of the training data, with most labels of row 0 masked so micro-batches hold different
+    numbers of labelled tokens."""
+    iterator = iter(trainer.dataloader)
+    inputs, labels = zip(
+        *(next(iterator) for _ in range(rows // trainer.job_config.training.local_batch_size))
+    )
+    inputs, labels = torch.cat([i["input"] for i in inputs]), torch.cat(labels)
+    labels[0, :50] = IGNORE_INDEX
+    return {"input": inputs}, labels
+
+
+def test_accumulation_of_two_half_batches_equals_one_batch(make_trainer):
+    big = make_trainer("--training.batch_size", "4", "--training.max_norm", "1e9")
+    small = make_trainer("--training.batch_size", "2", "--training.gradient_accumulation_steps", "2",
+                         "--training.max_norm", "1e9")  # fmt: skip
+    assert small.accumulation == 2
+    for a, b in zip(big.model_parts[0].parameters(), small.model_parts[0].parameters()):
+        assert torch.equal(a, b)  # same seed, same initial weights
+    inputs, labels = first_rows(big, 4)
+    big_log, small_log = captured_metrics(big), captured_metrics(small)
+    run_step(big, [(inputs, labels)])
+    run_step(
+        small, [({"input": inputs["input"][:2]}, labels[:2]), ({"input": inputs["input"][2:]}, labels[2:])]
+    )
+    # Token-weighted: the mean over all 4 x 64 - 50 labelled tokens, not the mean of the two micro-batch means.
+    assert small_log[0]["loss/train"] == pytest.approx(big_log[0]["loss/train"], rel=1e-6)
+    for (name, a), b in zip(big.model_parts[0].named_parameters(), small.model_parts[0].parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_non_finite_gradient_skips_the_step_and_training_goes_on(make_trainer, monkeypatch):
+    trainer = make_trainer("--training.skip_nan_inf", "--training.steps", "4")
+    original = trainer.forward_backward
+
+    def nan_at_step_2(*args):
+        result = original(*args)
+        if trainer.step == 2:
+            next(trainer.model_parts[0].parameters()).grad[0, 0] = float("nan")
+        return result
+
+    monkeypatch.setattr(trainer, "forward_backward", nan_at_step_2)
+    logged = captured_metrics(trainer)
+    data = iter(trainer.dataloader)
+    for step in range(1, 5):
+        before = [p.detach().clone() for p in trainer.model_parts[0].parameters()]
+        trainer.step = step
+        trainer.train_step(data)
+        after = list(trainer.model_parts[0].parameters())
+        changed = any(not torch.equal(a, b) for a, b in zip(before, after))
+        assert changed == (step != 2), step
+    assert trainer.skipped_steps == 1
+    assert [m["skipped_steps"] for m in logged] == [0, 1, 1, 1]
+    assert math.isnan(logged[1]["grad_norm"])
+    assert all(math.isfinite(m["loss/train"]) for m in logged)
+    assert all(torch.isfinite(p).all() for p in trainer.model_parts[0].parameters())
+    assert trainer.state_dict()["skipped_steps"] == 1  # saved with checkpoints
+
+
+def test_logged_gradient_norm_is_the_norm_before_clipping(make_trainer):
+    trainer = make_trainer("--training.max_norm", "0.001")
+    logged = captured_metrics(trainer)
+    run_step(trainer, [next(iter(trainer.dataloader))])
+    grads = [p.grad for p in trainer.model_parts[0].parameters()]
+    clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+    assert clipped == pytest.approx(0.001, rel=1e-3)
+    assert logged[0]["grad_norm"] > 1.0  # an untrained model's gradient, far above max_norm
+
+
+def test_loss_sums_z_term_is_logsumexp_squared_over_labelled_tokens():
+    logits = torch.randn(2, 5, 11)
+    labels = torch.randint(0, 11, (2, 5))
+    labels[1, 3:] = IGNORE_INDEX
+    cross_entropy, z = loss_sums(logits, labels, z_loss=True)
+    mask = labels != IGNORE_INDEX
+    lse = logits.logsumexp(-1)
+    expected_ce = (lse - logits.gather(-1, labels.clamp(min=0)[..., None])[..., 0])[mask].sum()
+    torch.testing.assert_close(cross_entropy, expected_ce)
+    torch.testing.assert_close(z, lse[mask].square().sum())
+    assert loss_sums(logits, labels, z_loss=False)[1] == 0
+
+
+def test_z_loss_is_added_to_the_loss_and_logged_apart(make_trainer):
+    plain = make_trainer("--training.max_norm", "1e9")
+    with_z = make_trainer("--training.max_norm", "1e9", "--training.z_loss", "0.01")
+    batch = next(iter(plain.dataloader))
+    with torch.no_grad():
+        lse = plain.model_parts[0](batch[0]["input"]).logsumexp(-1)  # the initial weights: same in both
+    plain_log, z_log = captured_metrics(plain), captured_metrics(with_z)
+    run_step(plain, [batch])
+    run_step(with_z, [batch])
+    assert "loss/z_loss" not in plain_log[0]
+    assert z_log[0]["loss/train"] == pytest.approx(plain_log[0]["loss/train"], rel=1e-6)  # cross-entropy only
+    assert z_log[0]["loss/z_loss"] == pytest.approx(0.01 * lse.square().mean().item(), rel=1e-4)
+    grads = [
+        (a.grad, b.grad)
+        for a, b in zip(plain.model_parts[0].parameters(), with_z.model_parts[0].parameters())
+    ]
+    assert any(not torch.allclose(a, b) for a, b in grads)
+
+
+def test_hard_stop_ends_early_on_the_full_schedule(make_trainer, tmp_path):
+    trainer = make_trainer("--training.steps", "10", "--training.stop_at_step", "3", "--checkpoint.enable",
+                           "--checkpoint.interval", "100", dump=tmp_path / "run")  # fmt: skip
+    trainer.train()
+    assert trainer.step == 3
+    lrs = tensorboard_scalars(tmp_path / "run", "lr")
+    assert sorted(lrs) == [1, 2, 3]
+    # Step 3 of a 10-step schedule (1 warmup step, cosine to 0.1, as the default job): not the end of a 3-step one.
+    expected = 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 1 / 9)))
+    assert lrs[3] == pytest.approx(expected, rel=1e-5)
+    assert (tmp_path / "run" / "checkpoint" / "step-3").is_dir()  # saved at the stop, to resume from
+
+
+def test_profiler_writes_traces_on_cpu(make_trainer, tmp_path):
+    trainer = make_trainer("--profiling.enable_profiling", "--profiling.profile_freq", "2",
+                           "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1",
+                           dump=tmp_path / "run")  # fmt: skip
+    trainer.train()
+    traces = sorted((tmp_path / "run" / "profile_traces").rglob("rank0_trace.json"))
+    assert [t.parent.name for t in traces] == ["iteration_2", "iteration_4"]
+    assert traces[0].stat().st_size > 1000
+
+
+def test_memory_snapshot_needs_a_gpu(make_trainer):
+    from flame.errors import FlameError
+
+    with pytest.raises(FlameError, match="enable_memory_snapshot records CUDA memory; it needs a GPU"):
+        make_trainer("--profiling.enable_memory_snapshot")
+
+
+def test_debug_mode_blocks_cuda_launches_and_detects_anomalies(monkeypatch, tmp_path):
+    from flame.launch import preflight
+    from flame.train import enable_debug_mode
+
+    monkeypatch.delenv("CUDA_LAUNCH_BLOCKING", raising=False)
+    try:
+        enable_debug_mode()
+        assert torch.is_anomaly_enabled()
+        assert os.environ["CUDA_LAUNCH_BLOCKING"] == "1"
+    finally:
+        torch.autograd.set_detect_anomaly(False)
+    # train.sh exports it before starting the ranks.
+    env_file = tmp_path / "env"
+    monkeypatch.setenv("FLAME_LAUNCH_ENV", str(env_file))
+    assert preflight(["--debug.enable", "--job.dump_folder", str(tmp_path / "run")]) == 0
+    assert "export CUDA_LAUNCH_BLOCKING=1" in env_file.read_text().splitlines()
+    assert preflight(["--job.dump_folder", str(tmp_path / "run")]) == 0
+    assert "CUDA_LAUNCH_BLOCKING" not in env_file.read_text()

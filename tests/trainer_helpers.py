@@ -1,0 +1,68 @@
+"""Driving flame's Trainer in-process (one CPU rank, gloo) on the tiny default model with short sequences."""
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = ["--training.seq_len", "64", "--training.batch_size", "2", "--training.steps", "4",
+        "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--checkpoint.no-enable",
+        "--training.seed", "7"]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def make_trainer(tmp_path, monkeypatch):
+    """make_trainer(*flags, dump=...) -> a Trainer of the tiny job (flags override TINY); all closed at the end."""
+    from flame import compat
+    from flame.config import parse_args
+    from flame.train import Trainer
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "localhost", "MASTER_PORT": str(free_port())}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    compat.apply()
+    trainers = []
+
+    def make(*flags: str, dump: Path | None = None):
+        dump = dump or tmp_path / f"run{len(trainers)}"
+        trainer = Trainer(parse_args(["--job.dump_folder", str(dump), *TINY, *flags]))
+        trainers.append(trainer)
+        return trainer
+
+    yield make
+    for trainer in trainers:
+        trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    torch.use_deterministic_algorithms(False)
+    torch.autograd.set_detect_anomaly(False)
+
+
+def tensorboard_scalars(dump: Path, tag: str) -> dict[int, float]:
+    """{step: value} of one scalar over every event file under <dump>/tb, read with TensorBoard's reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = {}
+    for folder in sorted({p.parent for p in (dump / "tb").rglob("events.out.tfevents.*")}):
+        accumulator = EventAccumulator(str(folder))
+        accumulator.Reload()
+        if tag in accumulator.Tags()["scalars"]:
+            values.update({event.step: event.value for event in accumulator.Scalars(tag)})
+    return values
+
+
+def text_events(dump: Path, tag: str) -> dict[int, str]:
+    """{step: text} of one text summary (add_text) under <dump>/tb."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (folder,) = {p.parent for p in (dump / "tb").rglob("events.out.tfevents.*")}
+    accumulator = EventAccumulator(str(folder), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in accumulator.Tensors(f"{tag}/text_summary")}
