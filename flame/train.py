@@ -34,7 +34,7 @@ from flame.metrics import MetricsLogger
 from flame.models import build_model, load_model_args
 from flame.models.common.args import ModelArgs
 from flame.optim import build_lr_schedulers, build_optimizers
-from flame.parallelize import parallelize_model, tie_embeddings
+from flame.parallelize import TokenNormalizedLoss, parallelize_model, pipeline_model, tie_embeddings
 from flame.samples import SampleGenerator
 from flame.validate import Validator
 
@@ -117,12 +117,19 @@ class Trainer(Stateful):
         logger.info(
             f"Model {self.model_args.model_type}: {nparams:,} parameters, {flops_per_token:,} FLOPs/token"
         )
-        model = parallelize_model(model, self.parallel_dims, job_config)
-        model.to_empty(device="cpu" if training.enable_cpu_offload else self.device)
-        tie_embeddings(model)  # to_empty unties a shared plain Parameter
-        model.init_weights()
-        model.train()
-        self.model_parts = [model]
+        if self.parallel_dims.pp_enabled:
+            # This rank's pipeline stages, each parallelized; the schedule runs forward + backward and the loss.
+            self.pp_loss = TokenNormalizedLoss()
+            self.pp_schedule, self.model_parts, self.pp_first, self.pp_last = pipeline_model(
+                model, self.parallel_dims, job_config, self.device, self.pp_loss
+            )
+        else:
+            self.model_parts = [parallelize_model(model, self.parallel_dims, job_config)]
+        for part in self.model_parts:
+            part.to_empty(device="cpu" if training.enable_cpu_offload else self.device)
+            tie_embeddings(part)  # to_empty unties a shared plain Parameter
+            part.init_weights()
+            part.train()
 
         # Optimization.
         if training.gradient_accumulation_steps is not None:
@@ -139,6 +146,11 @@ class Trainer(Stateful):
             self.accumulation = 1
         self.optimizers = build_optimizers(self.model_parts, job_config)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config)
+        if (converter := getattr(self.model_parts[0], "float8_converter", None)) is not None:
+            # Float8 all-gather with FSDP: precompute the next step's weight scales after each optimizer step.
+            self.optimizers.register_step_post_hook(
+                lambda *args, **kwargs: converter.post_optimizer_hook(self.model_parts)
+            )
         # bf16 autocast is slower than float32 on CPUs: CPU runs train in float32 throughout.
         self.amp = (
             dist_utils.maybe_enable_amp(self.parallel_dims, training.mixed_precision_param, self.device.type)
@@ -194,10 +206,12 @@ class Trainer(Stateful):
         self, input_dict: dict, labels: torch.Tensor, global_tokens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward + backward of one micro-batch; returns its shares of the step's cross-entropy and z-loss."""
-        model = self.model_parts[0]
-        z_loss = self.job_config.training.z_loss
         inputs = {k: v.to(self.device) for k, v in input_dict.items()}
         labels = labels.to(self.device)
+        if self.parallel_dims.pp_enabled:
+            return self._forward_backward_pipelined(inputs, labels, global_tokens)
+        model = self.model_parts[0]
+        z_loss = self.job_config.training.z_loss
         with self.amp:
             logits = model(
                 inputs["input"], position_ids=inputs.get("position_ids"), cu_seqlens=inputs.get("cu_seqlens")
@@ -207,6 +221,21 @@ class Trainer(Stateful):
         del logits  # free before backward
         loss.backward()
         return cross_entropy.detach() / global_tokens, z_loss * z_term.detach() / global_tokens
+
+    def _forward_backward_pipelined(
+        self, inputs: dict, labels: torch.Tensor, global_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pipeline schedule runs forward + backward of the micro-batch in pieces over the stages; its loss
+        divides by ``global_tokens`` already. Only the last stage has the loss (zero elsewhere); no z-loss."""
+        self.pp_loss.global_tokens = global_tokens
+        losses = [] if self.pp_last else None
+        args = (inputs["input"],) if self.pp_first else ()
+        kwargs = {k: inputs[k] for k in ("position_ids", "cu_seqlens") if k in inputs}
+        with self.amp:
+            self.pp_schedule.step(*args, target=labels if self.pp_last else None, losses=losses, **kwargs)
+        zero = torch.zeros((), device=self.device)
+        loss = torch.stack(losses).sum().detach() if self.pp_last else zero
+        return loss, zero
 
     def train_step(self, data_iterator) -> None:
         self.optimizers.zero_grad()
@@ -233,6 +262,7 @@ class Trainer(Stateful):
             [p for m in self.model_parts for p in m.parameters()],
             self.job_config.training.max_norm,
             foreach=True,
+            pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
         )
         if self.job_config.training.skip_nan_inf and not torch.isfinite(grad_norm):
             self.skipped_steps += 1
@@ -246,6 +276,8 @@ class Trainer(Stateful):
             totals = torch.stack([loss, z_loss])
             if self.parallel_dims.dp_enabled:
                 torch.distributed.all_reduce(totals, group=self.parallel_dims.get_mesh("batch").get_group())
+            if self.parallel_dims.pp_enabled:  # only the last stage has the loss
+                torch.distributed.all_reduce(totals, group=self.parallel_dims.get_mesh("pp").get_group())
             metrics = {
                 "loss/train": float(totals[0]),
                 "grad_norm": float(grad_norm),

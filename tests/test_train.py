@@ -1,4 +1,5 @@
-"""The default job end to end through train.sh: one process, and two processes with FSDP over gloo."""
+"""The default job end to end through train.sh: one process, and two processes with FSDP or pipeline parallelism
+over gloo."""
 
 import json
 import os
@@ -100,3 +101,25 @@ def test_fsdp_on_two_processes_matches_one_process(tmp_path, periodic_corpus):
     for step in (2, 3):
         assert sharded_validation[step] == pytest.approx(single_validation[step], rel=1e-5)
     assert sorted(text_events(tmp_path / "two", "samples/0")) == [2]
+
+
+def test_pipeline_on_two_processes_matches_one_process(tmp_path, periodic_corpus):
+    folder, seq_len = periodic_corpus
+    common = ["--training.dataset", str(folder), "--training.seq_len", str(seq_len), "--training.steps", "3",
+              "--lr_scheduler.warmup_steps", "1", "--checkpoint.interval", "100", "--training.seed", "7",
+              "--training.batch_size", "4"]  # fmt: skip
+    # Both runs start from the same seed checkpoint, which DCP loads into each rank's pipeline stage.
+    run_train_sh(tmp_path / "seed", 1, *common, "--checkpoint.create_seed_checkpoint")
+    for run in ("one", "pipelined"):
+        shutil.copytree(tmp_path / "seed" / "checkpoint", tmp_path / run / "checkpoint")
+    run_train_sh(tmp_path / "one", 1, *common)
+    # Two stages of the tiny model's 4 layers, 4 micro-batches of 1 row each: the same global batch.
+    run_train_sh(tmp_path / "pipelined", 2, *common, "--parallelism.pipeline_parallel_degree", "2",
+                 "--parallelism.data_parallel_shard_degree", "1",
+                 "--parallelism.pipeline_parallel_microbatch_size", "1")  # fmt: skip
+    single = tensorboard_scalars(tmp_path / "one", "loss/train")
+    pipelined = tensorboard_scalars(tmp_path / "pipelined", "loss/train")
+    assert sorted(single) == sorted(pipelined) == [1, 2, 3]
+    assert single[3] < single[1] - 0.1  # the steps do train
+    for step in (1, 2, 3):
+        assert pipelined[step] == pytest.approx(single[step], rel=1e-5), (step, single, pipelined)

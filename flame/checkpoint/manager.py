@@ -120,10 +120,13 @@ class CheckpointManager(TorchTitanCheckpointManager):
                 "and cannot resume training; convert it (python -m flame.utils.convert_dcp_to_hf) or start a new "
                 "run from it"
             )
-        model_state = self.states["model"].state_dict()
-        check_model_matches(
-            metadata, {k: tuple(v.shape) for k, v in model_state.items()}, f"checkpoint {path}"
-        )
+        expected = {k: tuple(v.shape) for k, v in self.states["model"].state_dict().items()}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # A pipeline stage holds part of the model: the ranks together must match the checkpoint.
+            shards = [None] * dist.get_world_size()
+            dist.all_gather_object(shards, expected)
+            expected = {k: v for shard in shards for k, v in shard.items()}
+        check_model_matches(metadata, expected, f"checkpoint {path}")
         sidecar = read_sidecar(path)
         if sidecar and self.model_config is not None:
             differences = config_differences(sidecar["model_config"], self.model_config)

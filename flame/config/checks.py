@@ -37,6 +37,7 @@ def validate_job(job_config) -> None:
     _check_validation(job_config.validation)
     _check_inference(job_config.inference)
     _check_profiling(job_config.profiling)
+    _check_pipeline(job_config)
 
 
 def _check_training(job_config) -> None:
@@ -176,3 +177,20 @@ def _check_profiling(profiling) -> None:
             f"profiling.profile_freq ({profiling.profile_freq}) must be >= profiler_warmup + profiler_active "
             f"({profiling.profiler_warmup} + {profiling.profiler_active})",
         )
+
+
+def _check_pipeline(job_config) -> None:
+    if job_config.parallelism.pipeline_parallel_degree <= 1:
+        return
+    _require(
+        job_config.training.z_loss == 0,
+        "training.z_loss is not computed by the pipeline schedule's loss; set it to 0 with pipeline_parallel_degree > 1",
+    )
+    _require(
+        not job_config.validation.enable,
+        "validation runs the whole model on one rank; drop --validation.enable with pipeline_parallel_degree > 1",
+    )
+    _require(
+        not job_config.inference.interval,
+        "text samples run the whole model on one rank; set inference.interval 0 with pipeline_parallel_degree > 1",
+    )

@@ -39,6 +39,12 @@ REPO = Path(__file__).resolve().parents[2]
         (["--inference.interval", "5", "--inference.top_k", "-1"], "inference.top_k must be >= 0"),
         (["--profiling.enable_profiling", "--profiling.profile_freq", "3"],
          "profiling.profile_freq (3) must be >= profiler_warmup + profiler_active (3 + 1)"),
+        (["--parallelism.pipeline_parallel_degree", "2", "--training.z_loss", "1e-4"],
+         "training.z_loss is not computed by the pipeline schedule's loss"),
+        (["--parallelism.pipeline_parallel_degree", "2", "--validation.enable"],
+         "validation runs the whole model on one rank"),
+        (["--parallelism.pipeline_parallel_degree", "2", "--inference.interval", "5"],
+         "text samples run the whole model on one rank"),
     ],
 )  # fmt: skip
 def test_wrong_values_are_one_line_errors(flags, message):
