@@ -34,6 +34,17 @@ def apply() -> None:
     _profile_cpu_only_without_gpu()
 
 
+def fsdp_sum_reductions_on_gloo(fsdp_module, mesh) -> None:
+    """Make an FSDP2 module reduce gradients with plain SUM when its mesh communicates over gloo."""
+    # pytorch#162338: gloo has no ReduceOp.PREMUL_SUM ("Cannot use ReduceOp.PREMUL_SUM with Gloo"), and FSDP2
+    # averaging on gloo silently sums. Summing is what flame wants anyway: the trainer divides the loss by the
+    # global token count.
+    import torch.distributed as dist
+
+    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
+        fsdp_module.set_force_sum_reduction_for_comms(True)
+
+
 def _register_fake_process_group() -> None:
     # torchtitan#2236, #2275: ParallelDims.build_mesh() gives size-1 mesh dims the c10d backend "fake"; torch 2.11
     # raises "Unknown c10d backend type FAKE" unless this module registered it (a no-op on torch >= 2.13).

@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torchtitan.tools.logging import logger
 
+from flame import compat
+
 
 def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
     """torchtitan's policy: "default" keeps parameters gathered between pipeline micro-batches."""
@@ -55,14 +57,11 @@ def apply_fsdp(
         fully_shard([norm, lm_head], **config, reshard_after_forward=reshard_policy == "always")
     fully_shard(model, **config)
 
-    on_gloo = dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo"
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # The trainer divides the loss by the global token count, so FSDP must sum, not average.
             module.set_gradient_divide_factor(1.0)
-            if on_gloo:
-                # gloo has no PREMUL_SUM (pytorch#162338: FSDP2 averaging on gloo silently sums).
-                module.set_force_sum_reduction_for_comms(True)
+            compat.fsdp_sum_reductions_on_gloo(module, mesh)
     if cpu_offload:
         logger.info("Applied CPU offloading of parameters, gradients and optimizer states")
 
