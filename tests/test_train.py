@@ -10,20 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer_helpers import text_events
+from tests.trainer_helpers import tensorboard_scalars, text_events
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS = re.compile(r"step\s+(\d+)/\d+\s+loss\s+([0-9.]+)")
-
-
-def tensorboard_scalars(dump: Path, tag: str) -> dict[int, float]:
-    """{step: value} of one scalar, read back with TensorBoard's own event reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    (events,) = {p.parent for p in (dump / "tb").rglob("events.out.tfevents.*")}
-    accumulator = EventAccumulator(str(events))
-    accumulator.Reload()
-    return {event.step: event.value for event in accumulator.Scalars(tag)}
 
 
 def run_train_sh(dump: Path, ngpu: int, *args: str) -> dict[int, float]:
@@ -68,6 +58,7 @@ def test_default_job_trains_and_writes_checkpoint_and_tensorboard(tmp_path):
     assert losses[1] > 8.0  # ~ln(4096) at initialisation
     assert losses[12] < losses[1] - 0.8  # clearly falling
     assert (dump / "checkpoint" / "step-6").is_dir() and (dump / "checkpoint" / "step-12").is_dir()
+    assert len({p.parent for p in (dump / "tb").rglob("events.out.tfevents.*")}) == 1  # one run, one log
     logged = tensorboard_scalars(dump, "loss/train")
     assert sorted(logged) == list(range(1, 13))
     assert logged[12] == pytest.approx(losses[12], abs=1e-4)  # the console shows 4 decimals

@@ -45,13 +45,14 @@ def make_trainer(tmp_path, monkeypatch):
     torch.autograd.set_detect_anomaly(False)
 
 
-def tensorboard_scalars(dump: Path, tag: str) -> dict[int, float]:
-    """{step: value} of one scalar over every event file under <dump>/tb, read with TensorBoard's reader."""
+def tensorboard_scalars(dump: Path, tag: str, folder: str = "tb") -> dict[int, float]:
+    """{step: value} of one scalar over every event file under <dump>/<folder>, read with TensorBoard's reader
+    (float32, as TensorBoard stores it)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     values = {}
-    for folder in sorted({p.parent for p in (dump / "tb").rglob("events.out.tfevents.*")}):
-        accumulator = EventAccumulator(str(folder))
+    for events in sorted({p.parent for p in (dump / folder).rglob("events.out.tfevents.*")}):
+        accumulator = EventAccumulator(str(events))
         accumulator.Reload()
         if tag in accumulator.Tags()["scalars"]:
             values.update({event.step: event.value for event in accumulator.Scalars(tag)})

@@ -37,19 +37,6 @@ def killed_run(dump: Path, kill: str, *args: str, ngpu: int = 2) -> subprocess.C
     )  # fmt: skip
 
 
-def tensorboard_scalars(folder: Path, tag: str = "loss/train") -> dict[int, float]:
-    """{step: value} of one scalar over every event file under a folder (float32, as TensorBoard stores it)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values = {}
-    for events in sorted({p.parent for p in folder.rglob("events.out.tfevents.*")}):
-        accumulator = EventAccumulator(str(events))
-        accumulator.Reload()
-        if tag in accumulator.Tags()["scalars"]:
-            values.update({event.step: event.value for event in accumulator.Scalars(tag)})
-    return values
-
-
 def output(result: subprocess.CompletedProcess, dump: Path | None = None) -> str:
     """The end of a run's console output and, given its dump folder, of every rank's own log."""
     text = result.stdout[-3000:] + result.stderr[-3000:]

@@ -8,7 +8,8 @@ the last complete checkpoint (step 3). Every step's loss equals the uninterrupte
 import pytest
 
 from flame.checkpoint.layout import CheckpointError, latest_step, list_steps, read_sidecar, resolve_step_dir
-from tests.checkpoint.helpers import killed_run, output, tensorboard_scalars, train_sh
+from tests.checkpoint.helpers import killed_run, output, train_sh
+from tests.trainer_helpers import tensorboard_scalars
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +23,7 @@ def test_interrupted_runs_repeat_the_uninterrupted_run(tmp_path):
     uninterrupted = tmp_path / "uninterrupted"
     result = train_sh(uninterrupted, *JOB, export_hf=False)
     assert result.returncode == 0, output(result, uninterrupted)
-    expected = tensorboard_scalars(uninterrupted / "tb")
+    expected = tensorboard_scalars(uninterrupted, "loss/train")
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
 
     dump = tmp_path / "run"
@@ -46,9 +47,9 @@ def test_interrupted_runs_repeat_the_uninterrupted_run(tmp_path):
     assert resumed.returncode == 0, output(resumed, dump)
     assert "step-3" in resumed.stdout and "Training starts at step 4" in resumed.stdout
     pieces = {
-        "stopped": tensorboard_scalars(dump / "tb"),
-        "killed": tensorboard_scalars(dump / "tb_killed"),
-        "resumed": tensorboard_scalars(dump / "tb_resumed"),
+        "stopped": tensorboard_scalars(dump, "loss/train"),
+        "killed": tensorboard_scalars(dump, "loss/train", folder="tb_killed"),
+        "resumed": tensorboard_scalars(dump, "loss/train", folder="tb_resumed"),
     }
     assert sorted(pieces["stopped"]) == [1, 2, 3] and 4 in pieces["killed"]
     assert sorted(pieces["resumed"]) == [4, 5, 6]
