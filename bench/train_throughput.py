@@ -78,6 +78,7 @@ class Result:
     mfu: float = float("nan")
     peak_gib: float = float("nan")
     error: str = ""
+    profile: str = ""
 
 
 def model_args(name: str, tiny: bool):
@@ -161,7 +162,23 @@ def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
         result.mfu = result.tflops / args.peak_tflops
     if device.type == "cuda":
         result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    if args.profile:
+        result.profile = profile_steps(step, args.profile, device)
     return result
+
+
+def profile_steps(step, steps: int, device) -> str:
+    """The kernels that take the time over `steps` more steps: torch.profiler's table, top 25 by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=70)
 
 
 def cleanup(device) -> None:
@@ -241,6 +258,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--doc", type=Path, default=PERFORMANCE_DOC, help="markdown file to write the table into"
     )
     parser.add_argument("--no_write", action="store_true", help="print only")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="profile this many more steps per case and print the top kernels",
+    )
     args = parser.parse_args(argv)
     defaults = {"seq_lens": "64", "tokens_per_gpu": 128, "warmup": 1, "steps": 2} if args.tiny else {
         "seq_lens": "2048,4096", "tokens_per_gpu": 16384, "warmup": 3, "steps": 10}  # fmt: skip
@@ -309,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0:
                     print(table([result], world_size).splitlines()[-1], f"({time.perf_counter() - case_start:.0f} s)",
                           flush=True)  # fmt: skip
+                    if result.profile:
+                        print(f"profile of {name} seq {seq_len} {mode}:\n{result.profile}", flush=True)
     if rank == 0:
         text = table(results, world_size)
         print("\n" + text)

@@ -10,6 +10,7 @@ a kernel for them is added here.
 import torch
 import torch.nn.functional as F
 
+from flame.ops.attention.observe import notify_observers, observe_attention
 from flame.ops.attention.reference import (
     IMPLS,
     SOFTPICK_EPS,
@@ -73,6 +74,9 @@ def attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """q [B, T, H, D], k/v [B, T, HKV, D] -> [B, T, H, D]; impl is "softmax", "softpick" or "rectified"."""
+    notify_observers(
+        q, k, impl=impl, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
+    )
     if q.is_cuda and impl == "softmax" and causal:
         return cuda_softmax_implementation(
             q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
@@ -89,6 +93,7 @@ __all__ = [
     "cuda_softmax_attention",
     "cuda_softmax_implementation",
     "fla_parallel_attn",
+    "observe_attention",
     "rectified_softmax_weights",
     "reference_attention",
     "scale_queries_by_position",

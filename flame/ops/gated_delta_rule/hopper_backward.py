@@ -152,7 +152,11 @@ def register_backend() -> None:
 
         def chunk_bwd_dqkwg(self, *args, **kwargs):
             # FLA's backward may run under autocast; this computation keeps its own (float32) precision.
-            with torch.autocast("cuda", enabled=False):
+            # The named range makes its share of a step visible in torch.profiler tables.
+            with (
+                torch.autocast("cuda", enabled=False),
+                torch.profiler.record_function("flame_chunk_bwd_dqkwg"),
+            ):
                 return chunk_bwd_dqkwg_torch(*args, **kwargs)
 
     _registered = True
