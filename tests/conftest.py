@@ -1,10 +1,17 @@
 """tests/gpu needs CUDA: it is collected only on a machine with a GPU (run it there: pytest tests/gpu).
+tests/ops/interpreted runs Triton kernels in Triton's CPU interpreter, in a subprocess (see below).
 
 ``make_trainer`` (tests/trainer_helpers.py) builds flame's Trainer in-process for any test.
 """
+
+import os
 
 import torch
 
 from tests.trainer_helpers import make_trainer  # noqa: F401  (fixture)
 
 collect_ignore = [] if torch.cuda.is_available() else ["gpu"]
+# Triton's interpreter must be chosen before triton is imported: tests/ops/test_triton_kernels_interpreted.py runs
+# these in a subprocess with TRITON_INTERPRET=1.
+if os.environ.get("TRITON_INTERPRET") != "1":
+    collect_ignore.append("ops/interpreted")

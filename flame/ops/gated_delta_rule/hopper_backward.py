@@ -3,8 +3,12 @@
 FLA issue 640 (PR 826): Triton >= 3.4, < 3.7.1 miscompiles ``tl.trans`` of a wgmma-layout accumulator in FLA's
 gated ``chunk_bwd_kernel_dqkwg`` on Hopper, so FLA 0.6.0 raises there instead of returning wrong gradients. FLA
 lets a registered backend serve any ``@dispatch('common')`` function (``fla.backends.register``); this module
-registers one that computes the same per-chunk quantities with batched PyTorch matmuls. Everything else in
-the backward (and the whole forward) stays on FLA's Triton kernels. The guard is never lifted.
+registers flame's Triton kernel (dqkwg_triton.py, which never transposes an accumulator). Everything else in the
+backward (and the whole forward) stays on FLA's Triton kernels. The guard is never lifted.
+
+`chunk_bwd_dqkwg_torch` below computes the same per-chunk quantities with batched PyTorch matmuls: it is the
+reference the kernel is tested against (and was the served implementation before the kernel, at ~14 ms per
+340M-model layer on an H100).
 
 Per chunk c with token-local cumulative log2-decay g (FLA's convention), start state h_c, gradient dh of the
 state after the chunk, output gradient do and (for the delta rule) gradient dv of v_new = u - w h_c:
@@ -18,6 +22,8 @@ dg is returned before FLA's reverse cumulative sum, exactly as the Triton kernel
 """
 
 import torch
+
+from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bwd_dqkwg_triton
 
 
 def _chunk_token_index(
@@ -134,7 +140,7 @@ _registered = False
 
 
 def register_backend() -> None:
-    """Register the PyTorch chunk_bwd_dqkwg with FLA's 'common' registry (idempotent, only where needed)."""
+    """Register flame's Triton chunk_bwd_dqkwg with FLA's 'common' registry (idempotent, only where needed)."""
     global _registered
     if _registered or not affected():
         return
@@ -151,12 +157,8 @@ def register_backend() -> None:
             return True, None
 
         def chunk_bwd_dqkwg(self, *args, **kwargs):
-            # FLA's backward may run under autocast; this computation keeps its own (float32) precision.
             # The named range makes its share of a step visible in torch.profiler tables.
-            with (
-                torch.autocast("cuda", enabled=False),
-                torch.profiler.record_function("flame_chunk_bwd_dqkwg"),
-            ):
-                return chunk_bwd_dqkwg_torch(*args, **kwargs)
+            with torch.profiler.record_function("flame_chunk_bwd_dqkwg"):
+                return chunk_bwd_dqkwg_triton(*args, **kwargs)
 
     _registered = True
