@@ -1,10 +1,13 @@
 """Attention of the softmax / softpick / rectified family behind one signature.
 
-`attention(q, k, v, *, impl, causal, window_size, cu_seqlens, scale)`: causal softmax attention on CUDA goes to
-`cuda_softmax_implementation`: torch SDPA (FlashAttention backend) for plain causal batches, FLA's Triton
-`parallel_attn` (GQA, sliding windows, cu_seqlens) otherwise; everything else runs the materialized `reference_attention` (see reference.py for the exact
-semantics). FLA 0.6.0 has no softpick or rectified kernel, so those run the O(T^2) reference on every device until
-a kernel for them is added here.
+`attention(q, k, v, *, impl, causal, window_size, cu_seqlens, scale)` dispatches on device and impl:
+- CUDA, causal softmax: `cuda_softmax_implementation`: torch SDPA (FlashAttention backend) for plain causal
+  batches, FLA's Triton `parallel_attn` (GQA, sliding windows, cu_seqlens) otherwise;
+- CUDA, causal softpick / rectified: flame's fused Triton kernel (softpick_triton.py; GQA, sliding windows,
+  cu_seqlens, head dims up to 128, memory linear in T);
+- everything else (CPU, causal=False): the materialized O(T^2) `reference_attention`.
+reference.py defines the semantics every path follows (masking, softpick's eps = SOFTPICK_EPS in the shifted
+space, all-zero rows). Importing this package imports neither FLA nor Triton; the CUDA branches do on first use.
 """
 
 import torch
@@ -80,6 +83,12 @@ def attention(
     if q.is_cuda and impl == "softmax" and causal:
         return cuda_softmax_implementation(
             q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
+        )
+    if q.is_cuda and impl in ("softpick", "rectified") and causal:
+        from flame.ops.attention.softpick_triton import softpick_attention
+
+        return softpick_attention(
+            q, k, v, variant=impl, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
         )
     return reference_attention(
         q, k, v, impl=impl, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale

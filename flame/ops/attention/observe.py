@@ -17,6 +17,8 @@ _observers: list[Callable[..., None]] = []
 
 @contextlib.contextmanager
 def observe_attention(fn: Callable[..., None]) -> Iterator[None]:
+    """Hand fn every attention call made inside the context (contexts nest: observers run in the order they were
+    entered); fn is removed when the context ends, also by an exception. See flame.diagnostics.attention."""
     _observers.append(fn)
     try:
         yield
