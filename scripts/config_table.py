@@ -34,6 +34,7 @@ RECIPES = {
     "olmo_1b_deltanet_pp": "OLMo-core linear-RNN 1B: deltanet++",
     "olmo_1b_hybrid_gated_deltanet_pp": "OLMo-core linear-RNN 1B: hybrid_gated_deltanet++ (SWA at even layers)",
     "olmo3_7b_hybrid": "OLMo 3.1 7B hybrid (attention at i % 4 == 3)",
+    "olmo_hybrid_7b": "OLMo 3.1 7B hybrid with OLMo's attention blocks = transformers' olmo_hybrid",
     "openelm_270m_lws_gqa": "OpenELM-270M shape: layer-wise scaling + GQA",
 }
 

@@ -56,9 +56,8 @@ def import_adapter(config: dict) -> StateDictAdapter:
 
         return LlamaAdapter(LlamaAdapter.args_from_hf_config(config))
     if model_type == "olmo_hybrid":
-        raise ExportError(
-            "flame cannot build OLMo hybrid's attention blocks (post-norm, full-width q/k norm); "
-            "see flame/models/gated_deltanet/state_dict_adapter.py"
-        )
-    known = sorted(FAMILIES) + [f"flame_{f}" for f in sorted(FAMILIES)] + ["llama"]
+        from flame.models.gated_deltanet.state_dict_adapter import OlmoHybridAdapter
+
+        return OlmoHybridAdapter(OlmoHybridAdapter.args_from_hf_config(config))
+    known = sorted(FAMILIES) + [f"flame_{f}" for f in sorted(FAMILIES)] + ["llama", "olmo_hybrid"]
     raise ExportError(f"flame cannot read model_type {model_type!r}; it reads: {', '.join(known)}")

@@ -2,7 +2,8 @@
 
 :func:`check_parallelism` raises :class:`flame.errors.ConfigError` with one line for: degrees that do not multiply
 to the world size; parallelisms flame does not implement (context, expert); DDP combined with tensor or pipeline
-parallelism; head counts, MLP widths or the sequence length not divisible by the tensor-parallel degree; more
+parallelism; head counts, MLP widths or the sequence length not divisible by the tensor-parallel degree; a q/k
+norm over all heads (``qk_norm_scope`` full) under tensor parallelism, which splits the heads; more
 pipeline stages than layers; CPU offload without FSDP; activation-checkpointing and converter options that cannot
 work. train.sh's pre-flight (flame.launch) calls it with NGPU x NNODE, and parallelize_model calls it again on the
 ranks. It imports no torchtitan module, so the pre-flight stays fast.
@@ -77,6 +78,16 @@ def mixer_head_counts(mixer) -> dict[str, int]:
 
 def check_tensor_parallel(model, tp: int, seq_len: int) -> None:
     for layer_id, block in model.layers.items():
+        if (
+            isinstance(block.attn, Attention)
+            and block.attn.q_norm is not None
+            and block.attn.qk_norm_scope == "full"
+        ):
+            # Each rank holds only its heads, and the norm's statistics run over all of them.
+            raise ConfigError(
+                f"tensor parallelism does not support qk_norm_scope full (layer {layer_id}: a q/k norm over all "
+                "heads); use tensor_parallel_degree 1 or qk_norm_scope head"
+            )
         for what, count in mixer_head_counts(block.attn).items():
             if count % tp:
                 raise ConfigError(

@@ -10,6 +10,9 @@ Both sides are built on the meta device. Where a config uses flame extensions, F
   transformer lacks: the expected count adds num_heads x num_hidden_layers.
 - ``window_pattern`` changes no parameter; ``layer_wise_scaling`` has no FLA counterpart (its shapes are checked
   in tests/models/layers/test_lws.py), so those configs are skipped.
+- hybrids with OLMo's attention blocks (``"qk_norm_scope": "full"``: q/k norm weights over all heads) have no FLA
+  counterpart either; they are compared with transformers' ``OlmoHybridForCausalLM`` built from the config flame's
+  ``--format olmo_hybrid`` export writes, names mapped by that export.
 FLA's Attention refuses to be constructed without the flash_attn package, which only its forward needs: the test
 sets the module's ``flash_attn_func`` to a placeholder.
 """
@@ -33,6 +36,7 @@ from fla.models.delta_net import modeling_delta_net
 from fla.models.gated_deltanet import modeling_gated_deltanet
 
 from flame.models import build_model, load_model_args
+from flame.models.gated_deltanet.state_dict_adapter import OlmoHybridAdapter
 from flame.models.layers.attention import ATTN_IMPLS
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.json"))
@@ -78,8 +82,20 @@ def shapes(model: torch.nn.Module, strip: str = "") -> dict[str, tuple[int, ...]
     return {name.removeprefix(strip): tuple(p.shape) for name, p in model.named_parameters()}
 
 
+def olmo_attention(config: dict) -> bool:
+    specs = config.get("attn") or []
+    return any(
+        spec.get("qk_norm_scope") == "full" for spec in ([specs] if isinstance(specs, dict) else specs)
+    )
+
+
 # Layer-wise scaling (OpenELM) has no FLA counterpart; tests/models/layers/test_lws.py checks its sizes.
-FLA_COMPARABLE = [p for p in CONFIGS if "layer_wise_scaling" not in json.loads(p.read_text())]
+FLA_COMPARABLE = [
+    p
+    for p in CONFIGS
+    if "layer_wise_scaling" not in (c := json.loads(p.read_text())) and not olmo_attention(c)
+]
+OLMO_COMPARABLE = [p for p in CONFIGS if olmo_attention(json.loads(p.read_text()))]
 
 
 @pytest.mark.parametrize("path", FLA_COMPARABLE, ids=[p.stem for p in FLA_COMPARABLE])
@@ -99,3 +115,22 @@ def test_flame_counts_what_fla_counts(path, fla_patched):
         flame_shapes = {name: shape for name, shape in flame_shapes.items() if not name.endswith(".q_scale")}
     assert count(flame_model) == expected
     assert flame_shapes == shapes(fla_model, strip="model.")
+
+
+@pytest.mark.parametrize("path", OLMO_COMPARABLE, ids=[p.stem for p in OLMO_COMPARABLE])
+def test_flame_counts_what_transformers_olmo_hybrid_counts(path):
+    from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+
+    args, _ = load_model_args(path)
+    adapter = OlmoHybridAdapter(args)
+    config = {k: v for k, v in adapter.hf_config().items() if k not in ("model_type", "architectures")}
+    with torch.device("meta"):
+        flame_model = build_model(args)
+        olmo = OlmoHybridForCausalLM(OlmoHybridConfig(**config))
+        hf = adapter.to_hf(dict(flame_model.named_parameters()))
+        for i in range(args.num_hidden_layers):  # transformers >= 5.17 holds the q/k/v convolutions as one
+            convs = [hf.pop(f"model.layers.{i}.linear_attn.{x}_conv1d.weight", None) for x in "qkv"]
+            if convs[0] is not None:
+                hf[f"model.layers.{i}.linear_attn.conv1d.weight"] = torch.cat(convs)
+    assert count(flame_model) == count(olmo)
+    assert {name: tuple(p.shape) for name, p in hf.items()} == shapes(olmo)

@@ -1,4 +1,4 @@
-"""The decoder every family shares: embeddings -> pre-norm blocks -> norm -> lm head.
+"""The decoder every family shares: embeddings -> residual blocks (pre-norm by default) -> norm -> lm head.
 
 Module names follow FLA's HF models (``embeddings``, ``layers.<i>.attn_norm/attn/mlp_norm/mlp``, ``norm``,
 ``lm_head``) so conversion to and from FLA checkpoints is a prefix change. ``layers`` is a ModuleDict keyed by
@@ -12,12 +12,26 @@ from flame.models.common.args import ModelArgs
 from flame.models.layers.mlp import GatedMLP, swiglu_intermediate_size
 from flame.models.layers.norm import RMSNorm
 
+# Where a block's two RMSNorms sit on the residual branches: "pre" normalises the branch input
+# (x + f(norm(x)), FLA's and Llama's blocks), "post" the branch output (x + norm(f(x)), OLMo 2/3's "reordered
+# norm"; not the original Transformer's norm(x + f(x))). Both keep the names attn_norm and mlp_norm.
+NORM_ORDERS = ("pre", "post")
+
 
 class Block(nn.Module):
-    """Pre-norm residual block around one sequence mixer and a SwiGLU MLP."""
+    """Residual block around one sequence mixer and a SwiGLU MLP, with the norms placed by ``norm_order``."""
 
-    def __init__(self, args: ModelArgs, mixer: nn.Module, intermediate_size: int | None = None):
+    def __init__(
+        self,
+        args: ModelArgs,
+        mixer: nn.Module,
+        intermediate_size: int | None = None,
+        norm_order: str = "pre",
+    ):
         super().__init__()
+        if norm_order not in NORM_ORDERS:
+            raise ValueError(f"norm_order must be one of {NORM_ORDERS}, got {norm_order!r}")
+        self.norm_order = norm_order
         self.attn_norm = RMSNorm(args.hidden_size, eps=args.norm_eps)
         self.attn = mixer
         self.mlp_norm = RMSNorm(args.hidden_size, eps=args.norm_eps)
@@ -29,6 +43,9 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if self.norm_order == "post":
+            x = x + self.attn_norm(self.attn(x, position_ids, cu_seqlens))
+            return x + self.mlp_norm(self.mlp(x))
         x = x + self.attn(self.attn_norm(x), position_ids, cu_seqlens)
         return x + self.mlp(self.mlp_norm(x))
 

@@ -13,19 +13,30 @@ and the other layers keep the family's own mixer. flame adds, inside a spec:
   i % N == k; the OLMo 3 hybrid is ``{"every": 4, "offset": 3, ...}``. FLA's config class requires "layers", so a
   config spelled this way loads in flame only. flame normalises every spec to an explicit "layers" list with all
   defaults filled in (that is what ``args.to_dict()`` writes), so configs exported by flame load in FLA.
-- ``"qk_norm": true``: per-head RMSNorm of q and k, as OLMo's hybrids use; ``"attn_impl"``: the softpick family
-  (flame.models.layers.attention.ATTN_IMPLS). FLA's config class keeps unknown keys and ignores them, so they do
-  not break loading there, but FLA's hybrid attention has neither: FLA would build a different model.
+- ``"qk_norm": true``: RMSNorm of q and k, per head (``"qk_norm_scope": "head"``, the default; OLMo-core's
+  ``use_head_qk_norm``) or over all heads at once (``"qk_norm_scope": "full"``: OLMo 3's hybrid and transformers'
+  ``olmo_hybrid``); ``"attn_impl"``: the softpick family (flame.models.layers.attention.ATTN_IMPLS).
+- ``"norm_order": "pre"`` (default) or ``"post"``: where the attention layers' two block norms sit, around the
+  branch input (``x + attn(norm(x))``, then ``x + mlp(norm(x))``) or on the branch output
+  (``x + norm(attn(x))``, then ``x + norm(mlp(x))``: OLMo 2/3's reordered norm,
+  flame.models.common.decoder.NORM_ORDERS). The family's own layers stay pre-norm.
+
+FLA's config class keeps unknown keys and ignores them, so flame's keys do not break loading there, but FLA's hybrid
+attention has none of them: FLA would build a different model (flame's export says so).
 """
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from flame.errors import ModelConfigError
 from flame.models.common.args import ModelArgs
-from flame.models.layers.attention import Attention, check_attn_impl
+from flame.models.common.decoder import NORM_ORDERS, Block
+from flame.models.layers.attention import Attention, check_attn_impl, check_qk_norm_scope
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,8 @@ class AttentionSpec:
     rope_theta: float = 10000.0
     qk_norm: bool = False
     attn_impl: str = "parallel_attn"
+    qk_norm_scope: str = "head"
+    norm_order: str = "pre"
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "layers": list(self.layers)}
@@ -132,6 +145,19 @@ def _parse_spec(spec: Any, name: str, num_layers: int, hidden_size: int) -> Atte
         check_attn_impl(attn_impl)
     except ModelConfigError as e:
         raise ModelConfigError(f"{name}.{e}") from e
+    qk_norm = _bool(spec.get("qk_norm", False), f"{name}.qk_norm")
+    qk_norm_scope = spec.get("qk_norm_scope", AttentionSpec.qk_norm_scope)
+    try:
+        check_qk_norm_scope(qk_norm_scope)
+    except ModelConfigError as e:
+        raise ModelConfigError(f"{name}.{e}") from e
+    if qk_norm_scope != AttentionSpec.qk_norm_scope and not qk_norm:
+        raise ModelConfigError(f'{name}.qk_norm_scope {qk_norm_scope!r} needs "qk_norm": true')
+    norm_order = spec.get("norm_order", AttentionSpec.norm_order)
+    if norm_order not in NORM_ORDERS:
+        raise ModelConfigError(
+            f"{name}.norm_order must be one of {', '.join(NORM_ORDERS)}, got {norm_order!r}"
+        )
     return AttentionSpec(
         layers=layers,
         num_heads=num_heads,
@@ -139,8 +165,10 @@ def _parse_spec(spec: Any, name: str, num_layers: int, hidden_size: int) -> Atte
         qkv_bias=_bool(spec.get("qkv_bias", False), f"{name}.qkv_bias"),
         window_size=window_size,
         rope_theta=float(rope_theta),
-        qk_norm=_bool(spec.get("qk_norm", False), f"{name}.qk_norm"),
+        qk_norm=qk_norm,
         attn_impl=attn_impl,
+        qk_norm_scope=qk_norm_scope,
+        norm_order=norm_order,
     )
 
 
@@ -201,19 +229,22 @@ class HybridModelArgs(ModelArgs):
         return 0
 
 
-def build_hybrid_attention(args: HybridModelArgs, layer_id: int) -> Attention | None:
-    """flame's Attention for a layer the ``attn`` field selects, or None."""
+def build_hybrid_block(args: HybridModelArgs, layer_id: int, build_mixer: Callable[[], nn.Module]) -> Block:
+    """The block of a layer: flame's Attention with its spec's norm order where the ``attn`` field selects the
+    layer, else a pre-norm block around the family's own mixer (``build_mixer()``)."""
     spec = args.attention_spec(layer_id)
     if spec is None:
-        return None
-    return Attention(
+        return Block(args, build_mixer())
+    attention = Attention(
         hidden_size=args.hidden_size,
         num_heads=spec.num_heads,
         num_kv_heads=spec.num_kv_heads,
         qkv_bias=spec.qkv_bias,
         qk_norm=spec.qk_norm,
+        qk_norm_scope=spec.qk_norm_scope,
         window_size=spec.window_size,
         rope_theta=spec.rope_theta,
         attn_impl=spec.attn_impl,
         norm_eps=args.norm_eps,
     )
+    return Block(args, attention, norm_order=spec.norm_order)

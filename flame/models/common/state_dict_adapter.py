@@ -114,7 +114,7 @@ def softmax_attention(attn_impl: str) -> bool:
 
 
 def hybrid_fla_incompatibilities(args) -> list[str]:
-    """What FLA's hybrid ``attn`` spec lacks: per-head q/k norm and the softpick family."""
+    """What FLA's hybrid ``attn`` spec lacks: q/k norms, post-norm blocks and the softpick family."""
     from flame.models.common.hybrid import parse_attn
 
     problems = []
@@ -122,6 +122,10 @@ def hybrid_fla_incompatibilities(args) -> list[str]:
         if spec.qk_norm:
             problems.append(
                 f"attention layers {list(spec.layers)} use qk_norm, which FLA's hybrid attention lacks"
+            )
+        if spec.norm_order != "pre":
+            problems.append(
+                f"attention layers {list(spec.layers)} use norm_order {spec.norm_order} (FLA's blocks are pre-norm)"
             )
         if not softmax_attention(spec.attn_impl):
             problems.append(f"attention layers {list(spec.layers)} use attn_impl {spec.attn_impl}")

@@ -2,8 +2,8 @@
 
 from torch import nn
 
-from flame.models.common.decoder import Block, DecoderLM
-from flame.models.common.hybrid import build_hybrid_attention
+from flame.models.common.decoder import DecoderLM
+from flame.models.common.hybrid import build_hybrid_block
 from flame.models.delta_net.args import DeltaNetArgs
 from flame.models.layers.delta_net import DeltaNet
 
@@ -15,9 +15,10 @@ class DeltaNetModel(DecoderLM):
 
     def build_block(self, layer_id: int) -> nn.Module:
         args = self.args
-        mixer = build_hybrid_attention(args, layer_id)
-        if mixer is None:
-            mixer = DeltaNet(
+        return build_hybrid_block(
+            args,
+            layer_id,
+            lambda: DeltaNet(
                 hidden_size=args.hidden_size,
                 num_heads=args.num_heads,
                 expand_k=args.expand_k,
@@ -30,5 +31,5 @@ class DeltaNetModel(DecoderLM):
                 qk_activation=args.qk_activation,
                 qk_norm=args.qk_norm,
                 norm_eps=args.norm_eps,
-            )
-        return Block(args, mixer)
+            ),
+        )

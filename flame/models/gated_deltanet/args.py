@@ -25,6 +25,9 @@ class GatedDeltaNetArgs(HybridModelArgs):
     use_short_conv: bool = True
     conv_size: int = 4
     allow_neg_eigval: bool = False
+    # flame's: eps of the Gated DeltaNet layers' output norm; None (FLA's behaviour): norm_eps. OLMo-core leaves
+    # it at the layer default 1e-5 whatever its block norms use (transformers' olmo_hybrid hard-codes 1e-5).
+    output_norm_eps: float | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -41,6 +44,14 @@ class GatedDeltaNetArgs(HybridModelArgs):
             raise ModelConfigError(
                 f"expand_v: head_dim * expand_v = {self.head_dim} * {self.expand_v} must be a positive integer"
             )
+        if self.output_norm_eps is not None and (
+            isinstance(self.output_norm_eps, bool)
+            or not isinstance(self.output_norm_eps, (int, float))
+            or not 0 < self.output_norm_eps < 1
+        ):
+            raise ModelConfigError(
+                f"output_norm_eps must be null or a number in (0, 1), got {self.output_norm_eps!r}"
+            )
         if self.use_short_conv:
             require_positive_int(self, "conv_size")
         if self.output_gate_activation not in GATE_ACTIVATIONS:
@@ -48,6 +59,10 @@ class GatedDeltaNetArgs(HybridModelArgs):
                 f"output_gate_activation must be one of {', '.join(GATE_ACTIVATIONS)}, "
                 f"got {self.output_gate_activation!r}"
             )
+
+    def output_norm_eps_or_default(self) -> float:
+        """The eps of the Gated DeltaNet layers' output norm."""
+        return self.norm_eps if self.output_norm_eps is None else self.output_norm_eps
 
     def mixer_flops_per_token(self) -> int:
         # The op runs per value head, with q and k shared by the value heads of a group.

@@ -2,8 +2,8 @@
 
 from torch import nn
 
-from flame.models.common.decoder import Block, DecoderLM
-from flame.models.common.hybrid import build_hybrid_attention
+from flame.models.common.decoder import DecoderLM
+from flame.models.common.hybrid import build_hybrid_block
 from flame.models.gated_deltanet.args import GatedDeltaNetArgs
 from flame.models.layers.gated_deltanet import GatedDeltaNet
 
@@ -15,9 +15,10 @@ class GatedDeltaNetModel(DecoderLM):
 
     def build_block(self, layer_id: int) -> nn.Module:
         args = self.args
-        mixer = build_hybrid_attention(args, layer_id)
-        if mixer is None:
-            mixer = GatedDeltaNet(
+        return build_hybrid_block(
+            args,
+            layer_id,
+            lambda: GatedDeltaNet(
                 hidden_size=args.hidden_size,
                 head_dim=args.head_dim,
                 num_heads=args.num_heads,
@@ -27,7 +28,7 @@ class GatedDeltaNetModel(DecoderLM):
                 use_short_conv=args.use_short_conv,
                 conv_size=args.conv_size,
                 allow_neg_eigval=args.allow_neg_eigval,
-                norm_eps=args.norm_eps,
+                norm_eps=args.output_norm_eps_or_default(),
                 output_gate_activation=args.output_gate_activation,
-            )
-        return Block(args, mixer)
+            ),
+        )

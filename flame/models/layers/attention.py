@@ -2,6 +2,10 @@
 
 ``attn_impl`` takes the names of the softpick fork of flame/FLA; the ``naive_*`` names select the same math
 (flame picks the kernel per device, so there is no separate naive model).
+
+``qk_norm_scope`` says what the q/k RMSNorms normalise: ``"head"`` each head's head_dim vector (FLA's qk_norm,
+OLMo-core's ``use_head_qk_norm``; weights of width head_dim), ``"full"`` the whole projection, all heads at once
+(OLMo 2/3 and transformers' OLMo hybrid; weights of width num_heads * head_dim and num_kv_heads * head_dim).
 """
 
 import torch
@@ -26,10 +30,20 @@ ATTN_IMPLS.update({name.replace("parallel_", "naive_"): spec for name, spec in l
 # Initial value of the per-head query scale of the scaled variants (softpick paper, appendix).
 QUERY_SCALE_INIT = 0.3
 
+# What the q/k norms normalise: each head's vector, or the whole projection (all heads at once).
+QK_NORM_SCOPES = ("head", "full")
+
 
 def check_attn_impl(attn_impl: str) -> None:
     if attn_impl not in ATTN_IMPLS:
         raise ModelConfigError(f"attn_impl '{attn_impl}' is unknown; choose one of: {', '.join(ATTN_IMPLS)}")
+
+
+def check_qk_norm_scope(qk_norm_scope: str) -> None:
+    if qk_norm_scope not in QK_NORM_SCOPES:
+        raise ModelConfigError(
+            f"qk_norm_scope {qk_norm_scope!r} is unknown; choose one of: {', '.join(QK_NORM_SCOPES)}"
+        )
 
 
 class Attention(nn.Module):
@@ -41,6 +55,7 @@ class Attention(nn.Module):
         head_dim: int | None = None,
         qkv_bias: bool = False,
         qk_norm: bool = False,
+        qk_norm_scope: str = "head",
         window_size: int | None = None,
         rope_theta: float = 10000.0,
         attn_impl: str = "parallel_attn",
@@ -48,10 +63,12 @@ class Attention(nn.Module):
     ):
         super().__init__()
         check_attn_impl(attn_impl)
+        check_qk_norm_scope(qk_norm_scope)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         self.head_dim = head_dim or hidden_size // num_heads
         self.window_size = window_size
+        self.qk_norm_scope = qk_norm_scope
         self.rope_theta = rope_theta
         self.score_fn, self.scaled = ATTN_IMPLS[attn_impl]
 
@@ -60,8 +77,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden_size, bias=False)
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=norm_eps)
+            full = qk_norm_scope == "full"
+            self.q_norm = RMSNorm(self.num_heads * self.head_dim if full else self.head_dim, eps=norm_eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim if full else self.head_dim, eps=norm_eps)
         else:
             self.q_norm = self.k_norm = None
         if self.scaled:
@@ -75,10 +93,13 @@ class Attention(nn.Module):
         self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
     ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
-        q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim)
-        k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.q_norm is not None and self.qk_norm_scope == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, seq_len, -1, self.head_dim)
+        k = k.view(batch, seq_len, -1, self.head_dim)
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rope_theta)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

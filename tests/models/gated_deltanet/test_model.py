@@ -50,6 +50,8 @@ def test_init_weights_is_flas():
         ({"head_dim": 0}, "head_dim"),
         ({"conv_size": 0}, "conv_size"),
         ({"output_gate_activation": "relu"}, "output_gate_activation"),
+        ({"output_norm_eps": 0}, "output_norm_eps"),
+        ({"output_norm_eps": "1e-5"}, "output_norm_eps"),
         ({"attn": {"layers": [2], "num_heads": 4}}, "attn.layers"),
         ({"attn": {"layers": [0], "num_heads": 4, "attn_impl": "nope"}}, "attn.attn_impl"),
     ],
@@ -57,3 +59,12 @@ def test_init_weights_is_flas():
 def test_bad_values_name_the_field(overrides, field):
     with pytest.raises(ModelConfigError, match=field):
         tiny_args("gated_deltanet", **{**GDN, **overrides})
+
+
+def test_output_norm_eps_sets_the_output_norm_alone():
+    model = tiny_model("gated_deltanet", **GDN, norm_eps=1e-6, output_norm_eps=1e-5)
+    block = model.layers["0"]
+    assert (
+        block.attn.o_norm.eps == 1e-5 and block.attn_norm.eps == block.mlp_norm.eps == model.norm.eps == 1e-6
+    )
+    assert tiny_model("gated_deltanet", **GDN, norm_eps=1e-6).layers["0"].attn.o_norm.eps == 1e-6
