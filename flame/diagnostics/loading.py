@@ -1,0 +1,125 @@
+"""A checkpoint as flame's own model (DecoderLM, eval mode) and its tokenizer, whatever form the checkpoint has.
+
+- A flame DCP checkpoint: a folder holding ``step-<N>`` checkpoints (a dump folder or its checkpoint folder). The
+  step given (default: the latest complete one) is read with the model config its ``flame.json`` records (or
+  ``config``, which must describe the same model), as flame.utils.convert_dcp_to_hf reads it.
+- An HF export written by flame.utils.convert_dcp_to_hf (formats fla, flame, llama): config.json and safetensors,
+  mapped back to flame's parameter names by the format's state-dict adapter (flame.utils.generate.load_flame_model).
+
+A dump folder that holds both (train.sh exports into the dump folder) is read as DCP unless it has no complete
+checkpoint. The tokenizer is ``tokenizer`` if given, else the one the run recorded (DCP) or the export's own files;
+a relative recorded path that does not exist from the working directory is tried from flame's source tree, where
+the default job's ``flame/assets/tokenizer`` lives.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flame.checkpoint.layout import (
+    CheckpointError,
+    checkpoint_folder,
+    latest_step,
+    read_sidecar,
+    resolve_step_dir,
+)
+from flame.errors import FlameError
+from flame.hf.export import check_tokenizer, load_tokenizer
+from flame.utils.convert_hf_to_dcp import TOKENIZER_FILES
+
+SOURCE_TREE = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: object
+    source: str  # what was read, for the report: "DCP checkpoint <path>" or "HF export <path> (<model_type>)"
+
+
+def dcp_folder(path: Path, step: int | None) -> Path | None:
+    """The checkpoint folder to read as DCP, or None to read ``path`` as an HF export."""
+    try:
+        folder = checkpoint_folder(path)
+    except CheckpointError as e:
+        if (path / "config.json").is_file():
+            if step is not None:
+                raise FlameError(f"--step is for DCP checkpoints; {path} is an HF export without any") from e
+            return None
+        raise CheckpointError(
+            f"{path} holds no step-<N> checkpoint and no HF export (config.json); pass a dump folder, its "
+            "checkpoint folder or an HF export folder"
+        ) from e
+    if step is None and latest_step(folder) < 0 and (path / "config.json").is_file():
+        return None
+    return folder
+
+
+def resolve_tokenizer_path(recorded: str) -> str:
+    path = Path(recorded)
+    if not path.is_absolute() and not path.exists() and (SOURCE_TREE / path).exists():
+        return str(SOURCE_TREE / path)
+    return recorded
+
+
+def load_dcp(step_path: Path, config: str | None, device: str, dtype: torch.dtype) -> tuple:
+    from flame.checkpoint.dcp_io import load_model_tensors
+    from flame.models import build_model
+    from flame.utils.convert_dcp_to_hf import model_args_for
+
+    sidecar = read_sidecar(step_path)
+    args = model_args_for(step_path, config, sidecar)
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to_empty(device="cpu")  # flame's models hold no buffers: every tensor is read from the checkpoint
+    load_model_tensors(step_path, model.state_dict())
+    return model.to(device=device, dtype=dtype).eval(), (sidecar or {}).get("tokenizer")
+
+
+def quietly_load_tokenizer(name: str):
+    """load_tokenizer without transformers' warning that it does not know an export's model type (AutoTokenizer
+    reads config.json next to the tokenizer files; FLA's and flame's model types are registered only on import)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return load_tokenizer(name)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def load(
+    path: str | Path,
+    step: int | None = None,
+    config: str | None = None,
+    tokenizer: str | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Loaded:
+    path = Path(path)
+    if not path.is_dir():
+        raise FlameError(
+            f"the checkpoint folder {path} does not exist; pass a dump folder, its checkpoint folder or an HF export"
+        )
+    folder = dcp_folder(path, step)
+    if folder is not None:
+        step_path = resolve_step_dir(folder, -1 if step is None else step)
+        model, recorded = load_dcp(step_path, config, device, dtype)
+        source = f"DCP checkpoint {step_path}"
+    else:
+        if config is not None:
+            raise FlameError(f"--config is for DCP checkpoints; the HF export {path} has its own config.json")
+        from flame.utils.convert_hf_to_dcp import read_hf_config
+        from flame.utils.generate import load_flame_model
+
+        model = load_flame_model(path, device, dtype)
+        recorded = str(path) if any((path / name).is_file() for name in TOKENIZER_FILES) else None
+        source = f"HF export {path} ({read_hf_config(path)['model_type']})"
+    name = tokenizer or (resolve_tokenizer_path(recorded) if recorded else None)
+    if name is None:
+        raise FlameError(f"{source} records no tokenizer; pass --tokenizer (e.g. flame/assets/tokenizer)")
+    loaded_tokenizer = quietly_load_tokenizer(name)
+    check_tokenizer(loaded_tokenizer, model.args)
+    return Loaded(model, loaded_tokenizer, source)
