@@ -12,8 +12,9 @@ the summed cross-entropy divided by the global token count, gradient clipping at
 (compilation, allocator warm-up), then ``--steps`` timed steps.
 
 Cases: every model in ``--models`` x ``--seq_lens`` x ``--modes`` (eager, compiled). The models are the 340M
-configs transformer_340M, softpick_transformer_340M, gated_deltanet_340M, and a hybrid: gated_deltanet_340M with
-attention (16 heads, QK-norm) at every fourth layer (3, 7, 11, 15, 19), the OLMo-3 hybrid pattern.
+configs transformer_340M, the softpick recipes (softpick, rectified, scaled softpick), gated_deltanet_340M, and a
+hybrid: gated_deltanet_340M with attention (16 heads, QK-norm) at every fourth layer (3, 7, 11, 15, 19), the OLMo-3
+hybrid pattern.
 
 MFU = FLOPs per token (the model args' get_nparams_and_flops: 6 x non-embedding parameters + attention terms, as
 torchtitan counts) x tokens/s per GPU / peak; peak is 989 TFLOP/s (H100/H200 dense bf16), ``--peak_tflops``
@@ -52,6 +53,8 @@ HYBRID_ATTN = {"every": 4, "offset": 3, "num_heads": 16, "qk_norm": True}
 MODELS = {
     "transformer": ("configs/transformer_340M.json", {}),
     "softpick_transformer": ("configs/softpick_transformer_340M.json", {}),
+    "rectified_transformer": ("configs/rectified_transformer_340M.json", {}),
+    "scaled_softpick_transformer": ("configs/scaled_softpick_transformer_340M.json", {}),
     "gated_deltanet": ("configs/gated_deltanet_340M.json", {}),
     "hybrid": ("configs/gated_deltanet_340M.json", {"attn": HYBRID_ATTN}),
 }
@@ -60,6 +63,8 @@ TINY = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256, "intermedi
 TINY_FAMILY = {
     "transformer": {"num_heads": 4},
     "softpick_transformer": {"num_heads": 4},
+    "rectified_transformer": {"num_heads": 4},
+    "scaled_softpick_transformer": {"num_heads": 4},
     "gated_deltanet": {"num_heads": 2, "head_dim": 32},
     "hybrid": {"num_heads": 2, "head_dim": 32, "attn": {"layers": [1], "num_heads": 4, "qk_norm": True}},
 }

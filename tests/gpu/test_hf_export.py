@@ -1,5 +1,5 @@
 """flame's HF exports on the GPU: FLA's own classes (Triton kernels) load the ``fla`` format and compute the logits
-of flame's training model; flame's types and Llama exports do too. Reference: flame's model on the CPU (PyTorch
+of flame's training model; flame's types, Llama and OLMo-hybrid exports do too. Reference: flame's model on the CPU (PyTorch
 path, float32); candidates run on the GPU under bf16 autocast, limit as in test_model_parity.py."""
 
 import importlib.util
@@ -27,6 +27,8 @@ CASES = {
     "flame-gdn-hybrid-qk-norm": ("gated_deltanet", {**GDN, "attn": {"layers": [1], "num_heads": 4,
                                                                      "qk_norm": True}}, "flame"),
     "llama": ("transformer", {"hidden_size": 128}, "llama"),
+    "olmo_hybrid": ("gated_deltanet", {**GDN, "norm_eps": 1e-5, "attn": {"layers": [1], "num_heads": 4,
+                    "qk_norm": True, "qk_norm_scope": "full", "norm_order": "post"}}, "olmo_hybrid"),
 }  # fmt: skip
 
 
@@ -55,7 +57,7 @@ def test_exported_model_on_gpu_matches_flame(tmp_path, model_type, overrides, fm
         hf = AutoModelForCausalLM.from_pretrained(out).cuda().eval()
         assert (
             type(hf).__module__.split(".")[0]
-            == {"fla": "fla", "flame": "flame", "llama": "transformers"}[fmt]
+            == {"fla": "fla", "flame": "flame", "llama": "transformers", "olmo_hybrid": "transformers"}[fmt]
         )
         assert config["model_type"] == hf.config.model_type
         with torch.autocast("cuda", dtype=torch.bfloat16):
