@@ -16,6 +16,16 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def varlen_batch_problem(varlen: bool, batch_size: int) -> str | None:
+    """The one rule of varlen packing that a job's options can break (shared with flame.data.config)."""
+    if varlen and batch_size != 1:
+        return (
+            f"training.varlen packs documents into one row of seq_len tokens: training.batch_size must be 1, "
+            f"got {batch_size} (raise training.seq_len instead)"
+        )
+    return None
+
+
 def schedule_steps(job_config) -> int:
     """Steps the LR schedule spans: lr_scheduler.total_steps if set, else training.steps."""
     total = job_config.lr_scheduler.total_steps
@@ -58,6 +68,8 @@ def _check_training(job_config) -> None:
         f"training.z_loss must be >= 0 (0 disables it), got {training.z_loss}",
     )
     _require(training.gc_freq >= 1, f"training.gc_freq must be >= 1, got {training.gc_freq}")
+    problem = varlen_batch_problem(bool(training.varlen), training.local_batch_size)
+    _require(problem is None, problem)
 
 
 def _check_optimizer(optimizer) -> None:

@@ -9,6 +9,7 @@ several files (or glob patterns). Every mistake raises :class:`DataConfigError` 
 import math
 from dataclasses import dataclass
 
+from flame.config.checks import varlen_batch_problem
 from flame.errors import FlameError
 
 TRAIN = "train"
@@ -77,11 +78,8 @@ def data_spec(job_config, split: str = TRAIN) -> DataSpec:
     context_len = (
         seq_len if training.context_len is None else _positive(training.context_len, "training.context_len")
     )
-    if training.varlen and batch_size != 1:
-        raise DataConfigError(
-            f"training.varlen packs documents into one row of seq_len tokens: training.batch_size must be 1, "
-            f"got {batch_size} (raise training.seq_len instead)"
-        )
+    if problem := varlen_batch_problem(bool(training.varlen), batch_size):
+        raise DataConfigError(problem)
     if context_len > seq_len:
         raise DataConfigError(
             f"training.context_len ({context_len}) must not exceed training.seq_len ({seq_len})"
