@@ -33,6 +33,7 @@ from flame.errors import FlameError
 from flame.metrics import MetricsLogger
 from flame.models import build_model, load_model_args
 from flame.models.common.args import ModelArgs
+from flame.ops.attention import set_attention_backend
 from flame.optim import build_lr_schedulers, build_optimizers
 from flame.parallelize import TokenNormalizedLoss, parallelize_model, pipeline_model, tie_embeddings
 from flame.samples import SampleGenerator
@@ -111,6 +112,7 @@ class Trainer(Stateful):
         )
 
         # Model: built on the meta device, parallelized, then materialized and initialized.
+        set_attention_backend(job_config.model.attention_backend)
         with torch.device("meta"):
             model = build_model(self.model_args)
         nparams, flops_per_token = self.model_args.get_nparams_and_flops(model, training.seq_len)

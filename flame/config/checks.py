@@ -41,6 +41,7 @@ def last_step(job_config) -> int:
 def validate_job(job_config) -> None:
     """Raise ConfigError with one line for the first bad value."""
     _check_training(job_config)
+    _check_model(job_config.model)
     _check_optimizer(job_config.optimizer)
     _check_lr_scheduler(job_config)
     _check_metrics(job_config.metrics)
@@ -70,6 +71,15 @@ def _check_training(job_config) -> None:
     _require(training.gc_freq >= 1, f"training.gc_freq must be >= 1, got {training.gc_freq}")
     problem = varlen_batch_problem(bool(training.varlen), training.local_batch_size)
     _require(problem is None, problem)
+
+
+def _check_model(model) -> None:
+    from flame.ops.attention import ATTENTION_BACKENDS
+
+    _require(
+        model.attention_backend in ATTENTION_BACKENDS,
+        f"model.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got '{model.attention_backend}'",
+    )
 
 
 def _check_optimizer(optimizer) -> None:

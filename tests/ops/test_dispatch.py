@@ -14,6 +14,7 @@ import fla.ops.delta_rule
 import fla.ops.gated_delta_rule
 import pytest
 import torch
+import torch.nn.functional as F
 
 from flame.ops import (
     attention,
@@ -24,6 +25,7 @@ from flame.ops import (
     rms_norm,
     short_conv,
 )
+from flame.ops.attention import reference_attention, set_attention_backend
 
 
 class PretendCuda(torch.Tensor):
@@ -163,3 +165,43 @@ def test_softpick_family_goes_to_flames_kernel(impl, monkeypatch):
     q, k, v = (tensor(1, 8, 2, 4) for _ in range(3))
     assert attention(q, k, v, impl=impl, window_size=3, cu_seqlens=cu_seqlens) is SENTINEL
     assert calls == [{"variant": impl, "window_size": 3, "cu_seqlens": cu_seqlens, "scale": None}]
+
+
+@pytest.fixture
+def attention_backend():
+    """Sets the attention backend for one test and restores the default afterwards."""
+    yield set_attention_backend
+    set_attention_backend("auto")
+
+
+def test_fla_backend_sends_plain_causal_softmax_to_fla(attention_backend, monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        fla.ops.attn, "parallel_attn", lambda q, k, v, **kwargs: calls.append(kwargs) or SENTINEL
+    )
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: pytest.fail("SDPA must not run"))
+    q, k, v = (tensor(2, 8, 2, 4) for _ in range(3))
+    attention_backend("fla")
+    assert attention(q, k, v, impl="softmax") is SENTINEL
+    assert calls == [{"scale": None, "window_size": None, "cu_seqlens": None}]
+
+
+@pytest.mark.parametrize("impl", ["softmax", "softpick", "rectified"])
+def test_reference_backend_runs_the_pytorch_attention_on_cuda(attention_backend, impl, monkeypatch):
+    from flame.ops.attention import softpick_triton
+
+    def fail(*args, **kwargs):
+        raise AssertionError("no GPU kernel may run under the reference backend")
+
+    monkeypatch.setattr(fla.ops.attn, "parallel_attn", fail)
+    monkeypatch.setattr(softpick_triton, "softpick_attention", fail)
+    q, k, v = (torch.randn(1, 8, 2, 4) for _ in range(3))
+    attention_backend("reference")
+    actual = attention(*(x.as_subclass(PretendCuda) for x in (q, k, v)), impl=impl, window_size=3)
+    expected = reference_attention(q, k, v, impl=impl, window_size=3)
+    torch.testing.assert_close(actual.as_subclass(torch.Tensor), expected, rtol=0, atol=0)
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="attention backend must be one of"):
+        set_attention_backend("flash_3")

@@ -6,6 +6,9 @@
 - CUDA, causal softpick / rectified: flame's fused Triton kernel (softpick_triton.py; GQA, sliding windows,
   cu_seqlens, head dims up to 128, memory linear in T);
 - everything else (CPU, causal=False): the materialized O(T^2) `reference_attention`.
+`set_attention_backend` (train.sh: `--model.attention_backend`) changes the CUDA choice where several kernels
+exist: "auto" (the above), "fla" (FLA's `parallel_attn` for every causal softmax call, SDPA never) or
+"reference" (the materialized PyTorch attention for every call: the numerics reference, O(T^2) memory).
 reference.py defines the semantics every path follows (masking, softpick's eps = SOFTPICK_EPS in the shifted
 space, all-zero rows). Importing this package imports neither FLA nor Triton; the CUDA branches do on first use.
 """
@@ -23,6 +26,17 @@ from flame.ops.attention.reference import (
     visibility_mask,
 )
 from flame.ops.attention.scaling import scale_queries_by_position
+
+ATTENTION_BACKENDS = ("auto", "fla", "reference")
+_backend = "auto"
+
+
+def set_attention_backend(name: str) -> None:
+    """Which kernels serve CUDA attention from now on (see the module docstring); process-wide."""
+    global _backend
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    _backend = name
 
 
 def fla_parallel_attn(
@@ -48,7 +62,7 @@ def cuda_softmax_attention(
     scale: float | None,
 ) -> torch.Tensor:
     """SDPA's flash kernel where it applies (the fastest causal softmax on the GPUs here), else FLA's."""
-    if window_size is None and cu_seqlens is None:
+    if window_size is None and cu_seqlens is None and _backend != "fla":
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -80,11 +94,11 @@ def attention(
     notify_observers(
         q, k, impl=impl, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
     )
-    if q.is_cuda and impl == "softmax" and causal:
+    if q.is_cuda and impl == "softmax" and causal and _backend != "reference":
         return cuda_softmax_implementation(
             q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
         )
-    if q.is_cuda and impl in ("softpick", "rectified") and causal:
+    if q.is_cuda and impl in ("softpick", "rectified") and causal and _backend != "reference":
         from flame.ops.attention.softpick_triton import softpick_attention
 
         return softpick_attention(
@@ -96,6 +110,7 @@ def attention(
 
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "IMPLS",
     "SOFTPICK_EPS",
     "attention",
@@ -106,6 +121,7 @@ __all__ = [
     "rectified_softmax_weights",
     "reference_attention",
     "scale_queries_by_position",
+    "set_attention_backend",
     "softpick_weights",
     "visibility_mask",
 ]
