@@ -20,8 +20,9 @@ compiles each kernel once per variant; test_every_configuration runs each autotu
 import pytest
 import torch
 
-from flame.ops.attention import SOFTPICK_EPS, attention, reference_attention, visibility_mask
+from flame.ops.attention import attention, reference_attention
 from flame.ops.attention import softpick_triton as kernels
+from tests.ops.helpers import softpick_reference_lse
 
 DEVICE = "cuda"
 # name: (batch, seq_len, heads, kv_heads, head_dim, window_size, document boundaries)
@@ -62,20 +63,6 @@ def make_inputs(batch, seq_len, heads, kv_heads, head_dim, dtype, seed=0):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def reference_lse(q, k, variant, window_size, cu_seqlens, scale):
-    """[B, H, T] float64 (the statistic softpick_triton's docstring defines)."""
-    seq_len, group = q.shape[1], q.shape[2] // k.shape[2]
-    scores = torch.einsum("bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(group, 2)) * scale
-    visible = visibility_mask(seq_len, True, window_size, cu_seqlens, q.device)
-    if variant == "softpick":
-        x = torch.where(visible, scores, 0.0)
-        shift = x.amax(-1, keepdim=True).clamp(min=0)
-        total = (torch.exp(x - shift) - torch.exp(-shift)).abs().sum(-1) + SOFTPICK_EPS
-        return shift[..., 0] + total.log()
-    lse = torch.logsumexp(torch.where(visible & (scores >= 0), scores, float("-inf")), -1)
-    return torch.where(torch.isneginf(lse), float("inf"), lse)
-
-
 def errors(actual, expected, dtype):
     """{name: error} with the metric of the dtype (module docstring)."""
     result = {}
@@ -102,7 +89,7 @@ def run_case(case, variant, dtype):
         q64, k64, v64, impl=variant, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
     )
     ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, (q64, k64, v64), do.double())
-    ref_lse = reference_lse(q, k, variant, window_size, cu_seqlens, scale)
+    ref_lse = softpick_reference_lse(q, k, variant, window_size, cu_seqlens, scale)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     actual = {"o": out, "lse": lse[finite], "dq": dq, "dk": dk, "dv": dv}

@@ -14,8 +14,9 @@ are all <= 0, and rows whose visible keys are unchanged when masked keys change.
 import pytest
 import torch
 
-from flame.ops.attention import SOFTPICK_EPS, reference_attention, visibility_mask
+from flame.ops.attention import reference_attention, visibility_mask
 from flame.ops.attention.softpick_triton import softpick_attention, softpick_attention_fwd
+from tests.ops.helpers import softpick_reference_lse
 
 LIMITS = {
     "softpick": {"o": 1e-5, "lse": 1e-5, "dq": 2e-5, "dk": 2e-5, "dv": 1e-5},
@@ -40,20 +41,6 @@ def make_inputs(batch, seq_len, heads, kv_heads, head_dim, seed, fused=False):
     return (q, k, v) if fused else (q.contiguous(), k.contiguous(), v.contiguous())
 
 
-def reference_lse(q, k, variant, window_size, cu_seqlens, scale):
-    """[B, H, T] float64, the statistic the kernel saves (softpick-triton's module docstring)."""
-    seq_len, group = q.shape[1], q.shape[2] // k.shape[2]
-    scores = torch.einsum("bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(group, 2)) * scale
-    visible = visibility_mask(seq_len, True, window_size, cu_seqlens)
-    if variant == "softpick":
-        x = torch.where(visible, scores, 0.0)
-        shift = x.amax(-1, keepdim=True).clamp(min=0)
-        total = (torch.exp(x - shift) - torch.exp(-shift)).abs().sum(-1) + SOFTPICK_EPS
-        return shift[..., 0] + total.log()
-    lse = torch.logsumexp(torch.where(visible & (scores >= 0), scores, float("-inf")), -1)
-    return torch.where(torch.isneginf(lse), float("inf"), lse)
-
-
 def relative_error(actual, expected):
     return ((actual.double() - expected).abs().max() / expected.abs().max()).item()
 
@@ -75,7 +62,7 @@ def test_matches_float64_reference(variant, case):
         q64, k64, v64, impl=variant, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
     )
     expected_grads = torch.autograd.grad(expected, (q64, k64, v64), do.double())
-    expected_lse = reference_lse(q, k, variant, window_size, cu_seqlens, scale)
+    expected_lse = softpick_reference_lse(q, k, variant, window_size, cu_seqlens, scale)
 
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     finite = torch.isfinite(expected_lse)
