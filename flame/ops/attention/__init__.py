@@ -1,14 +1,13 @@
 """Attention of the softmax / softpick / rectified family behind one signature.
 
-`attention(q, k, v, *, impl, causal, window_size, cu_seqlens, scale)` dispatches on device and impl:
-- CUDA, causal softmax: `cuda_softmax_implementation`: torch SDPA (FlashAttention backend) for plain causal
-  batches, FLA's Triton `parallel_attn` (GQA, sliding windows, cu_seqlens) otherwise;
-- CUDA, causal softpick / rectified: flame's fused Triton kernel (softpick_triton.py; GQA, sliding windows,
-  cu_seqlens, head dims up to 128, memory linear in T);
-- everything else (CPU, causal=False): the materialized O(T^2) `reference_attention`.
-`set_attention_backend` (train.sh: `--model.attention_backend`) changes the CUDA choice where several kernels
-exist: "auto" (the above), "fla" (FLA's `parallel_attn` for every causal softmax call, SDPA never) or
-"reference" (the materialized PyTorch attention for every call: the numerics reference, O(T^2) memory).
+`attention(q, k, v, *, impl, causal, window_size, cu_seqlens, scale)` sends causal calls on CUDA tensors to the
+backend `set_attention_backend` chose (train.sh: `--model.attention_backend`), everything else (CPU,
+causal=False) to the materialized O(T^2) `reference_attention`. Backends (`BACKENDS`):
+- "auto" (default): softmax through torch SDPA (FlashAttention backend) for plain causal batches and FLA's Triton
+  `parallel_attn` (GQA, sliding windows, cu_seqlens) otherwise; softpick / rectified through flame's fused Triton
+  kernel (softpick_triton.py; GQA, sliding windows, cu_seqlens, head dims up to 128, memory linear in T);
+- "fla": as auto, but FLA's `parallel_attn` for every softmax call (SDPA never);
+- "reference": the materialized PyTorch attention for every call (the numerics reference, O(T^2) memory).
 reference.py defines the semantics every path follows (masking, softpick's eps = SOFTPICK_EPS in the shifted
 space, all-zero rows). Importing this package imports neither FLA nor Triton; the CUDA branches do on first use.
 """
@@ -26,17 +25,6 @@ from flame.ops.attention.reference import (
     visibility_mask,
 )
 from flame.ops.attention.scaling import scale_queries_by_position
-
-ATTENTION_BACKENDS = ("auto", "fla", "reference")
-_backend = "auto"
-
-
-def set_attention_backend(name: str) -> None:
-    """Which kernels serve CUDA attention from now on (see the module docstring); process-wide."""
-    global _backend
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    _backend = name
 
 
 def fla_parallel_attn(
@@ -62,7 +50,7 @@ def cuda_softmax_attention(
     scale: float | None,
 ) -> torch.Tensor:
     """SDPA's flash kernel where it applies (the fastest causal softmax on the GPUs here), else FLA's."""
-    if window_size is None and cu_seqlens is None and _backend != "fla":
+    if window_size is None and cu_seqlens is None:
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -75,8 +63,45 @@ def cuda_softmax_attention(
     return fla_parallel_attn(q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale)
 
 
-# What serves CUDA tensors; assign a function with the same signature to use another kernel.
-cuda_softmax_implementation = cuda_softmax_attention
+def auto_cuda_attention(q, k, v, *, impl, window_size, cu_seqlens, scale) -> torch.Tensor:
+    """The "auto" backend: the fastest kernel of each impl."""
+    if impl == "softmax":
+        return cuda_softmax_attention(q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale)
+    from flame.ops.attention.softpick_triton import softpick_attention
+
+    return softpick_attention(
+        q, k, v, variant=impl, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
+    )
+
+
+def fla_cuda_attention(q, k, v, *, impl, window_size, cu_seqlens, scale) -> torch.Tensor:
+    """The "fla" backend: FLA's kernel for softmax, the auto backend's for the rest."""
+    if impl == "softmax":
+        return fla_parallel_attn(q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale)
+    return auto_cuda_attention(
+        q, k, v, impl=impl, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
+    )
+
+
+def reference_cuda_attention(q, k, v, *, impl, window_size, cu_seqlens, scale) -> torch.Tensor:
+    """The "reference" backend."""
+    return reference_attention(
+        q, k, v, impl=impl, causal=True, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
+    )
+
+
+BACKENDS = {"auto": auto_cuda_attention, "fla": fla_cuda_attention, "reference": reference_cuda_attention}
+ATTENTION_BACKENDS = tuple(BACKENDS)
+# What serves causal calls on CUDA tensors; set_attention_backend picks one of BACKENDS.
+cuda_implementation = auto_cuda_attention
+
+
+def set_attention_backend(name: str) -> None:
+    """Which kernels serve CUDA attention from now on (see the module docstring); process-wide."""
+    global cuda_implementation
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    cuda_implementation = BACKENDS[name]
 
 
 def attention(
@@ -94,15 +119,9 @@ def attention(
     notify_observers(
         q, k, impl=impl, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
     )
-    if q.is_cuda and impl == "softmax" and causal and _backend != "reference":
-        return cuda_softmax_implementation(
-            q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
-        )
-    if q.is_cuda and impl in ("softpick", "rectified") and causal and _backend != "reference":
-        from flame.ops.attention.softpick_triton import softpick_attention
-
-        return softpick_attention(
-            q, k, v, variant=impl, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
+    if q.is_cuda and causal:
+        return cuda_implementation(
+            q, k, v, impl=impl, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
         )
     return reference_attention(
         q, k, v, impl=impl, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
@@ -111,11 +130,11 @@ def attention(
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "BACKENDS",
     "IMPLS",
     "SOFTPICK_EPS",
     "attention",
     "cuda_softmax_attention",
-    "cuda_softmax_implementation",
     "fla_parallel_attn",
     "observe_attention",
     "rectified_softmax_weights",

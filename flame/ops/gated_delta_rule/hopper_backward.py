@@ -23,27 +23,16 @@ dg is returned before FLA's reverse cumulative sum, exactly as the Triton kernel
 
 import torch
 
-from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bwd_dqkwg_triton
+from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds, chunk_bwd_dqkwg_triton
 
 
 def _chunk_token_index(
     batch: int, seq_len: int, chunk_size: int, cu_seqlens: torch.Tensor | None, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, chunk_size] flat token indices of every chunk (in FLA's chunk order) and their validity mask."""
-    if cu_seqlens is None:
-        starts = torch.arange(batch, device=device) * seq_len
-        lengths = torch.full((batch,), seq_len, device=device)
-    else:
-        cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
-        starts, lengths = cu_seqlens[:-1], cu_seqlens.diff()
-    chunks_per_sequence = (lengths + chunk_size - 1) // chunk_size
-    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=device), chunks_per_sequence)
-    first_chunk = torch.cumsum(chunks_per_sequence, 0) - chunks_per_sequence
-    chunk_in_sequence = torch.arange(len(sequence), device=device) - first_chunk[sequence]
-    chunk_start = chunk_in_sequence * chunk_size
-    offsets = torch.arange(chunk_size, device=device)
-    valid = chunk_start[:, None] + offsets < lengths[sequence][:, None]
-    index = starts[sequence][:, None] + chunk_start[:, None] + offsets
+    chunk_start, chunk_end = chunk_bounds(batch, seq_len, chunk_size, cu_seqlens, device)
+    index = chunk_start[:, None] + torch.arange(chunk_size, device=device)
+    valid = index < chunk_end[:, None]
     return torch.where(valid, index, 0), valid
 
 
