@@ -1,6 +1,8 @@
 """Softmax / softpick / rectified attention: the materialized reference against per-row Python computations of the
 formulas (float64, rtol = atol = 1e-12), against FLA's naive_parallel_attn for softmax (float32, rtol = atol = 1e-5),
-exact zeros where the formulas give zero, masked keys never counted, and torch.autograd.gradcheck."""
+exact zeros where the formulas give zero, masked keys never counted, and torch.autograd.gradcheck. Fewer queries than
+keys (queries aligned to the end of the keys) against the last rows of the full computation, outputs and gradients
+(float64, rtol = atol = 1e-12)."""
 
 import math
 
@@ -115,6 +117,47 @@ def test_visibility_mask_by_hand():
     )
     assert torch.equal(visible, expected)
     assert visibility_mask(5, causal=False) is None
+
+
+def test_visibility_mask_with_fewer_queries_by_hand():
+    """3 queries against 5 keys sit at positions 2, 3, 4."""
+    causal = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    window = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(visibility_mask(3, causal=True, key_len=5), causal)
+    assert torch.equal(visibility_mask(3, causal=True, window_size=2, key_len=5), window)
+    assert visibility_mask(3, causal=False, key_len=5) is None
+
+
+@pytest.mark.parametrize("impl", ["softmax", "softpick", "rectified"])
+@pytest.mark.parametrize("masking", ["causal", "window", "bidirectional"])
+@pytest.mark.parametrize("query_len", [1, 13])
+def test_fewer_queries_equal_the_last_rows_of_the_full_attention(impl, masking, query_len):
+    """The last query_len of 37 queries against all 37 keys (GQA): the output rows, dq of those rows and dk/dv equal
+    those of the full computation whose earlier rows get a zero output gradient. With a window, the keys before the
+    first query's window are seen by no query: dk = dv = 0 there, exactly."""
+    causal, window_size, _ = MASKINGS[masking]
+    q, k, v = make_qkv(seed=10)
+    do = random(*q[:, -query_len:].shape, seed=11)
+
+    def outputs_and_grads(q, k, v, do):
+        q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+        out = attention(q, k, v, impl=impl, causal=causal, window_size=window_size)
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    out, dq, dk, dv = outputs_and_grads(q[:, -query_len:], k, v, do)
+    full_do = torch.cat([torch.zeros_like(q[:, :-query_len]), do], dim=1)
+    full_out, full_dq, full_dk, full_dv = outputs_and_grads(q, k, v, full_do)
+    assert out.shape == do.shape
+    torch.testing.assert_close(out, full_out[:, -query_len:], **FLOAT64_TOL)
+    torch.testing.assert_close(dq, full_dq[:, -query_len:], **FLOAT64_TOL)
+    torch.testing.assert_close(dk, full_dk, **FLOAT64_TOL)
+    torch.testing.assert_close(dv, full_dv, **FLOAT64_TOL)
+    assert dk.abs().amax() > 0 and dv.abs().amax() > 0
+    if window_size is not None:
+        unseen = 37 - query_len - window_size + 1
+        assert torch.equal(dk[:, :unseen], torch.zeros_like(dk[:, :unseen]))
+        assert torch.equal(dv[:, :unseen], torch.zeros_like(dv[:, :unseen]))
+        assert dk[:, unseen].abs().amax() > 0
 
 
 def test_window_of_one_attends_to_the_query_itself():
@@ -234,3 +277,9 @@ def test_rejects_bad_arguments():
         attention(q, k, v, impl="softpick", window_size=0)
     with pytest.raises(ValueError, match="multiple"):
         attention(q[:, :, :3], k, v, impl="softmax")
+    with pytest.raises(ValueError, match="at least as many keys as queries .*, got 37 queries, 36 keys"):
+        attention(q, k[:, 1:], v[:, 1:], impl="softpick")
+    with pytest.raises(
+        ValueError, match="cu_seqlens needs as many queries as keys .*, got 17 queries, 37 keys"
+    ):
+        attention(q[:, 20:], k, v, impl="softmax", cu_seqlens=torch.tensor([0, 17, 37]))

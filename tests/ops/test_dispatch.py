@@ -15,6 +15,7 @@ import fla.ops.gated_delta_rule
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from flame.ops import (
     attention,
@@ -186,8 +187,11 @@ def test_fla_backend_sends_plain_causal_softmax_to_fla(attention_backend, monkey
     assert calls == [{"scale": None, "window_size": None, "cu_seqlens": None}]
 
 
+@pytest.mark.parametrize("query_len", [8, 3])
 @pytest.mark.parametrize("impl", ["softmax", "softpick", "rectified"])
-def test_reference_backend_runs_the_pytorch_attention_on_cuda(attention_backend, impl, monkeypatch):
+def test_reference_backend_runs_the_pytorch_attention_on_cuda(
+    attention_backend, impl, query_len, monkeypatch
+):
     from flame.ops.attention import softpick_triton
 
     def fail(*args, **kwargs):
@@ -196,10 +200,84 @@ def test_reference_backend_runs_the_pytorch_attention_on_cuda(attention_backend,
     monkeypatch.setattr(fla.ops.attn, "parallel_attn", fail)
     monkeypatch.setattr(softpick_triton, "softpick_attention", fail)
     q, k, v = (torch.randn(1, 8, 2, 4) for _ in range(3))
+    q = q[:, -query_len:]
     attention_backend("reference")
     actual = attention(*(x.as_subclass(PretendCuda) for x in (q, k, v)), impl=impl, window_size=3)
     expected = reference_attention(q, k, v, impl=impl, window_size=3)
     torch.testing.assert_close(actual.as_subclass(torch.Tensor), expected, rtol=0, atol=0)
+
+
+def fail_fla(*args, **kwargs):
+    raise AssertionError("FLA's parallel_attn must not get fewer queries than keys")
+
+
+@pytest.mark.parametrize("backend", ["auto", "fla"])
+def test_fewer_queries_softmax_runs_sdpa_with_a_lower_right_causal_bias(
+    attention_backend, backend, monkeypatch
+):
+    """SDPA gets causal_lower_right(Tq, Tk) (its is_causal would align the queries to the start of the keys); the
+    bias then runs on the CPU here, and the output equals the reference's (float64, rtol = atol = 1e-12)."""
+    sdpa = F.scaled_dot_product_attention
+    calls = []
+
+    def recorder(*args, **kwargs):
+        calls.append(kwargs)
+        # The bias' __torch_function__ only handles the call when F.scaled_dot_product_attention is the real one.
+        monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+        return sdpa(*(x.as_subclass(torch.Tensor) for x in args), **kwargs)
+
+    monkeypatch.setattr(fla.ops.attn, "parallel_attn", fail_fla)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorder)
+    q = torch.randn(1, 5, 4, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 12, 2, 8, dtype=torch.float64) for _ in range(2))
+    attention_backend(backend)
+    actual = attention(*(x.as_subclass(PretendCuda) for x in (q, k, v)), impl="softmax", scale=0.5)
+
+    (kwargs,) = calls
+    bias = kwargs["attn_mask"]
+    assert isinstance(bias, CausalBias) and bias.variant == CausalVariant.LOWER_RIGHT
+    assert (bias.seq_len_q, bias.seq_len_kv) == (5, 12)
+    assert kwargs["enable_gqa"] and kwargs["scale"] == 0.5 and not kwargs.get("is_causal", False)
+    expected = reference_attention(q, k, v, impl="softmax", scale=0.5)
+    torch.testing.assert_close(actual.as_subclass(torch.Tensor), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["auto", "fla"])
+def test_fewer_queries_windowed_softmax_runs_the_reference(attention_backend, backend, monkeypatch):
+    monkeypatch.setattr(fla.ops.attn, "parallel_attn", fail_fla)
+    q, k, v = (torch.randn(1, 12, 2, 4) for _ in range(3))
+    q = q[:, -5:]
+    attention_backend(backend)
+    actual = attention(*(x.as_subclass(PretendCuda) for x in (q, k, v)), impl="softmax", window_size=3)
+    expected = reference_attention(q, k, v, impl="softmax", window_size=3)
+    torch.testing.assert_close(actual.as_subclass(torch.Tensor), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["auto", "fla"])
+@pytest.mark.parametrize("impl", ["softpick", "rectified"])
+def test_fewer_queries_softpick_family_goes_to_flames_kernel(attention_backend, backend, impl, monkeypatch):
+    from flame.ops.attention import softpick_triton
+
+    calls = []
+
+    def kernel(q, k, v, **kwargs):
+        calls.append((q.shape[1], k.shape[1], kwargs))
+        return SENTINEL
+
+    monkeypatch.setattr(fla.ops.attn, "parallel_attn", fail_fla)
+    monkeypatch.setattr(softpick_triton, "softpick_attention", kernel)
+    q, k, v = tensor(1, 5, 2, 4), tensor(1, 12, 2, 4), tensor(1, 12, 2, 4)
+    attention_backend(backend)
+    assert attention(q, k, v, impl=impl, window_size=3) is SENTINEL
+    assert calls == [(5, 12, {"variant": impl, "window_size": 3, "cu_seqlens": None, "scale": None})]
+
+
+@pytest.mark.parametrize("impl", ["softmax", "softpick", "rectified"])
+def test_fewer_queries_with_cu_seqlens_are_refused_on_cuda(impl, monkeypatch):
+    monkeypatch.setattr(fla.ops.attn, "parallel_attn", fail_fla)
+    q, k, v = tensor(1, 3, 2, 4), tensor(1, 8, 2, 4), tensor(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="cu_seqlens needs as many queries as keys"):
+        attention(q, k, v, impl=impl, cu_seqlens=cu_seqlens)
 
 
 def test_unknown_backend_is_refused():

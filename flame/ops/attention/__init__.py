@@ -6,14 +6,22 @@ causal=False) to the materialized O(T^2) `reference_attention`. Backends (`BACKE
 - "auto" (default): softmax through torch SDPA (FlashAttention backend) for plain causal batches and FLA's Triton
   `parallel_attn` (GQA, sliding windows, cu_seqlens) otherwise; softpick / rectified through flame's fused Triton
   kernel (softpick_triton.py; GQA, sliding windows, cu_seqlens, head dims up to 128, memory linear in T);
-- "fla": as auto, but FLA's `parallel_attn` for every softmax call (SDPA never);
+- "fla": as auto, but FLA's `parallel_attn` for every softmax call with as many queries as keys (SDPA never there);
 - "reference": the materialized PyTorch attention for every call (the numerics reference, O(T^2) memory).
+
+Fewer queries than keys (Tq < Tk, context parallelism: a rank's queries against the keys up to its slice's end)
+aligns the queries to the end of the keys (reference.py). On CUDA, in the "auto" and "fla" backends, softpick /
+rectified run the fused kernel (also with a window); softmax runs SDPA with `causal_lower_right(Tq, Tk)` as its
+mask, or with a window the materialized `reference_attention` (O(Tq Tk) memory: neither SDPA's causal bias nor
+FLA's `parallel_attn`, which assumes Tq == Tk, has a bottom-right window). cu_seqlens with Tq != Tk is refused.
+
 reference.py defines the semantics every path follows (masking, softpick's eps = SOFTPICK_EPS in the shifted
 space, all-zero rows). Importing this package imports neither FLA nor Triton; the CUDA branches do on first use.
 """
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from flame.ops.attention.observe import notify_observers, observe_attention
 from flame.ops.attention.reference import (
@@ -35,7 +43,8 @@ def fla_parallel_attn(
     cu_seqlens: torch.Tensor | None,
     scale: float | None,
 ) -> torch.Tensor:
-    """FLA 0.6.0's causal softmax attention kernel, imported on first use (importing fla.ops pulls in Triton)."""
+    """FLA 0.6.0's causal softmax attention kernel (as many queries as keys only), imported on first use
+    (importing fla.ops pulls in Triton)."""
     from fla.ops.attn import parallel_attn
 
     return parallel_attn(q, k, v, scale=scale, window_size=window_size, cu_seqlens=cu_seqlens)
@@ -49,7 +58,12 @@ def cuda_softmax_attention(
     cu_seqlens: torch.Tensor | None,
     scale: float | None,
 ) -> torch.Tensor:
-    """SDPA's flash kernel where it applies (the fastest causal softmax on the GPUs here), else FLA's."""
+    """SDPA's flash kernel where it applies (the fastest causal softmax on the GPUs here), else FLA's; with fewer
+    queries than keys `fewer_queries_softmax_attention`."""
+    if q.shape[1] != k.shape[1]:
+        return fewer_queries_softmax_attention(
+            q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
+        )
     if window_size is None and cu_seqlens is None:
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
@@ -61,6 +75,32 @@ def cuda_softmax_attention(
         )
         return out.transpose(1, 2)
     return fla_parallel_attn(q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale)
+
+
+def fewer_queries_softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window_size: int | None,
+    cu_seqlens: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """Causal softmax with Tq < Tk, queries aligned to the end of the keys: SDPA with a lower-right causal bias
+    (is_causal is top-left aligned); with a window the materialized reference, which also refuses cu_seqlens and
+    Tq > Tk (where the bias would leave rows without keys)."""
+    if window_size is not None or cu_seqlens is not None or q.shape[1] > k.shape[1]:
+        return reference_attention(
+            q, k, v, impl="softmax", window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
+        )
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=causal_lower_right(q.shape[1], k.shape[1]),
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)
 
 
 def auto_cuda_attention(q, k, v, *, impl, window_size, cu_seqlens, scale) -> torch.Tensor:
@@ -75,8 +115,8 @@ def auto_cuda_attention(q, k, v, *, impl, window_size, cu_seqlens, scale) -> tor
 
 
 def fla_cuda_attention(q, k, v, *, impl, window_size, cu_seqlens, scale) -> torch.Tensor:
-    """The "fla" backend: FLA's kernel for softmax, the auto backend's for the rest."""
-    if impl == "softmax":
+    """The "fla" backend: FLA's kernel for softmax with Tq == Tk, the auto backend's for the rest."""
+    if impl == "softmax" and q.shape[1] == k.shape[1]:
         return fla_parallel_attn(q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale)
     return auto_cuda_attention(
         q, k, v, impl=impl, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
@@ -115,7 +155,8 @@ def attention(
     cu_seqlens: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """q [B, T, H, D], k/v [B, T, HKV, D] -> [B, T, H, D]; impl is "softmax", "softpick" or "rectified"."""
+    """q [B, Tq, H, D], k/v [B, Tk, HKV, D] with Tk >= Tq -> [B, Tq, H, D]; impl is "softmax", "softpick" or
+    "rectified". Query i sits at position i + Tk - Tq (the queries are the last Tq positions of the keys)."""
     notify_observers(
         q, k, impl=impl, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
     )
@@ -135,6 +176,7 @@ __all__ = [
     "SOFTPICK_EPS",
     "attention",
     "cuda_softmax_attention",
+    "fewer_queries_softmax_attention",
     "fla_parallel_attn",
     "observe_attention",
     "rectified_softmax_weights",

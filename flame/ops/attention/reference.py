@@ -1,16 +1,19 @@
 """Materialized (O(T^2) memory) attention for the softmax / softpick / rectified family: the CPU path and the reference
 GPU kernels are tested against.
 
-Shapes: q [B, T, H, D], k [B, T, HKV, D], v [B, T, HKV, Dv] with H a multiple of HKV; query head h reads key/value
-head h // (H // HKV) (grouped-query attention, the mapping of SDPA's enable_gqa and of FLA's parallel_attn).
-Scores are s_ij = scale * q_i . k_j with scale = 1/sqrt(D) by default.
+Shapes: q [B, Tq, H, D], k [B, Tk, HKV, D], v [B, Tk, HKV, Dv] with H a multiple of HKV and Tk >= Tq (any Tk with
+causal=False); query head h reads key/value head h // (H // HKV) (grouped-query attention, the mapping of SDPA's
+enable_gqa and of FLA's parallel_attn). Scores are s_ij = scale * q_i . k_j with scale = 1/sqrt(D) by default.
 
-Which keys a query sees (`visibility_mask`):
-- causal: j <= i; with causal=False every key of the sequence (or document);
-- window_size w (causal only): i - w < j <= i, i.e. the query and the w - 1 keys before it. FLA's parallel_attn uses
-  the same convention ("keys in [i - window_size + 1, i]");
-- cu_seqlens (batch 1): only keys of the query's own document (block-diagonal).
-Every query sees at least itself, so no row is empty.
+Queries are aligned to the end of the keys ("bottom-right", FlashAttention-2's convention for Tq != Tk): query i
+sits at position p_i = i + Tk - Tq, so with Tq == Tk p_i = i, and with Tq < Tk the queries are the last Tq
+positions of the key sequence (a context-parallel rank's slice of queries against the keys up to its end). Which
+keys a query sees (`visibility_mask`):
+- causal: j <= p_i; with causal=False every key of the sequence (or document);
+- window_size w (causal only): p_i - w < j <= p_i, i.e. the query's own position and the w - 1 keys before it. FLA's
+  parallel_attn uses the same convention ("keys in [i - window_size + 1, i]");
+- cu_seqlens (batch 1, Tq == Tk only): only keys of the query's own document (block-diagonal).
+Every query sees at least the key at its own position, so no row is empty.
 
 Weights per query row, over visible keys only (masked keys count nowhere, in particular not in any denominator):
 - softmax: torch SDPA.
@@ -40,17 +43,30 @@ def visibility_mask(
     window_size: int | None = None,
     cu_seqlens: torch.Tensor | None = None,
     device: torch.device | None = None,
+    key_len: int | None = None,
 ) -> torch.Tensor | None:
-    """[T, T] bool, True where query i (row) may attend to key j (column); None when every key is visible."""
+    """[Tq, Tk] bool for seq_len = Tq queries and key_len = Tk keys (default Tq), True where query i (row) may attend
+    to key j (column), queries aligned to the end of the keys (module docstring); None when every key is visible."""
+    key_len = seq_len if key_len is None else key_len
     if window_size is not None and not causal:
         raise ValueError("window_size needs causal=True")
     if window_size is not None and window_size < 1:
         raise ValueError(f"window_size must be >= 1, got {window_size}")
+    if cu_seqlens is not None and key_len != seq_len:
+        raise ValueError(
+            "cu_seqlens needs as many queries as keys (packed documents with fewer queries than keys are not "
+            f"supported), got {seq_len} queries, {key_len} keys"
+        )
+    if causal and key_len < seq_len:
+        raise ValueError(
+            "causal attention needs at least as many keys as queries (queries are aligned to the end of the keys), "
+            f"got {seq_len} queries, {key_len} keys"
+        )
     if not causal and cu_seqlens is None:
         return None
-    query = torch.arange(seq_len, device=device)[:, None]
-    key = torch.arange(seq_len, device=device)[None, :]
-    visible = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
+    query = torch.arange(key_len - seq_len, key_len, device=device)[:, None]
+    key = torch.arange(key_len, device=device)[None, :]
+    visible = torch.ones(seq_len, key_len, dtype=torch.bool, device=device)
     if causal:
         visible &= key <= query
     if window_size is not None:
@@ -101,7 +117,7 @@ def reference_attention(
     cu_seqlens: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention of the given impl ("softmax", "softpick" or "rectified"), materialized; returns [B, T, H, Dv]."""
+    """Attention of the given impl ("softmax", "softpick" or "rectified"), materialized; returns [B, Tq, H, Dv]."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     batch, seq_len, num_heads, head_dim = q.shape
@@ -112,7 +128,7 @@ def reference_attention(
         raise ValueError(f"a packed batch (cu_seqlens given) must have batch size 1, got {batch}")
     if scale is None:
         scale = head_dim**-0.5
-    visible = visibility_mask(seq_len, causal, window_size, cu_seqlens, q.device)
+    visible = visibility_mask(seq_len, causal, window_size, cu_seqlens, q.device, key_len=k.shape[1])
 
     # Scores and weights in float32 even under autocast (which would run the matmuls in bf16): softpick's
     # relu(e^s - 1) and |e^s - 1| flip at s = 0, where bf16 rounding of s changes the result, and a fused
@@ -123,7 +139,7 @@ def reference_attention(
 
 
 def _materialized_attention(q, k, v, impl, causal, window_size, cu_seqlens, scale, visible) -> torch.Tensor:
-    """[B, H, T, Dv] in float32 (float64 for float64 inputs)."""
+    """[B, H, Tq, Dv] in float32 (float64 for float64 inputs)."""
     num_heads, num_kv_heads = q.shape[2], k.shape[2]
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     group = num_heads // num_kv_heads
@@ -133,7 +149,8 @@ def _materialized_attention(q, k, v, impl, causal, window_size, cu_seqlens, scal
     v_h = v.to(compute_dtype).repeat_interleave(group, dim=2).transpose(1, 2)
 
     if impl == "softmax":
-        plain_causal = causal and window_size is None and cu_seqlens is None
+        # SDPA's is_causal aligns the queries to the start of the keys: with Tq != Tk the mask says otherwise.
+        plain_causal = causal and window_size is None and cu_seqlens is None and q.shape[1] == k.shape[1]
         out = F.scaled_dot_product_attention(
             q_h, k_h, v_h, attn_mask=None if plain_causal else visible, is_causal=plain_causal, scale=scale
         )

@@ -3,12 +3,15 @@
     softpick_attention(q, k, v, variant="softpick", window_size=None, cu_seqlens=None, scale=None) -> o
 
 Same contract and semantics as `reference_attention(..., causal=True)` in reference.py, which the tests compare
-against: q [B, T, H, D], k/v [B, T, HKV, D], query head h reads key/value head h // (H // HKV); window_size w
-lets query i see keys i - w < j <= i; cu_seqlens (batch 1, int32/int64 [N + 1]) makes the attention
-block-diagonal per document. It is not checked against T here (that would need a host sync): cu_seqlens[-1] must
-equal T. float16 / bfloat16 / float32 inputs, float32 accumulation, output in q's dtype. Head dims 64 and 128
-run as they are; smaller ones are zero-padded inside the kernel up to 64 or 128 (masked loads: zero columns
-change no score and only add output columns that are never stored); head dims above 128 are refused.
+against: q [B, Tq, H, D], k/v [B, Tk, HKV, D] with Tk >= Tq, query head h reads key/value head h // (H // HKV).
+Queries are aligned to the end of the keys: query row i sits at position i + OFFSET, OFFSET = Tk - Tq (0 for
+self-attention; a context-parallel rank passes its Tq queries and the Tk keys up to its slice's end), and sees keys
+j <= i + OFFSET; window_size w lets it see keys i + OFFSET - w < j <= i + OFFSET; cu_seqlens (batch 1, Tq == Tk =
+T, int32/int64 [N + 1]) makes the attention block-diagonal per document. It is not checked against T here (that
+would need a host sync): cu_seqlens[-1] must equal T. float16 / bfloat16 / float32 inputs, float32 accumulation,
+output in q's dtype. Head dims 64 and 128 run as they are; smaller ones are zero-padded inside the kernel up to 64
+or 128 (masked loads: zero columns change no score and only add output columns that are never stored); head dims
+above 128 are refused.
 
 Per query row i with scores s_j = scale * q_i . k_j over the visible keys (all quantities in float32):
 - softpick: m = max(0, max_j s_j), a = sum_j |e^(s_j - m) - e^-m| + SOFTPICK_EPS (eps in the shifted space, as
@@ -16,7 +19,7 @@ Per query row i with scores s_j = scale * q_i . k_j over the visible keys (all q
   all <= 0 gets exactly 0. A masked key gets the score 0, whose term e^-m - e^-m is exactly 0 in both sums.
 - rectified: softmax over the visible s_j >= 0, lse = logsumexp of those; a row without one gets o = 0 and
   lse = +inf (so that the backward's e^(s - lse) is 0 there).
-lse ([B, H, T], float32, natural log) is saved for the backward, which recomputes e_ij = e^(s_ij - lse_i):
+lse ([B, H, Tq], float32, natural log) is saved for the backward, which recomputes e_ij = e^(s_ij - lse_i):
 - softpick: P = relu(e - e^-lse), dS = e * (1[s > 0] dP - sign(s) delta) (from d relu(e^s - 1)/ds = e^s 1[s > 0]
   and d|e^s - 1|/ds = e^s sign(s); the derivative of the denominator's eps e^m is dropped, an O(eps) change);
 - rectified: P = 1[s >= 0] e, dS = P * (dP - delta);
@@ -28,7 +31,8 @@ block, head) with an online max / denominator; the backward is a delta preproces
 dQ per (query block, head) that loops over key blocks. Scores are kept in log2 units (log2(e) folded into the
 scale, exp2). Each loop visits only the key (query) blocks that a causal / window / document mask leaves
 non-empty, and runs in three ranges: blocks fully visible to every row of the block run without masks, the
-ones at the edges (diagonal, window edge, document boundaries, the ragged end) with them.
+ones at the edges (diagonal, window edge, document boundaries, the ragged end) with them. Block indices count
+rows of q (of k): only the masks and the ranges compare positions, which add OFFSET to a query row.
 
 `torch.ops.flame.softpick_attention_fwd` / `_bwd` are torch custom ops (torch.compile sees one node each), with
 autograd registered on the forward. With TRITON_INTERPRET=1 set before this module is imported, the kernels run
@@ -107,7 +111,7 @@ else:
         "BLOCK_N",
     )
 PRUNE = {"early_config_prune": _configs_for}
-TUNING_KEY = ["T", "BLOCK_D", "SOFTPICK", "IS_VARLEN", "HAS_WINDOW", "DOT_PRECISION"]
+TUNING_KEY = ["TQ", "TK", "BLOCK_D", "SOFTPICK", "IS_VARLEN", "HAS_WINDOW", "DOT_PRECISION"]
 
 
 @triton.jit
@@ -131,7 +135,8 @@ def _store_rows(base, x, rows, stride_t, offs_d, T, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _visible(q_pos, k_pos, q_doc, k_doc, window, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """[len(q_pos), len(k_pos)] bool: causal, inside the window, same document (reference.visibility_mask)."""
+    """[len(q_pos), len(k_pos)] bool: causal, inside the window, same document (reference.visibility_mask); q_pos
+    are positions (rows + OFFSET), q_doc the documents of the rows."""
     visible = k_pos[None, :] <= q_pos[:, None]
     if HAS_WINDOW:
         visible &= k_pos[None, :] > q_pos[:, None] - window
@@ -142,64 +147,69 @@ def _visible(q_pos, k_pos, q_doc, k_doc, window, HAS_WINDOW: tl.constexpr, IS_VA
 
 @triton.jit
 def _key_ranges(
-    start_m, T, DOC, CU, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW, IS_VARLEN
+    start_m, TQ, OFFSET, DOC, CU, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW, IS_VARLEN
 ):
     """Key blocks of query rows [start_m, start_m + BLOCK_M): [lo, full_lo) and [full_hi, hi) need the mask,
     [full_lo, full_hi) is visible to every row. lo, full_lo (unless clamped to hi) and full_hi are multiples of
-    BLOCK_N."""
-    last_m = tl.minimum(start_m + BLOCK_M, T) - 1
+    BLOCK_N; hi <= Tk, and keys below full_hi lie below Tk."""
+    last_m = tl.minimum(start_m + BLOCK_M, TQ) - 1
+    first_pos = start_m + OFFSET
+    last_pos = last_m + OFFSET
     lo = 0
     full_lo = 0
-    if IS_VARLEN:
+    if IS_VARLEN:  # OFFSET is 0: rows are positions
         lo = tl.load(CU + tl.load(DOC + start_m))  # first key of the first row's document
         full_lo = tl.load(CU + tl.load(DOC + last_m))  # keys from here on share the last row's document
     if HAS_WINDOW:
-        lo = tl.maximum(lo, start_m - window + 1)
-        full_lo = tl.maximum(full_lo, last_m - window + 1)
-    hi = last_m + 1
+        lo = tl.maximum(lo, first_pos - window + 1)
+        full_lo = tl.maximum(full_lo, last_pos - window + 1)
+    hi = last_pos + 1
     lo = lo // BLOCK_N * BLOCK_N
     full_lo = tl.minimum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, hi)
-    # Causal: a block is fully visible when its last key is <= the first row.
-    full_hi = tl.maximum((start_m + 1) // BLOCK_N * BLOCK_N, full_lo)
+    # Causal: a block is fully visible when its last key is <= the first row's position.
+    full_hi = tl.maximum((first_pos + 1) // BLOCK_N * BLOCK_N, full_lo)
     return lo, full_lo, full_hi, hi
 
 
 @triton.jit
 def _query_ranges(
-    start_n, T, DOC, CU, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW, IS_VARLEN
+    start_n, TQ, OFFSET, DOC, CU, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW, IS_VARLEN
 ):
-    """Query blocks that see keys [start_n, start_n + BLOCK_N), split as in `_key_ranges` (multiples of
-    BLOCK_M)."""
-    last_n = tl.minimum(start_n + BLOCK_N, T) - 1
-    hi = T
-    full_hi = T
-    if IS_VARLEN:
+    """Query row blocks that see keys [start_n, start_n + BLOCK_N), split as in `_key_ranges` (multiples of
+    BLOCK_M); 0 <= lo <= full_lo <= full_hi <= hi <= Tq, and rows below full_hi lie below Tq."""
+    last_n = tl.minimum(start_n + BLOCK_N, TQ + OFFSET) - 1
+    hi = TQ
+    full_hi = TQ
+    if IS_VARLEN:  # OFFSET is 0: rows are positions
         hi = tl.load(CU + tl.load(DOC + last_n) + 1)  # end of the last key's document
         full_hi = tl.load(CU + tl.load(DOC + start_n) + 1)  # rows before it share the first key's document
     if HAS_WINDOW:
-        hi = tl.minimum(hi, last_n + window)
-        full_hi = tl.minimum(full_hi, start_n + window)
-    lo = start_n // BLOCK_M * BLOCK_M
-    # Causal: a block is fully visible when its first row is >= the last key.
-    full_lo = tl.minimum(tl.cdiv(last_n, BLOCK_M) * BLOCK_M, hi)
+        # Clamped at 0: with OFFSET > 0 a key block may lie before every query's window (no row sees it).
+        hi = tl.maximum(tl.minimum(hi, last_n + window - OFFSET), 0)
+        full_hi = tl.maximum(tl.minimum(full_hi, start_n + window - OFFSET), 0)
+    # Rows before start_n - OFFSET see none of these keys. Clamped at 0, so that // and cdiv only see non-negative
+    # numbers (Triton's integer division truncates toward zero).
+    lo = tl.maximum(start_n - OFFSET, 0) // BLOCK_M * BLOCK_M
+    # Causal: a block is fully visible when its first row's position is >= the last key.
+    full_lo = tl.minimum(tl.cdiv(tl.maximum(last_n - OFFSET, 0), BLOCK_M) * BLOCK_M, hi)
     full_hi = tl.maximum(tl.minimum(full_hi // BLOCK_M * BLOCK_M, hi), full_lo)
     return lo, full_lo, full_hi, hi
 
 
 @triton.jit
 def _fwd_blocks(
-    acc, m_i, a_i, q, q_pos, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, lo, hi, qk_scale, window, T,
+    acc, m_i, a_i, q, q_pos, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, lo, hi, qk_scale, window, TK,
     offs_n, offs_d,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SOFTPICK: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         k_pos = start_n + offs_n
-        k = _load_rows(k_base, k_pos, stride_kt, offs_d, T, MASKED, HEAD_DIM)
-        v = _load_rows(v_base, k_pos, stride_vt, offs_d, T, MASKED, HEAD_DIM)
+        k = _load_rows(k_base, k_pos, stride_kt, offs_d, TK, MASKED, HEAD_DIM)
+        v = _load_rows(v_base, k_pos, stride_vt, offs_d, TK, MASKED, HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
-            k_doc = tl.load(DOC + k_pos, mask=k_pos < T, other=-2) if IS_VARLEN else k_pos
+            k_doc = tl.load(DOC + k_pos, mask=k_pos < TK, other=-2) if IS_VARLEN else k_pos
             visible = _visible(q_pos, k_pos, q_doc, k_doc, window, HAS_WINDOW, IS_VARLEN)
             # softpick: a score of 0 adds exactly 0 to both sums; rectified: -inf is never kept.
             qk = tl.where(visible, qk, 0.0 if SOFTPICK else float("-inf"))
@@ -225,7 +235,7 @@ def _fwd_kernel(
     Q, K, V, OUT, LSE, DOC, CU,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
-    qk_scale, window, T, H, GROUP,
+    qk_scale, window, TQ, TK, H, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CONFIG_TAG: tl.constexpr, SOFTPICK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EPS: tl.constexpr,
@@ -238,29 +248,31 @@ def _fwd_kernel(
     q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + (h // GROUP) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + (h // GROUP) * stride_vh
+    offset = TK - TQ
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(q_base, offs_m, stride_qt, offs_d, T, True, HEAD_DIM)
-    q_doc = tl.load(DOC + offs_m, mask=offs_m < T, other=-1) if IS_VARLEN else offs_m
+    q = _load_rows(q_base, offs_m, stride_qt, offs_d, TQ, True, HEAD_DIM)
+    q_pos = offs_m + offset
+    q_doc = tl.load(DOC + offs_m, mask=offs_m < TQ, other=-1) if IS_VARLEN else offs_m
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     a_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _key_ranges(
-        start_m, T, DOC, CU, window, BLOCK_M, BLOCK_N, HAS_WINDOW, IS_VARLEN
+        start_m, TQ, offset, DOC, CU, window, BLOCK_M, BLOCK_N, HAS_WINDOW, IS_VARLEN
     )
     acc, m_i, a_i = _fwd_blocks(
-        acc, m_i, a_i, q, offs_m, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, lo, full_lo, qk_scale, window,
-        T, offs_n, offs_d, True, HEAD_DIM, BLOCK_N, SOFTPICK, IS_VARLEN, HAS_WINDOW, DOT_PRECISION,
+        acc, m_i, a_i, q, q_pos, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, lo, full_lo, qk_scale, window,
+        TK, offs_n, offs_d, True, HEAD_DIM, BLOCK_N, SOFTPICK, IS_VARLEN, HAS_WINDOW, DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, a_i = _fwd_blocks(
-        acc, m_i, a_i, q, offs_m, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, full_lo, full_hi, qk_scale,
-        window, T, offs_n, offs_d, False, HEAD_DIM, BLOCK_N, SOFTPICK, IS_VARLEN, HAS_WINDOW, DOT_PRECISION,
+        acc, m_i, a_i, q, q_pos, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, full_lo, full_hi, qk_scale,
+        window, TK, offs_n, offs_d, False, HEAD_DIM, BLOCK_N, SOFTPICK, IS_VARLEN, HAS_WINDOW, DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, a_i = _fwd_blocks(
-        acc, m_i, a_i, q, offs_m, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, full_hi, hi, qk_scale, window,
-        T, offs_n, offs_d, True, HEAD_DIM, BLOCK_N, SOFTPICK, IS_VARLEN, HAS_WINDOW, DOT_PRECISION,
+        acc, m_i, a_i, q, q_pos, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, full_hi, hi, qk_scale, window,
+        TK, offs_n, offs_d, True, HEAD_DIM, BLOCK_N, SOFTPICK, IS_VARLEN, HAS_WINDOW, DOT_PRECISION,
     )  # fmt: skip
 
     if SOFTPICK:
@@ -271,13 +283,13 @@ def _fwd_kernel(
         a_i = tl.where(nonempty, a_i, 1.0)
         lse = tl.where(nonempty, (m_i + tl.math.log2(a_i)) * LN2_JIT, float("inf"))
     o_base = OUT + b.to(tl.int64) * stride_ob + h * stride_oh
-    _store_rows(o_base, acc / a_i[:, None], offs_m, stride_ot, offs_d, T, HEAD_DIM)
-    tl.store(LSE + bh.to(tl.int64) * T + offs_m, lse, mask=offs_m < T)
+    _store_rows(o_base, acc / a_i[:, None], offs_m, stride_ot, offs_d, TQ, HEAD_DIM)
+    tl.store(LSE + bh.to(tl.int64) * TQ + offs_m, lse, mask=offs_m < TQ)
 
 
 @triton.jit
 def _bwd_preprocess(
-    OUT, DO, DELTA, stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, T, H,
+    OUT, DO, DELTA, stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, TQ, H,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """delta[b, h, t] = dO . O in float32."""
@@ -288,37 +300,37 @@ def _bwd_preprocess(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     o = _load_rows(
-        OUT + b.to(tl.int64) * stride_ob + h * stride_oh, offs_m, stride_ot, offs_d, T, True, HEAD_DIM
+        OUT + b.to(tl.int64) * stride_ob + h * stride_oh, offs_m, stride_ot, offs_d, TQ, True, HEAD_DIM
     )
     do = _load_rows(
-        DO + b.to(tl.int64) * stride_dob + h * stride_doh, offs_m, stride_dot, offs_d, T, True, HEAD_DIM
+        DO + b.to(tl.int64) * stride_dob + h * stride_doh, offs_m, stride_dot, offs_d, TQ, True, HEAD_DIM
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+    tl.store(DELTA + bh.to(tl.int64) * TQ + offs_m, delta, mask=offs_m < TQ)
 
 
 @triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, k_pos, k_doc, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, DOC,
-    lo, hi, qk_scale, window, T, offs_m, offs_d,
+    lo, hi, qk_scale, window, TQ, OFFSET, offs_m, offs_d,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SOFTPICK: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Transposed tiles ([keys, queries]) so that dK, dV accumulate as [BLOCK_N, BLOCK_D] products."""
     for start_m in range(lo, hi, BLOCK_M):
-        q_pos = start_m + offs_m
-        q = _load_rows(q_base, q_pos, stride_qt, offs_d, T, MASKED, HEAD_DIM)
-        do = _load_rows(do_base, q_pos, stride_dot, offs_d, T, MASKED, HEAD_DIM)
+        q_rows = start_m + offs_m
+        q = _load_rows(q_base, q_rows, stride_qt, offs_d, TQ, MASKED, HEAD_DIM)
+        do = _load_rows(do_base, q_rows, stride_dot, offs_d, TQ, MASKED, HEAD_DIM)
         if MASKED:
-            lse2 = tl.load(lse_base + q_pos, mask=q_pos < T, other=0.0) * LOG2E_JIT
-            delta = tl.load(delta_base + q_pos, mask=q_pos < T, other=0.0)
+            lse2 = tl.load(lse_base + q_rows, mask=q_rows < TQ, other=0.0) * LOG2E_JIT
+            delta = tl.load(delta_base + q_rows, mask=q_rows < TQ, other=0.0)
         else:
-            lse2 = tl.load(lse_base + q_pos) * LOG2E_JIT
-            delta = tl.load(delta_base + q_pos)
+            lse2 = tl.load(lse_base + q_rows) * LOG2E_JIT
+            delta = tl.load(delta_base + q_rows)
         qk = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         if MASKED:
-            q_doc = tl.load(DOC + q_pos, mask=q_pos < T, other=-1) if IS_VARLEN else q_pos
-            visible = tl.trans(_visible(q_pos, k_pos, q_doc, k_doc, window, HAS_WINDOW, IS_VARLEN))
+            q_doc = tl.load(DOC + q_rows, mask=q_rows < TQ, other=-1) if IS_VARLEN else q_rows
+            visible = tl.trans(_visible(q_rows + OFFSET, k_pos, q_doc, k_doc, window, HAS_WINDOW, IS_VARLEN))
             qk = tl.where(visible, qk, 0.0 if SOFTPICK else float("-inf"))
         e = tl.math.exp2(qk * qk_scale - lse2[None, :])
         if SOFTPICK:
@@ -341,7 +353,7 @@ def _dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DOC, CU,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-    qk_scale, scale, window, T, H, GROUP,
+    qk_scale, scale, window, TQ, TK, H, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CONFIG_TAG: tl.constexpr, SOFTPICK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -351,63 +363,64 @@ def _dkdv_kernel(
     num_kv_heads = H // GROUP
     b = bhk // num_kv_heads
     hk = bhk % num_kv_heads
+    offset = TK - TQ
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     k = _load_rows(
-        K + b.to(tl.int64) * stride_kb + hk * stride_kh, offs_n, stride_kt, offs_d, T, True, HEAD_DIM
+        K + b.to(tl.int64) * stride_kb + hk * stride_kh, offs_n, stride_kt, offs_d, TK, True, HEAD_DIM
     )
     v = _load_rows(
-        V + b.to(tl.int64) * stride_vb + hk * stride_vh, offs_n, stride_vt, offs_d, T, True, HEAD_DIM
+        V + b.to(tl.int64) * stride_vb + hk * stride_vh, offs_n, stride_vt, offs_d, TK, True, HEAD_DIM
     )
-    k_doc = tl.load(DOC + offs_n, mask=offs_n < T, other=-2) if IS_VARLEN else offs_n
+    k_doc = tl.load(DOC + offs_n, mask=offs_n < TK, other=-2) if IS_VARLEN else offs_n
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _query_ranges(
-        start_n, T, DOC, CU, window, BLOCK_M, BLOCK_N, HAS_WINDOW, IS_VARLEN
+        start_n, TQ, offset, DOC, CU, window, BLOCK_M, BLOCK_N, HAS_WINDOW, IS_VARLEN
     )
     # The query heads of this key/value head's group add into the same dK, dV.
     for h in range(hk * GROUP, hk * GROUP + GROUP):
         q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh
         do_base = DO + b.to(tl.int64) * stride_dob + h * stride_doh
-        lse_base = LSE + (b * H + h).to(tl.int64) * T
-        delta_base = DELTA + (b * H + h).to(tl.int64) * T
+        lse_base = LSE + (b * H + h).to(tl.int64) * TQ
+        delta_base = DELTA + (b * H + h).to(tl.int64) * TQ
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, offs_n, k_doc, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, DOC,
-            lo, full_lo, qk_scale, window, T, offs_m, offs_d,
+            lo, full_lo, qk_scale, window, TQ, offset, offs_m, offs_d,
             True, HEAD_DIM, BLOCK_M, SOFTPICK, IS_VARLEN, HAS_WINDOW, DOT_PRECISION,
         )  # fmt: skip
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, offs_n, k_doc, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, DOC,
-            full_lo, full_hi, qk_scale, window, T, offs_m, offs_d,
+            full_lo, full_hi, qk_scale, window, TQ, offset, offs_m, offs_d,
             False, HEAD_DIM, BLOCK_M, SOFTPICK, IS_VARLEN, HAS_WINDOW, DOT_PRECISION,
         )  # fmt: skip
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, offs_n, k_doc, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, DOC,
-            full_hi, hi, qk_scale, window, T, offs_m, offs_d,
+            full_hi, hi, qk_scale, window, TQ, offset, offs_m, offs_d,
             True, HEAD_DIM, BLOCK_M, SOFTPICK, IS_VARLEN, HAS_WINDOW, DOT_PRECISION,
         )  # fmt: skip
-    _store_rows(DK + b.to(tl.int64) * stride_dkb + hk * stride_dkh, dk * scale, offs_n, stride_dkt, offs_d, T,
+    _store_rows(DK + b.to(tl.int64) * stride_dkb + hk * stride_dkh, dk * scale, offs_n, stride_dkt, offs_d, TK,
                 HEAD_DIM)  # fmt: skip
     _store_rows(
-        DV + b.to(tl.int64) * stride_dvb + hk * stride_dvh, dv, offs_n, stride_dvt, offs_d, T, HEAD_DIM
+        DV + b.to(tl.int64) * stride_dvb + hk * stride_dvh, dv, offs_n, stride_dvt, offs_d, TK, HEAD_DIM
     )
 
 
 @triton.jit
 def _dq_blocks(
-    dq, q, do, lse2, delta, q_pos, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, lo, hi, qk_scale, window, T,
+    dq, q, do, lse2, delta, q_pos, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, lo, hi, qk_scale, window, TK,
     offs_n, offs_d,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SOFTPICK: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         k_pos = start_n + offs_n
-        k = _load_rows(k_base, k_pos, stride_kt, offs_d, T, MASKED, HEAD_DIM)
-        v = _load_rows(v_base, k_pos, stride_vt, offs_d, T, MASKED, HEAD_DIM)
+        k = _load_rows(k_base, k_pos, stride_kt, offs_d, TK, MASKED, HEAD_DIM)
+        v = _load_rows(v_base, k_pos, stride_vt, offs_d, TK, MASKED, HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
-            k_doc = tl.load(DOC + k_pos, mask=k_pos < T, other=-2) if IS_VARLEN else k_pos
+            k_doc = tl.load(DOC + k_pos, mask=k_pos < TK, other=-2) if IS_VARLEN else k_pos
             visible = _visible(q_pos, k_pos, q_doc, k_doc, window, HAS_WINDOW, IS_VARLEN)
             qk = tl.where(visible, qk, 0.0 if SOFTPICK else float("-inf"))
         e = tl.math.exp2(qk * qk_scale - lse2[:, None])
@@ -426,7 +439,7 @@ def _dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, DOC, CU,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-    qk_scale, scale, window, T, H, GROUP,
+    qk_scale, scale, window, TQ, TK, H, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CONFIG_TAG: tl.constexpr, SOFTPICK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -435,38 +448,40 @@ def _dq_kernel(
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
+    offset = TK - TQ
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q = _load_rows(
-        Q + b.to(tl.int64) * stride_qb + h * stride_qh, offs_m, stride_qt, offs_d, T, True, HEAD_DIM
+        Q + b.to(tl.int64) * stride_qb + h * stride_qh, offs_m, stride_qt, offs_d, TQ, True, HEAD_DIM
     )
     do = _load_rows(
-        DO + b.to(tl.int64) * stride_dob + h * stride_doh, offs_m, stride_dot, offs_d, T, True, HEAD_DIM
+        DO + b.to(tl.int64) * stride_dob + h * stride_doh, offs_m, stride_dot, offs_d, TQ, True, HEAD_DIM
     )
-    lse2 = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0) * LOG2E_JIT
-    delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
-    q_doc = tl.load(DOC + offs_m, mask=offs_m < T, other=-1) if IS_VARLEN else offs_m
+    lse2 = tl.load(LSE + bh.to(tl.int64) * TQ + offs_m, mask=offs_m < TQ, other=0.0) * LOG2E_JIT
+    delta = tl.load(DELTA + bh.to(tl.int64) * TQ + offs_m, mask=offs_m < TQ, other=0.0)
+    q_pos = offs_m + offset
+    q_doc = tl.load(DOC + offs_m, mask=offs_m < TQ, other=-1) if IS_VARLEN else offs_m
     k_base = K + b.to(tl.int64) * stride_kb + (h // GROUP) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + (h // GROUP) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _key_ranges(
-        start_m, T, DOC, CU, window, BLOCK_M, BLOCK_N, HAS_WINDOW, IS_VARLEN
+        start_m, TQ, offset, DOC, CU, window, BLOCK_M, BLOCK_N, HAS_WINDOW, IS_VARLEN
     )
     dq = _dq_blocks(
-        dq, q, do, lse2, delta, offs_m, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, lo, full_lo, qk_scale,
-        window, T, offs_n, offs_d, True, HEAD_DIM, BLOCK_N, SOFTPICK, IS_VARLEN, HAS_WINDOW, DOT_PRECISION,
+        dq, q, do, lse2, delta, q_pos, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, lo, full_lo, qk_scale,
+        window, TK, offs_n, offs_d, True, HEAD_DIM, BLOCK_N, SOFTPICK, IS_VARLEN, HAS_WINDOW, DOT_PRECISION,
     )  # fmt: skip
     dq = _dq_blocks(
-        dq, q, do, lse2, delta, offs_m, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, full_lo, full_hi,
-        qk_scale, window, T, offs_n, offs_d, False, HEAD_DIM, BLOCK_N, SOFTPICK, IS_VARLEN, HAS_WINDOW,
+        dq, q, do, lse2, delta, q_pos, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, full_lo, full_hi,
+        qk_scale, window, TK, offs_n, offs_d, False, HEAD_DIM, BLOCK_N, SOFTPICK, IS_VARLEN, HAS_WINDOW,
         DOT_PRECISION,
     )  # fmt: skip
     dq = _dq_blocks(
-        dq, q, do, lse2, delta, offs_m, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, full_hi, hi, qk_scale,
-        window, T, offs_n, offs_d, True, HEAD_DIM, BLOCK_N, SOFTPICK, IS_VARLEN, HAS_WINDOW, DOT_PRECISION,
+        dq, q, do, lse2, delta, q_pos, q_doc, k_base, v_base, stride_kt, stride_vt, DOC, full_hi, hi, qk_scale,
+        window, TK, offs_n, offs_d, True, HEAD_DIM, BLOCK_N, SOFTPICK, IS_VARLEN, HAS_WINDOW, DOT_PRECISION,
     )  # fmt: skip
-    _store_rows(DQ + b.to(tl.int64) * stride_dqb + h * stride_dqh, dq * scale, offs_m, stride_dqt, offs_d, T,
+    _store_rows(DQ + b.to(tl.int64) * stride_dqb + h * stride_dqh, dq * scale, offs_m, stride_dqt, offs_d, TQ,
                 HEAD_DIM)  # fmt: skip
 
 
@@ -497,7 +512,9 @@ def _common_args(q: Tensor, k: Tensor, cu_seqlens: Tensor | None, window_size: i
         # float32 inputs (the tests) get exact float32 products instead of TF32.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
-    runtime = dict(window=window_size or 0, T=seq_len, H=num_heads, GROUP=num_heads // k.shape[2])
+    runtime = dict(
+        window=window_size or 0, TQ=seq_len, TK=k.shape[1], H=num_heads, GROUP=num_heads // k.shape[2]
+    )
     return doc, cu, constexprs, runtime
 
 
@@ -515,7 +532,7 @@ def softpick_attention_fwd(
     scale: float,
     variant: str,
 ) -> tuple[Tensor, Tensor]:
-    """(o [B, T, H, D] in q's dtype, lse [B, H, T] float32); arguments as checked by `softpick_attention`."""
+    """(o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32); arguments as checked by `softpick_attention`."""
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     batch, seq_len, num_heads, head_dim = q.shape
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -557,6 +574,7 @@ def softpick_attention_bwd(
     do, q, k, v, o = (_last_dim_contiguous(x) for x in (do, q, k, v, o))
     batch, seq_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
+    key_len = k.shape[1]
     doc, cu, constexprs, runtime = _common_args(q, k, cu_seqlens, window_size, variant)
     delta = torch.empty_like(lse)
     block_d = constexprs["BLOCK_D"]
@@ -571,7 +589,7 @@ def softpick_attention_bwd(
     common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
 
     def dkdv_grid(meta):
-        return (triton.cdiv(seq_len, meta["BLOCK_N"]), batch * num_kv_heads)
+        return (triton.cdiv(key_len, meta["BLOCK_N"]), batch * num_kv_heads)
 
     def dq_grid(meta):
         return (triton.cdiv(seq_len, meta["BLOCK_M"]), batch * num_heads)
@@ -617,10 +635,15 @@ def check_arguments(
     """ValueError for what the kernel does not support, each in one line saying what to do instead."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    if q.dim() != 4 or k.shape != v.shape or q.shape[::3] != k.shape[::3] or q.shape[1] != k.shape[1]:
+    if q.dim() != 4 or k.shape != v.shape or q.shape[::3] != k.shape[::3]:
         raise ValueError(
-            f"expected q [B, T, H, D] and k, v [B, T, HKV, D] of one head dim, got {tuple(q.shape)}, "
+            f"expected q [B, Tq, H, D] and k, v [B, Tk, HKV, D] of one head dim, got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[1] > k.shape[1]:
+        raise ValueError(
+            "causal attention needs at least as many keys as queries (queries are aligned to the end of the keys), "
+            f"got {q.shape[1]} queries, {k.shape[1]} keys"
         )
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})")
@@ -637,6 +660,11 @@ def check_arguments(
         raise ValueError(f"window_size must be >= 1, got {window_size}")
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"a packed batch (cu_seqlens given) must have batch size 1, got {q.shape[0]}")
+    if cu_seqlens is not None and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            "cu_seqlens needs as many queries as keys (packed documents with fewer queries than keys are not "
+            f"supported), got {q.shape[1]} queries, {k.shape[1]} keys"
+        )
 
 
 def softpick_attention(
@@ -649,7 +677,8 @@ def softpick_attention(
     cu_seqlens: Tensor | None = None,
     scale: float | None = None,
 ) -> Tensor:
-    """Causal softpick (or rectified-softmax) attention, [B, T, H, D]; differentiable in q, k, v."""
+    """Causal softpick (or rectified-softmax) attention, [B, Tq, H, D], queries aligned to the end of the keys;
+    differentiable in q, k, v."""
     check_arguments(q, k, v, window_size, cu_seqlens, variant)
     if scale is None:
         scale = q.shape[-1] ** -0.5

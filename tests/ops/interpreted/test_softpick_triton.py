@@ -2,8 +2,9 @@
 against the materialized reference (reference.py) evaluated in float64.
 
 float32 inputs with odd lengths, GQA, sliding windows, packed documents of odd lengths (one of length 1), a padded
-head dim (40 -> 64) and non-contiguous inputs; the interpreter runs small unequal blocks (32 x 16 and 16 x 32), so
-that every query block meets masked edge blocks, unmasked interior blocks and ragged ends. Limits, as the largest
+head dim (40 -> 64), non-contiguous inputs, and fewer queries than keys (the queries aligned to the end of the keys,
+offsets that are no multiple of a block); the interpreter runs small unequal blocks (32 x 16 and 16 x 32), so that
+every query block meets masked edge blocks, unmasked interior blocks and ragged ends. Limits, as the largest
 error relative to the largest reference value of each result: 1e-5 for o, lse, and the rectified gradients (float32
 rounding of length-100 sums; the float32 reference itself lands at 2e-7 to 1e-6); 2e-5 for softpick's dq/dk/dv,
 whose FlashAttention-style backward subtracts dP - delta in float32 and drops the derivative of eps e^m (both of
@@ -29,6 +30,16 @@ CASES = {
     "varlen": (1, 100, 3, 3, 64, None, [0, 13, 14, 61, 100]),
     "varlen_window_padded_dim": (1, 70, 2, 1, 40, 20, [0, 5, 38, 70]),
 }
+# name: (batch, query_len, key_len, heads, kv_heads, head_dim, window_size); the queries are the last query_len
+# positions. gqa and window_gqa have blocks that every row of a tile sees (run unmasked) next to edge blocks; the
+# windows leave keys that no query sees, whole blocks of them (window_padded_dim: keys 0-64) or part of one
+# (window_gqa: keys 0-20).
+FEWER_QUERIES_CASES = {
+    "gqa": (2, 45, 75, 4, 2, 64, None),
+    "one_query": (1, 1, 50, 2, 1, 64, None),
+    "window_padded_dim": (1, 29, 100, 2, 1, 40, 7),
+    "window_gqa": (1, 50, 130, 4, 2, 64, 60),
+}
 
 
 def make_inputs(batch, seq_len, heads, kv_heads, head_dim, seed, fused=False):
@@ -45,14 +56,10 @@ def relative_error(actual, expected):
     return ((actual.double() - expected).abs().max() / expected.abs().max()).item()
 
 
-@pytest.mark.parametrize("variant", ["softpick", "rectified"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_matches_float64_reference(variant, case):
-    batch, seq_len, heads, kv_heads, head_dim, window_size, boundaries = CASES[case]
-    cu_seqlens = None if boundaries is None else torch.tensor(boundaries, dtype=torch.int32)
-    q, k, v = make_inputs(batch, seq_len, heads, kv_heads, head_dim, seed=len(case), fused=case == "gqa")
+def check_against_reference(q, k, v, variant, window_size, cu_seqlens, expected_lse):
+    """Kernel output, lse and gradients against the float64 reference, within LIMITS; expected_lse [B, H, Tq]."""
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    scale = head_dim**-0.5
+    scale = q.shape[-1] ** -0.5
     out, lse = softpick_attention_fwd(q, k, v, cu_seqlens, window_size, scale, variant)
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
     grads = torch.autograd.grad(out, (q, k, v), do)
@@ -62,8 +69,8 @@ def test_matches_float64_reference(variant, case):
         q64, k64, v64, impl=variant, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
     )
     expected_grads = torch.autograd.grad(expected, (q64, k64, v64), do.double())
-    expected_lse = softpick_reference_lse(q, k, variant, window_size, cu_seqlens, scale)
 
+    assert out.shape == q.shape and lse.shape == expected_lse.shape
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     finite = torch.isfinite(expected_lse)
     assert torch.equal(torch.isfinite(lse), finite)  # +inf exactly for rectified rows without a score >= 0
@@ -74,6 +81,38 @@ def test_matches_float64_reference(variant, case):
     }
     failed = {name: f"{error:.1e}" for name, error in errors.items() if not error <= LIMITS[variant][name]}
     assert not failed, f"errors over the limits {LIMITS[variant]}: {failed}"
+
+
+@pytest.mark.parametrize("variant", ["softpick", "rectified"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_float64_reference(variant, case):
+    batch, seq_len, heads, kv_heads, head_dim, window_size, boundaries = CASES[case]
+    cu_seqlens = None if boundaries is None else torch.tensor(boundaries, dtype=torch.int32)
+    q, k, v = make_inputs(batch, seq_len, heads, kv_heads, head_dim, seed=len(case), fused=case == "gqa")
+    expected_lse = softpick_reference_lse(q, k, variant, window_size, cu_seqlens, head_dim**-0.5)
+    check_against_reference(q, k, v, variant, window_size, cu_seqlens, expected_lse)
+
+
+@pytest.mark.parametrize("variant", ["softpick", "rectified"])
+@pytest.mark.parametrize("case", list(FEWER_QUERIES_CASES))
+def test_fewer_queries_match_float64_reference(variant, case):
+    """The last query_len queries against all keys. A row's lse depends only on the keys it sees: the expected one
+    is the last rows of the full (query_len = key_len) reference's."""
+    batch, query_len, key_len, heads, kv_heads, head_dim, window_size = FEWER_QUERIES_CASES[case]
+    q, k, v = make_inputs(batch, key_len, heads, kv_heads, head_dim, seed=len(case) + 20)
+    full_lse = softpick_reference_lse(q, k, variant, window_size, None, head_dim**-0.5)
+    q = q[:, -query_len:].contiguous()
+    check_against_reference(q, k, v, variant, window_size, None, full_lse[:, :, -query_len:])
+
+
+def test_refuses_more_queries_than_keys_and_packed_documents_with_fewer_queries():
+    q, k, v = make_inputs(1, 20, 2, 1, 64, seed=1)
+    with pytest.raises(ValueError, match="at least as many keys as queries .*, got 20 queries, 19 keys"):
+        softpick_attention(q, k[:, 1:], v[:, 1:])
+    with pytest.raises(
+        ValueError, match="cu_seqlens needs as many queries as keys .*, got 8 queries, 20 keys"
+    ):
+        softpick_attention(q[:, 12:], k, v, cu_seqlens=torch.tensor([0, 12, 20]))
 
 
 def test_softpick_attention_defaults_to_the_reference_scale():
