@@ -34,8 +34,10 @@ from flame.metrics import MetricsLogger
 from flame.models import build_model, load_model_args
 from flame.models.common.args import ModelArgs
 from flame.ops.attention import set_attention_backend
+from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
 from flame.parallelize import TokenNormalizedLoss, parallelize_model, pipeline_model, tie_embeddings
+from flame.parallelize.context_parallel import shard_batch
 from flame.samples import SampleGenerator
 from flame.validate import Validator
 
@@ -96,6 +98,12 @@ class Trainer(Stateful):
             self.dp_degree, self.dp_rank = batch_mesh.size(), batch_mesh.get_local_rank()
         else:
             self.dp_degree, self.dp_rank = 1, 0
+        # Context parallelism: the ranks of a cp group read the same batch and each trains on a slice of every
+        # sequence. The loss mesh (data parallel x cp) holds every labelled token of a step.
+        self.cp_group = (
+            self.parallel_dims.get_mesh("cp").get_group() if self.parallel_dims.cp_enabled else None
+        )
+        self.loss_mesh = self.parallel_dims.get_optional_mesh("loss")
         dist_utils.set_determinism(
             self.parallel_dims, self.device, job_config.debug, distinct_seed_mesh_dims=["pp"]
         )
@@ -214,14 +222,17 @@ class Trainer(Stateful):
             return self._forward_backward_pipelined(inputs, labels, global_tokens)
         model = self.model_parts[0]
         z_loss = self.job_config.training.z_loss
-        with self.amp:
-            logits = model(
-                inputs["input"], position_ids=inputs.get("position_ids"), cu_seqlens=inputs.get("cu_seqlens")
-            )
-            cross_entropy, z_term = loss_sums(logits, labels, z_loss=z_loss > 0)
-        loss = (cross_entropy + z_loss * z_term) / global_tokens
-        del logits  # free before backward
-        loss.backward()
+        with sequence_sharded(self.cp_group):  # the backward exchanges between cp ranks too
+            with self.amp:
+                logits = model(
+                    inputs["input"],
+                    position_ids=inputs.get("position_ids"),
+                    cu_seqlens=inputs.get("cu_seqlens"),
+                )
+                cross_entropy, z_term = loss_sums(logits, labels, z_loss=z_loss > 0)
+            loss = (cross_entropy + z_loss * z_term) / global_tokens
+            del logits  # free before backward
+            loss.backward()
         return cross_entropy.detach() / global_tokens, z_loss * z_term.detach() / global_tokens
 
     def _forward_backward_pipelined(
@@ -243,21 +254,22 @@ class Trainer(Stateful):
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         batches = self.next_batches(data_iterator)
+        self.ntokens_seen += sum(labels.numel() for _, labels in batches)
+        if self.cp_group is not None:
+            batches = [shard_batch(inputs, labels, self.cp_group) for inputs, labels in batches]
 
         # Normalise by the labelled tokens of the whole step on all ranks, so accumulation and sharding
         # give the same gradient as one big batch.
         local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in batches).to(self.device)
         global_tokens = (
-            dist_utils.dist_sum(local_tokens, self.parallel_dims.get_mesh("batch"))
-            if self.parallel_dims.dp_enabled
+            dist_utils.dist_sum(local_tokens, self.loss_mesh)
+            if self.loss_mesh is not None
             else local_tokens.float()
         )
         losses = [self.forward_backward(inputs, labels, global_tokens) for inputs, labels in batches]
         loss = sum(cross_entropy for cross_entropy, _ in losses)
         z_loss = sum(z_term for _, z_term in losses)
-        step_tokens = sum(labels.numel() for _, labels in batches)
-        self.ntokens_seen += step_tokens
-        self.metrics.window_tokens += step_tokens
+        self.metrics.window_tokens += sum(labels.numel() for _, labels in batches)  # this device's tokens
 
         # The norm before clipping (what clip_grad_norm_ returns) is the one logged.
         grad_norm = dist_utils.clip_grad_norm_(
@@ -276,8 +288,8 @@ class Trainer(Stateful):
 
         if self.metrics.should_log(self.step):
             totals = torch.stack([loss, z_loss])
-            if self.parallel_dims.dp_enabled:
-                torch.distributed.all_reduce(totals, group=self.parallel_dims.get_mesh("batch").get_group())
+            if self.loss_mesh is not None:
+                torch.distributed.all_reduce(totals, group=self.loss_mesh.get_group())
             if self.parallel_dims.pp_enabled:  # only the last stage has the loss
                 torch.distributed.all_reduce(totals, group=self.parallel_dims.get_mesh("pp").get_group())
             metrics = {

@@ -1,5 +1,5 @@
-"""The default job end to end through train.sh: one process, and two processes with FSDP or pipeline parallelism
-over gloo."""
+"""The default job end to end through train.sh: one process, and two processes with FSDP, context or pipeline
+parallelism over gloo."""
 
 import json
 import os
@@ -92,6 +92,31 @@ def test_fsdp_on_two_processes_matches_one_process(tmp_path, periodic_corpus):
     for step in (2, 3):
         assert sharded_validation[step] == pytest.approx(single_validation[step], rel=1e-5)
     assert sorted(text_events(tmp_path / "two", "samples/0")) == [2]
+
+
+def test_context_parallel_on_two_processes_matches_one_process(tmp_path):
+    """Two ranks each train on one half of every sequence of the same batch (a GatedDeltaNet / attention hybrid:
+    state relay, short-convolution borders and gathered keys all in use)."""
+    config = tmp_path / "hybrid.json"
+    config.write_text(
+        '{"model_type": "gated_deltanet", "hidden_size": 128, "num_hidden_layers": 2, "num_heads": 2,'
+        ' "head_dim": 32, "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2}, "vocab_size": 4096}'
+    )
+    common = ["--model.config", str(config), "--training.seq_len", "128", "--training.batch_size", "2",
+              "--training.steps", "3", "--lr_scheduler.warmup_steps", "1", "--checkpoint.interval", "100",
+              "--training.seed", "7"]  # fmt: skip
+    run_train_sh(tmp_path / "seed", 1, *common, "--checkpoint.create_seed_checkpoint")
+    for run in ("one", "cp"):
+        shutil.copytree(tmp_path / "seed" / "checkpoint", tmp_path / run / "checkpoint")
+    run_train_sh(tmp_path / "one", 1, *common)
+    run_train_sh(tmp_path / "cp", 2, *common, "--parallelism.context_parallel_degree", "2",
+                 "--parallelism.data_parallel_shard_degree", "1")  # fmt: skip
+    single = tensorboard_scalars(tmp_path / "one", "loss/train")
+    split = tensorboard_scalars(tmp_path / "cp", "loss/train")
+    assert sorted(single) == sorted(split) == [1, 2, 3]
+    assert single[3] < single[1] - 0.1  # the steps do train
+    for step in (1, 2, 3):
+        assert split[step] == pytest.approx(single[step], rel=1e-5), (step, single, split)
 
 
 def test_pipeline_on_two_processes_matches_one_process(tmp_path, periodic_corpus):

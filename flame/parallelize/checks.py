@@ -1,12 +1,13 @@
 """Validation of the parallelism options against the world size and the model, before any rank starts.
 
 :func:`check_parallelism` raises :class:`flame.errors.ConfigError` with one line for: degrees that do not multiply
-to the world size; parallelisms flame does not implement (context, expert); DDP combined with tensor or pipeline
-parallelism; head counts, MLP widths or the sequence length not divisible by the tensor-parallel degree; a q/k
-norm over all heads (``qk_norm_scope`` full) under tensor parallelism, which splits the heads; more
-pipeline stages than layers; CPU offload without FSDP; activation-checkpointing and converter options that cannot
-work. train.sh's pre-flight (flame.launch) calls it with NGPU x NNODE, and parallelize_model calls it again on the
-ranks. It imports no torchtitan module, so the pre-flight stays fast.
+to the world size; parallelisms flame does not implement (expert); context parallelism with tensor or pipeline
+parallelism, varlen, an indivisible sequence length or sliding-window softmax attention (context_parallel.py);
+DDP combined with tensor or pipeline parallelism; head counts, MLP widths or the sequence length not divisible by
+the tensor-parallel degree; a q/k norm over all heads (``qk_norm_scope`` full) under tensor parallelism, which
+splits the heads; more pipeline stages than layers; CPU offload without FSDP; activation-checkpointing and
+converter options that cannot work. train.sh's pre-flight (flame.launch) calls it with NGPU x NNODE, and
+parallelize_model calls it again on the ranks. It imports no torchtitan module, so the pre-flight stays fast.
 """
 
 import torch
@@ -16,6 +17,7 @@ from flame.models import build_model
 from flame.models.layers.attention import Attention
 from flame.models.layers.delta_net import DeltaNet
 from flame.models.layers.gated_deltanet import GatedDeltaNet
+from flame.parallelize.context_parallel import check_context_parallel
 from flame.parallelize.float8 import check_converters
 
 SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
@@ -177,8 +179,6 @@ def check_parallelism(job_config, model_args, world_size: int, model=None) -> di
             "expert parallelism needs mixture-of-experts layers, which flame's models do not have; "
             "set expert_parallel_degree and expert_tensor_parallel_degree to 1"
         )
-    if degrees["cp"] > 1:
-        raise ConfigError("context parallelism is not supported by flame yet; set context_parallel_degree 1")
     ddp = degrees["dp_replicate"] > 1 and degrees["dp_shard"] == 1
     if ddp and (degrees["tp"] > 1 or degrees["pp"] > 1):
         raise ConfigError(
@@ -200,4 +200,9 @@ def check_parallelism(job_config, model_args, world_size: int, model=None) -> di
         check_tensor_parallel(model, degrees["tp"], seq_len)
     if degrees["pp"] > 1:
         check_pipeline_parallel(job_config, model_args)
+    if degrees["cp"] > 1:
+        if model is None:
+            with torch.device("meta"):
+                model = build_model(model_args)
+        check_context_parallel(job_config, model, degrees)
     return degrees

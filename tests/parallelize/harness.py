@@ -43,6 +43,14 @@ FAMILIES: dict[str, dict] = {
         "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "qk_norm": True},
     },
     "delta_net": {"model_type": "delta_net", "num_heads": 2, "use_gate": True},
+    # Softpick attention with a sliding window shorter than the sequence (context parallelism's key ranges).
+    "softpick_window": {
+        "model_type": "transformer",
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "attn_impl": "parallel_softpick_attn",
+        "window_size": 12,
+    },
     # Four layers (attention at 1 and 3): room for two pipeline stages per rank (interleaved schedules).
     "hybrid_4_layers": {
         "model_type": "gated_deltanet",
@@ -65,13 +73,14 @@ class Setting:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     flags: list[str] = field(default_factory=list)
     loss_parallel: bool = False
     sequence_parallel: bool = True
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
 
 
 def model_args(family: str):
@@ -130,7 +139,17 @@ def job_config(flags: list[str]):
     return parse_args(["--training.seq_len", str(SEQ_LEN), "--optimizer.lr", str(LR), *flags])
 
 
-def train(model, model_parts_params, optimizers, inputs, labels, global_tokens, reduce_mesh, loss_ctx):
+def train(
+    model,
+    model_parts_params,
+    optimizers,
+    inputs,
+    labels,
+    global_tokens,
+    reduce_mesh,
+    loss_ctx,
+    positions=None,
+):
     from torch.distributed.tensor import DTensor
     from torchtitan.distributed import utils as dist_utils
 
@@ -138,7 +157,7 @@ def train(model, model_parts_params, optimizers, inputs, labels, global_tokens, 
     for _ in range(STEPS):
         optimizers.zero_grad()
         with loss_ctx():
-            logits = model(inputs)
+            logits = model(inputs, position_ids=positions)
             loss_sum = F.cross_entropy(
                 logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
             )
@@ -190,11 +209,12 @@ def parallel_run(setting: Setting, family: str) -> list[tuple[float, float]]:
         "--parallelism.data_parallel_shard_degree", str(setting.dp_shard),
         "--parallelism.tensor_parallel_degree", str(setting.tp),
         "--parallelism.pipeline_parallel_degree", str(setting.pp),
+        "--parallelism.context_parallel_degree", str(setting.cp),
         *setting.flags,
     ]  # fmt: skip
     config = job_config(flags)
     dims = ParallelDims(
-        dp_replicate=setting.dp_replicate, dp_shard=setting.dp_shard, cp=1, tp=setting.tp, pp=setting.pp, ep=1, etp=1,
+        dp_replicate=setting.dp_replicate, dp_shard=setting.dp_shard, cp=setting.cp, tp=setting.tp, pp=setting.pp, ep=1, etp=1,
         world_size=dist.get_world_size(),
     )  # fmt: skip
     dims.build_mesh()
@@ -214,9 +234,24 @@ def parallel_run(setting: Setting, family: str) -> list[tuple[float, float]]:
     optimizers = build_optimizers([model], config.optimizer, dims)
 
     inputs, labels, global_tokens = data_shard(dims)
-    reduce_mesh = dims.get_mesh("batch") if dims.dp_enabled else None
     loss_ctx = loss_parallel if setting.loss_parallel else contextlib.nullcontext
-    return train(model, model.parameters, optimizers, inputs, labels, global_tokens, reduce_mesh, loss_ctx)
+    positions = None
+    if dims.cp_enabled:
+        # The trainer's split: every rank of a cp group trains on one slice of each row, inside sequence_sharded.
+        from flame.ops.context_parallel import sequence_sharded
+        from flame.parallelize.context_parallel import shard_batch
+
+        group = dims.get_mesh("cp").get_group()
+        sharded, labels = shard_batch({"input": inputs}, labels, group)
+        inputs, positions = sharded["input"], sharded["position_ids"]
+
+        def loss_ctx():
+            return sequence_sharded(group)
+
+    return train(
+        model, model.parameters, optimizers, inputs, labels, global_tokens, dims.get_optional_mesh("loss"),
+        loss_ctx, positions,
+    )  # fmt: skip
 
 
 def data_shard(dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -94,7 +94,6 @@ def test_more_pipeline_stages_than_layers_is_refused():
 
 
 def test_unsupported_combinations_are_one_line():
-    assert "context parallelism" in refused(2, "--parallelism.context_parallel_degree", "2")
     assert "expert parallelism" in refused(2, "--parallelism.expert_parallel_degree", "2")
     ddp_tp = [
         "--parallelism.data_parallel_replicate_degree",
@@ -231,4 +230,25 @@ def test_preflight_refuses_bad_parallelism_in_one_line():
         result.stderr.strip()
         .splitlines()[-1]
         .endswith("is not the world size 2 (NGPU x NNODE); use data_parallel_shard_degree -1 for the rest")
+    )
+
+
+def test_context_parallel_settings_it_cannot_run_are_one_line(tmp_path):
+    cp2 = ["--parallelism.context_parallel_degree", "2"]
+    assert "does not combine with tensor or pipeline" in refused(
+        4, *cp2, "--parallelism.tensor_parallel_degree", "2"
+    )
+    assert "training.varlen (packed documents) is not supported" in refused(
+        2, *cp2, "--training.varlen", "--training.batch_size", "1"
+    )
+    assert "training.seq_len 2047 is not divisible by context_parallel_degree 2" in refused(
+        2, *cp2, "--training.seq_len", "2047"
+    )
+    config = tmp_path / "window.json"
+    config.write_text(
+        '{"model_type": "gated_deltanet", "hidden_size": 256, "num_hidden_layers": 2, "num_heads": 4,'
+        ' "head_dim": 64, "attn": {"layers": [1], "num_heads": 4, "window_size": 512}}'
+    )
+    assert "layers.1.attn: sliding-window softmax attention is not supported with context parallelism" in (
+        refused(2, *cp2, config=str(config))
     )

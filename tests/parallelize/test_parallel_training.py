@@ -1,7 +1,9 @@
 """Every parallel setting trains like one process: FSDP, HSDP, DDP, TP (with and without sequence parallelism,
-with loss parallelism), FSDP x TP, pipeline parallelism (1F1B, GPipe, interleaved; x FSDP, x TP), activation checkpointing and CPU
+with loss parallelism), FSDP x TP, pipeline parallelism (1F1B, GPipe, interleaved; x FSDP, x TP), context parallelism
+(2 and 4 ranks, x FSDP, with activation checkpointing and compiled blocks), activation checkpointing and CPU
 offload, for the transformer (GQA, QK-norm, per-head query scales, tied embeddings), GatedDeltaNet (grouped value
-heads), a GatedDeltaNet/attention hybrid and DeltaNet, on 2 and 4 gloo ranks in this machine's processes.
+heads), a GatedDeltaNet/attention hybrid, DeltaNet and windowed softpick attention, on 2 and 4 gloo ranks in this
+machine's processes.
 
 All runs start from the same full weights (scattered into each rank's shards), see the same global batch, and
 train 3 steps as flame's trainer does. Loss and gradient norm must match the single-process run to float32
@@ -36,6 +38,13 @@ TWO_RANKS = [
     (Setting("tp2_layer_sac", tp=2, flags=AC_LAYER), ("transformer",)),
     (Setting("fsdp2_cpu_offload", dp_shard=2, flags=["--training.enable_cpu_offload"]), ("transformer",)),
     (Setting("pp2_1f1b", pp=2), ("gated_deltanet", "hybrid")),
+    (Setting("cp2", cp=2), (*ALL, "softpick_window")),
+    (Setting("cp2_full_ac", cp=2, flags=["--activation_checkpoint.mode", "full"]), ("hybrid",)),
+    (Setting("cp2_op_sac", cp=2, flags=AC_OP), ("hybrid",)),
+    (
+        Setting("cp2_compiled", cp=2, flags=["--compile.enable", "--compile.backend", "aot_eager"]),
+        ("hybrid",),
+    ),
     (Setting("pp2_gpipe", pp=2, flags=["--parallelism.pipeline_parallel_schedule", "GPipe"]), ("hybrid",)),
     (
         Setting(
@@ -49,6 +58,8 @@ FOUR_RANKS = [
     (Setting("fsdp2_x_tp2", dp_shard=2, tp=2), ALL),
     (Setting("pp2_x_fsdp2", pp=2, dp_shard=2), ("hybrid",)),
     (Setting("pp2_x_tp2", pp=2, tp=2), ("gated_deltanet",)),
+    (Setting("cp2_x_fsdp2", cp=2, dp_shard=2), MAIN),
+    (Setting("cp4", cp=4), ("hybrid",)),
 ]
 CASES = [(setting, family, world) for world, table in ((2, TWO_RANKS), (4, FOUR_RANKS)) for setting, families in table for family in families]  # fmt: skip
 

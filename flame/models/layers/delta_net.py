@@ -14,12 +14,15 @@ Like FLA's layer, sequences of at most 64 tokens go to the fused-recurrent op an
 Module and parameter names are FLA's, so state dicts map 1:1.
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flame.models.layers.gated_deltanet import output_norm
 from flame.models.layers.short_conv import ShortConvolution
+from flame.ops.context_parallel import relay_state
 from flame.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
 
 QK_ACTIVATIONS = ("silu", "relu", "elu", "identity")
@@ -108,7 +111,15 @@ class DeltaNet(nn.Module):
             beta = beta * 2
 
         delta_rule = fused_recurrent_delta_rule if seq_len <= FUSED_RECURRENT_MAX_LEN else chunk_delta_rule
-        o, _ = delta_rule(q, k, v, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=self.qk_norm == "l2")
+        o = relay_state(
+            partial(delta_rule, use_qk_l2norm_in_kernel=self.qk_norm == "l2"),
+            (batch, v.shape[2], self.head_k_dim, self.head_v_dim),  # local heads under tensor parallelism
+            q=q,
+            k=k,
+            v=v,
+            beta=beta,
+            cu_seqlens=cu_seqlens,
+        )
         if self.use_gate:
             o = self.o_norm(o, self.g_proj(x).view(batch, seq_len, -1, self.head_v_dim))
         else:

@@ -14,6 +14,7 @@ and shapes are FLA's, so state dicts map 1:1.
 """
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from torch import nn
 from flame.models.layers.norm import GatedRMSNorm, RMSNorm
 from flame.models.layers.sharding import local_param
 from flame.models.layers.short_conv import ShortConvolution
+from flame.ops.context_parallel import relay_state
 from flame.ops.gated_delta_rule import chunk_gated_delta_rule
 
 # Decay initialisation of Mamba2, which FLA's GatedDeltaNet copies: A = exp(A_log) ~ U(0, 16); the step size
@@ -96,20 +98,26 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self.q_conv1d(q, cu_seqlens), self.k_conv1d(k, cu_seqlens), self.v_conv1d(v, cu_seqlens)
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
-        o, _ = chunk_gated_delta_rule(
-            q.view(batch, seq_len, -1, self.head_dim),
-            k.view(batch, seq_len, -1, self.head_dim),
-            v.view(batch, seq_len, -1, self.head_v_dim),
+        v = v.view(batch, seq_len, -1, self.head_v_dim)
+        # Under context parallelism the recurrence starts from the previous rank's state (relay_state).
+        o = relay_state(
+            partial(
+                chunk_gated_delta_rule,
+                use_qk_l2norm_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True,
+                allow_neg_eigval=self.allow_neg_eigval,
+                # FLA's layer asks for the value-first state layout; passing it keeps the CUDA path on the exact
+                # kernel configuration FLA's model runs.
+                state_v_first=True,
+                use_gate_in_kernel=True,
+            ),
+            (batch, v.shape[2], self.head_v_dim, self.head_dim),  # value-first, local heads under TP
+            q=q.view(batch, seq_len, -1, self.head_dim),
+            k=k.view(batch, seq_len, -1, self.head_dim),
+            v=v,
             g=self.a_proj(x),
             beta=self.b_proj(x),
-            use_qk_l2norm_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True,
-            allow_neg_eigval=self.allow_neg_eigval,
-            # FLA's layer asks for the value-first state layout; no state is returned here, but passing it keeps
-            # the CUDA path on the exact kernel configuration FLA's model runs.
-            state_v_first=True,
             cu_seqlens=cu_seqlens,
-            use_gate_in_kernel=True,
             A_log=local_param(self, "A_log"),
             dt_bias=local_param(self, "dt_bias"),
         )

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from flame.models.layers.sharding import local_param
+from flame.ops.context_parallel import previous_tokens
 from flame.ops.short_conv import short_conv
 
 
@@ -22,7 +23,15 @@ class ShortConvolution(nn.Conv1d):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         weight, bias = local_param(self, "weight"), local_param(self, "bias")
-        return short_conv(x, weight, bias, activation=self.activation, cu_seqlens=cu_seqlens)
+        width = self.kernel_size[0]
+        previous = previous_tokens(x, width - 1)
+        if previous is None:
+            return short_conv(x, weight, bias, activation=self.activation, cu_seqlens=cu_seqlens)
+        # Context parallelism: convolve this rank's slice together with the tokens before it, keep its outputs.
+        if cu_seqlens is not None:
+            raise ValueError("context parallelism does not support packed documents (cu_seqlens)")
+        y = short_conv(torch.cat([previous, x], dim=1), weight, bias, activation=self.activation)
+        return y[:, width - 1 :]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation}"

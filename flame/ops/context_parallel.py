@@ -1,0 +1,199 @@
+"""Context parallelism: every row's sequence split into contiguous slices over the ranks of a group, and the three
+exchanges flame's mixers need to compute, on each slice, exactly what one process computes on the whole sequence.
+
+Rank r of W holds positions [r L, (r + 1) L) of every row (L = T / W; `shard_sequence`). While a group is active
+(`sequence_sharded(group)`, which the trainer enters around each forward + backward) the mixers call:
+
+- `gather_prefix` (attention): keys and values of positions [0, (r + 1) L), all-gathered. Queries stay local and
+  read them with bottom-right causal alignment (flame.ops.attention accepts fewer queries than keys). Backward, the
+  gradient of each slice is summed over the ranks that read it. Only K/V grow with the whole sequence; the scores
+  are never materialized beyond what the kernel does for one slice of queries.
+- `previous_tokens` (short convolutions): the last n tokens of rank r - 1's slice (zeros on rank 0, which is the
+  convolution's own zero padding), so the convolution sees across the slice boundary; backward, their gradient
+  goes back to rank r - 1.
+- `relay_state` (recurrences: GatedDeltaNet, DeltaNet): rank r starts from rank r - 1's final state and hands its
+  own final state to rank r + 1; backward, the state's gradient travels from rank r + 1 to rank r. The ranks run
+  their recurrences one after another (projections, convolutions, MLPs and attention run in parallel). FLA 0.6's
+  affine-chain CP (fla/ops/cp) parallelises the recurrence itself on NVIDIA GPUs; it is not wired in.
+
+With no active group every function is the single-process computation, so validation, text samples and export
+run the same modules on whole sequences. The exchanges use all_gather, all_reduce and send/recv, which both gloo
+(CPU tests) and NCCL provide.
+"""
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_active_group: dist.ProcessGroup | None = None
+
+
+@contextlib.contextmanager
+def sequence_sharded(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Run the enclosed forward and backward with sequences split over ``group`` (None: not split)."""
+    global _active_group
+    previous, _active_group = _active_group, group
+    try:
+        yield
+    finally:
+        _active_group = previous
+
+
+def active_group() -> dist.ProcessGroup | None:
+    """The context-parallel group of the running forward / backward, or None."""
+    return _active_group
+
+
+def shard_sequence(x: Tensor, group: dist.ProcessGroup, dim: int = 1) -> Tensor:
+    """This rank's contiguous slice of ``x`` along ``dim`` (the sequence), which the group size must divide."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[dim] % world:
+        raise ValueError(
+            f"sequence length {x.shape[dim]} is not divisible by the context-parallel degree {world}"
+        )
+    return x.chunk(world, dim)[rank]
+
+
+def _gather_slices(x: Tensor, group: dist.ProcessGroup) -> list[Tensor]:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return parts
+
+
+class _GatherPrefix(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        rank = dist.get_rank(group)
+        return torch.cat(_gather_slices(x, group)[: rank + 1], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        group = ctx.group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        length = grad.shape[1] // (rank + 1)
+        # [W, B, L, ...]: slice j's gradient from this rank (zero for the slices it did not read).
+        per_slice = grad.new_zeros((world, grad.shape[0], length, *grad.shape[2:]))
+        per_slice[: rank + 1] = grad.unflatten(1, (rank + 1, length)).movedim(1, 0)
+        if dist.get_backend(group) == dist.Backend.NCCL:
+            out = grad.new_empty(per_slice.shape[1:])
+            dist.reduce_scatter_tensor(out, per_slice, group=group)
+            return out, None
+        dist.all_reduce(per_slice, group=group)  # gloo has no reduce-scatter
+        return per_slice[rank].clone(), None
+
+
+def gather_prefix(x: Tensor) -> Tensor:
+    """[B, L, ...] -> [B, (r + 1) L, ...]: the slices of ranks 0..r of the active group, in order."""
+    group = _active_group
+    if group is None:
+        return x
+    return _GatherPrefix.apply(x, group)
+
+
+class _PreviousTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, n: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.group, ctx.shape = group, x.shape
+        rank = dist.get_rank(group)
+        tails = _gather_slices(x[:, x.shape[1] - n :], group)
+        return tails[rank - 1] if rank > 0 else torch.zeros_like(tails[0])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        group = ctx.group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        # Rank r + 1 read this rank's tail: its gradient for the borrowed tokens is this tail's gradient.
+        grads = _gather_slices(grad, group)
+        grad_x = grad.new_zeros(ctx.shape)
+        if rank < world - 1:
+            grad_x[:, ctx.shape[1] - grad.shape[1] :] = grads[rank + 1]
+        return grad_x, None, None
+
+
+def previous_tokens(x: Tensor, n: int) -> Tensor | None:
+    """The n tokens before this rank's slice of x [B, L, ...] (zeros on the first rank); None with no active
+    group, where nothing precedes the sequence."""
+    group = _active_group
+    if group is None:
+        return None
+    if x.shape[1] < n:
+        raise ValueError(
+            f"a context-parallel slice of {x.shape[1]} tokens is shorter than the {n} tokens needed"
+        )
+    return _PreviousTokens.apply(x, n, group)
+
+
+def _keep(x: Tensor) -> Tensor:
+    return x
+
+
+class _RelayState(torch.autograd.Function):
+    """Runs the recurrence of this rank's slice inside its own small autograd graph, so that the backward can wait
+    for the next rank's state gradient before it differentiates that graph."""
+
+    @staticmethod
+    def forward(ctx, run, group, state_shape, names, *values):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        # States travel in float32, as FLA keeps them (float64 for float64 inputs).
+        ctx.state_dtype = torch.promote_types(values[0].dtype, torch.float32)
+        initial = None
+        if rank > 0:
+            initial = torch.empty(state_shape, dtype=ctx.state_dtype, device=values[0].device)
+            dist.recv(initial, group=group, group_src=rank - 1)
+            initial.requires_grad_()
+        detached = [
+            x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x for x in values
+        ]
+        # The inner graph keeps its saved tensors even under activation checkpointing: unpacking a checkpointed
+        # one in backward would rerun this forward, and its send / receive, out of step with the other ranks.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            output, final = run(**dict(zip(names, detached)), initial_state=initial, output_final_state=True)
+        if rank < world - 1:
+            dist.send(final.detach().to(ctx.state_dtype).contiguous(), group=group, group_dst=rank + 1)
+        ctx.group, ctx.graph = group, (output, final, detached, initial)
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        group = ctx.group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        output, final, detached, initial = ctx.graph
+        del ctx.graph
+        roots, root_grads = [output], [grad_output]
+        if rank < world - 1:
+            grad_final = torch.empty(final.shape, dtype=ctx.state_dtype, device=final.device)
+            dist.recv(grad_final, group=group, group_src=rank + 1)
+            roots.append(final)
+            root_grads.append(grad_final.to(final.dtype))
+        wanted = [x for x in detached if isinstance(x, Tensor) and x.requires_grad]
+        if initial is not None:
+            wanted.append(initial)
+        grads = list(torch.autograd.grad(roots, wanted, root_grads, allow_unused=True))
+        if initial is not None:
+            grad_initial = grads.pop()
+            if grad_initial is None:
+                grad_initial = torch.zeros_like(initial)
+            dist.send(grad_initial.to(ctx.state_dtype).contiguous(), group=group, group_dst=rank - 1)
+        by_input = iter(grads)
+        value_grads = [
+            next(by_input) if isinstance(x, Tensor) and x.requires_grad else None for x in detached
+        ]
+        return (None, None, None, None, *value_grads)
+
+
+def relay_state(
+    run: Callable[..., tuple[Tensor, Tensor | None]], state_shape: tuple[int, ...], **inputs
+) -> Tensor:
+    """Output of a recurrence over this rank's slice, started from the previous rank's final state.
+
+    ``run(**inputs, initial_state=..., output_final_state=...)`` returns (output, final state), as FLA's ops and
+    flame's do; the final state has ``state_shape``. With no active group (one process) it runs
+    from no initial state and without a final state. Tensor inputs get gradients; other inputs pass through."""
+    group = _active_group
+    if group is None:
+        return run(**inputs, initial_state=None, output_final_state=False)[0]
+    return _RelayState.apply(run, group, state_shape, list(inputs), *inputs.values())

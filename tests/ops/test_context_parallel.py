@@ -1,0 +1,138 @@
+"""flame.ops.context_parallel on 3 gloo ranks: each exchange, forward and backward, equals the single-process
+computation on the whole sequence (float64, odd sizes; 1e-12 relative), and with no active group every function is
+the single-process one."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flame.ops.context_parallel import (
+    active_group,
+    gather_prefix,
+    previous_tokens,
+    relay_state,
+    sequence_sharded,
+    shard_sequence,
+)
+
+WORLD, BATCH, SLICE, WIDTH = 3, 2, 5, 7  # 15 positions, 7 channels
+TOL = 1e-12
+
+
+def decayed_sum(x, decay, initial_state=None, output_final_state=False):
+    """A recurrence with a state: h_t = decay_t * h_{t-1} + x_t, output h_t; x [B, T, D], decay [B, T, 1]."""
+    state = torch.zeros_like(x[:, 0]) if initial_state is None else initial_state.to(x.dtype)
+    outputs = []
+    for t in range(x.shape[1]):
+        state = decay[:, t] * state + x[:, t]
+        outputs.append(state)
+    return torch.stack(outputs, 1), (state if output_final_state else None)
+
+
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH, WORLD * SLICE, WIDTH, dtype=torch.float64, generator=g)
+    decay = torch.rand(BATCH, WORLD * SLICE, 1, dtype=torch.float64, generator=g)
+    upstream = torch.randn(BATCH, WORLD * SLICE, WIDTH, dtype=torch.float64, generator=g)
+    return x, decay, upstream
+
+
+def whole_sequence():
+    """Single-process results: gathered prefixes, previous tokens and the recurrence, with their gradients."""
+    x, decay, upstream = inputs()
+    results = {}
+    for name in ("prefix", "previous", "relay"):
+        x_ = x.clone().requires_grad_()
+        decay_ = decay.clone().requires_grad_()
+        if name == "prefix":  # what each rank's slice of keys sees: positions [0, (r + 1) L)
+            out = torch.cat([(x_[:, : (r + 1) * SLICE] * upstream[:, r * SLICE : (r + 1) * SLICE].sum(1, keepdim=True)).sum(1) for r in range(WORLD)], 1)  # fmt: skip
+        elif name == "previous":  # the 2 tokens before each slice
+            padded = torch.cat([torch.zeros_like(x_[:, :2]), x_], 1)
+            out = torch.cat([padded[:, r * SLICE : r * SLICE + 2] for r in range(WORLD)], 1) * upstream[:, :6]
+        else:
+            out = decayed_sum(x_, decay_)[0] * upstream
+        out.sum().backward()
+        results[name] = (out.detach(), x_.grad, decay_.grad)
+    return results
+
+
+def per_rank(rank: int):
+    x, decay, upstream = inputs()
+    group = dist.group.WORLD
+    results = {}
+    for name in ("prefix", "previous", "relay"):
+        x_ = shard_sequence(x, group).clone().requires_grad_()
+        decay_ = shard_sequence(decay, group).clone().requires_grad_()
+        up = shard_sequence(upstream, group)
+        with sequence_sharded(group):
+            assert active_group() is group
+            if name == "prefix":
+                out = (gather_prefix(x_) * up.sum(1, keepdim=True)).sum(1)
+            elif name == "previous":
+                out = previous_tokens(x_, 2) * upstream[:, 2 * rank : 2 * rank + 2]
+            else:
+                out = relay_state(decayed_sum, (BATCH, WIDTH), x=x_, decay=decay_) * up
+            out.sum().backward()
+        results[name] = (out.detach(), x_.grad, decay_.grad)
+    return results
+
+
+def _worker(rank: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        # NumPy copies: a tensor would travel as shared memory that dies with this process.
+        queue.put(
+            (
+                rank,
+                {name: [None if t is None else t.numpy() for t in ts] for name, ts in per_rank(rank).items()},
+            )
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_worker, args=(port, queue), nprocs=WORLD, join=True, start_method="spawn")
+    found = dict(queue.get() for _ in range(WORLD))
+    return [
+        {
+            name: [None if a is None else torch.from_numpy(a) for a in arrays]
+            for name, arrays in found[r].items()
+        }
+        for r in range(WORLD)
+    ]
+
+
+def assert_close(got, want):
+    assert torch.allclose(got, want, rtol=TOL, atol=TOL), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("name", ["prefix", "previous", "relay"])
+def test_exchange_equals_the_whole_sequence(ranks, name):
+    want_out, want_dx, want_ddecay = whole_sequence()[name]
+    out = torch.cat([r[name][0] for r in ranks], 1)
+    assert_close(out, want_out)
+    # Each rank's input gradient is its slice of the whole sequence's (the prefix's and the previous tokens'
+    # gradients reach the ranks that own those positions).
+    assert_close(torch.cat([r[name][1] for r in ranks], 1), want_dx)
+    if name == "relay":
+        assert_close(torch.cat([r[name][2] for r in ranks], 1), want_ddecay)
+
+
+def test_no_active_group_is_one_process():
+    x, decay, _ = inputs()
+    assert active_group() is None
+    assert gather_prefix(x) is x
+    assert previous_tokens(x, 2) is None
+    assert torch.equal(relay_state(decayed_sum, (BATCH, WIDTH), x=x, decay=decay), decayed_sum(x, decay)[0])
