@@ -50,6 +50,22 @@ def fla_parallel_attn(
     return parallel_attn(q, k, v, scale=scale, window_size=window_size, cu_seqlens=cu_seqlens)
 
 
+def sdpa_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """Causal softmax through torch SDPA (its FlashAttention backend on the GPUs here), Tq <= Tk with the queries
+    aligned to the end of the keys: is_causal is top-left aligned, so fewer queries take a lower-right causal bias."""
+    causal = (
+        {"is_causal": True}
+        if q.shape[1] == k.shape[1]
+        else {"attn_mask": causal_lower_right(q.shape[1], k.shape[1])}
+    )
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=True, **causal
+    )
+    return out.transpose(1, 2)
+
+
 def cuda_softmax_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -58,49 +74,15 @@ def cuda_softmax_attention(
     cu_seqlens: torch.Tensor | None,
     scale: float | None,
 ) -> torch.Tensor:
-    """SDPA's flash kernel where it applies (the fastest causal softmax on the GPUs here), else FLA's; with fewer
-    queries than keys `fewer_queries_softmax_attention`."""
+    """SDPA where it applies (the fastest causal softmax on the GPUs here), else FLA's kernel; a window with fewer
+    queries than keys has neither, and takes the materialized reference (which refuses cu_seqlens there)."""
+    if window_size is None and cu_seqlens is None and q.shape[1] <= k.shape[1]:
+        return sdpa_causal_attention(q, k, v, scale)
     if q.shape[1] != k.shape[1]:
-        return fewer_queries_softmax_attention(
-            q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
-        )
-    if window_size is None and cu_seqlens is None:
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.transpose(1, 2)
-    return fla_parallel_attn(q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale)
-
-
-def fewer_queries_softmax_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    window_size: int | None,
-    cu_seqlens: torch.Tensor | None,
-    scale: float | None,
-) -> torch.Tensor:
-    """Causal softmax with Tq < Tk, queries aligned to the end of the keys: SDPA with a lower-right causal bias
-    (is_causal is top-left aligned); with a window the materialized reference, which also refuses cu_seqlens and
-    Tq > Tk (where the bias would leave rows without keys)."""
-    if window_size is not None or cu_seqlens is not None or q.shape[1] > k.shape[1]:
         return reference_attention(
             q, k, v, impl="softmax", window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
         )
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=causal_lower_right(q.shape[1], k.shape[1]),
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(1, 2)
+    return fla_parallel_attn(q, k, v, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale)
 
 
 def auto_cuda_attention(q, k, v, *, impl, window_size, cu_seqlens, scale) -> torch.Tensor:
@@ -176,7 +158,6 @@ __all__ = [
     "SOFTPICK_EPS",
     "attention",
     "cuda_softmax_attention",
-    "fewer_queries_softmax_attention",
     "fla_parallel_attn",
     "observe_attention",
     "rectified_softmax_weights",
