@@ -37,6 +37,21 @@ IMPLS = ("softmax", "softpick", "rectified")
 SOFTPICK_EPS = 1e-6
 
 
+def check_query_key_lengths(query_len: int, key_len: int, causal: bool, packed: bool) -> None:
+    """The length rules of every attention path: queries aligned to the end of the keys need Tk >= Tq (causal),
+    packed documents (cu_seqlens) Tq == Tk."""
+    if packed and key_len != query_len:
+        raise ValueError(
+            "cu_seqlens needs as many queries as keys (packed documents with fewer queries than keys are not "
+            f"supported), got {query_len} queries, {key_len} keys"
+        )
+    if causal and key_len < query_len:
+        raise ValueError(
+            "causal attention needs at least as many keys as queries (queries are aligned to the end of the keys), "
+            f"got {query_len} queries, {key_len} keys"
+        )
+
+
 def visibility_mask(
     seq_len: int,
     causal: bool = True,
@@ -52,16 +67,7 @@ def visibility_mask(
         raise ValueError("window_size needs causal=True")
     if window_size is not None and window_size < 1:
         raise ValueError(f"window_size must be >= 1, got {window_size}")
-    if cu_seqlens is not None and key_len != seq_len:
-        raise ValueError(
-            "cu_seqlens needs as many queries as keys (packed documents with fewer queries than keys are not "
-            f"supported), got {seq_len} queries, {key_len} keys"
-        )
-    if causal and key_len < seq_len:
-        raise ValueError(
-            "causal attention needs at least as many keys as queries (queries are aligned to the end of the keys), "
-            f"got {seq_len} queries, {key_len} keys"
-        )
+    check_query_key_lengths(seq_len, key_len, causal, packed=cu_seqlens is not None)
     if not causal and cu_seqlens is None:
         return None
     query = torch.arange(key_len - seq_len, key_len, device=device)[:, None]

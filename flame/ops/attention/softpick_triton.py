@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flame.ops.attention.reference import SOFTPICK_EPS
+from flame.ops.attention.reference import SOFTPICK_EPS, check_query_key_lengths
 
 VARIANTS = ("softpick", "rectified")
 MAX_HEAD_DIM = 128
@@ -640,11 +640,7 @@ def check_arguments(
             f"expected q [B, Tq, H, D] and k, v [B, Tk, HKV, D] of one head dim, got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if q.shape[1] > k.shape[1]:
-        raise ValueError(
-            "causal attention needs at least as many keys as queries (queries are aligned to the end of the keys), "
-            f"got {q.shape[1]} queries, {k.shape[1]} keys"
-        )
+    check_query_key_lengths(q.shape[1], k.shape[1], causal=True, packed=cu_seqlens is not None)
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})")
     if q.shape[-1] > MAX_HEAD_DIM:
@@ -660,11 +656,6 @@ def check_arguments(
         raise ValueError(f"window_size must be >= 1, got {window_size}")
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"a packed batch (cu_seqlens given) must have batch size 1, got {q.shape[0]}")
-    if cu_seqlens is not None and q.shape[1] != k.shape[1]:
-        raise ValueError(
-            "cu_seqlens needs as many queries as keys (packed documents with fewer queries than keys are not "
-            f"supported), got {q.shape[1]} queries, {k.shape[1]} keys"
-        )
 
 
 def softpick_attention(
