@@ -37,6 +37,7 @@ from flame.ops.attention import set_attention_backend
 from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
 from flame.parallelize import TokenNormalizedLoss, parallelize_model, pipeline_model, tie_embeddings
+from flame.parallelize.compile import maybe_compile_loss
 from flame.parallelize.context_parallel import shard_batch
 from flame.samples import SampleGenerator
 from flame.validate import Validator
@@ -47,7 +48,9 @@ IGNORE_INDEX = -100
 def loss_sums(logits: torch.Tensor, labels: torch.Tensor, z_loss: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy summed over the labelled tokens, and the z-loss term logsumexp(logits)^2 summed over the same
     tokens (zero unless ``z_loss``)."""
-    logits, labels = logits.flatten(0, 1).float(), labels.flatten()
+    # float32 at least (bf16 logits lose the small probabilities); float64 logits stay float64.
+    logits = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+    labels = labels.flatten()
     cross_entropy = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
     if not z_loss:
         return cross_entropy, torch.zeros_like(cross_entropy)
@@ -135,6 +138,7 @@ class Trainer(Stateful):
             )
         else:
             self.model_parts = [parallelize_model(model, self.parallel_dims, job_config)]
+        self.loss_fn = maybe_compile_loss(loss_sums, job_config.compile)
         for part in self.model_parts:
             part.to_empty(device="cpu" if training.enable_cpu_offload else self.device)
             tie_embeddings(part)  # to_empty unties a shared plain Parameter
@@ -229,7 +233,7 @@ class Trainer(Stateful):
                     position_ids=inputs.get("position_ids"),
                     cu_seqlens=inputs.get("cu_seqlens"),
                 )
-                cross_entropy, z_term = loss_sums(logits, labels, z_loss=z_loss > 0)
+                cross_entropy, z_term = self.loss_fn(logits, labels, z_loss=z_loss > 0)
             loss = (cross_entropy + z_loss * z_term) / global_tokens
             del logits  # free before backward
             loss.backward()

@@ -3,11 +3,12 @@
 :func:`check_parallelism` raises :class:`flame.errors.ConfigError` with one line for: degrees that do not multiply
 to the world size; parallelisms flame does not implement (expert); context parallelism with tensor or pipeline
 parallelism, varlen, an indivisible sequence length or sliding-window softmax attention (context_parallel.py);
-DDP combined with tensor or pipeline parallelism; head counts, MLP widths or the sequence length not divisible by
-the tensor-parallel degree; a q/k norm over all heads (``qk_norm_scope`` full) under tensor parallelism, which
-splits the heads; more pipeline stages than layers; CPU offload without FSDP; activation-checkpointing and
-converter options that cannot work. train.sh's pre-flight (flame.launch) calls it with NGPU x NNODE, and
-parallelize_model calls it again on the ranks. It imports no torchtitan module, so the pre-flight stays fast.
+DDP combined with tensor or pipeline parallelism; unknown compile components; head counts, MLP widths or the
+sequence length not divisible by the tensor-parallel degree; a q/k norm over all heads (``qk_norm_scope`` full)
+under tensor parallelism, which splits the heads; more pipeline stages than layers; CPU offload without FSDP;
+activation-checkpointing and converter options that cannot work. train.sh's pre-flight (flame.launch) calls it
+with NGPU x NNODE, and parallelize_model calls it again on the ranks. It imports no torchtitan module, so the
+pre-flight stays fast.
 """
 
 import torch
@@ -21,6 +22,7 @@ from flame.parallelize.context_parallel import check_context_parallel
 from flame.parallelize.float8 import check_converters
 
 SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
+COMPILE_COMPONENTS = ("model", "loss")
 
 
 def resolved_degrees(parallelism, world_size: int) -> dict[str, int]:
@@ -170,6 +172,14 @@ def check_activation_checkpoint(job_config) -> None:
             )
 
 
+def check_compile(compile_config) -> None:
+    unknown = [c for c in compile_config.components if c not in COMPILE_COMPONENTS]
+    if unknown:
+        raise ConfigError(
+            f"compile.components may hold {' and '.join(COMPILE_COMPONENTS)}, got {', '.join(unknown)}"
+        )
+
+
 def check_parallelism(job_config, model_args, world_size: int, model=None) -> dict[str, int]:
     """Raise ConfigError (one line) if the job's parallelism cannot run on ``world_size`` ranks with this model;
     return the resolved degrees. ``model``: the model built on the meta device, if the caller has it."""
@@ -190,6 +200,7 @@ def check_parallelism(job_config, model_args, world_size: int, model=None) -> di
             "training.enable_cpu_offload works through FSDP; set data_parallel_shard_degree > 1"
         )
     check_activation_checkpoint(job_config)
+    check_compile(job_config.compile)
     check_converters(job_config, on_gpu=True)  # the GPU is checked on the ranks
     if degrees["tp"] > 1:
         if model is None:

@@ -1,4 +1,6 @@
-"""torch.compile per block."""
+"""torch.compile per block, and of the loss (torchtitan's ``compile.components``: "model", "loss")."""
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -12,3 +14,12 @@ def compile_blocks(model: nn.Module, backend: str) -> None:
     for layer_id, block in model.layers.named_children():
         model.layers.register_module(layer_id, torch.compile(block, backend=backend, fullgraph=False))
     logger.info("Compiled each block with torch.compile (backend %s)", backend)
+
+
+def maybe_compile_loss(loss_fn: Callable, compile_config) -> Callable:
+    """The loss compiled when ``compile.components`` has "loss": the float32 upcast of the logits, the
+    log-softmax and the gather fuse into a pass over the bf16 logits instead of several over float32 copies."""
+    if not (compile_config.enable and "loss" in compile_config.components):
+        return loss_fn
+    logger.info("Compiled the loss with torch.compile (backend %s)", compile_config.backend)
+    return torch.compile(loss_fn, backend=compile_config.backend)

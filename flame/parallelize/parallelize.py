@@ -47,7 +47,7 @@ def parallelize_model(
             reduce_partial_grads(model)
     if job_config.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(model, job_config)
-    if job_config.compile.enable:
+    if job_config.compile.enable and "model" in job_config.compile.components:
         compile_blocks(model, job_config.compile.backend)
 
     if parallel_dims.fsdp_enabled:

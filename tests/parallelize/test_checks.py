@@ -107,6 +107,8 @@ def test_unsupported_combinations_are_one_line():
     assert "memory_budget" in refused(1, "--activation_checkpoint.mode", "memory_budget")
     sac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"]
     assert "selective_ac_option" in refused(1, *sac)
+    components = ["--compile.enable", "--compile.components", "model,optimizer"]
+    assert refused(1, *components) == "compile.components may hold model and loss, got optimizer"
 
 
 def test_tied_embeddings_cannot_be_pipelined(tmp_path):
@@ -205,6 +207,35 @@ def test_compile_per_block_trains_like_eager():
         ).backward()
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("components", [["model", "loss"], ["model"]])
+def test_compiled_loss_gives_the_eager_sums_and_gradients(components):
+    """compile.components "loss" compiles flame's loss_sums (cross-entropy and z-loss sums over labelled tokens);
+    without it the trainer keeps the eager function."""
+    from flame.parallelize.compile import maybe_compile_loss
+    from flame.train import IGNORE_INDEX, loss_sums
+
+    config = parse_args(
+        ["--compile.enable", "--compile.backend", "aot_eager", "--compile.components", ",".join(components)]
+    )
+    loss_fn = maybe_compile_loss(loss_sums, config.compile)
+    if "loss" not in components:
+        assert loss_fn is loss_sums
+        return
+    assert loss_fn is not loss_sums
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 37, 101, generator=generator, dtype=torch.float64).requires_grad_()
+    labels = torch.randint(0, 101, (3, 37), generator=generator)
+    labels[0, :5] = IGNORE_INDEX
+    for z_loss in (False, True):
+        results = []
+        for fn in (loss_sums, loss_fn):
+            cross_entropy, z_term = fn(logits, labels, z_loss=z_loss)
+            results.append(
+                (cross_entropy, z_term, *torch.autograd.grad(cross_entropy + 1e-2 * z_term, logits))
+            )
+        torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=1e-12)
 
 
 def train_sh(*args: str, ngpu: int) -> subprocess.CompletedProcess:
