@@ -40,8 +40,9 @@ class Model:
     """If the tokenizer's vocabulary is larger than the model's vocab_size, grow vocab_size to fit it"""
 
     attention_backend: str = "auto"
-    """GPU attention kernels: auto (SDPA flash for plain causal softmax, FLA's parallel_attn for windows/varlen,
-    flame's kernel for softpick/rectified), fla (FLA's parallel_attn for all softmax attention) or reference
+    """GPU attention kernels: auto (SDPA's own choice for plain causal softmax, FLA's parallel_attn for
+    windows/varlen, flame's kernel for softpick/rectified), flash or cudnn (as auto, plain causal softmax pinned to
+    SDPA's FlashAttention or cuDNN kernel), fla (FLA's parallel_attn for all softmax attention) or reference
     (materialized PyTorch attention everywhere: slow, O(T^2) memory; for checking numerics)"""
 
 

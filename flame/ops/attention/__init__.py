@@ -3,10 +3,13 @@
 `attention(q, k, v, *, impl, causal, window_size, cu_seqlens, scale)` sends causal calls on CUDA tensors to the
 backend `set_attention_backend` chose (train.sh: `--model.attention_backend`), everything else (CPU,
 causal=False) to the materialized O(T^2) `reference_attention`. Backends (`BACKENDS`):
-- "auto" (default): softmax through torch SDPA (FlashAttention backend) for plain causal batches and FLA's Triton
+- "auto" (default): softmax through torch SDPA (its own kernel choice: cuDNN on H100/H200 with torch 2.11, else
+  FlashAttention) for plain causal batches and FLA's Triton
   `parallel_attn` (GQA, sliding windows, cu_seqlens) otherwise; softpick / rectified through flame's fused Triton
   kernel (softpick_triton.py; GQA, sliding windows, cu_seqlens, head dims up to 128, memory linear in T);
 - "fla": as auto, but FLA's `parallel_attn` for every softmax call with as many queries as keys (SDPA never there);
+- "flash" / "cudnn": as auto, but plain causal softmax with as many queries as keys pinned to SDPA's FlashAttention
+  / cuDNN kernel (a run that must not change kernels with the torch version, or a kernel that is faster there);
 - "reference": the materialized PyTorch attention for every call (the numerics reference, O(T^2) memory).
 
 Fewer queries than keys (Tq < Tk, context parallelism: a rank's queries against the keys up to its slice's end)
@@ -21,6 +24,7 @@ space, all-zero rows). Importing this package imports neither FLA nor Triton; th
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from flame.ops.attention.observe import notify_observers, observe_attention
@@ -53,15 +57,22 @@ def fla_parallel_attn(
 def sdpa_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
-    """Causal softmax through torch SDPA (its FlashAttention backend on the GPUs here), Tq <= Tk with the queries
-    aligned to the end of the keys: is_causal is top-left aligned, so fewer queries take a lower-right causal bias."""
+    """Causal softmax through torch SDPA (the kernel SDPA picks, or the one an sdpa_kernel context pins), Tq <= Tk
+    with the queries aligned to the end of the keys: is_causal is top-left aligned, so fewer queries take a
+    lower-right causal bias."""
     causal = (
         {"is_causal": True}
         if q.shape[1] == k.shape[1]
         else {"attn_mask": causal_lower_right(q.shape[1], k.shape[1])}
     )
+    # enable_gqa only where the head counts differ, so multi-head calls take SDPA's plain path.
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=True, **causal
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+        **causal,
     )
     return out.transpose(1, 2)
 
@@ -105,6 +116,21 @@ def fla_cuda_attention(q, k, v, *, impl, window_size, cu_seqlens, scale) -> torc
     )
 
 
+def pinned_sdpa_backend(kernel: SDPBackend):
+    """A backend like auto whose plain causal softmax with Tq == Tk runs SDPA's ``kernel`` (or raises if that kernel
+    cannot take the inputs: a pin never falls back silently)."""
+
+    def pinned(q, k, v, *, impl, window_size, cu_seqlens, scale) -> torch.Tensor:
+        if impl == "softmax" and window_size is None and cu_seqlens is None and q.shape[1] == k.shape[1]:
+            with sdpa_kernel(kernel):
+                return sdpa_causal_attention(q, k, v, scale)
+        return auto_cuda_attention(
+            q, k, v, impl=impl, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
+        )
+
+    return pinned
+
+
 def reference_cuda_attention(q, k, v, *, impl, window_size, cu_seqlens, scale) -> torch.Tensor:
     """The "reference" backend."""
     return reference_attention(
@@ -112,7 +138,13 @@ def reference_cuda_attention(q, k, v, *, impl, window_size, cu_seqlens, scale) -
     )
 
 
-BACKENDS = {"auto": auto_cuda_attention, "fla": fla_cuda_attention, "reference": reference_cuda_attention}
+BACKENDS = {
+    "auto": auto_cuda_attention,
+    "fla": fla_cuda_attention,
+    "flash": pinned_sdpa_backend(SDPBackend.FLASH_ATTENTION),
+    "cudnn": pinned_sdpa_backend(SDPBackend.CUDNN_ATTENTION),
+    "reference": reference_cuda_attention,
+}
 ATTENTION_BACKENDS = tuple(BACKENDS)
 # What serves causal calls on CUDA tensors; set_attention_backend picks one of BACKENDS.
 cuda_implementation = auto_cuda_attention
