@@ -7,7 +7,8 @@
 It drives flame's real components, as the trainer does: ``build_model`` on the meta device, ``parallelize_model``
 (per-block torch.compile in the compiled mode; FSDP with bf16 parameters and float32 gradient reduction when
 several processes run, bf16 autocast on one GPU), materialisation + ``init_weights``, flame's optimizer (AdamW),
-the summed cross-entropy divided by the global token count, gradient clipping at 1.0. Batches are random tokens
+the trainer's summed cross-entropy (``loss_sums``, compiled in the compiled mode unless ``--compile_components``
+leaves "loss" out) divided by the global token count, gradient clipping at 1.0. Batches are random tokens
 (no dataset), ``--tokens_per_gpu`` per step (batch = tokens // seq_len). Each case runs ``--warmup`` steps
 (compilation, allocator warm-up), then ``--steps`` timed steps.
 
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.autograd import DeviceType
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -45,7 +46,10 @@ import torchtitan  # noqa: E402,F401  (the real package before flame.config: see
 from flame import compat  # noqa: E402
 from flame.config import parse_args  # noqa: E402
 from flame.models import build_model, get_model_spec, read_model_config  # noqa: E402
+from flame.ops.attention import ATTENTION_BACKENDS, set_attention_backend  # noqa: E402
 from flame.parallelize import parallelize_model, tie_embeddings  # noqa: E402
+from flame.parallelize.compile import maybe_compile_loss  # noqa: E402
+from flame.train import loss_sums  # noqa: E402
 
 PERFORMANCE_DOC = REPO / "docs" / "performance.md"
 H100_BF16_PEAK_TFLOPS = 989.0  # dense bf16, H100 SXM and H200 alike
@@ -95,11 +99,13 @@ def model_args(name: str, tiny: bool):
     return args
 
 
-def job_config(seq_len: int, compiled: bool, world_size: int, ac: str, backend: str = "inductor"):
+def job_config(seq_len: int, compiled: bool, world_size: int, args):
     flags = ["--training.seq_len", str(seq_len), "--parallelism.data_parallel_shard_degree", str(world_size),
-             "--activation_checkpoint.mode", ac, "--optimizer.lr", "3e-4"]  # fmt: skip
+             "--activation_checkpoint.mode", args.ac, "--optimizer.lr", "3e-4",
+             "--model.attention_backend", args.attention_backend]  # fmt: skip
     if compiled:
-        flags += ["--compile.enable", "--compile.backend", backend]
+        flags += ["--compile.enable", "--compile.backend", args.compile_backend,
+                  "--compile.components", args.compile_components]  # fmt: skip
     return parse_args(flags)
 
 
@@ -120,7 +126,8 @@ def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
     world_size = parallel_dims.world_size
     margs = model_args(name, args.tiny)
     batch = max(1, args.tokens_per_gpu // seq_len)
-    config = job_config(seq_len, mode == "compiled", world_size, args.ac, args.compile_backend)
+    config = job_config(seq_len, mode == "compiled", world_size, args)
+    set_attention_backend(args.attention_backend)
     with torch.device("meta"):
         model = build_model(margs)
     params, flops_per_token = margs.get_nparams_and_flops(model, seq_len)
@@ -142,11 +149,13 @@ def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     global_tokens = labels.numel() * world_size
 
+    loss_fn = maybe_compile_loss(loss_sums, config.compile)
+
     def step():
         optimizers.zero_grad()
         with amp:
             logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+            loss, _ = loss_fn(logits, labels, z_loss=False)
         del logits
         (loss / global_tokens).backward()
         dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
@@ -173,7 +182,8 @@ def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
 
 
 def profile_steps(step, steps: int, device) -> str:
-    """The kernels that take the time over `steps` more steps: torch.profiler's table, top 25 by device time."""
+    """The kernels that take the time over `steps` more steps: torch.profiler's table, top 25 by device time, and
+    on a GPU the step's timeline summary (gpu_timeline)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -183,7 +193,46 @@ def profile_steps(step, steps: int, device) -> str:
         if device.type == "cuda":
             torch.cuda.synchronize()
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=70)
+    text = prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=70)
+    if device.type == "cuda":
+        text += "\n" + gpu_timeline(prof.events(), steps)
+    return text
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def covered(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def gpu_timeline(events, steps: int) -> str:
+    """Where a step's GPU time goes, from the kernels' start/end times (microseconds; profiler annotations left
+    out): the span from the first kernel to the last, the time some compute kernel runs, the time some NCCL kernel
+    runs and how much of it no compute kernel overlaps (communication the step waits for, or that slows compute
+    sharing the GPU), and the time nothing runs (the GPU waiting for the host)."""
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    if not kernels:
+        return "no GPU kernels recorded"
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    comm = merged([span for span, e in zip(spans, kernels) if "nccl" in e.name.lower()])
+    compute = merged([span for span, e in zip(spans, kernels) if "nccl" not in e.name.lower()])
+    busy = covered(merged(comm + compute))
+    exposed_comm = busy - covered(compute)
+    window = max(end for _, end in spans) - min(start for start, _ in spans)
+    ms = 1e3 * steps
+    return (
+        f"GPU timeline per step: {window / ms:.1f} ms from first to last kernel; compute kernels running "
+        f"{covered(compute) / ms:.1f} ms; NCCL kernels running {covered(comm) / ms:.1f} ms, "
+        f"{exposed_comm / ms:.1f} ms of it with no compute kernel running; idle {(window - busy) / ms:.1f} ms"
+    )
 
 
 def cleanup(device) -> None:
@@ -251,6 +300,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile_backend", default="inductor", help="torch.compile backend of the compiled mode"
     )
     parser.add_argument(
+        "--compile_components",
+        default="model,loss",
+        help="what the compiled mode compiles: model, loss or both",
+    )
+    parser.add_argument(
+        "--attention_backend", default="auto", choices=ATTENTION_BACKENDS, help="GPU attention kernels"
+    )
+    parser.add_argument(
         "--ac", default="none", choices=["none", "full", "selective"], help="activation checkpointing"
     )
     parser.add_argument("--quick", action="store_true", help="seq 2048 only, 2 warm-up + 5 timed steps")
@@ -267,7 +324,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile",
         type=int,
         default=0,
-        help="profile this many more steps per case and print the top kernels",
+        help="profile this many more steps per case; print the top kernels and the GPU timeline",
     )
     args = parser.parse_args(argv)
     defaults = {"seq_lens": "64", "tokens_per_gpu": 128, "warmup": 1, "steps": 2} if args.tiny else {

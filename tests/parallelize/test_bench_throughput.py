@@ -6,8 +6,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from torch.autograd import DeviceType
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "train_throughput.py"
@@ -58,3 +60,34 @@ def test_bench_smoke_on_cpu_writes_its_sections(tmp_path):
         assert float(row[6]) > 0 and float(row[7].replace(",", "")) > 0, row  # step time, tokens/s
     assert [(r[0], r[2]) for r in rows(two)] == [("gated_deltanet", "2")]
     assert "FSDP" in two
+
+
+def test_gpu_timeline_splits_a_step_into_compute_exposed_communication_and_idle(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from train_throughput import gpu_timeline
+
+    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(
+            name=name,
+            device_type=device,
+            is_user_annotation=annotation,
+            time_range=SimpleNamespace(start=start, end=end),
+        )
+
+    # Two steps over 0..8000 us: compute 0-3000 and 3500-6000 and 5000-8000 (merged: 7500 us), NCCL 2000-4000
+    # (500 us of it alone); nothing runs 3000-3500 except NCCL, so no idle time. Host events and annotations
+    # do not count.
+    events = [
+        event("gemm", 0, 3000),
+        event("ncclDevKernel_AllGather", 2000, 4000),
+        event("flash_fwd", 3500, 6000),
+        event("gemm", 5000, 8000),
+        event("aten::mm", 0, 9000, device=DeviceType.CPU),
+        event("ChunkGatedDeltaRuleFunction", 0, 9500, annotation=True),
+    ]
+    assert gpu_timeline(events, steps=2) == (
+        "GPU timeline per step: 4.0 ms from first to last kernel; compute kernels running 3.8 ms; NCCL kernels "
+        "running 1.0 ms, 0.2 ms of it with no compute kernel running; idle 0.0 ms"
+    )
+    gap = [event("gemm", 0, 1000), event("gemm", 3000, 4000)]
+    assert gpu_timeline(gap, steps=1).endswith("0.0 ms of it with no compute kernel running; idle 2.0 ms")
