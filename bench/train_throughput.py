@@ -127,7 +127,7 @@ def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
     margs = model_args(name, args.tiny)
     batch = max(1, args.tokens_per_gpu // seq_len)
     config = job_config(seq_len, mode == "compiled", world_size, args)
-    set_attention_backend(args.attention_backend)
+    set_attention_backend(config.model.attention_backend)  # as the trainer does
     with torch.device("meta"):
         model = build_model(margs)
     params, flops_per_token = margs.get_nparams_and_flops(model, seq_len)
