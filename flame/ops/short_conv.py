@@ -77,7 +77,12 @@ def fla_short_conv(
     activation: str | None,
     cu_seqlens: torch.Tensor | None,
 ) -> torch.Tensor:
-    """FLA 0.6.0's Triton `causal_conv1d`, imported on first use (importing fla pulls in Triton)."""
+    """FLA 0.6.0's Triton `causal_conv1d`, imported on first use (importing fla pulls in Triton); under
+    torch.compile through flame's torch.library custom ops (`flame.ops.fla_library`), which dynamo traces."""
+    if torch.compiler.is_compiling():
+        from flame.ops import fla_library
+
+        return fla_library.short_conv(x, _as_depthwise_taps(weight), bias, activation, cu_seqlens)
     from fla.modules.causal_conv1d import causal_conv1d
 
     output, _ = causal_conv1d(

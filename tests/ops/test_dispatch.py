@@ -2,7 +2,11 @@
 to FLA's public function, which is replaced by a recorder that binds the call to the real function's signature.
 This checks that CUDA tensors reach FLA, with argument names FLA 0.6.0 accepts (and, for the ones FLA reads from
 **kwargs, names its source reads). That CPU tensors never reach FLA is checked by every other test: FLA's kernels
-raise on CPU tensors ("0 active drivers")."""
+raise on CPU tensors ("0 active drivers").
+
+Under torch.compile (``torch.compiler.is_compiling()`` patched to True here) the gated delta rule and the short conv
+reach flame's custom-op wrappers in flame.ops.fla_library instead (test_fla_library.py checks their calls into
+FLA), and the norms the PyTorch code."""
 
 import inspect
 
@@ -21,6 +25,7 @@ from flame.ops import (
     attention,
     chunk_delta_rule,
     chunk_gated_delta_rule,
+    fla_library,
     fused_recurrent_delta_rule,
     gated_rms_norm,
     rms_norm,
@@ -123,11 +128,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_cuda_tensors_reach_fla_with_arguments_it_accepts(case, monkeypatch):
-    module, name, returns, call, expected_arguments = CASES[case]
-    fla_function = getattr(module, name)
-    signature = inspect.signature(fla_function)
+def check_call_reaches(module, name, returns, call, expected_arguments, monkeypatch) -> None:
+    """Replace module.name by a recorder bound to its signature, make the call, check the recorded arguments (a
+    value, or a check on the value)."""
+    function = getattr(module, name)
+    signature = inspect.signature(function)
     calls = []
 
     def recorder(*args, **kwargs):
@@ -140,12 +145,54 @@ def test_cuda_tensors_reach_fla_with_arguments_it_accepts(case, monkeypatch):
     assert result is SENTINEL
     (arguments,) = calls
     extra_keywords = arguments.pop("kwargs", {})
-    source = inspect.getsource(fla_function)
+    source = inspect.getsource(function)
     for keyword in extra_keywords:
-        assert f"'{keyword}'" in source, f"FLA's {name} never reads **kwargs[{keyword!r}]"
+        assert f"'{keyword}'" in source, f"{name} never reads **kwargs[{keyword!r}]"
     arguments.update(extra_keywords)
     for key, value in expected_arguments.items():
-        assert arguments[key] is value or arguments[key] == value, key
+        if callable(value):
+            assert value(arguments[key]), key
+        else:
+            assert arguments[key] is value or arguments[key] == value, key
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_tensors_reach_fla_with_arguments_it_accepts(case, monkeypatch):
+    check_call_reaches(*CASES[case], monkeypatch)
+
+
+# Under torch.compile: (module, function, what it returns, the flame call, arguments it must receive).
+COMPILED_CASES = {
+    "chunk_gated_delta_rule": (
+        fla_library,
+        "chunk_gated_delta_rule",
+        SENTINEL,
+        *CASES["chunk_gated_delta_rule"][3:],
+    ),
+    "short_conv": (
+        fla_library,
+        "short_conv",
+        SENTINEL,
+        CASES["short_conv"][3],
+        {"activation": "silu", "cu_seqlens": cu_seqlens, "weight": lambda weight: weight.shape == (6, 4)},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPILED_CASES))
+def test_under_compile_cuda_tensors_reach_the_custom_op_wrappers(case, monkeypatch):
+    fla_module, fla_name = CASES[case][:2]
+    monkeypatch.setattr(fla_module, fla_name, lambda *a, **k: pytest.fail(f"FLA's {fla_name} must not run"))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    check_call_reaches(*COMPILED_CASES[case], monkeypatch)
+
+
+@pytest.mark.parametrize("case", ["rms_norm", "gated_rms_norm"])
+def test_under_compile_norms_run_the_pytorch_code(case, monkeypatch):
+    fla_module, fla_name, _, call, _ = CASES[case]
+    monkeypatch.setattr(fla_module, fla_name, lambda *a, **k: pytest.fail(f"FLA's {fla_name} must not run"))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert torch.isfinite(call()).all()
 
 
 @pytest.mark.parametrize("impl", ["softpick", "rectified"])

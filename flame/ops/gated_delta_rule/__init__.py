@@ -32,8 +32,14 @@ CHUNK_SIZES = (16, 32, 64)
 
 
 def fla_chunk_gated_delta_rule(*args, **kwargs):
-    """FLA 0.6.0's Triton op, imported on first use (importing fla.ops pulls in Triton). On Hopper GPUs with
-    Triton 3.4-3.7.0 its gated backward is served by flame's correct one (hopper_backward.py)."""
+    """FLA 0.6.0's Triton op, imported on first use (importing fla.ops pulls in Triton). Under torch.compile it
+    runs through flame's torch.library custom ops (`flame.ops.fla_library`), so that a block compiles to one graph
+    instead of breaking at FLA's ``torch.compiler.disable``. On Hopper GPUs with Triton 3.4-3.7.0 its gated
+    backward is served by flame's correct one (hopper_backward.py)."""
+    if torch.compiler.is_compiling():
+        from flame.ops import fla_library
+
+        return fla_library.chunk_gated_delta_rule(*args, **kwargs)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
 
     register_hopper_backward()

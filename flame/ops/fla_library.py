@@ -1,0 +1,426 @@
+"""FLA 0.6.0's chunk gated delta rule and short convolution registered as torch.library custom ops.
+
+FLA wraps its public ops in ``torch.compiler.disable`` (and its autograd Functions hold Python state that dynamo does
+not trace), so a compiled Gated DeltaNet block broke into a graph per FLA call: every break costs a return to
+Python, guard checks and a separate compiled region in forward and backward. Registered as custom ops with fake
+(shape-only) implementations, the forward and backward of each op are single opaque nodes, and a block compiles to
+one graph. The Triton work inside is FLA's own functions (`chunk_gated_delta_rule_fwd` / `_bwd`,
+`causal_conv1d_fwd` / `_bwd`), called exactly as FLA's autograd Functions call them.
+
+Custom ops may not return their inputs, so intermediates that FLA saves only sometimes (the l2-normalised q/k, the
+sigmoid of beta) come back as empty tensors when they are the input itself, and absent gradients as empty tensors
+that the autograd wrapper turns into None. Context parallelism (a Python context object) stays on FLA's own path.
+"""
+
+import torch
+from torch import Tensor
+
+LIBRARY = "flame"
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty(0)
+
+
+def _chunk_indices(
+    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_size: int
+) -> Tensor | None:
+    if cu_seqlens is None:
+        return None
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+# --- gated delta rule --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{LIBRARY}::fla_gated_delta_rule_fwd", mutates_args=(), device_types="cuda")
+def gated_delta_rule_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    scale: float,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool,
+    use_gate_in_kernel: bool,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, final state, q_normed, q_rstd, k_normed, k_rstd, g cumsum, sigmoid beta, A); see the module docstring
+    for the empty ones. What FLA's ``ChunkGatedDeltaRuleFunction.forward`` computes and saves."""
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.common.gate import fused_beta_sigmoid_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q_normed, q_rstd, k_normed, k_rstd = q, _empty(q), k, _empty(k)
+    if use_qk_l2norm_in_kernel:
+        q_normed, q_rstd = l2norm_fwd(q)
+        k_normed, k_rstd = l2norm_fwd(k)
+    beta_act = (
+        fused_beta_sigmoid_fwd(beta, 2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else beta
+    )
+    g_cumsum, o, A, final_state, _, _ = chunk_gated_delta_rule_fwd(
+        q=q_normed,
+        k=k_normed,
+        v=v,
+        g=g,
+        beta=beta_act,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size),
+        use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        chunk_size=chunk_size,
+    )
+    return (
+        o.to(q.dtype),
+        final_state if output_final_state else _empty(q),
+        q_normed if use_qk_l2norm_in_kernel else _empty(q),
+        q_rstd,
+        k_normed if use_qk_l2norm_in_kernel else _empty(k),
+        k_rstd,
+        g_cumsum,
+        beta_act if use_beta_sigmoid_in_kernel else _empty(beta),
+        A,
+    )
+
+
+@gated_delta_rule_fwd.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
+      use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, use_gate_in_kernel,
+      chunk_size):  # fmt: skip
+    batch, seq_len, num_heads, key_dim = q.shape
+    num_v_heads, value_dim = v.shape[2], v.shape[3]
+    num_sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state_shape = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
+    float32 = torch.float32
+    return (
+        q.new_empty(batch, seq_len, num_v_heads, value_dim),
+        q.new_empty(num_sequences, num_v_heads, *state_shape, dtype=float32)
+        if output_final_state
+        else _empty(q),
+        torch.empty_like(q, memory_format=torch.contiguous_format) if use_qk_l2norm_in_kernel else _empty(q),
+        q.new_empty(batch, seq_len, num_heads, dtype=float32) if use_qk_l2norm_in_kernel else _empty(q),
+        torch.empty_like(k, memory_format=torch.contiguous_format) if use_qk_l2norm_in_kernel else _empty(k),
+        k.new_empty(batch, seq_len, num_heads, dtype=float32) if use_qk_l2norm_in_kernel else _empty(k),
+        g.new_empty(batch, seq_len, num_v_heads, dtype=float32),
+        beta.new_empty(beta.shape, dtype=float32) if use_beta_sigmoid_in_kernel else _empty(beta),
+        k.new_empty(batch, seq_len, num_v_heads, chunk_size),
+    )
+
+
+@torch.library.custom_op(f"{LIBRARY}::fla_gated_delta_rule_bwd", mutates_args=(), device_types="cuda")
+def gated_delta_rule_bwd(
+    do: Tensor,
+    dht: Tensor | None,
+    q: Tensor,
+    q_rstd: Tensor | None,
+    k: Tensor,
+    k_rstd: Tensor | None,
+    v: Tensor,
+    g: Tensor,
+    g_cumsum: Tensor,
+    beta: Tensor,
+    beta_act: Tensor,
+    A: Tensor,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    scale: float,
+    use_qk_l2norm_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool,
+    use_gate_in_kernel: bool,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias) in the dtypes of the forward's inputs, with q, k the
+    l2-normalised ones when that is on (q_rstd, k_rstd given) and g, beta the raw inputs. As FLA's backward."""
+    from fla.modules.norm.l2norm import l2norm_bwd
+    from fla.ops.common.gate import fused_beta_sigmoid_bwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+
+    from flame.ops.gated_delta_rule.hopper_backward import register_backend
+
+    register_backend()
+    do = do.contiguous()
+    dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = chunk_gated_delta_rule_bwd(
+        q=q,
+        k=k,
+        v=v,
+        g=g_cumsum,
+        beta=beta_act,
+        A=A,
+        scale=scale,
+        initial_state=initial_state,
+        do=do,
+        dht=dht,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size),
+        use_gate_in_kernel=use_gate_in_kernel,
+        g_input=g if use_gate_in_kernel else None,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        chunk_size=chunk_size,
+    )
+    if use_qk_l2norm_in_kernel:
+        dq, dk = l2norm_bwd(q, q_rstd, dq), l2norm_bwd(k, k_rstd, dk)
+    if use_beta_sigmoid_in_kernel:
+        dbeta = fused_beta_sigmoid_bwd(beta, dbeta, 2.0 if allow_neg_eigval else 1.0)
+    return (
+        dq.to(q.dtype),
+        dk.to(k.dtype),
+        dv.to(v.dtype),
+        dg.to(g.dtype),
+        dbeta.to(beta.dtype),
+        _empty(do) if dh0 is None else dh0.to(initial_state.dtype),
+        _empty(do) if dA_log is None else dA_log.to(A_log.dtype),
+        _empty(do) if ddt_bias is None else ddt_bias.to(dt_bias.dtype),
+    )
+
+
+@gated_delta_rule_bwd.register_fake
+def _(do, dht, q, q_rstd, k, k_rstd, v, g, g_cumsum, beta, beta_act, A, A_log, dt_bias, initial_state, cu_seqlens,
+      cu_seqlens_cpu, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+      use_gate_in_kernel, chunk_size):  # fmt: skip
+    def like(x: Tensor | None) -> Tensor:
+        return _empty(do) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    gate_grads = use_gate_in_kernel
+    return (
+        like(q),
+        like(k),
+        like(v),
+        like(g),
+        like(beta),
+        like(initial_state),
+        like(A_log if gate_grads else None),
+        like(dt_bias if gate_grads else None),
+    )
+
+
+_GDN_NON_TENSOR_INPUTS = (
+    "scale",
+    "output_final_state",
+    "use_qk_l2norm_in_kernel",
+    "use_beta_sigmoid_in_kernel",
+    "allow_neg_eigval",
+    "state_v_first",
+    "use_gate_in_kernel",
+    "chunk_size",
+)
+
+
+# The flags of the backward op, in its argument order.
+_BWD_FLAGS = tuple(name for name in _GDN_NON_TENSOR_INPUTS if name != "output_final_state")
+
+
+def _gdn_setup_context(ctx, inputs, output):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *flags = inputs
+    o, final_state, q_normed, q_rstd, k_normed, k_rstd, g_cumsum, beta_act, A = output
+    ctx.flags = dict(zip(_GDN_NON_TENSOR_INPUTS, flags, strict=True))
+    l2norm = ctx.flags["use_qk_l2norm_in_kernel"]
+    ctx.save_for_backward(
+        q_normed if l2norm else q,
+        q_rstd if l2norm else None,
+        k_normed if l2norm else k,
+        k_rstd if l2norm else None,
+        v,
+        g,
+        g_cumsum,
+        beta,
+        beta_act if ctx.flags["use_beta_sigmoid_in_kernel"] else beta,
+        A,
+        A_log,
+        dt_bias,
+        initial_state,
+        cu_seqlens,
+        cu_seqlens_cpu,
+    )
+    ctx.has_initial_state = initial_state is not None
+    ctx.has_dt_bias = dt_bias is not None
+    ctx.mark_non_differentiable(q_normed, q_rstd, k_normed, k_rstd, g_cumsum, beta_act, A)
+    if not ctx.flags["output_final_state"]:
+        ctx.mark_non_differentiable(final_state)
+
+
+def _gdn_backward(ctx, do, dht, *_unused_grads):
+    flags = ctx.flags
+    # The saved tensors are in the order of the backward op's arguments after (do, dht).
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = gated_delta_rule_bwd(
+        do,
+        dht if flags["output_final_state"] else None,
+        *ctx.saved_tensors,
+        *(flags[name] for name in _BWD_FLAGS),
+    )
+    gate = flags["use_gate_in_kernel"]
+    return (
+        dq,
+        dk,
+        dv,
+        dg,
+        dbeta,
+        dA_log if gate else None,
+        ddt_bias if gate and ctx.has_dt_bias else None,
+        dh0 if ctx.has_initial_state else None,
+        *([None] * (2 + len(_GDN_NON_TENSOR_INPUTS))),
+    )
+
+
+gated_delta_rule_fwd.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
+
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Tensor | None = None,
+    cu_seqlens_cpu: Tensor | None = None,
+    chunk_indices: Tensor | None = None,
+    cp_context=None,
+    *,
+    chunk_size: int = 64,
+    use_gate_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """FLA's ``chunk_gated_delta_rule`` (same arguments and results) through the custom ops; under context
+    parallelism FLA's own op. ``chunk_indices`` is recomputed from ``cu_seqlens`` (FLA caches it per tensor)."""
+    if cp_context is not None:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+
+        from flame.ops.gated_delta_rule.hopper_backward import register_backend
+
+        register_backend()
+        return fla_op(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+            cp_context, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        )  # fmt: skip
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    o, final_state, *_ = gated_delta_rule_fwd(
+        q, k, v, g, beta, A_log if use_gate_in_kernel else None, dt_bias if use_gate_in_kernel else None,
+        initial_state, cu_seqlens, cu_seqlens_cpu, float(scale), output_final_state, use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, use_gate_in_kernel, chunk_size,
+    )  # fmt: skip
+    return o, final_state if output_final_state else None
+
+
+# --- short convolution -------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{LIBRARY}::fla_short_conv_fwd", mutates_args=(), device_types="cuda")
+def short_conv_fwd(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str | None,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+) -> Tensor:
+    """FLA's ``causal_conv1d_fwd``: x [B, T, D], weight [D, W] -> y [B, T, D] (no states, no residual)."""
+    from fla.modules.causal_conv1d import causal_conv1d_fwd
+
+    y, _ = causal_conv1d_fwd(
+        x=x.contiguous(),
+        weight=weight.contiguous(),
+        bias=bias,
+        residual=None,
+        activation=activation,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    return y
+
+
+@short_conv_fwd.register_fake
+def _(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op(f"{LIBRARY}::fla_short_conv_bwd", mutates_args=(), device_types="cuda")
+def short_conv_bwd(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str | None,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias or empty) from FLA's ``causal_conv1d_bwd``."""
+    from fla.modules.causal_conv1d import causal_conv1d_bwd
+
+    dx, dweight, dbias, _, _ = causal_conv1d_bwd(
+        x=x.contiguous(),
+        dy=dy.contiguous(),
+        dht=None,
+        weight=weight.contiguous(),
+        bias=bias,
+        activation=activation,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    return dx, dweight.to(weight.dtype), _empty(dy) if dbias is None else dbias.to(bias.dtype)
+
+
+@short_conv_bwd.register_fake
+def _(dy, x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu):
+    def like(t: Tensor) -> Tensor:
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    return like(x), like(weight), _empty(dy) if bias is None else like(bias)
+
+
+def _short_conv_setup_context(ctx, inputs, output):
+    x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu = inputs
+    ctx.save_for_backward(x, weight, bias, cu_seqlens, cu_seqlens_cpu)
+    ctx.activation = activation
+
+
+def _short_conv_backward(ctx, dy):
+    x, weight, bias, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+    dx, dweight, dbias = short_conv_bwd(dy, x, weight, bias, ctx.activation, cu_seqlens, cu_seqlens_cpu)
+    return dx, dweight, None if bias is None else dbias, None, None, None
+
+
+short_conv_fwd.register_autograd(_short_conv_backward, setup_context=_short_conv_setup_context)
+
+
+def short_conv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str | None,
+    cu_seqlens: Tensor | None,
+) -> Tensor:
+    """Causal depthwise conv through the custom ops; x [B, T, D], weight [D, W] (taps), same as FLA's kernel."""
+    return short_conv_fwd(x, weight, bias, activation, cu_seqlens, None)

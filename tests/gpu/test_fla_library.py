@@ -1,0 +1,170 @@
+"""FLA's chunk gated delta rule and short conv as torch.library custom ops (flame.ops.fla_library).
+
+- torch.library.opcheck: schema, fake (shape-only) implementations against the real outputs, autograd
+  registration, and tracing by AOTAutograd with dynamic shapes.
+- The custom ops give the outputs and gradients of FLA's own autograd Functions: the same Triton kernels run on
+  the same inputs (relative RMS difference <= 1e-3, see SAME_KERNELS_LIMIT).
+- A compiled Gated DeltaNet layer is one graph (fullgraph=True compiles) and matches the eager layer.
+Eager training keeps FLA's own Functions (tested against the PyTorch reference in test_linear_attention_ops.py
+and test_model_parity.py); the custom ops serve torch.compile, whose layer the last test compares with eager.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flame.models.layers.gated_deltanet import GatedDeltaNet
+from flame.ops import fla_library
+from flame.ops.gated_delta_rule.hopper_backward import register_backend
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# The custom ops and FLA's Functions run the same kernels, but FLA's results are not always bit-reproducible from
+# run to run (the test prints FLA against itself); a wiring bug (a wrong saved tensor, flag or dtype) gives errors
+# of order one. opcheck compares eager and traced runs of the op with rtol = atol = 1e-2 for the same reason
+# (one bf16 ulp is 0.4% relative).
+SAME_KERNELS_LIMIT = 1e-3
+
+# (gate, beta sigmoid, l2norm, state_v_first and negative eigenvalues in the op, as the layer runs it; or none of
+# them) x (packed documents or a batch)
+GDN_CASES = {
+    "layer-flags-varlen": dict(in_kernel=True, lengths=(37, 200, 63)),
+    "layer-flags-batch": dict(in_kernel=True, lengths=(129,)),
+    "plain-varlen": dict(in_kernel=False, lengths=(100, 29)),
+    "plain-batch": dict(in_kernel=False, lengths=(77,)),
+}
+
+
+def gdn_inputs(in_kernel: bool, lengths, dtype=torch.bfloat16, heads=2, v_heads=4, head_dim=64):
+    torch.manual_seed(0)
+    varlen = len(lengths) > 1
+    batch, seq_len = (1, sum(lengths)) if varlen else (2, lengths[0])
+    num_states = len(lengths) if varlen else batch
+
+    def leaf(*shape, dtype=dtype):
+        return torch.randn(*shape, device="cuda", dtype=dtype).requires_grad_()
+
+    q, k = leaf(batch, seq_len, heads, head_dim), leaf(batch, seq_len, heads, head_dim)
+    if not in_kernel:  # the delta rule needs unit-norm keys: normalise them here instead of in the op
+        q, k = (F.normalize(x.detach().float(), dim=-1).to(dtype).requires_grad_() for x in (q, k))
+    v = leaf(batch, seq_len, v_heads, head_dim)
+    if in_kernel:
+        g, beta = leaf(batch, seq_len, v_heads), leaf(batch, seq_len, v_heads)
+        A_log = torch.rand(v_heads, device="cuda").mul(3).requires_grad_()
+        dt_bias = leaf(v_heads, dtype=torch.float32)
+    else:
+        g = F.logsigmoid(torch.randn(batch, seq_len, v_heads, device="cuda")).requires_grad_()
+        beta = torch.rand(batch, seq_len, v_heads, device="cuda", dtype=dtype).requires_grad_()
+        A_log = dt_bias = None
+    h0 = leaf(num_states, v_heads, head_dim, head_dim, dtype=torch.float32)
+    cu_seqlens = (
+        torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda") if varlen else None
+    )
+    flags = dict(
+        use_qk_l2norm_in_kernel=in_kernel,
+        use_beta_sigmoid_in_kernel=in_kernel,
+        allow_neg_eigval=in_kernel,
+        state_v_first=in_kernel,
+        use_gate_in_kernel=in_kernel,
+    )
+    return (q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens), flags
+
+
+@pytest.mark.parametrize("case", list(GDN_CASES))
+def test_gated_delta_rule_ops_pass_opcheck(case):
+    (q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens), flags = gdn_inputs(**GDN_CASES[case])
+    args = (q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, None, 0.125, True, *flags.values(), 64)
+    torch.library.opcheck(fla_library.gated_delta_rule_fwd, args, rtol=1e-2, atol=1e-2)
+
+
+def outputs_and_grads(op, tensors, flags):
+    q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens = tensors
+    leaves = [x for x in (q, k, v, g, beta, A_log, dt_bias, h0) if x is not None]
+    for x in leaves:
+        x.grad = None
+    o, ht = op(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens,
+               A_log=A_log, dt_bias=dt_bias, **flags)  # fmt: skip
+    torch.manual_seed(1)
+    (
+        (o.float() * torch.randn_like(o, dtype=torch.float32)).sum() + (ht * torch.randn_like(ht)).sum()
+    ).backward()
+    return [o.detach(), ht.detach()] + [x.grad.clone() for x in leaves]
+
+
+def relative_rms(value: torch.Tensor, reference: torch.Tensor) -> float:
+    reference, value = reference.double(), value.double()
+    return ((value - reference).norm() / reference.norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("case", list(GDN_CASES))
+def test_gated_delta_rule_ops_equal_fla_function(case):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+
+    register_backend()  # FLA's own backward needs flame's kernel on Hopper + Triton 3.6
+    tensors, flags = gdn_inputs(**GDN_CASES[case])
+    ours = outputs_and_grads(fla_library.chunk_gated_delta_rule, tensors, flags)
+    theirs = outputs_and_grads(fla_op, tensors, flags)
+    theirs_again = outputs_and_grads(fla_op, tensors, flags)
+    for index, (a, b, c) in enumerate(zip(ours, theirs, theirs_again, strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"output {index}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        )
+        print(
+            f"{case} output {index}: ours vs FLA {relative_rms(a, b):.2e}, FLA vs FLA {relative_rms(c, b):.2e}"
+        )
+        assert torch.isfinite(a).all()
+        assert relative_rms(a, b) <= SAME_KERNELS_LIMIT, f"output {index}: {relative_rms(a, b):.2e}"
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+def test_short_conv_ops_pass_opcheck_and_equal_fla_function(varlen):
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    torch.manual_seed(0)
+    batch, seq_len, dim, width = (1, 301, 96, 4) if varlen else (3, 77, 96, 4)
+    x = torch.randn(batch, seq_len, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(dim, width, device="cuda", requires_grad=True)
+    bias = torch.randn(dim, device="cuda", requires_grad=True)
+    cu_seqlens = torch.tensor([0, 100, 101, 301], device="cuda") if varlen else None
+    torch.library.opcheck(
+        fla_library.short_conv_fwd, (x, weight, bias, "silu", cu_seqlens, None), rtol=1e-2, atol=1e-2
+    )
+
+    dy = torch.randn_like(x)
+    results = []
+    for run in (
+        lambda: fla_library.short_conv(x, weight, bias, "silu", cu_seqlens),
+        lambda: causal_conv1d(x=x, weight=weight, bias=bias, activation="silu", cu_seqlens=cu_seqlens)[0],
+    ):
+        x.grad = weight.grad = bias.grad = None
+        y = run()
+        y.backward(dy)
+        results.append([y.detach(), x.grad, weight.grad, bias.grad])
+    for a, b in zip(*results, strict=True):
+        assert a.dtype == b.dtype and relative_rms(a, b) <= SAME_KERNELS_LIMIT
+
+
+def test_compiled_gated_deltanet_layer_is_one_graph_and_matches_eager():
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(
+        hidden_size=256, head_dim=64, num_heads=2, num_v_heads=4, allow_neg_eigval=True
+    ).cuda()
+    x = torch.randn(1, 300, 256, device="cuda", requires_grad=True)
+    position_ids = torch.arange(300, device="cuda")[None]
+    cu_seqlens = torch.tensor([0, 50, 251, 300], device="cuda", dtype=torch.int32)
+    compiled = torch.compile(layer, fullgraph=True)  # fails on any graph break
+
+    results = []
+    for module in (layer, compiled):
+        x.grad = None
+        layer.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = module(x, position_ids, cu_seqlens)
+        y.float().square().sum().backward()
+        results.append([y.float(), x.grad] + [p.grad for p in layer.parameters()])
+    # Same kernels for the ops; the compiled norms and elementwise ops are inductor's, in float32: the
+    # difference is bf16 rounding of intermediates, so compare on the relative RMS error.
+    for eager_value, compiled_value in zip(*results, strict=True):
+        error = (compiled_value - eager_value).float().square().mean().sqrt()
+        scale = eager_value.float().square().mean().sqrt()
+        assert error <= 1e-2 * scale, f"relative RMS error {(error / scale).item():.2e}"

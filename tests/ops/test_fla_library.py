@@ -1,0 +1,250 @@
+"""The bodies of flame.ops.fla_library's custom ops on CPU, with FLA's internal functions replaced by recorders.
+
+The custom ops call FLA 0.6.0's internal functions (chunk_gated_delta_rule_fwd / _bwd, l2norm_fwd / _bwd,
+fused_beta_sigmoid_fwd / _bwd, prepare_chunk_indices, causal_conv1d_fwd / _bwd), not its public API, so a new FLA
+release may rename their arguments or change what they return. Their Triton kernels need a GPU
+(tests/gpu/test_fla_library.py runs them); here each recorder binds its call to the real function's signature (an
+argument name FLA does not accept raises TypeError) and returns CPU tensors of the shapes and dtypes FLA's source
+returns, so API drift and wiring mistakes show on CPU CI. The fake (shape-only) implementations are compared with
+what the bodies return.
+"""
+
+import inspect
+from types import SimpleNamespace
+
+import fla.modules.causal_conv1d
+import fla.modules.norm.l2norm
+import fla.ops.common.gate
+import fla.ops.gated_delta_rule.chunk
+import fla.ops.utils.index
+import pytest
+import torch
+
+import flame.ops.gated_delta_rule.hopper_backward
+from flame.ops import fla_library
+
+B, T, H, HV, K, V, CHUNK = 2, 8, 2, 4, 4, 3, 32  # K != V: a transposed state layout shows in the shapes
+# torch's CustomOpDef keeps the decorated function as _init_fn and the register_fake one as _abstract_fn.
+GDN_FWD, GDN_BWD = fla_library.gated_delta_rule_fwd, fla_library.gated_delta_rule_bwd
+CONV_FWD, CONV_BWD = fla_library.short_conv_fwd, fla_library.short_conv_bwd
+
+
+def f32(*shape):
+    return torch.empty(*shape, dtype=torch.float32)
+
+
+def gdn_fwd(a):  # (g cumsum, o, A, final state, initial state, g_input)
+    batch = a["v"].shape[0]
+    states = batch if a["cu_seqlens"] is None else len(a["cu_seqlens"]) - 1
+    state = f32(states, HV, *((V, K) if a["state_v_first"] else (K, V))) if a["output_final_state"] else None
+    return (f32(batch, T, HV), torch.empty_like(a["v"]), a["k"].new_empty(batch, T, HV, a["chunk_size"]), state,
+            a["initial_state"], a["g"] if a["use_gate_in_kernel"] else None)  # fmt: skip
+
+
+def gdn_bwd(a):  # (dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias); dq, dk, dv, dbeta like q, k, v, beta
+    gate, h0 = a["use_gate_in_kernel"], a["initial_state"]
+    return (*(torch.empty_like(a[name]) for name in ("q", "k", "v", "beta")), f32(*a["g"].shape),
+            None if h0 is None else f32(*h0.shape), f32(HV) if gate else None,
+            f32(HV) if gate and a["dt_bias"] is not None else None)  # fmt: skip
+
+
+# (module, name) of each FLA function the ops call: what it returns (per FLA's source), given its bound arguments
+INTERNALS = {
+    (fla.modules.norm.l2norm, "l2norm_fwd"): lambda a: (torch.empty_like(a["x"]), f32(*a["x"].shape[:-1])),
+    (fla.modules.norm.l2norm, "l2norm_bwd"): lambda a: torch.empty_like(a["y"]),
+    (fla.ops.common.gate, "fused_beta_sigmoid_fwd"): lambda a: torch.empty_like(a["x"], dtype=torch.float32),
+    (fla.ops.common.gate, "fused_beta_sigmoid_bwd"): lambda a: torch.empty_like(a["x"]),
+    (fla.ops.utils.index, "prepare_chunk_indices"): lambda a: torch.zeros(2, 2, dtype=torch.long),
+    (fla.ops.gated_delta_rule.chunk, "chunk_gated_delta_rule_fwd"): gdn_fwd,
+    (fla.ops.gated_delta_rule.chunk, "chunk_gated_delta_rule_bwd"): gdn_bwd,
+    (fla.modules.causal_conv1d, "causal_conv1d_fwd"): lambda a: (torch.empty_like(a["x"]), None),
+    (fla.modules.causal_conv1d, "causal_conv1d_bwd"): lambda a: (
+        torch.empty_like(a["x"]),
+        torch.empty_like(a["weight"]),
+        None if a["bias"] is None else torch.empty_like(a["bias"]),
+        None,
+        None,
+    ),
+    (flame.ops.gated_delta_rule.hopper_backward, "register_backend"): lambda a: None,
+}
+
+
+def recorder(real, result, calls):
+    """Binds each call to real's signature (which follows decorators' __wrapped__), records it, returns result."""
+    signature = inspect.signature(real)
+
+    def record(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls.append((bound.arguments, result(bound.arguments)))
+        return calls[-1][1]
+
+    return record
+
+
+@pytest.fixture
+def fla_calls(monkeypatch):
+    """Replaces FLA's internals by recorders; returns {name: [(bound arguments, result), ...]}."""
+    calls = {name: [] for _, name in INTERNALS}
+    for (module, name), result in INTERNALS.items():
+        monkeypatch.setattr(module, name, recorder(getattr(module, name), result, calls[name]))
+    return calls
+
+
+def same(actual, expected):
+    """The same tensors (and None), equal other values."""
+    return len(actual) == len(expected) and all(
+        x is y if y is None or isinstance(y, torch.Tensor) else x == y for x, y in zip(actual, expected)
+    )
+
+
+def check_like(actual, expected):
+    assert [(x.shape, x.dtype) for x in actual] == [(x.shape, x.dtype) for x in expected]
+
+
+def gdn_arguments(layer: bool):
+    """bf16 inputs (as under FSDP's mixed precision) with the flags of flame's GatedDeltaNet layer on packed
+    documents and a state in and out, or with none of them (a batch, no state)."""
+    dtype = torch.bfloat16
+    batch, cu_seqlens = (1, torch.tensor([0, 5, 8])) if layer else (B, None)
+    q, k, v = (torch.randn(batch, T, heads, dim, dtype=dtype) for heads, dim in ((H, K), (H, K), (HV, V)))
+    g, beta = (torch.randn(batch, T, HV, dtype=dtype) for _ in range(2))
+    flags = ("use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first",
+             "use_gate_in_kernel", "output_final_state")  # fmt: skip
+    return dict(
+        q=q, k=k, v=v, g=g, beta=beta, A_log=torch.randn(HV, dtype=dtype) if layer else None,
+        dt_bias=torch.randn(HV, dtype=dtype) if layer else None,
+        initial_state=torch.randn(2, HV, V, K, dtype=dtype) if layer else None,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens.clone() if layer else None, scale=0.5, chunk_size=CHUNK,
+        **dict.fromkeys(flags, layer),
+    )  # fmt: skip
+
+
+def gdn_forward_backward(a, monkeypatch):
+    """The forward op's body, then autograd's setup_context and backward with the backward op's body for the op.
+    Returns (forward outputs, backward op arguments, backward op outputs, gradients for the forward's inputs)."""
+    outputs, backward = GDN_FWD._init_fn(**a), []
+
+    def backward_op(*args):
+        backward.append((args, GDN_BWD._init_fn(*args)))
+        return backward[-1][1]
+
+    monkeypatch.setattr(fla_library, "gated_delta_rule_bwd", backward_op)
+    ctx = SimpleNamespace(mark_non_differentiable=lambda *_: None)
+    ctx.save_for_backward = lambda *saved: setattr(ctx, "saved_tensors", saved)
+    fla_library._gdn_setup_context(ctx, tuple(a[name] for name in inspect.signature(GDN_FWD._init_fn).parameters),
+                                   outputs)  # fmt: skip
+    do, dht = torch.randn_like(outputs[0]), torch.randn_like(outputs[1])
+    grads = fla_library._gdn_backward(ctx, do, dht, *([None] * 7))
+    ((backward_arguments, backward_outputs),) = backward
+    return outputs, backward_arguments, backward_outputs, grads
+
+
+PASSED_THROUGH = ("scale", "initial_state", "state_v_first", "cu_seqlens", "use_gate_in_kernel", "A_log", "dt_bias",
+                  "chunk_size")  # fmt: skip
+
+
+@pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
+def test_gated_delta_rule_forward_calls_fla_as_its_function_does(layer, fla_calls):
+    a = gdn_arguments(layer)
+    o, state, q_normed, q_rstd, k_normed, k_rstd, g_cumsum, beta_act, A = GDN_FWD._init_fn(**a)
+    l2norm, sigmoid = fla_calls["l2norm_fwd"], fla_calls["fused_beta_sigmoid_fwd"]
+    assert same([x["x"] for x, _ in l2norm], [a["q"], a["k"]] if layer else [])
+    assert same(
+        [value for x, _ in sigmoid for value in (x["x"], x["scale"])], [a["beta"], 2.0] if layer else []
+    )
+    ((call, (fla_g, fla_o, fla_A, fla_state, _, _)),) = fla_calls["chunk_gated_delta_rule_fwd"]
+    # the normalised q, k and the sigmoid of beta reach the delta rule; the rest as given
+    activated = [l2norm[0][1][0], l2norm[1][1][0], sigmoid[0][1]] if layer else [a["q"], a["k"], a["beta"]]
+    assert same([call[name] for name in ("q", "k", "beta")], activated)
+    names = ("v", "g", "output_final_state", *PASSED_THROUGH)
+    assert same([call[name] for name in names], [a[name] for name in names])
+    indices = fla_calls["prepare_chunk_indices"]
+    assert call["chunk_indices"] is (indices[0][1] if layer else None)
+    assert same(
+        [value for x, _ in indices for value in x.values()],
+        [a["cu_seqlens"], CHUNK, a["cu_seqlens_cpu"]] if layer else [],
+    )
+
+    assert (o.shape, o.dtype) == (fla_o.shape, a["q"].dtype) and g_cumsum is fla_g and A is fla_A
+    optional = [state, q_normed, q_rstd, k_normed, k_rstd, beta_act]
+    if layer:
+        assert same(optional, [fla_state, *l2norm[0][1], *l2norm[1][1], sigmoid[0][1]])
+    else:  # custom ops may not return their inputs: what would be q, k or beta comes back empty, as does no state
+        assert all(x.numel() == 0 for x in optional)
+
+
+@pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
+def test_gated_delta_rule_backward_calls_fla_as_its_function_does(layer, fla_calls, monkeypatch):
+    a = gdn_arguments(layer)
+    outputs, (do, dht, *_), op_grads, grads = gdn_forward_backward(a, monkeypatch)
+    _, _, q_normed, q_rstd, k_normed, k_rstd, g_cumsum, beta_act, A = outputs
+    assert len(fla_calls["register_backend"]) == 1 and (dht is not None) == layer
+    ((call, (fla_dq, fla_dk, _, fla_dbeta, *_)),) = fla_calls["chunk_gated_delta_rule_bwd"]
+    saved = [q_normed, k_normed, beta_act, a["g"]] if layer else [a["q"], a["k"], a["beta"], None]
+    assert same([call[name] for name in ("q", "k", "beta", "g_input")], saved)
+    names = ("v", "g", "A", "do", "dht", "chunk_indices", *PASSED_THROUGH)
+    indices = fla_calls["prepare_chunk_indices"][-1][1] if layer else None
+    assert same(
+        [call[name] for name in names],
+        [a["v"], g_cumsum, A, do, dht, indices, *(a[n] for n in PASSED_THROUGH)],
+    )
+    l2norm = [value for x, _ in fla_calls["l2norm_bwd"] for value in (x["y"], x["rstd"], x["dy"])]
+    assert same(l2norm, [q_normed, q_rstd, fla_dq, k_normed, k_rstd, fla_dk] if layer else [])
+    sigmoid = [
+        value for x, _ in fla_calls["fused_beta_sigmoid_bwd"] for value in (x["x"], x["dy"], x["scale"])
+    ]
+    assert same(sigmoid, [a["beta"], fla_dbeta, 2.0] if layer else [])
+
+    # gradients in the dtypes of the inputs, absent ones empty; autograd turns the empty ones into None
+    inputs = [a[name] for name in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")]
+    check_like(op_grads[:5], inputs[:5])
+    if layer:
+        check_like(op_grads[5:], inputs[5:])
+    else:
+        assert all(x.numel() == 0 for x in op_grads[5:])
+    dh0, dA_log, ddt_bias = op_grads[5:] if layer else [None] * 3
+    # autograd's gradients, one per input of the forward op
+    assert same(grads, [*op_grads[:5], dA_log, ddt_bias, dh0] + [None] * 10)
+
+
+@pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
+def test_gated_delta_rule_fakes_agree_with_the_bodies(layer, fla_calls, monkeypatch):
+    a = gdn_arguments(layer)
+    outputs, backward_arguments, backward_outputs, _ = gdn_forward_backward(a, monkeypatch)
+    check_like(GDN_BWD._abstract_fn(*backward_arguments), backward_outputs)
+    check_like(GDN_FWD._abstract_fn(**a), outputs)
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_short_conv_calls_fla_with_the_taps_and_no_state(with_bias, fla_calls):
+    x, weight = torch.randn(1, T, 6, dtype=torch.bfloat16), torch.randn(6, 4)  # weight: [D, W] taps
+    bias = torch.randn(6) if with_bias else None
+    cu_seqlens = torch.tensor([0, 5, 8])
+    rest = (weight, bias, "silu", cu_seqlens, cu_seqlens.clone())
+    y = CONV_FWD._init_fn(x, *rest)
+    ((call, (fla_y, _)),) = fla_calls["causal_conv1d_fwd"]
+    names = ("x", "weight", "bias", "activation", "cu_seqlens", "cu_seqlens_cpu")
+    assert y is fla_y and same([call[name] for name in names], [x, *rest]) and call["residual"] is None
+
+    dy = torch.randn_like(y)
+    grads = CONV_BWD._init_fn(dy, x, *rest)
+    ((call, (fla_dx, fla_dweight, fla_dbias, _, _)),) = fla_calls["causal_conv1d_bwd"]
+    assert same([call[name] for name in ("dy", "dht", *names)], [dy, None, x, *rest])
+    assert same(grads[:2], [fla_dx, fla_dweight]) and (
+        grads[2] is fla_dbias if with_bias else grads[2].numel() == 0
+    )
+    check_like([CONV_FWD._abstract_fn(x, *rest)], [y])
+    check_like(CONV_BWD._abstract_fn(dy, x, *rest), grads)
+
+
+def test_recorders_reject_an_argument_fla_does_not_take(fla_calls, monkeypatch):
+    """Each recorder binds: a call replayed with its own arguments passes, with one more keyword it fails."""
+    gdn_forward_backward(gdn_arguments(layer=True), monkeypatch)
+    x, weight = torch.randn(1, T, 6), torch.randn(6, 4)
+    CONV_BWD._init_fn(CONV_FWD._init_fn(x, weight, None, None, None, None), x, weight, None, None, None, None)
+    for module, name in INTERNALS:
+        (arguments, _), *_ = fla_calls[name]
+        getattr(module, name)(**arguments)
+        with pytest.raises(TypeError, match="bogus"):
+            getattr(module, name)(**arguments, bogus=None)
