@@ -15,8 +15,6 @@ that the autograd wrapper turns into None. Context parallelism (a Python context
 import torch
 from torch import Tensor
 
-LIBRARY = "flame"
-
 
 def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
@@ -35,7 +33,7 @@ def _chunk_indices(
 # --- gated delta rule --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{LIBRARY}::fla_gated_delta_rule_fwd", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("flame::fla_gated_delta_rule_fwd", mutates_args=(), device_types="cuda")
 def gated_delta_rule_fwd(
     q: Tensor,
     k: Tensor,
@@ -124,7 +122,7 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cp
     )
 
 
-@torch.library.custom_op(f"{LIBRARY}::fla_gated_delta_rule_bwd", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("flame::fla_gated_delta_rule_bwd", mutates_args=(), device_types="cuda")
 def gated_delta_rule_bwd(
     do: Tensor,
     dht: Tensor | None,
@@ -311,19 +309,11 @@ def chunk_gated_delta_rule(
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """FLA's ``chunk_gated_delta_rule`` (same arguments and results) through the custom ops; under context
-    parallelism FLA's own op. ``chunk_indices`` is recomputed from ``cu_seqlens`` (FLA caches it per tensor)."""
+    """FLA's ``chunk_gated_delta_rule`` (same arguments and results) through the custom ops. ``chunk_indices`` is
+    recomputed from ``cu_seqlens`` (FLA caches it per tensor); context parallelism (``cp_context``) is FLA's own
+    op's, which the dispatcher calls instead."""
     if cp_context is not None:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
-
-        from flame.ops.gated_delta_rule.hopper_backward import register_backend
-
-        register_backend()
-        return fla_op(
-            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_indices,
-            cp_context, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        )  # fmt: skip
+        raise ValueError("cp_context needs FLA's own chunk_gated_delta_rule, not the custom ops")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     o, final_state, *_ = gated_delta_rule_fwd(
@@ -337,14 +327,13 @@ def chunk_gated_delta_rule(
 # --- short convolution -------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{LIBRARY}::fla_short_conv_fwd", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("flame::fla_short_conv_fwd", mutates_args=(), device_types="cuda")
 def short_conv_fwd(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
     activation: str | None,
     cu_seqlens: Tensor | None,
-    cu_seqlens_cpu: Tensor | None,
 ) -> Tensor:
     """FLA's ``causal_conv1d_fwd``: x [B, T, D], weight [D, W] -> y [B, T, D] (no states, no residual)."""
     from fla.modules.causal_conv1d import causal_conv1d_fwd
@@ -356,17 +345,16 @@ def short_conv_fwd(
         residual=None,
         activation=activation,
         cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
     )
     return y
 
 
 @short_conv_fwd.register_fake
-def _(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu):
+def _(x, weight, bias, activation, cu_seqlens):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op(f"{LIBRARY}::fla_short_conv_bwd", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("flame::fla_short_conv_bwd", mutates_args=(), device_types="cuda")
 def short_conv_bwd(
     dy: Tensor,
     x: Tensor,
@@ -374,7 +362,6 @@ def short_conv_bwd(
     bias: Tensor | None,
     activation: str | None,
     cu_seqlens: Tensor | None,
-    cu_seqlens_cpu: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dweight, dbias or empty) from FLA's ``causal_conv1d_bwd``."""
     from fla.modules.causal_conv1d import causal_conv1d_bwd
@@ -387,13 +374,12 @@ def short_conv_bwd(
         bias=bias,
         activation=activation,
         cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
     )
     return dx, dweight.to(weight.dtype), _empty(dy) if dbias is None else dbias.to(bias.dtype)
 
 
 @short_conv_bwd.register_fake
-def _(dy, x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu):
+def _(dy, x, weight, bias, activation, cu_seqlens):
     def like(t: Tensor) -> Tensor:
         return torch.empty_like(t, memory_format=torch.contiguous_format)
 
@@ -401,15 +387,15 @@ def _(dy, x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu):
 
 
 def _short_conv_setup_context(ctx, inputs, output):
-    x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu = inputs
-    ctx.save_for_backward(x, weight, bias, cu_seqlens, cu_seqlens_cpu)
+    x, weight, bias, activation, cu_seqlens = inputs
+    ctx.save_for_backward(x, weight, bias, cu_seqlens)
     ctx.activation = activation
 
 
 def _short_conv_backward(ctx, dy):
-    x, weight, bias, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
-    dx, dweight, dbias = short_conv_bwd(dy, x, weight, bias, ctx.activation, cu_seqlens, cu_seqlens_cpu)
-    return dx, dweight, None if bias is None else dbias, None, None, None
+    x, weight, bias, cu_seqlens = ctx.saved_tensors
+    dx, dweight, dbias = short_conv_bwd(dy, x, weight, bias, ctx.activation, cu_seqlens)
+    return dx, dweight, None if bias is None else dbias, None, None
 
 
 short_conv_fwd.register_autograd(_short_conv_backward, setup_context=_short_conv_setup_context)
@@ -423,4 +409,4 @@ def short_conv(
     cu_seqlens: Tensor | None,
 ) -> Tensor:
     """Causal depthwise conv through the custom ops; x [B, T, D], weight [D, W] (taps), same as FLA's kernel."""
-    return short_conv_fwd(x, weight, bias, activation, cu_seqlens, None)
+    return short_conv_fwd(x, weight, bias, activation, cu_seqlens)

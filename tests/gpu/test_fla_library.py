@@ -127,7 +127,7 @@ def test_short_conv_ops_pass_opcheck_and_equal_fla_function(varlen):
     bias = torch.randn(dim, device="cuda", requires_grad=True)
     cu_seqlens = torch.tensor([0, 100, 101, 301], device="cuda") if varlen else None
     torch.library.opcheck(
-        fla_library.short_conv_fwd, (x, weight, bias, "silu", cu_seqlens, None), rtol=1e-2, atol=1e-2
+        fla_library.short_conv_fwd, (x, weight, bias, "silu", cu_seqlens), rtol=1e-2, atol=1e-2
     )
 
     dy = torch.randn_like(x)

@@ -187,6 +187,23 @@ def test_under_compile_cuda_tensors_reach_the_custom_op_wrappers(case, monkeypat
     check_call_reaches(*COMPILED_CASES[case], monkeypatch)
 
 
+def test_under_compile_fla_context_parallelism_stays_on_flas_op(monkeypatch):
+    monkeypatch.setattr(
+        fla_library, "chunk_gated_delta_rule", lambda *a, **k: pytest.fail("no custom ops for CP")
+    )
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    context = object()
+    fla_module, fla_name, returns, _, _ = CASES["chunk_gated_delta_rule"]
+
+    def call():
+        q, k = tensor(1, 8, 2, 4), tensor(1, 8, 2, 4)
+        return chunk_gated_delta_rule(
+            q, k, tensor(1, 8, 2, 4), tensor(1, 8, 2), tensor(1, 8, 2), cp_context=context
+        )
+
+    check_call_reaches(fla_module, fla_name, returns, call, {"cp_context": context}, monkeypatch)
+
+
 @pytest.mark.parametrize("case", ["rms_norm", "gated_rms_norm"])
 def test_under_compile_norms_run_the_pytorch_code(case, monkeypatch):
     fla_module, fla_name, _, call, _ = CASES[case]

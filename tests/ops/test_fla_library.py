@@ -221,10 +221,10 @@ def test_short_conv_calls_fla_with_the_taps_and_no_state(with_bias, fla_calls):
     x, weight = torch.randn(1, T, 6, dtype=torch.bfloat16), torch.randn(6, 4)  # weight: [D, W] taps
     bias = torch.randn(6) if with_bias else None
     cu_seqlens = torch.tensor([0, 5, 8])
-    rest = (weight, bias, "silu", cu_seqlens, cu_seqlens.clone())
+    rest = (weight, bias, "silu", cu_seqlens)
     y = CONV_FWD._init_fn(x, *rest)
     ((call, (fla_y, _)),) = fla_calls["causal_conv1d_fwd"]
-    names = ("x", "weight", "bias", "activation", "cu_seqlens", "cu_seqlens_cpu")
+    names = ("x", "weight", "bias", "activation", "cu_seqlens")
     assert y is fla_y and same([call[name] for name in names], [x, *rest]) and call["residual"] is None
 
     dy = torch.randn_like(y)
@@ -242,9 +242,15 @@ def test_recorders_reject_an_argument_fla_does_not_take(fla_calls, monkeypatch):
     """Each recorder binds: a call replayed with its own arguments passes, with one more keyword it fails."""
     gdn_forward_backward(gdn_arguments(layer=True), monkeypatch)
     x, weight = torch.randn(1, T, 6), torch.randn(6, 4)
-    CONV_BWD._init_fn(CONV_FWD._init_fn(x, weight, None, None, None, None), x, weight, None, None, None, None)
+    CONV_BWD._init_fn(CONV_FWD._init_fn(x, weight, None, None, None), x, weight, None, None, None)
     for module, name in INTERNALS:
         (arguments, _), *_ = fla_calls[name]
         getattr(module, name)(**arguments)
         with pytest.raises(TypeError, match="bogus"):
             getattr(module, name)(**arguments, bogus=None)
+
+
+def test_the_gated_delta_rule_wrapper_refuses_fla_context_parallelism():
+    q = torch.zeros(1, T, H, K)
+    with pytest.raises(ValueError, match="cp_context"):
+        fla_library.chunk_gated_delta_rule(q, q, q, q[..., 0], q[..., 0], cp_context=object())

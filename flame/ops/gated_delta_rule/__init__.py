@@ -34,9 +34,10 @@ CHUNK_SIZES = (16, 32, 64)
 def fla_chunk_gated_delta_rule(*args, **kwargs):
     """FLA 0.6.0's Triton op, imported on first use (importing fla.ops pulls in Triton). Under torch.compile it
     runs through flame's torch.library custom ops (`flame.ops.fla_library`), so that a block compiles to one graph
-    instead of breaking at FLA's ``torch.compiler.disable``. On Hopper GPUs with Triton 3.4-3.7.0 its gated
-    backward is served by flame's correct one (hopper_backward.py)."""
-    if torch.compiler.is_compiling():
+    instead of breaking at FLA's ``torch.compiler.disable``; FLA's context parallelism (``cp_context``) stays on
+    FLA's op. On Hopper GPUs with Triton 3.4-3.7.0 its gated backward is served by flame's correct one
+    (hopper_backward.py)."""
+    if torch.compiler.is_compiling() and kwargs.get("cp_context") is None:
         from flame.ops import fla_library
 
         return fla_library.chunk_gated_delta_rule(*args, **kwargs)
