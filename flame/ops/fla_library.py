@@ -20,6 +20,13 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
+def _contiguous(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """What FLA's ``input_guard`` does for its Functions: the Triton kernels index every tensor as contiguous. A
+    gradient can arrive expanded (the gradient of a sum is one value with stride 0), and read as contiguous it runs
+    past its storage into whatever memory follows."""
+    return tuple(None if x is None else x.contiguous() for x in tensors)
+
+
 def _chunk_indices(
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_size: int
 ) -> Tensor | None:
@@ -60,7 +67,7 @@ def gated_delta_rule_fwd(
     from fla.ops.common.gate import fused_beta_sigmoid_fwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, beta, A_log, dt_bias, initial_state = _contiguous(q, k, v, g, beta, A_log, dt_bias, initial_state)
     q_normed, q_rstd, k_normed, k_rstd = q, _empty(q), k, _empty(k)
     if use_qk_l2norm_in_kernel:
         q_normed, q_rstd = l2norm_fwd(q)
@@ -158,7 +165,9 @@ def gated_delta_rule_bwd(
     from flame.ops.gated_delta_rule.hopper_backward import register_backend
 
     register_backend()
-    do = do.contiguous()
+    do, dht, q, q_rstd, k, k_rstd, v, g, g_cumsum, beta, beta_act, A, A_log, dt_bias, initial_state = _contiguous(
+        do, dht, q, q_rstd, k, k_rstd, v, g, g_cumsum, beta, beta_act, A, A_log, dt_bias, initial_state
+    )
     dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = chunk_gated_delta_rule_bwd(
         q=q,
         k=k,
@@ -338,9 +347,10 @@ def short_conv_fwd(
     """FLA's ``causal_conv1d_fwd``: x [B, T, D], weight [D, W] -> y [B, T, D] (no states, no residual)."""
     from fla.modules.causal_conv1d import causal_conv1d_fwd
 
+    x, weight, bias = _contiguous(x, weight, bias)
     y, _ = causal_conv1d_fwd(
-        x=x.contiguous(),
-        weight=weight.contiguous(),
+        x=x,
+        weight=weight,
         bias=bias,
         residual=None,
         activation=activation,
@@ -366,11 +376,12 @@ def short_conv_bwd(
     """(dx, dweight, dbias or empty) from FLA's ``causal_conv1d_bwd``."""
     from fla.modules.causal_conv1d import causal_conv1d_bwd
 
+    dy, x, weight, bias = _contiguous(dy, x, weight, bias)
     dx, dweight, dbias, _, _ = causal_conv1d_bwd(
-        x=x.contiguous(),
-        dy=dy.contiguous(),
+        x=x,
+        dy=dy,
         dht=None,
-        weight=weight.contiguous(),
+        weight=weight,
         bias=bias,
         activation=activation,
         cu_seqlens=cu_seqlens,

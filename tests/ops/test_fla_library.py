@@ -208,6 +208,48 @@ def test_gated_delta_rule_backward_calls_fla_as_its_function_does(layer, fla_cal
     assert same(grads, [*op_grads[:5], dA_log, ddt_bias, dh0] + [None] * 10)
 
 
+def strided_like(x: torch.Tensor) -> torch.Tensor:
+    """x's values in a non-contiguous tensor (a transposed copy, transposed back)."""
+    return x.transpose(0, -1).contiguous().transpose(0, -1) if x.ndim > 1 else x.repeat_interleave(2)[::2]
+
+
+def test_gated_delta_rule_ops_give_fla_contiguous_tensors(fla_calls):
+    """FLA's kernels index every tensor as contiguous (its Functions' input_guard makes them so); the gradient of
+    a sum is an expanded tensor of stride 0, which a kernel would read past its storage (it did on the GPU)."""
+    a = gdn_arguments(layer=True)
+    a.update({name: strided_like(a[name]) for name in ("q", "k", "v", "g", "beta", "A_log", "initial_state")})
+    assert not any(a[name].is_contiguous() for name in ("q", "v", "g", "initial_state"))
+    outputs = GDN_FWD._init_fn(**a)
+    do, dht = torch.ones(()).expand_as(outputs[0]), torch.ones(()).expand_as(outputs[1])
+    backward_arguments = (do, dht, a["q"], None, a["k"], None, a["v"], a["g"], outputs[6], a["beta"], outputs[7],
+                          strided_like(outputs[8]), a["A_log"], a["dt_bias"], a["initial_state"], a["cu_seqlens"],
+                          a["cu_seqlens_cpu"], a["scale"], False, True, True, True, True, CHUNK)  # fmt: skip
+    GDN_BWD._init_fn(*backward_arguments)
+    received = [
+        (name, value)
+        for function in ("chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd", "l2norm_fwd")
+        for call, _ in fla_calls[function]
+        for name, value in call.items()
+        if isinstance(value, torch.Tensor)
+    ]
+    assert len(received) > 20
+    assert [name for name, value in received if not value.is_contiguous()] == []
+
+
+def test_short_conv_ops_give_fla_contiguous_tensors(fla_calls):
+    x, weight, bias = (strided_like(torch.randn(*shape)) for shape in ((1, T, 6), (6, 4), (6,)))
+    CONV_FWD._init_fn(x, weight, bias, "silu", None)
+    CONV_BWD._init_fn(torch.ones(()).expand_as(x), x, weight, bias, "silu", None)
+    received = [
+        value
+        for function in ("causal_conv1d_fwd", "causal_conv1d_bwd")
+        for call, _ in fla_calls[function]
+        for value in call.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    assert len(received) == 7 and all(value.is_contiguous() for value in received)
+
+
 @pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
 def test_gated_delta_rule_fakes_agree_with_the_bodies(layer, fla_calls, monkeypatch):
     a = gdn_arguments(layer)
