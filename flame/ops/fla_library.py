@@ -67,7 +67,9 @@ def gated_delta_rule_fwd(
     from fla.ops.common.gate import fused_beta_sigmoid_fwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
-    q, k, v, g, beta, A_log, dt_bias, initial_state = _contiguous(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    q, k, v, g, beta, A_log, dt_bias, initial_state = _contiguous(
+        q, k, v, g, beta, A_log, dt_bias, initial_state
+    )
     q_normed, q_rstd, k_normed, k_rstd = q, _empty(q), k, _empty(k)
     if use_qk_l2norm_in_kernel:
         q_normed, q_rstd = l2norm_fwd(q)
@@ -165,8 +167,10 @@ def gated_delta_rule_bwd(
     from flame.ops.gated_delta_rule.hopper_backward import register_backend
 
     register_backend()
-    do, dht, q, q_rstd, k, k_rstd, v, g, g_cumsum, beta, beta_act, A, A_log, dt_bias, initial_state = _contiguous(
-        do, dht, q, q_rstd, k, k_rstd, v, g, g_cumsum, beta, beta_act, A, A_log, dt_bias, initial_state
+    do, dht, q, q_rstd, k, k_rstd, v, g, g_cumsum, beta, beta_act, A, A_log, dt_bias, initial_state = (
+        _contiguous(
+            do, dht, q, q_rstd, k, k_rstd, v, g, g_cumsum, beta, beta_act, A, A_log, dt_bias, initial_state
+        )
     )
     dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = chunk_gated_delta_rule_bwd(
         q=q,
