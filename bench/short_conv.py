@@ -1,0 +1,139 @@
+"""Speed of flame's Triton short convolution against FLA 0.6.0's causal_conv1d, and the memory-bandwidth floor.
+
+    python bench/short_conv.py [--dims 1536,3072] [--batch 8] [--seq_len 2048] [--no_write]
+
+Per channel count D, x [batch, seq_len, D] in bfloat16 with a bfloat16 weight [D, 4] and bias, SiLU, as the q/k/v
+short convs of Gated DeltaNet run it in training (no cu_seqlens). Times are medians of
+triton.testing.do_bench_cudagraph (replays of a CUDA graph: GPU time, without the Python launch overhead that
+otherwise dominates an op of a few tens of microseconds) after one untimed call (compilation, autotuning);
+"fwd+bwd" is the forward and torch.autograd.grad of a fixed output gradient.
+The floor is the time the bytes must take at the bandwidth of a same-size `clone` (one read and one write of x):
+the forward reads x and writes y (1 clone), forward + backward also read x and dy and write dx (2.5 clones);
+weight, bias and their gradients are negligible. The markdown table goes into docs/performance.md between
+``<!-- bench_short_conv -->`` markers.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from train_throughput import device_name, write_section  # noqa: E402
+
+from flame.ops.short_conv_triton import short_conv_triton  # noqa: E402
+
+MARKER = "bench_short_conv"
+WIDTH = 4
+# Bytes moved, in units of one clone of x (one read and one write).
+CLONES = {"fwd": 1.0, "fwd+bwd": 2.5}
+
+
+def fla_short_conv(x, weight, bias, activation, cu_seqlens):
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    return causal_conv1d(x=x, weight=weight, bias=bias, activation=activation, cu_seqlens=cu_seqlens)[0]
+
+
+IMPLS = {"flame Triton": short_conv_triton, "FLA causal_conv1d": fla_short_conv}
+
+
+def measure(batch: int, seq_len: int, dim: int, rep: int) -> list[dict]:
+    """[{"impl", "fwd", "fwd+bwd"}] in ms, the floor first."""
+    from triton.testing import do_bench_cudagraph
+
+    def bench(fn):
+        return do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+    x = torch.randn(batch, seq_len, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(dim, WIDTH, device="cuda") / WIDTH**0.5).to(torch.bfloat16).requires_grad_()
+    bias = torch.randn(dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    clone = bench(lambda: x.detach().clone())
+    rows = [{"impl": "floor (clone bandwidth)", **{mode: clones * clone for mode, clones in CLONES.items()}}]
+    for impl, conv in IMPLS.items():
+
+        def forward(conv=conv):
+            with torch.no_grad():
+                conv(x, weight, bias, "silu", None)
+
+        def forward_backward(conv=conv):
+            torch.autograd.grad(conv(x, weight, bias, "silu", None), (x, weight, bias), dy)
+
+        forward_backward()  # compilation and autotuning, untimed
+        rows.append({"impl": impl, "fwd": bench(forward), "fwd+bwd": bench(forward_backward)})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| x [B, T, D] | implementation | fwd ms | bwd ms | fwd+bwd ms | fwd / floor | fwd+bwd / floor |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        floor = row["floor"]
+        lines.append(
+            f"| {row['shape']} | {row['impl']} | {row['fwd']:.3f} | {row['fwd+bwd'] - row['fwd']:.3f} | "
+            f"{row['fwd+bwd']:.3f} | {row['fwd'] / floor['fwd']:.2f} | {row['fwd+bwd'] / floor['fwd+bwd']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dims", default="1536,3072", help="comma separated channel counts D")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph repetitions, ms")
+    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
+    parser.add_argument("--no_write", action="store_true", help="print the table only")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if not torch.cuda.is_available():
+        print(
+            "bench/short_conv.py needs a CUDA GPU (the kernels are Triton); none is visible", file=sys.stderr
+        )
+        return 1
+    started = time.perf_counter()
+    rows = []
+    for dim in (int(d) for d in args.dims.split(",")):
+        results = measure(args.batch, args.seq_len, dim, args.rep)
+        shape = f"[{args.batch}, {args.seq_len}, {dim}]"
+        for result in results:
+            rows.append({**result, "shape": shape, "floor": results[0]})
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    text = table(rows)
+    print("\n" + text)
+    if not args.no_write:
+        command = " ".join(["python bench/short_conv.py", *(sys.argv[1:] if argv is None else argv)])
+        section = "\n".join(
+            [
+                f"<!-- {MARKER} -->",
+                "## Short convolution kernel",
+                "",
+                f"Command: `{command}` on {device_name(torch.device('cuda'))}, torch {torch.__version__} "
+                f"({time.strftime('%Y-%m-%d')}); bfloat16 x, weight [D, {WIDTH}] and bias, SiLU, no cu_seqlens. "
+                "Medians of triton.testing.do_bench_cudagraph (GPU time); bwd = fwd+bwd - fwd. The floor moves "
+                "the op's bytes at the bandwidth of a same-size clone (fwd: read x, write y; fwd+bwd: also read x "
+                "and dy, write dx). "
+                f"Total run time {time.perf_counter() - started:.0f} s.",
+                "",
+                text,
+                f"<!-- /{MARKER} -->",
+            ]
+        )
+        write_section(args.doc, f"<!-- {MARKER} -->", f"<!-- /{MARKER} -->", section)
+        print(f"\nwrote the {MARKER} section of {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

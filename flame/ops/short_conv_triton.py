@@ -1,0 +1,490 @@
+"""flame's Triton kernels for the causal depthwise short convolution (the q/k/v "short conv" of (Gated) DeltaNet).
+
+    short_conv_triton(x, weight, bias, activation, cu_seqlens) -> y
+    y[b, t, d] = act( bias[d] + sum_{i=0}^{W-1} weight[d, W-1-i] * x[b, t-i, d] )
+
+Same contract as `short_conv_torch` in short_conv.py, which the tests compare against: x [B, T, D] (float16 /
+bfloat16 / float32 / float64; a last dim with stride != 1 is copied), weight [D, W] or [D, 1, W] with
+1 <= W <= 8, bias [D] or None, activation None / "silu" / "swish"; cu_seqlens (int32/int64 [N + 1], batch 1) packs
+documents, and a tap reaching i tokens back is dropped where the token is fewer than i positions into its document
+(at the row start in a batch). cu_seqlens[-1] must equal T; it is not checked (that would need a host sync). Sums
+run in float32 (float64 for float64 inputs); y and dx are in x's dtype, dweight and dbias in the dtypes and shapes
+of weight and bias.
+
+Why: FLA 0.6.0's `causal_conv1d` runs at about 4x the memory-bandwidth floor of this op. The op is memory-bound
+only if each element costs a few tens of instructions, so the kernels read each x (and dy) element once into
+registers and keep what neighbouring tokens need there instead of re-reading or recomputing it:
+- A program owns ROWS x BLOCK_D lanes (ROWS spans of SPAN consecutive tokens, BLOCK_D channels) and walks its
+  spans one token per step, all rows at once: a [ROWS, BLOCK_D] tile per step, each row a contiguous, coalesced
+  run of channels. x of the last W-1 tokens rides along in registers (a tuple), so the forward reads x once
+  (plus W-1 tokens before each span) and computes z = bias + sum_i weight[W-1-i] x[t-i], y = act(z).
+- The backward walks the same way, computing z and dz = dy * act'(z) once per token and keeping dz of the last
+  W-1 tokens, so that dx[t] = sum_w weight[W-1-w] dz[t+w] [pos[t+w] >= w] is complete W-1 steps after t (a span
+  runs W-1 steps past its end for that). dweight[:, W-1-i] += dz[t] x[t-i] [pos[t] >= i] and dbias += dz[t]
+  accumulate in registers; each program writes one float32 partial row ([chunks, W, D] and [chunks, D], a chunk
+  being the ROWS * SPAN tokens of one program), and a second small kernel sums the rows in order: no atomics,
+  deterministic.
+(Recomputing z at the W shifted tokens of a tile instead costs W sigmoids per element: ~200 SASS instructions per
+element for W = 4 in the sm_90 build, compute-bound; the walk takes ~17 (forward) and ~32 (backward).)
+
+In a packed row, a small kernel first finds each token's position in its document by a binary search over
+cu_seqlens (on the device, no host sync); a batch row needs none (position = t, and the loads already read 0 before
+the row start).
+
+`torch.ops.flame.short_conv_fwd` / `_bwd` are torch custom ops (torch.compile sees one node each), with autograd
+registered on the forward. With TRITON_INTERPRET=1 set before this module is imported, the kernels run in Triton's
+CPU interpreter with one small block configuration (the CPU tests do that).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from flame.ops.short_conv import ACTIVATIONS, _as_depthwise_taps
+
+MAX_WIDTH = 8
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Kernels read globals only as constexprs. Token steps per unrolled loop body: the histories rotate by renaming
+# registers instead of moves, and the loop overhead is shared.
+UNROLL = tl.constexpr(4)
+# The interpreter runs no PTX: it gets tl.sigmoid.
+FAST_SIGMOID = tl.constexpr(not INTERPRETED)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+def _configs(choices: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:
+    """(ROWS, SPAN, BLOCK_D, num_warps, STAGES): STAGES > 1 has Triton prefetch the tiles of later token steps
+    into shared memory (cp.async), the memory-level parallelism that a thread walking its tokens in order lacks
+    (without it the forward measured 2.0x and the backward 2.7x the bandwidth floor on an H200)."""
+    return [
+        triton.Config({"ROWS": rows, "SPAN": span, "BLOCK_D": block_d, "STAGES": stages}, num_warps=warps)
+        for rows, span, block_d, warps, stages in choices
+    ]
+
+
+if INTERPRETED:
+    # Small blocks so that the CPU tests cross span, chunk and channel block edges quickly.
+    FWD_CONFIGS = BWD_CONFIGS = _configs([(4, 8, 32, 1, 1)])
+else:
+    # Few configs: every one is compiled and timed once per tuning key on a fresh machine; these were the fastest
+    # of a sweep on an H200 (x [8, 2048, 1536 / 3072] bfloat16, W = 4). ROWS x BLOCK_D is 4 elements per thread
+    # (one 8- or 16-byte vector per row step), which leaves registers for the histories; STAGES 3-4 prefetch 2-3
+    # unrolled iterations. The backward favours long spans (less halo and fewer partial rows: 128-token spans
+    # measured 1.32-1.39x the bandwidth floor, 64-token ones 1.46-1.64x); short chunks keep small inputs spread
+    # over the GPU.
+    FWD_CONFIGS = _configs([(8, 32, 64, 4, 4), (4, 64, 128, 4, 3), (8, 64, 128, 8, 3), (8, 32, 128, 4, 3)])
+    BWD_CONFIGS = _configs([(8, 128, 64, 4, 4), (4, 128, 64, 2, 4), (8, 64, 64, 4, 4), (8, 32, 64, 4, 4)])
+# A backward program sums the tokens of one chunk (ROWS * SPAN of a row) into one partial dweight / dbias row; the
+# partial buffer has room for the shortest chunk.
+MIN_CHUNK = min(c.kwargs["ROWS"] * c.kwargs["SPAN"] for c in BWD_CONFIGS)
+# The autotuner adds the tensors' dtypes; T because the best chunk length depends on how many programs there are.
+TUNING_KEY = ["T", "D", "W", "HAS_BIAS", "SILU", "IS_VARLEN"]
+
+
+@triton.jit
+def _sigmoid(z):
+    """1 / (1 + 2^(-z log2 e)) with flush-to-zero approximate ex2 and rcp (2 ulp): 4 instructions, where tl.sigmoid
+    spends 12 on denormal and overflow fix-ups that do not change a sigmoid."""
+    if FAST_SIGMOID and z.dtype == tl.float32:
+        e = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [z * -LOG2E], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return tl.sigmoid(z)
+
+
+@triton.jit
+def _load(base, rel, t, stride_t, T, cols, col_ok, ACC: tl.constexpr):
+    """[ROWS, BLOCK_D] tile at tokens t (rel = t minus the token base points at), 0 outside [0, T)."""
+    ok = (t >= 0) & (t < T)
+    ptrs = base + rel[:, None] * stride_t + cols[None, :]
+    return tl.load(ptrs, mask=ok[:, None] & col_ok[None, :], other=0.0).to(ACC)
+
+
+@triton.jit
+def _positions(POS, t, T, IS_VARLEN: tl.constexpr):
+    """Positions of tokens t inside their documents (t itself in a batch row)."""
+    if IS_VARLEN:
+        return tl.load(POS + t, mask=(t >= 0) & (t < T), other=0)
+    return t
+
+
+@triton.jit
+def _taps(WEIGHT, cols, col_ok, stride_wd, stride_ww, W: tl.constexpr, ACC: tl.constexpr):
+    """(weight[cols, 0], ..., weight[cols, W-1]) as [1, BLOCK_D] rows (read once per program)."""
+    taps = ()
+    for j in tl.static_range(W):
+        taps = taps + (
+            tl.load(WEIGHT + cols * stride_wd + j * stride_ww, mask=col_ok, other=0.0).to(ACC)[None, :],
+        )
+    return taps
+
+
+@triton.jit
+def _push(history, value):
+    """(value, history[0], ..., history[-2]): the newest first, the oldest dropped."""
+    pushed = (value,)
+    for j in tl.static_range(len(history) - 1):
+        pushed = pushed + (history[j],)
+    return pushed
+
+
+@triton.jit
+def _back(x, x_history, i: tl.constexpr):
+    """x[t - i] from the current x and x_history[i-1] = x[t - i]."""
+    if i == 0:
+        return x
+    else:
+        return x_history[i - 1]
+
+
+@triton.jit
+def _tap_input(x_back, pos, i: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """x[t - i] as tap i of token t sees it: 0 when t is fewer than i tokens into its document. In a batch row
+    the load already gave 0 before the row start."""
+    if IS_VARLEN:
+        return tl.where((pos >= i)[:, None], x_back, 0.0)
+    return x_back
+
+
+@triton.jit
+def _preactivation(
+    x, x_history, pos, taps, bias, W: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr
+):
+    """z = bias + sum_i weight[W-1-i] x[t-i]; x_history[i-1] = x[t-i]."""
+    z = x * taps[W - 1]
+    for i in tl.static_range(1, W):
+        z += _tap_input(x_history[i - 1], pos, i, IS_VARLEN) * taps[W - 1 - i]
+    if HAS_BIAS:
+        z += bias
+    return z
+
+
+@triton.autotune(configs=FWD_CONFIGS, key=TUNING_KEY)
+@triton.jit
+def _fwd_kernel(
+    X, WEIGHT, BIAS, POS, Y, T, D, stride_xb, stride_xt, stride_yb, stride_yt, stride_wd, stride_ww,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IS_VARLEN: tl.constexpr,
+    ROWS: tl.constexpr, SPAN: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    ACC: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    start = tl.program_id(0) * (ROWS * SPAN)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    b = tl.program_id(2).to(tl.int64)
+    col_ok = cols < D
+    # Token offsets inside the program stay small; its base is computed in int64.
+    x_base = X + b * stride_xb + start.to(tl.int64) * stride_xt
+    y_base = Y + b * stride_yb + start.to(tl.int64) * stride_yt
+    span_first = tl.arange(0, ROWS) * SPAN
+    taps = _taps(WEIGHT, cols, col_ok, stride_wd, stride_ww, W, ACC)
+    bias = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(ACC)[None, :] if HAS_BIAS else 0.0
+    x_history = ()  # x at the W-1 tokens before the current one, newest first
+    for i in tl.static_range(1, W):
+        x_history = x_history + (
+            _load(x_base, span_first - i, start + span_first - i, stride_xt, T, cols, col_ok, ACC),
+        )
+    for k in tl.range(SPAN, num_stages=STAGES, loop_unroll_factor=UNROLL):
+        rel = span_first + k
+        t = start + rel
+        x = _load(x_base, rel, t, stride_xt, T, cols, col_ok, ACC)
+        z = _preactivation(x, x_history, _positions(POS, t, T, IS_VARLEN), taps, bias, W, HAS_BIAS, IS_VARLEN)
+        if SILU:
+            z = z * _sigmoid(z)
+        tl.store(y_base + rel[:, None] * stride_yt + cols[None, :], z.to(Y.dtype.element_ty),
+                 mask=(t < T)[:, None] & col_ok[None, :])  # fmt: skip
+        x_history = _push(x_history, x)
+
+
+@triton.jit
+def _bwd_step(
+    x_base, dy_base, rel, t, POS, T, cols, col_ok, stride_xt, stride_dyt, x_history, taps, bias,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """(x, position, dz) at tokens t; dz is 0 past T (dy reads 0 there)."""
+    x = _load(x_base, rel, t, stride_xt, T, cols, col_ok, ACC)
+    pos = _positions(POS, t, T, IS_VARLEN)
+    dz = _load(dy_base, rel, t, stride_dyt, T, cols, col_ok, ACC)
+    if SILU:
+        z = _preactivation(x, x_history, pos, taps, bias, W, HAS_BIAS, IS_VARLEN)
+        sig = _sigmoid(z)
+        dz *= sig * (1.0 + z * (1.0 - sig))
+    return x, pos, dz
+
+
+@triton.jit
+def _dx(dz, pos, dz_history, pos_history, taps, W: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """dx at the token W-1 steps back, u = t - (W-1): y[u + w] read x[u] through tap W-1-w when u + w is at least
+    w tokens into its document; dz[u + w] is dz (w = W-1) or dz_history[W-2-w]. In a batch row that holds for
+    every u >= 0 (the only ones stored)."""
+    dx = _tap_input(dz, pos, W - 1, IS_VARLEN) * taps[0]
+    for m in tl.static_range(1, W):
+        dx += _tap_input(dz_history[m - 1], pos_history[m - 1], W - 1 - m, IS_VARLEN) * taps[m]
+    return dx
+
+
+@triton.autotune(configs=BWD_CONFIGS, key=TUNING_KEY)
+@triton.jit
+def _bwd_kernel(
+    X, DY, WEIGHT, BIAS, POS, DX, DW_PARTIAL, DB_PARTIAL, T, D,
+    stride_xb, stride_xt, stride_dyb, stride_dyt, stride_dxb, stride_dxt, stride_wd, stride_ww,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IS_VARLEN: tl.constexpr,
+    ROWS: tl.constexpr, SPAN: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    ACC: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    start = tl.program_id(0) * (ROWS * SPAN)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    b = tl.program_id(2).to(tl.int64)
+    col_ok = cols < D
+    x_base = X + b * stride_xb + start.to(tl.int64) * stride_xt
+    dy_base = DY + b * stride_dyb + start.to(tl.int64) * stride_dyt
+    dx_base = DX + b * stride_dxb + start.to(tl.int64) * stride_dxt
+    span_first = tl.arange(0, ROWS) * SPAN
+    taps = _taps(WEIGHT, cols, col_ok, stride_wd, stride_ww, W, ACC)
+    bias = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(ACC)[None, :] if HAS_BIAS else 0.0
+    # Histories of the last W-1 tokens, newest first. dz (and its positions) before the span reach no stored dx.
+    zeros = tl.zeros([ROWS, BLOCK_D], dtype=ACC)
+    x_history = ()
+    dz_history = ()
+    pos_history = ()
+    for i in tl.static_range(1, W):
+        x_history = x_history + (
+            _load(x_base, span_first - i, start + span_first - i, stride_xt, T, cols, col_ok, ACC),
+        )
+        dz_history = dz_history + (zeros,)
+        pos_history = pos_history + (span_first,)
+    # dweight[:, j] (tap j reads x[t - (W-1-j)]) and dbias of this program's tokens, per lane.
+    dw = ()
+    for _ in tl.static_range(W):
+        dw = dw + (zeros,)
+    db = zeros
+    for k in tl.range(SPAN, num_stages=STAGES, loop_unroll_factor=UNROLL):
+        rel = span_first + k
+        t = start + rel
+        x, pos, dz = _bwd_step(
+            x_base, dy_base, rel, t, POS, T, cols, col_ok, stride_xt, stride_dyt, x_history, taps, bias,
+            W, HAS_BIAS, SILU, IS_VARLEN, ACC,
+        )  # fmt: skip
+        new_dw = ()
+        for j in tl.static_range(W):
+            new_dw = new_dw + (
+                dw[j] + dz * _tap_input(_back(x, x_history, W - 1 - j), pos, W - 1 - j, IS_VARLEN),
+            )
+        dw = new_dw
+        if HAS_BIAS:
+            db += dz
+        # The first W-1 steps complete no dx of this span.
+        u = rel - (W - 1)
+        dx = _dx(dz, pos, dz_history, pos_history, taps, W, IS_VARLEN)
+        tl.store(dx_base + u[:, None] * stride_dxt + cols[None, :], dx.to(DX.dtype.element_ty),
+                 mask=((u >= span_first) & (start + u < T))[:, None] & col_ok[None, :])  # fmt: skip
+        x_history = _push(x_history, x)
+        dz_history = _push(dz_history, dz)
+        pos_history = _push(pos_history, pos)
+    # W-1 steps past the span (tokens of the next span, or past T) complete its last dx.
+    for m in tl.static_range(W - 1):
+        rel = span_first + SPAN + m
+        t = start + rel
+        x, pos, dz = _bwd_step(
+            x_base, dy_base, rel, t, POS, T, cols, col_ok, stride_xt, stride_dyt, x_history, taps, bias,
+            W, HAS_BIAS, SILU, IS_VARLEN, ACC,
+        )  # fmt: skip
+        u = rel - (W - 1)
+        dx = _dx(dz, pos, dz_history, pos_history, taps, W, IS_VARLEN)
+        tl.store(dx_base + u[:, None] * stride_dxt + cols[None, :], dx.to(DX.dtype.element_ty),
+                 mask=((u >= span_first) & (start + u < T))[:, None] & col_ok[None, :])  # fmt: skip
+        x_history = _push(x_history, x)
+        dz_history = _push(dz_history, dz)
+        pos_history = _push(pos_history, pos)
+    partial = b * tl.num_programs(0) + tl.program_id(0)
+    for j in tl.static_range(W):
+        tl.store(DW_PARTIAL + (partial * W + j) * D + cols, tl.sum(dw[j], 0), mask=col_ok)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + partial * D + cols, tl.sum(db, 0), mask=col_ok)
+
+
+@triton.jit
+def _positions_kernel(CU, POS, T, NUM_DOCS, SEARCH_STEPS, BLOCK: tl.constexpr):
+    """POS[t] = t - cu[j] for the largest j with cu[j] <= t (a binary search over cu per token; the last of equal
+    starts, so empty documents are skipped)."""
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.zeros([BLOCK], dtype=tl.int32)  # cu[lo] <= t throughout
+    hi = tl.zeros([BLOCK], dtype=tl.int32) + NUM_DOCS
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        below = tl.load(CU + mid) <= t
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid - 1)
+    tl.store(POS + t, t - tl.load(CU + lo), mask=t < T)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    DW_PARTIAL, DB_PARTIAL, DW, DB, NUM_PARTIALS, D, stride_wd, stride_ww,
+    W: tl.constexpr, W_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """dweight [D, W] (strides as given) and dbias [D] in their dtypes: the partial rows summed in order."""
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    taps = tl.arange(0, W_PAD)
+    ok = (taps < W)[:, None] & (cols < D)[None, :]
+    dw = tl.zeros([W_PAD, BLOCK_D], dtype=DW_PARTIAL.dtype.element_ty)
+    db = tl.zeros([BLOCK_D], dtype=DW_PARTIAL.dtype.element_ty)
+    for row in range(NUM_PARTIALS):
+        dw += tl.load(DW_PARTIAL + (row * W + taps[:, None]) * D + cols[None, :], mask=ok, other=0.0)
+        if HAS_BIAS:
+            db += tl.load(DB_PARTIAL + row * D + cols, mask=cols < D, other=0.0)
+    tl.store(DW + cols[None, :] * stride_wd + taps[:, None] * stride_ww, dw.to(DW.dtype.element_ty), mask=ok)
+    if HAS_BIAS:
+        tl.store(DB + cols, db.to(DB.dtype.element_ty), mask=cols < D)
+
+
+def _positions_in_documents(cu_seqlens: Tensor | None, seq_len: int, device: torch.device) -> Tensor | None:
+    """Position of each packed token inside its document, int32 [T], computed on the device (no host sync)."""
+    if cu_seqlens is None:
+        return None
+    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    positions = torch.empty(seq_len, dtype=torch.int32, device=device)
+    num_docs = cu.shape[0] - 1
+    block = 64 if INTERPRETED else 1024
+    _positions_kernel[(triton.cdiv(seq_len, block),)](
+        cu, positions, seq_len, num_docs, num_docs.bit_length(), BLOCK=block
+    )
+    return positions
+
+
+def _last_dim_contiguous(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _flags(weight: Tensor, bias: Tensor | None, activation: str | None, cu_seqlens: Tensor | None) -> dict:
+    return dict(
+        W=weight.shape[-1],
+        HAS_BIAS=bias is not None,
+        SILU=activation is not None,
+        IS_VARLEN=cu_seqlens is not None,
+    )
+
+
+@torch.library.custom_op("flame::short_conv_fwd", mutates_args=())
+def short_conv_fwd(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str | None,
+    cu_seqlens: Tensor | None,
+) -> Tensor:
+    """y [B, T, D] in x's dtype; arguments as checked by `short_conv_triton`."""
+    x = _last_dim_contiguous(x)
+    taps = _as_depthwise_taps(weight)
+    batch, seq_len, dim = x.shape
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    positions = _positions_in_documents(cu_seqlens, seq_len, x.device)
+
+    def grid(meta):
+        return (triton.cdiv(seq_len, meta["ROWS"] * meta["SPAN"]), triton.cdiv(dim, meta["BLOCK_D"]), batch)
+
+    _fwd_kernel[grid](
+        x, taps, bias, positions, y, seq_len, dim, *x.stride()[:2], *y.stride()[:2], *taps.stride(),
+        **_flags(weight, bias, activation, cu_seqlens),
+    )  # fmt: skip
+    return y
+
+
+@short_conv_fwd.register_fake
+def _(x, weight, bias, activation, cu_seqlens):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("flame::short_conv_bwd", mutates_args=())
+def short_conv_bwd(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str | None,
+    cu_seqlens: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias) in the dtypes and shapes of x, weight and bias; dbias is empty when bias is None (a
+    custom op returns tensors)."""
+    dy, x = _last_dim_contiguous(dy), _last_dim_contiguous(x)
+    taps = _as_depthwise_taps(weight)
+    batch, seq_len, dim = x.shape
+    width = taps.shape[1]
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    partial_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    max_partials = batch * triton.cdiv(seq_len, MIN_CHUNK)
+    dw_partial = x.new_empty(max_partials, width, dim, dtype=partial_dtype)
+    db_partial = x.new_empty(max_partials, dim, dtype=partial_dtype) if bias is not None else None
+    positions = _positions_in_documents(cu_seqlens, seq_len, x.device)
+
+    def grid(meta):
+        return (triton.cdiv(seq_len, meta["ROWS"] * meta["SPAN"]), triton.cdiv(dim, meta["BLOCK_D"]), batch)
+
+    _bwd_kernel[grid](
+        x, dy, taps, bias, positions, dx, dw_partial, db_partial, seq_len, dim,
+        *x.stride()[:2], *dy.stride()[:2], *dx.stride()[:2], *taps.stride(),
+        **_flags(weight, bias, activation, cu_seqlens),
+    )  # fmt: skip
+    dweight = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    dbias = x.new_empty(0) if bias is None else torch.empty_like(bias, memory_format=torch.contiguous_format)
+    dtaps = _as_depthwise_taps(dweight)
+    # The config the autotuner ran (just now), hence the number of partial rows written.
+    chosen = _bwd_kernel.best_config.kwargs
+    num_partials = batch * triton.cdiv(seq_len, chosen["ROWS"] * chosen["SPAN"])
+    block_d = 64 if INTERPRETED else 256
+    _sum_partials_kernel[(triton.cdiv(dim, block_d),)](
+        dw_partial, db_partial, dtaps, dbias, num_partials, dim, *dtaps.stride(),
+        W=width, W_PAD=triton.next_power_of_2(width), HAS_BIAS=bias is not None, BLOCK_D=block_d,
+    )  # fmt: skip
+    return dx, dweight, dbias
+
+
+@short_conv_bwd.register_fake
+def _(dy, x, weight, bias, activation, cu_seqlens):
+    def like(t: Tensor) -> Tensor:
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    return like(x), like(weight), x.new_empty(0) if bias is None else like(bias)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, activation, cu_seqlens = inputs
+    ctx.save_for_backward(x, weight, bias, cu_seqlens)
+    ctx.activation = activation
+
+
+def _backward(ctx, dy):
+    x, weight, bias, cu_seqlens = ctx.saved_tensors
+    dx, dweight, dbias = short_conv_bwd(dy, x, weight, bias, ctx.activation, cu_seqlens)
+    return dx, dweight, None if bias is None else dbias, None, None
+
+
+short_conv_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def short_conv_triton(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str | None,
+    cu_seqlens: Tensor | None,
+) -> Tensor:
+    """Causal depthwise conv [B, T, D] -> [B, T, D] (module docstring); differentiable in x, weight and bias."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    taps = _as_depthwise_taps(weight)
+    if x.ndim != 3 or taps.shape[0] != x.shape[2]:
+        raise ValueError(
+            f"expected x [B, T, D] and weight [D, W], got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    if not 1 <= taps.shape[1] <= MAX_WIDTH:
+        raise ValueError(f"the short-conv kernel supports widths 1 to {MAX_WIDTH}, got {taps.shape[1]}")
+    if bias is not None and bias.shape != (x.shape[2],):
+        raise ValueError(f"bias must be [D] = [{x.shape[2]}], got {tuple(bias.shape)}")
+    if cu_seqlens is not None and x.shape[0] != 1:
+        raise ValueError(f"a packed batch (cu_seqlens given) must have batch size 1, got {x.shape[0]}")
+    return short_conv_fwd(x, weight, bias, activation, cu_seqlens)

@@ -1,0 +1,194 @@
+"""flame's Triton short-conv kernels (short_conv_triton.py), run by Triton's interpreter on the CPU, against the
+PyTorch reference `short_conv_torch` evaluated in float64 on the same (rounded) inputs.
+
+Odd sizes (D = 37, T = 45, batch 3; packed documents of lengths 1, 2, 17, 3, 30, some shorter than the kernel),
+widths 1 to 8, with and without bias and SiLU, weights [D, W] and [D, 1, W]. The interpreter runs programs of 4
+spans of 8 tokens x 32 channels, so that every case crosses span, program (32-token chunk) and channel-block edges
+and ends in ragged blocks. Outputs and the gradients dx, dweight, dbias (of one fixed output gradient) are
+compared with torch.testing.assert_close, atol scaled by the largest |reference value| of each tensor (dweight and
+dbias are sums over all B x T tokens, whose float32 rounding grows with their size):
+- float32: rtol = 1e-5, atol = 1e-5 x max |reference|;
+- float64: rtol = 1e-12, atol = 1e-12 x max |reference|;
+- bfloat16 (x, weight, bias and dy in bfloat16, as in mixed-precision training): rtol = 2^-7 (one bfloat16 ulp:
+  y, dx, dweight and dbias are float32 sums rounded once to bfloat16) and atol = 1e-2 x max |reference| (values
+  near 0 after cancellation);
+- bfloat16 x and dy with a float32 weight and bias: rtol = atol / max |reference| = 2^-7 for y and dx, 1e-5 for
+  the float32 dweight and dbias.
+"""
+
+import pytest
+import torch
+
+from flame.ops import short_conv_triton as kernels
+from flame.ops.short_conv import short_conv_torch
+from flame.ops.short_conv_triton import short_conv_bwd, short_conv_fwd, short_conv_triton
+
+# dtype: (rtol, atol relative to the largest |reference value|)
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12), torch.bfloat16: (2**-7, 1e-2)}
+DIM = 37
+LENGTHS = (1, 2, 17, 3, 30)
+# name: (width, with bias, activation, weight [D, 1, W] (else [D, W]), packed documents (else a batch of 3 x 45))
+CASES = {
+    "w4-bias-silu-conv1d_weight": (4, True, "silu", True, False),
+    "w3-plain": (3, False, None, False, False),
+    "w2-bias-swish": (2, True, "swish", False, False),
+    "w1-silu": (1, False, "silu", True, False),
+    "w8-bias-silu": (8, True, "silu", False, False),
+    "varlen-w4-bias-silu": (4, True, "silu", False, True),
+    "varlen-w3-plain-conv1d_weight": (3, False, None, True, True),
+    "varlen-w2-bias": (2, True, None, False, True),
+}
+
+
+def make_inputs(width, with_bias, conv1d_weight, varlen, dtype, seed=0):
+    """(x, weight, bias, cu_seqlens): x, weight, bias as leaves of `dtype` that require grad, cu_seqlens int32."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, seq_len = (1, sum(LENGTHS)) if varlen else (3, 45)
+    x = torch.randn(batch, seq_len, DIM, generator=generator)
+    weight = torch.randn(DIM, 1, width, generator=generator) / width**0.5
+    weight = weight if conv1d_weight else weight[:, 0].contiguous()
+    bias = torch.randn(DIM, generator=generator) if with_bias else None
+    cu_seqlens = (
+        torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32) if varlen else None
+    )
+    leaves = [t.to(dtype).requires_grad_() if t is not None else None for t in (x, weight, bias)]
+    return (*leaves, cu_seqlens)
+
+
+def outputs_and_grads(conv, x, weight, bias, activation, cu_seqlens, dy):
+    y = conv(x, weight, bias, activation, cu_seqlens)
+    leaves = [t for t in (x, weight, bias) if t is not None]
+    return [y, *torch.autograd.grad(y, leaves, dy)]
+
+
+def check_against_reference(width, with_bias, activation, conv1d_weight, varlen, dtype):
+    x, weight, bias, cu_seqlens = make_inputs(width, with_bias, conv1d_weight, varlen, dtype)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    results = outputs_and_grads(short_conv_triton, x, weight, bias, activation, cu_seqlens, dy)
+    reference_leaves = [
+        t.detach().double().requires_grad_() if t is not None else None for t in (x, weight, bias)
+    ]
+    expected = outputs_and_grads(short_conv_torch, *reference_leaves, activation, cu_seqlens, dy.double())
+    rtol, atol = TOLERANCES[dtype]
+    names = ["y", "dx", "dweight", "dbias"]
+    for name, result, reference, like in zip(names, results, expected, [x, x, weight, bias]):
+        assert result.dtype == like.dtype and result.shape == like.shape, name
+        assert result.is_contiguous(), name
+        torch.testing.assert_close(
+            result.double(),
+            reference,
+            rtol=rtol,
+            atol=atol * reference.abs().max().item(),
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_float32_matches_reference(case):
+    check_against_reference(*CASES[case], torch.float32)
+
+
+@pytest.mark.parametrize("case", ["w4-bias-silu-conv1d_weight", "varlen-w4-bias-silu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_other_dtypes_match_reference(case, dtype):
+    check_against_reference(*CASES[case], dtype)
+
+
+def test_float32_weight_with_bfloat16_x():
+    """x and dy in bfloat16, weight and bias in float32: dweight and dbias come back in float32."""
+    x, weight, bias, cu_seqlens = make_inputs(4, True, False, True, torch.float32)
+    x = x.detach().to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    results = outputs_and_grads(short_conv_triton, x, weight, bias, "silu", cu_seqlens, dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    expected = outputs_and_grads(short_conv_torch, *leaves, "silu", cu_seqlens, dy.double())
+    assert [t.dtype for t in results] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
+    for name, result, reference in zip(["y", "dx", "dweight", "dbias"], results, expected):
+        rtol = 2**-7 if result.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(result.double(), reference, rtol=rtol, atol=rtol * reference.abs().max().item(),
+                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+
+
+def test_backward_chunks_longer_than_the_shortest(monkeypatch):
+    """A backward config with longer chunks than the shortest one (64 tokens here) writes fewer partial rows than
+    the buffer holds; the sum reads exactly those."""
+    monkeypatch.setattr(kernels._bwd_kernel, "configs", kernels._configs([(4, 16, 32, 1, 1)]))
+    assert kernels.MIN_CHUNK < 64
+    check_against_reference(*CASES["w4-bias-silu-conv1d_weight"], torch.float32)
+
+
+def test_empty_documents():
+    """Empty documents (repeated cu_seqlens entries, also at both ends) change nothing."""
+    x, weight, bias, cu_seqlens = make_inputs(4, True, False, True, torch.float32)
+    with_empty = torch.tensor([0, 0, 1, 3, 3, 3, 20, 23, 53, 53], dtype=torch.int32)
+    assert with_empty.unique().tolist() == cu_seqlens.tolist()
+    result = short_conv_triton(x, weight, bias, "silu", with_empty)
+    torch.testing.assert_close(result, short_conv_triton(x, weight, bias, "silu", cu_seqlens), rtol=0, atol=0)
+
+
+def test_int64_cu_seqlens_and_strided_x():
+    """cu_seqlens as int64, and x a slice of a wider tensor (row stride > D): the same results as int32 and a
+    contiguous copy, bit for bit."""
+    x, weight, bias, cu_seqlens = make_inputs(4, True, False, True, torch.float32)
+    wide = torch.randn(1, x.shape[1], 2 * DIM)
+    wide[..., 3 : 3 + DIM] = x.detach()
+    strided = wide[..., 3 : 3 + DIM]
+    assert not strided.is_contiguous()
+    expected = short_conv_triton(x.detach(), weight.detach(), bias.detach(), "silu", cu_seqlens)
+    result = short_conv_triton(strided, weight.detach(), bias.detach(), "silu", cu_seqlens.long())
+    torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+
+def test_backward_is_deterministic():
+    x, weight, bias, cu_seqlens = make_inputs(4, True, False, True, torch.float32)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    first, second = (
+        outputs_and_grads(short_conv_triton, x, weight, bias, "silu", cu_seqlens, dy) for _ in range(2)
+    )
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("conv1d_weight", [True, False], ids=["weight_d1w", "weight_dw"])
+def test_custom_op_registration(conv1d_weight):
+    """Schema, fake (meta) implementations (shapes, dtypes and strides of the real outputs) and the autograd
+    registration of the forward op, and the fake implementation of the backward op, as torch.library checks them."""
+    x, weight, bias, cu_seqlens = make_inputs(3, True, conv1d_weight, True, torch.float32)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(
+        short_conv_fwd,
+        (x, weight, bias, "silu", cu_seqlens),
+        test_utils=(*checks, "test_autograd_registration"),
+    )
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    args = (dy, x.detach(), weight.detach(), bias.detach(), "silu", cu_seqlens)
+    torch.library.opcheck(short_conv_bwd, args, test_utils=checks)
+    torch.library.opcheck(short_conv_bwd, (*args[:3], None, None, None), test_utils=checks)
+
+
+def test_compiled_graph_equals_eager():
+    """torch.compile(fullgraph=True) traces the op as one node; output and gradients equal eager bit for bit
+    (aot_eager here, on the CPU)."""
+    x, weight, bias, cu_seqlens = make_inputs(4, True, False, True, torch.float32)
+
+    def loss(x, weight, bias):
+        return short_conv_triton(x * 1.5, weight, bias, "silu", cu_seqlens).square().sum()
+
+    results = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        value = fn(x, weight, bias)
+        results.append((value, *torch.autograd.grad(value, (x, weight, bias))))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+def test_refuses_unsupported_arguments():
+    x = torch.zeros(2, 5, 4)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        short_conv_triton(x, torch.zeros(4, 3), None, "relu", None)
+    with pytest.raises(ValueError, match="widths 1 to 8, got 9"):
+        short_conv_triton(x, torch.zeros(4, 9), None, None, None)
+    with pytest.raises(ValueError, match="expected x \\[B, T, D\\] and weight \\[D, W\\]"):
+        short_conv_triton(x, torch.zeros(5, 3), None, None, None)
+    with pytest.raises(ValueError, match="bias must be \\[D\\]"):
+        short_conv_triton(x, torch.zeros(4, 3), torch.zeros(3), None, None)
+    with pytest.raises(ValueError, match="batch size 1"):
+        short_conv_triton(x, torch.zeros(4, 3), None, None, torch.tensor([0, 5]))
