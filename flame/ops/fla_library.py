@@ -1,11 +1,11 @@
-"""FLA 0.6.0's chunk gated delta rule and short convolution registered as torch.library custom ops.
+"""FLA 0.6.0's chunk gated delta rule registered as torch.library custom ops.
 
 FLA wraps its public ops in ``torch.compiler.disable`` (and its autograd Functions hold Python state that dynamo does
 not trace), so a compiled Gated DeltaNet block broke into a graph per FLA call: every break costs a return to
 Python, guard checks and a separate compiled region in forward and backward. Registered as custom ops with fake
 (shape-only) implementations, the forward and backward of each op are single opaque nodes, and a block compiles to
-one graph. The Triton work inside is FLA's own functions (`chunk_gated_delta_rule_fwd` / `_bwd`,
-`causal_conv1d_fwd` / `_bwd`), called exactly as FLA's autograd Functions call them.
+one graph. The Triton work inside is FLA's own functions (`chunk_gated_delta_rule_fwd` / `_bwd`), called exactly as
+FLA's autograd Function calls them. (The short convolution is flame's own custom op: short_conv_triton.py.)
 
 Custom ops may not return their inputs, so intermediates that FLA saves only sometimes (the l2-normalised q/k, the
 sigmoid of beta) come back as empty tensors when they are the input itself, and absent gradients as empty tensors
@@ -35,9 +35,6 @@ def _chunk_indices(
     from fla.ops.utils.index import prepare_chunk_indices
 
     return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
-
-
-# --- gated delta rule --------------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("flame::fla_gated_delta_rule_fwd", mutates_args=(), device_types="cuda")
@@ -335,93 +332,3 @@ def chunk_gated_delta_rule(
         use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, use_gate_in_kernel, chunk_size,
     )  # fmt: skip
     return o, final_state if output_final_state else None
-
-
-# --- short convolution -------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("flame::fla_short_conv_fwd", mutates_args=(), device_types="cuda")
-def short_conv_fwd(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    activation: str | None,
-    cu_seqlens: Tensor | None,
-) -> Tensor:
-    """FLA's ``causal_conv1d_fwd``: x [B, T, D], weight [D, W] -> y [B, T, D] (no states, no residual)."""
-    from fla.modules.causal_conv1d import causal_conv1d_fwd
-
-    x, weight, bias = _contiguous(x, weight, bias)
-    y, _ = causal_conv1d_fwd(
-        x=x,
-        weight=weight,
-        bias=bias,
-        residual=None,
-        activation=activation,
-        cu_seqlens=cu_seqlens,
-    )
-    return y
-
-
-@short_conv_fwd.register_fake
-def _(x, weight, bias, activation, cu_seqlens):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("flame::fla_short_conv_bwd", mutates_args=(), device_types="cuda")
-def short_conv_bwd(
-    dy: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    activation: str | None,
-    cu_seqlens: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dweight, dbias or empty) from FLA's ``causal_conv1d_bwd``."""
-    from fla.modules.causal_conv1d import causal_conv1d_bwd
-
-    dy, x, weight, bias = _contiguous(dy, x, weight, bias)
-    dx, dweight, dbias, _, _ = causal_conv1d_bwd(
-        x=x,
-        dy=dy,
-        dht=None,
-        weight=weight,
-        bias=bias,
-        activation=activation,
-        cu_seqlens=cu_seqlens,
-    )
-    return dx, dweight.to(weight.dtype), _empty(dy) if dbias is None else dbias.to(bias.dtype)
-
-
-@short_conv_bwd.register_fake
-def _(dy, x, weight, bias, activation, cu_seqlens):
-    def like(t: Tensor) -> Tensor:
-        return torch.empty_like(t, memory_format=torch.contiguous_format)
-
-    return like(x), like(weight), _empty(dy) if bias is None else like(bias)
-
-
-def _short_conv_setup_context(ctx, inputs, output):
-    x, weight, bias, activation, cu_seqlens = inputs
-    ctx.save_for_backward(x, weight, bias, cu_seqlens)
-    ctx.activation = activation
-
-
-def _short_conv_backward(ctx, dy):
-    x, weight, bias, cu_seqlens = ctx.saved_tensors
-    dx, dweight, dbias = short_conv_bwd(dy, x, weight, bias, ctx.activation, cu_seqlens)
-    return dx, dweight, None if bias is None else dbias, None, None
-
-
-short_conv_fwd.register_autograd(_short_conv_backward, setup_context=_short_conv_setup_context)
-
-
-def short_conv(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    activation: str | None,
-    cu_seqlens: Tensor | None,
-) -> Tensor:
-    """Causal depthwise conv through the custom ops; x [B, T, D], weight [D, W] (taps), same as FLA's kernel."""
-    return short_conv_fwd(x, weight, bias, activation, cu_seqlens)

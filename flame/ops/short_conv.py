@@ -7,11 +7,12 @@ documents into one row: no token sees a token of the previous document. The last
 current token, as in `nn.Conv1d(D, D, W, groups=D, padding=W-1)` truncated to the first T outputs.
 
 Weights interchange with FLA's `ShortConvolution`: that module is an `nn.Conv1d` subclass whose weight is [D, 1, W]
-(its forward squeezes it to the [D, W] that `causal_conv1d` takes); both shapes are accepted here. The sum runs in
-float32 (float64 for float64 inputs) and is cast back to x.dtype, as in FLA's kernel.
+(its forward squeezes it to the [D, W] that FLA's `causal_conv1d` takes); both shapes are accepted here. The sum
+runs in float32 (float64 for float64 inputs) and is cast back to x.dtype, as in FLA's kernel.
 
-`short_conv` calls `cuda_implementation` (FLA's Triton `causal_conv1d` unless replaced) for CUDA tensors and
-`short_conv_torch` otherwise.
+`short_conv` calls `cuda_implementation` (flame's Triton kernels, short_conv_triton.py, unless replaced) for CUDA
+tensors and `short_conv_torch` otherwise. Since session 6 flame's kernels replace FLA 0.6.0's `causal_conv1d`,
+whose backward ran at ~4.7x the memory-bandwidth floor (docs/performance.md, "Short convolution kernel").
 """
 
 import torch
@@ -70,29 +71,22 @@ def short_conv_torch(
     return y.to(x.dtype)
 
 
-def fla_short_conv(
+def triton_short_conv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     activation: str | None,
     cu_seqlens: torch.Tensor | None,
 ) -> torch.Tensor:
-    """FLA 0.6.0's Triton `causal_conv1d`, imported on first use (importing fla pulls in Triton); under
-    torch.compile through flame's torch.library custom ops (`flame.ops.fla_library`), which dynamo traces."""
-    if torch.compiler.is_compiling():
-        from flame.ops import fla_library
+    """flame's Triton kernels (short_conv_triton.py, torch.library custom ops, so a compiled block stays one graph),
+    imported on first use: importing them pulls in Triton."""
+    from flame.ops.short_conv_triton import short_conv_triton
 
-        return fla_library.short_conv(x, _as_depthwise_taps(weight), bias, activation, cu_seqlens)
-    from fla.modules.causal_conv1d import causal_conv1d
-
-    output, _ = causal_conv1d(
-        x=x, weight=_as_depthwise_taps(weight), bias=bias, activation=activation, cu_seqlens=cu_seqlens
-    )
-    return output
+    return short_conv_triton(x, weight, bias, activation, cu_seqlens)
 
 
 # What serves CUDA tensors; assign a function with the same signature to use another kernel.
-cuda_implementation = fla_short_conv
+cuda_implementation = triton_short_conv
 
 
 def short_conv(

@@ -10,7 +10,7 @@ from torchtitan.tools.logging import logger
 def compile_blocks(model: nn.Module, backend: str) -> None:
     """Compile each block separately: repeated structure compiles once, and FSDP hooks stay outside the graphs
     (pytorch#181924: FSDP2 hooks break fullgraph graphs). Under compile the gated delta rule and the short conv
-    run as torch.library custom ops and the norms as PyTorch code (flame.ops), so a Gated DeltaNet or attention
+    (flame's kernel) run as torch.library custom ops and the norms as PyTorch code (flame.ops), so a Gated DeltaNet or attention
     block is one graph; fullgraph stays off because DeltaNet's FLA ops still graph-break."""
     for layer_id, block in model.layers.named_children():
         model.layers.register_module(layer_id, torch.compile(block, backend=backend, fullgraph=False))

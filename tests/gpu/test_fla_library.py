@@ -1,4 +1,4 @@
-"""FLA's chunk gated delta rule and short conv as torch.library custom ops (flame.ops.fla_library).
+"""FLA's chunk gated delta rule as torch.library custom ops (flame.ops.fla_library).
 
 - torch.library.opcheck: schema, fake (shape-only) implementations against the real outputs, autograd
   registration, and tracing by AOTAutograd with dynamic shapes.
@@ -19,10 +19,12 @@ from flame.ops.gated_delta_rule.hopper_backward import register_backend
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# The custom ops and FLA's Functions run the same kernels, but FLA's results are not always bit-reproducible from
-# run to run (the test prints FLA against itself); a wiring bug (a wrong saved tensor, flag or dtype) gives errors
-# of order one. opcheck compares eager and traced runs of the op with rtol = atol = 1e-2 for the same reason
-# (one bf16 ulp is 0.4% relative).
+# The custom ops and FLA's Functions run the same kernels: on an H100 (2026-11-21) they agreed bit for bit, and FLA
+# with itself too (the test prints both). The limit leaves room for kernels that sum in another order on other GPUs
+# or autotuning choices; a wiring bug (a wrong saved tensor, flag or dtype) gives errors of order one. opcheck
+# compares eager and traced runs of the op with rtol = atol = 1e-2 for the same reason (one bf16 ulp is 0.4%
+# relative). Its loss sums every output, so the gradient of the final state arrives expanded (stride 0): that
+# check found the custom ops handing such a tensor to FLA's kernels, which read it as contiguous (now copied).
 SAME_KERNELS_LIMIT = 1e-3
 
 # (gate, beta sigmoid, l2norm, state_v_first and negative eigenvalues in the op, as the layer runs it; or none of
@@ -114,34 +116,6 @@ def test_gated_delta_rule_ops_equal_fla_function(case):
         )
         assert torch.isfinite(a).all()
         assert relative_rms(a, b) <= SAME_KERNELS_LIMIT, f"output {index}: {relative_rms(a, b):.2e}"
-
-
-@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
-def test_short_conv_ops_pass_opcheck_and_equal_fla_function(varlen):
-    from fla.modules.causal_conv1d import causal_conv1d
-
-    torch.manual_seed(0)
-    batch, seq_len, dim, width = (1, 301, 96, 4) if varlen else (3, 77, 96, 4)
-    x = torch.randn(batch, seq_len, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.randn(dim, width, device="cuda", requires_grad=True)
-    bias = torch.randn(dim, device="cuda", requires_grad=True)
-    cu_seqlens = torch.tensor([0, 100, 101, 301], device="cuda") if varlen else None
-    torch.library.opcheck(
-        fla_library.short_conv_fwd, (x, weight, bias, "silu", cu_seqlens), rtol=1e-2, atol=1e-2
-    )
-
-    dy = torch.randn_like(x)
-    results = []
-    for run in (
-        lambda: fla_library.short_conv(x, weight, bias, "silu", cu_seqlens),
-        lambda: causal_conv1d(x=x, weight=weight, bias=bias, activation="silu", cu_seqlens=cu_seqlens)[0],
-    ):
-        x.grad = weight.grad = bias.grad = None
-        y = run()
-        y.backward(dy)
-        results.append([y.detach(), x.grad, weight.grad, bias.grad])
-    for a, b in zip(*results, strict=True):
-        assert a.dtype == b.dtype and relative_rms(a, b) <= SAME_KERNELS_LIMIT
 
 
 def test_compiled_gated_deltanet_layer_is_one_graph_and_matches_eager():

@@ -4,13 +4,12 @@ This checks that CUDA tensors reach FLA, with argument names FLA 0.6.0 accepts (
 **kwargs, names its source reads). That CPU tensors never reach FLA is checked by every other test: FLA's kernels
 raise on CPU tensors ("0 active drivers").
 
-Under torch.compile (``torch.compiler.is_compiling()`` patched to True here) the gated delta rule and the short conv
-reach flame's custom-op wrappers in flame.ops.fla_library instead (test_fla_library.py checks their calls into
-FLA), and the norms the PyTorch code."""
+Under torch.compile (``torch.compiler.is_compiling()`` patched to True here) the gated delta rule reaches flame's
+custom-op wrapper in flame.ops.fla_library instead (test_fla_library.py checks its calls into FLA), and the norms
+the PyTorch code. The short convolution is flame's own Triton kernel (a custom op) in both modes."""
 
 import inspect
 
-import fla.modules.causal_conv1d
 import fla.modules.norm.fused_norm_gate
 import fla.modules.norm.layernorm
 import fla.ops.attn
@@ -90,13 +89,6 @@ CASES = {
         ),
         {"use_qk_l2norm_in_kernel": True},
     ),
-    "short_conv": (
-        fla.modules.causal_conv1d,
-        "causal_conv1d",
-        (SENTINEL, None),
-        lambda: short_conv(tensor(1, 8, 6), torch.randn(6, 1, 4), activation="silu", cu_seqlens=cu_seqlens),
-        {"activation": "silu", "cu_seqlens": cu_seqlens},
-    ),
     "rms_norm": (
         fla.modules.norm.layernorm,
         "rms_norm",
@@ -169,13 +161,6 @@ COMPILED_CASES = {
         SENTINEL,
         *CASES["chunk_gated_delta_rule"][3:],
     ),
-    "short_conv": (
-        fla_library,
-        "short_conv",
-        SENTINEL,
-        CASES["short_conv"][3],
-        {"activation": "silu", "cu_seqlens": cu_seqlens, "weight": lambda weight: weight.shape == (6, 4)},
-    ),
 }
 
 
@@ -185,6 +170,23 @@ def test_under_compile_cuda_tensors_reach_the_custom_op_wrappers(case, monkeypat
     monkeypatch.setattr(fla_module, fla_name, lambda *a, **k: pytest.fail(f"FLA's {fla_name} must not run"))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     check_call_reaches(*COMPILED_CASES[case], monkeypatch)
+
+
+@pytest.mark.parametrize("compiling", [False, True], ids=["eager", "compiled"])
+def test_cuda_short_conv_runs_flames_triton_kernel(compiling, monkeypatch):
+    from flame.ops import short_conv_triton
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    weight = torch.randn(6, 1, 4)
+    call = (tensor(1, 8, 6), weight, None, "silu", cu_seqlens)
+    check_call_reaches(
+        short_conv_triton,
+        "short_conv_triton",
+        SENTINEL,
+        lambda: short_conv(*call[:2], activation="silu", cu_seqlens=cu_seqlens),
+        dict(zip(("x", "weight", "bias", "activation", "cu_seqlens"), call, strict=True)),
+        monkeypatch,
+    )
 
 
 def test_under_compile_fla_context_parallelism_stays_on_flas_op(monkeypatch):

@@ -1,7 +1,7 @@
 """The bodies of flame.ops.fla_library's custom ops on CPU, with FLA's internal functions replaced by recorders.
 
 The custom ops call FLA 0.6.0's internal functions (chunk_gated_delta_rule_fwd / _bwd, l2norm_fwd / _bwd,
-fused_beta_sigmoid_fwd / _bwd, prepare_chunk_indices, causal_conv1d_fwd / _bwd), not its public API, so a new FLA
+fused_beta_sigmoid_fwd / _bwd, prepare_chunk_indices), not its public API, so a new FLA
 release may rename their arguments or change what they return. Their Triton kernels need a GPU
 (tests/gpu/test_fla_library.py runs them); here each recorder binds its call to the real function's signature (an
 argument name FLA does not accept raises TypeError) and returns CPU tensors of the shapes and dtypes FLA's source
@@ -12,7 +12,6 @@ what the bodies return.
 import inspect
 from types import SimpleNamespace
 
-import fla.modules.causal_conv1d
 import fla.modules.norm.l2norm
 import fla.ops.common.gate
 import fla.ops.gated_delta_rule.chunk
@@ -26,7 +25,6 @@ from flame.ops import fla_library
 B, T, H, HV, K, V, CHUNK = 2, 8, 2, 4, 4, 3, 32  # K != V: a transposed state layout shows in the shapes
 # torch's CustomOpDef keeps the decorated function as _init_fn and the register_fake one as _abstract_fn.
 GDN_FWD, GDN_BWD = fla_library.gated_delta_rule_fwd, fla_library.gated_delta_rule_bwd
-CONV_FWD, CONV_BWD = fla_library.short_conv_fwd, fla_library.short_conv_bwd
 
 
 def f32(*shape):
@@ -57,14 +55,6 @@ INTERNALS = {
     (fla.ops.utils.index, "prepare_chunk_indices"): lambda a: torch.zeros(2, 2, dtype=torch.long),
     (fla.ops.gated_delta_rule.chunk, "chunk_gated_delta_rule_fwd"): gdn_fwd,
     (fla.ops.gated_delta_rule.chunk, "chunk_gated_delta_rule_bwd"): gdn_bwd,
-    (fla.modules.causal_conv1d, "causal_conv1d_fwd"): lambda a: (torch.empty_like(a["x"]), None),
-    (fla.modules.causal_conv1d, "causal_conv1d_bwd"): lambda a: (
-        torch.empty_like(a["x"]),
-        torch.empty_like(a["weight"]),
-        None if a["bias"] is None else torch.empty_like(a["bias"]),
-        None,
-        None,
-    ),
     (flame.ops.gated_delta_rule.hopper_backward, "register_backend"): lambda a: None,
 }
 
@@ -236,20 +226,6 @@ def test_gated_delta_rule_ops_give_fla_contiguous_tensors(fla_calls):
     assert [name for name, value in received if not value.is_contiguous()] == []
 
 
-def test_short_conv_ops_give_fla_contiguous_tensors(fla_calls):
-    x, weight, bias = (strided_like(torch.randn(*shape)) for shape in ((1, T, 6), (6, 4), (6,)))
-    CONV_FWD._init_fn(x, weight, bias, "silu", None)
-    CONV_BWD._init_fn(torch.ones(()).expand_as(x), x, weight, bias, "silu", None)
-    received = [
-        value
-        for function in ("causal_conv1d_fwd", "causal_conv1d_bwd")
-        for call, _ in fla_calls[function]
-        for value in call.values()
-        if isinstance(value, torch.Tensor)
-    ]
-    assert len(received) == 7 and all(value.is_contiguous() for value in received)
-
-
 @pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
 def test_gated_delta_rule_fakes_agree_with_the_bodies(layer, fla_calls, monkeypatch):
     a = gdn_arguments(layer)
@@ -258,33 +234,9 @@ def test_gated_delta_rule_fakes_agree_with_the_bodies(layer, fla_calls, monkeypa
     check_like(GDN_FWD._abstract_fn(**a), outputs)
 
 
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_short_conv_calls_fla_with_the_taps_and_no_state(with_bias, fla_calls):
-    x, weight = torch.randn(1, T, 6, dtype=torch.bfloat16), torch.randn(6, 4)  # weight: [D, W] taps
-    bias = torch.randn(6) if with_bias else None
-    cu_seqlens = torch.tensor([0, 5, 8])
-    rest = (weight, bias, "silu", cu_seqlens)
-    y = CONV_FWD._init_fn(x, *rest)
-    ((call, (fla_y, _)),) = fla_calls["causal_conv1d_fwd"]
-    names = ("x", "weight", "bias", "activation", "cu_seqlens")
-    assert y is fla_y and same([call[name] for name in names], [x, *rest]) and call["residual"] is None
-
-    dy = torch.randn_like(y)
-    grads = CONV_BWD._init_fn(dy, x, *rest)
-    ((call, (fla_dx, fla_dweight, fla_dbias, _, _)),) = fla_calls["causal_conv1d_bwd"]
-    assert same([call[name] for name in ("dy", "dht", *names)], [dy, None, x, *rest])
-    assert same(grads[:2], [fla_dx, fla_dweight]) and (
-        grads[2] is fla_dbias if with_bias else grads[2].numel() == 0
-    )
-    check_like([CONV_FWD._abstract_fn(x, *rest)], [y])
-    check_like(CONV_BWD._abstract_fn(dy, x, *rest), grads)
-
-
 def test_recorders_reject_an_argument_fla_does_not_take(fla_calls, monkeypatch):
     """Each recorder binds: a call replayed with its own arguments passes, with one more keyword it fails."""
     gdn_forward_backward(gdn_arguments(layer=True), monkeypatch)
-    x, weight = torch.randn(1, T, 6), torch.randn(6, 4)
-    CONV_BWD._init_fn(CONV_FWD._init_fn(x, weight, None, None, None), x, weight, None, None, None)
     for module, name in INTERNALS:
         (arguments, _), *_ = fla_calls[name]
         getattr(module, name)(**arguments)
