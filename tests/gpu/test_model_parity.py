@@ -1,11 +1,15 @@
-"""Every model family on the GPU path (FLA's Triton kernels / SDPA, bf16 autocast) against the PyTorch path
-(CPU, float32) with the same weights: logits and every parameter gradient.
+"""Every model family on the GPU path (FLA's and flame's Triton kernels / SDPA, bf16 autocast) against the PyTorch
+path (CPU, float32) with the same weights: logits and every parameter gradient.
 
 Limits on the relative error ||x - ref|| / ||ref||: 0.02 for logits and 0.05 for each parameter's gradient (bf16
 autocast through two layers; FLA's own op tests allow 0.005-0.02 per op in float16). Softpick and rectified
 softmax are not smooth at a score of 0 (rectified is not even continuous there), so bf16 rounding of q and k moves
-scores across it: their limits are 0.15 for gradients, and 0.06 for rectified logits. Their GPU path is still the
-materialized PyTorch one (no fused kernel yet); the comparison is then bf16 on GPU against float32 on CPU.
+scores across it. The first token of a document sees one key, and softpick of one score s is
+relu(e^s - 1) / |e^s - 1|, a step: a token's output flips between 0 and v when rounding flips the sign of s. On
+an H100 and an H200 (2026-11-21) softpick on packed documents measured logits 0.027 in bf16 (0.41 at the first
+token of the second document, 0.013 or less at every other token) and 0.00000 in float32. So the softpick family
+gets 0.06 for logits and 0.15 for gradients in bf16, and is also compared in float32 on the GPU (no autocast),
+where its kernel must agree to 1e-4: that comparison is the one that would show a kernel bug.
 A gradient far smaller than the model's largest (e.g. the one-element A_log of a single-head layer, a sum of
 terms that nearly cancel) is judged against 1% of the largest gradient norm instead of its own norm: bf16 alone
 (the PyTorch path under CPU autocast) moves such a gradient by 16% relative while the error stays 1e-4 absolute.
@@ -20,7 +24,8 @@ import torch.nn.functional as F
 from flame.models import build_model, get_model_spec
 
 LOGIT_LIMIT, GRAD_LIMIT = 0.02, 0.05
-NON_SMOOTH_LIMITS = {"softpick": (0.02, 0.15), "scaled-softpick": (0.02, 0.15), "rectified": (0.06, 0.15)}
+NON_SMOOTH_LIMITS = dict.fromkeys(("softpick", "scaled-softpick", "rectified"), (0.06, 0.15))
+FLOAT32_LIMIT = 1e-4
 VOCAB = 512
 TRANSFORMER = dict(model_type="transformer", hidden_size=128, num_hidden_layers=2, num_heads=4, num_kv_heads=2,
                    vocab_size=VOCAB, qk_norm=True)  # fmt: skip
@@ -58,9 +63,8 @@ def forward_backward(model, tokens, labels, position_ids, cu_seqlens, autocast: 
     return logits.float().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_gpu_path_matches_pytorch_path(family, varlen):
+def relative_errors(family: str, varlen: bool, autocast: bool) -> dict[str, float]:
+    """{"logits": ratio, parameter name: ratio} of the GPU path against the float32 PyTorch path on the CPU."""
     config = FAMILIES[family]
     args, _ = get_model_spec(config["model_type"]).args_cls.from_dict(config)
     torch.manual_seed(0)
@@ -79,16 +83,29 @@ def test_gpu_path_matches_pytorch_path(family, varlen):
     labels = torch.randint(0, VOCAB, tokens.shape)
 
     ref_logits, ref_grads = forward_backward(model, tokens, labels, position_ids, cu_seqlens, autocast=False)
-    logits, grads = forward_backward(gpu_model, tokens, labels, position_ids, cu_seqlens, autocast=True)
+    logits, grads = forward_backward(gpu_model, tokens, labels, position_ids, cu_seqlens, autocast=autocast)
+    assert torch.isfinite(logits).all()
+    assert all(torch.isfinite(grad).all() for grad in grads.values())
 
     ratios = {"logits": err_ratio(ref_logits, logits)}
     floor = 0.01 * max(g.norm().item() for g in ref_grads.values())
     ratios.update({name: err_ratio(ref_grads[name], grads[name], floor) for name in ref_grads})
     worst = max((r, n) for n, r in ratios.items() if n != "logits")
-    print(f"{family:>22} {'varlen' if varlen else 'batch':>6}: logits {ratios['logits']:.5f}, "
-          f"worst grad {worst[0]:.5f} ({worst[1]}), {len(ref_grads)} parameters")  # fmt: skip
+    print(f"{family:>22} {'varlen' if varlen else 'batch':>6} {'bf16' if autocast else 'fp32'}: logits "
+          f"{ratios['logits']:.5f}, worst grad {worst[0]:.5f} ({worst[1]}), {len(ref_grads)} parameters")  # fmt: skip
+    return ratios
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gpu_path_matches_pytorch_path(family, varlen):
     logit_limit, grad_limit = NON_SMOOTH_LIMITS.get(family, (LOGIT_LIMIT, GRAD_LIMIT))
-    assert torch.isfinite(logits).all()
-    for name, ratio in ratios.items():
-        assert name == "logits" or torch.isfinite(grads[name]).all(), name
+    for name, ratio in relative_errors(family, varlen, autocast=True).items():
         assert ratio < (logit_limit if name == "logits" else grad_limit), f"{name}: {ratio:.5f}"
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+@pytest.mark.parametrize("family", list(NON_SMOOTH_LIMITS))
+def test_softpick_family_gpu_path_matches_in_float32(family, varlen):
+    for name, ratio in relative_errors(family, varlen, autocast=False).items():
+        assert ratio < FLOAT32_LIMIT, f"{name}: {ratio:.2e}"
