@@ -114,24 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     if not args.no_write:
         command = " ".join(["python bench/short_conv.py", *(sys.argv[1:] if argv is None else argv)])
-        section = "\n".join(
-            [
-                f"<!-- {MARKER} -->",
-                "## Short convolution kernel",
-                "",
-                f"Command: `{command}` on {device_name(torch.device('cuda'))}, torch {torch.__version__} "
-                f"({time.strftime('%Y-%m-%d')}); bfloat16 x, weight [D, {WIDTH}] and bias, SiLU, no cu_seqlens. "
-                "Medians of triton.testing.do_bench_cudagraph (GPU time); bwd = fwd+bwd - fwd. The floor moves "
-                "the op's bytes at the bandwidth of a same-size clone (fwd: read x, write y; fwd+bwd: also read x "
-                "and dy, write dx). "
-                f"Total run time {time.perf_counter() - started:.0f} s.",
-                "",
-                text,
-                f"<!-- /{MARKER} -->",
-            ]
+        write_section(
+            args.doc,
+            MARKER,
+            "Short convolution kernel",
+            f"Command: `{command}` on {device_name(torch.device('cuda'))}, torch {torch.__version__} "
+            f"({time.strftime('%Y-%m-%d')}); bfloat16 x, weight [D, {WIDTH}] and bias, SiLU, no cu_seqlens. "
+            "Medians of triton.testing.do_bench_cudagraph (GPU time); bwd = fwd+bwd - fwd. The floor moves "
+            "the op's bytes at the bandwidth of a same-size clone (fwd: read x, write y; fwd+bwd: also read x "
+            "and dy, write dx). "
+            f"Total run time {time.perf_counter() - started:.0f} s.",
+            text,
         )
-        write_section(args.doc, f"<!-- {MARKER} -->", f"<!-- /{MARKER} -->", section)
-        print(f"\nwrote the {MARKER} section of {args.doc}")
     return 0
 
 

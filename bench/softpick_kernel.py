@@ -151,22 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     if not args.no_write:
         command = " ".join(["python bench/softpick_kernel.py", *(sys.argv[1:] if argv is None else argv)])
-        section = "\n".join(
-            [
-                f"<!-- {MARKER} -->",
-                "## Softpick attention kernel",
-                "",
-                f"Command: `{command}` on {device_name(torch.device('cuda'))}, torch {torch.__version__} "
-                f"({time.strftime('%Y-%m-%d')}); causal, bfloat16, {args.tokens:,} tokens per case (B = tokens / T), "
-                "no GQA. Medians of triton.testing.do_bench; peak memory above the inputs during one forward + "
-                f"backward. Total run time {time.perf_counter() - started:.0f} s.",
-                "",
-                text,
-                f"<!-- /{MARKER} -->",
-            ]
+        write_section(
+            args.doc,
+            MARKER,
+            "Softpick attention kernel",
+            f"Command: `{command}` on {device_name(torch.device('cuda'))}, torch {torch.__version__} "
+            f"({time.strftime('%Y-%m-%d')}); causal, bfloat16, {args.tokens:,} tokens per case (B = tokens / T), "
+            "no GQA. Medians of triton.testing.do_bench; peak memory above the inputs during one forward + "
+            f"backward. Total run time {time.perf_counter() - started:.0f} s.",
+            text,
         )
-        write_section(args.doc, f"<!-- {MARKER} -->", f"<!-- /{MARKER} -->", section)
-        print(f"\nwrote the {MARKER} section of {args.doc}")
     return 0
 
 

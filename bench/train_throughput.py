@@ -276,7 +276,11 @@ def table(results: list[Result], world_size: int) -> str:
     return "\n".join(lines)
 
 
-def write_section(doc: Path, start: str, end: str, section: str) -> None:
+def write_section(doc: Path, marker: str, title: str, description: str, table_text: str) -> None:
+    """Puts "## title", the description and the table between <!-- marker --> and <!-- /marker --> in doc (the
+    previous run's section there is replaced); every bench script writes its results this way."""
+    start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    section = "\n".join([start, f"## {title}", "", description, "", table_text, end])
     text = doc.read_text() if doc.exists() else "# Performance\n"
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.DOTALL)
     text = (
@@ -284,6 +288,7 @@ def write_section(doc: Path, start: str, end: str, section: str) -> None:
     )
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text.rstrip("\n") + "\n")
+    print(f"\nwrote the {marker} section of {doc}")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -411,24 +416,18 @@ def main(argv: list[str] | None = None) -> int:
                 parallelism = (
                     "FSDP (bf16 params, fp32 reduce)" if world_size > 1 else "one GPU, bf16 autocast"
                 )
-            section = "\n".join(
-                [
-                    f"<!-- {marker} -->",
-                    f"## Training throughput, {world_size} {device.type.upper()}{'s' * (world_size > 1)}",
-                    "",
-                    f"Command: `{command}` on {world_size} x {device_name(device)}, torch {torch.__version__} "
-                    f"({time.strftime('%Y-%m-%d')}); {parallelism}, random tokens, {args.tokens_per_gpu:,} tokens "
-                    f"per GPU per step, activation checkpointing {args.ac}, AdamW, {args.warmup} warm-up then "
-                    f"{args.steps} timed steps. MFU against {args.peak_tflops or 'n/a'} TFLOP/s; FLOPs per token "
-                    "from get_nparams_and_flops. Total run time "
-                    f"{time.perf_counter() - started:.0f} s.",
-                    "",
-                    text,
-                    f"<!-- /{marker} -->",
-                ]
+            write_section(
+                args.doc,
+                marker,
+                f"Training throughput, {world_size} {device.type.upper()}{'s' * (world_size > 1)}",
+                f"Command: `{command}` on {world_size} x {device_name(device)}, torch {torch.__version__} "
+                f"({time.strftime('%Y-%m-%d')}); {parallelism}, random tokens, {args.tokens_per_gpu:,} tokens "
+                f"per GPU per step, activation checkpointing {args.ac}, AdamW, {args.warmup} warm-up then "
+                f"{args.steps} timed steps. MFU against {args.peak_tflops or 'n/a'} TFLOP/s; FLOPs per token "
+                "from get_nparams_and_flops. Total run time "
+                f"{time.perf_counter() - started:.0f} s.",
+                text,
             )
-            write_section(args.doc, f"<!-- {marker} -->", f"<!-- /{marker} -->", section)
-            print(f"\nwrote the {marker} section of {args.doc}")
     if dist.is_initialized():
         dist.destroy_process_group()
     return 1 if any(r.error for r in results) else 0
