@@ -87,7 +87,9 @@ class Result:
     mfu: float = float("nan")
     peak_gib: float = float("nan")
     error: str = ""
-    profile: str = ""
+    profile: str = ""  # rank 0's top kernels
+    # Every rank's GPU timeline: the rank the others wait for is the one whose NCCL kernels wait least.
+    timelines: tuple[str, ...] = ()
 
 
 def model_args(name: str, tiny: bool):
@@ -177,13 +179,18 @@ def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
     if device.type == "cuda":
         result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
     if args.profile:
-        result.profile = profile_steps(step, args.profile, device)
+        result.profile, timeline = profile_steps(step, args.profile, device)
+        result.timelines = (timeline,)
+        if dist.is_initialized():
+            timelines = [None] * world_size
+            dist.all_gather_object(timelines, timeline)
+            result.timelines = tuple(timelines)
     return result
 
 
-def profile_steps(step, steps: int, device) -> str:
+def profile_steps(step, steps: int, device) -> tuple[str, str]:
     """The kernels that take the time over `steps` more steps: torch.profiler's table, top 25 by device time, and
-    on a GPU the step's timeline summary (gpu_timeline)."""
+    the step's timeline summary (gpu_timeline)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -194,9 +201,7 @@ def profile_steps(step, steps: int, device) -> str:
             torch.cuda.synchronize()
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     text = prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=70)
-    if device.type == "cuda":
-        text += "\n" + gpu_timeline(prof.events(), steps)
-    return text
+    return text, gpu_timeline(prof.events(), steps)
 
 
 def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -400,7 +405,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(table([result], world_size).splitlines()[-1], f"({time.perf_counter() - case_start:.0f} s)",
                           flush=True)  # fmt: skip
                     if result.profile:
-                        print(f"profile of {name} seq {seq_len} {mode}:\n{result.profile}", flush=True)
+                        timelines = "\n".join(f"rank {r}: {line}" for r, line in enumerate(result.timelines))
+                        print(
+                            f"profile of {name} seq {seq_len} {mode}:\n{result.profile}\n{timelines}",
+                            flush=True,
+                        )
     if rank == 0:
         text = table(results, world_size)
         print("\n" + text)

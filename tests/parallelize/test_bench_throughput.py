@@ -38,8 +38,10 @@ def test_bench_smoke_on_cpu_writes_its_sections(tmp_path):
     tiny = ["--device", "cpu", "--tiny", "--doc", str(doc)]
     run([sys.executable, str(BENCH), *tiny, "--models", "transformer,hybrid", "--modes", "eager,compiled",
          "--compile_backend", "eager"])  # fmt: skip
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(BENCH), *tiny,
-         "--models", "gated_deltanet", "--modes", "eager"])  # fmt: skip
+    two_ranks = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(BENCH),
+                     *tiny, "--models", "gated_deltanet", "--modes", "eager", "--profile", "1"])  # fmt: skip
+    # --profile prints every rank's timeline (no GPU kernels on a CPU), gathered by rank 0.
+    assert "rank 0: no GPU kernels recorded\nrank 1: no GPU kernels recorded" in two_ranks.stdout
 
     text = doc.read_text()
     assert "<!-- bench_dataloader -->\nloader table\n<!-- /bench_dataloader -->" in text
