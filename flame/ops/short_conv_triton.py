@@ -80,8 +80,10 @@ else:
 # A backward program sums the tokens of one chunk (ROWS * SPAN of a row) into one partial dweight / dbias row; the
 # partial buffer has room for the shortest chunk.
 MIN_CHUNK = min(c.kwargs["ROWS"] * c.kwargs["SPAN"] for c in BWD_CONFIGS)
-# The autotuner adds the tensors' dtypes; T because the best chunk length depends on how many programs there are.
-TUNING_KEY = ["T", "D", "W", "HAS_BIAS", "SILU", "IS_VARLEN"]
+# The autotuner adds the tensors' dtypes. The best chunk length depends on how many programs there are, so the key
+# holds the token count B x T rounded up to a power of two (`_tokens_bucket`): T itself would tune again for every
+# new length, e.g. at each step of text sampling, where the sequence grows by one token per forward.
+TUNING_KEY = ["TOKENS_BUCKET", "D", "W", "HAS_BIAS", "SILU", "IS_VARLEN"]
 
 
 @triton.jit
@@ -166,9 +168,9 @@ def _preactivation(
 
 
 @triton.autotune(configs=FWD_CONFIGS, key=TUNING_KEY)
-@triton.jit
+@triton.jit(do_not_specialize=["TOKENS_BUCKET"])
 def _fwd_kernel(
-    X, WEIGHT, BIAS, POS, Y, T, D, stride_xb, stride_xt, stride_yb, stride_yt, stride_wd, stride_ww,
+    X, WEIGHT, BIAS, POS, Y, T, D, TOKENS_BUCKET, stride_xb, stride_xt, stride_yb, stride_yt, stride_wd, stride_ww,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IS_VARLEN: tl.constexpr,
     ROWS: tl.constexpr, SPAN: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
@@ -228,9 +230,9 @@ def _dx(dz, pos, dz_history, pos_history, taps, W: tl.constexpr, IS_VARLEN: tl.c
 
 
 @triton.autotune(configs=BWD_CONFIGS, key=TUNING_KEY)
-@triton.jit
+@triton.jit(do_not_specialize=["TOKENS_BUCKET"])
 def _bwd_kernel(
-    X, DY, WEIGHT, BIAS, POS, DX, DW_PARTIAL, DB_PARTIAL, T, D,
+    X, DY, WEIGHT, BIAS, POS, DX, DW_PARTIAL, DB_PARTIAL, T, D, TOKENS_BUCKET,
     stride_xb, stride_xt, stride_dyb, stride_dyt, stride_dxb, stride_dxt, stride_wd, stride_ww,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IS_VARLEN: tl.constexpr,
     ROWS: tl.constexpr, SPAN: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
@@ -360,6 +362,11 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _tokens_bucket(batch: int, seq_len: int) -> int:
+    """The autotuning key's token count (TUNING_KEY): B x T rounded up to a power of two."""
+    return triton.next_power_of_2(batch * seq_len)
+
+
 def _flags(weight: Tensor, bias: Tensor | None, activation: str | None, cu_seqlens: Tensor | None) -> dict:
     return dict(
         W=weight.shape[-1],
@@ -388,7 +395,8 @@ def short_conv_fwd(
         return (triton.cdiv(seq_len, meta["ROWS"] * meta["SPAN"]), triton.cdiv(dim, meta["BLOCK_D"]), batch)
 
     _fwd_kernel[grid](
-        x, taps, bias, positions, y, seq_len, dim, *x.stride()[:2], *y.stride()[:2], *taps.stride(),
+        x, taps, bias, positions, y, seq_len, dim, _tokens_bucket(batch, seq_len),
+        *x.stride()[:2], *y.stride()[:2], *taps.stride(),
         **_flags(weight, bias, activation, cu_seqlens),
     )  # fmt: skip
     return y
@@ -425,7 +433,7 @@ def short_conv_bwd(
         return (triton.cdiv(seq_len, meta["ROWS"] * meta["SPAN"]), triton.cdiv(dim, meta["BLOCK_D"]), batch)
 
     _bwd_kernel[grid](
-        x, dy, taps, bias, positions, dx, dw_partial, db_partial, seq_len, dim,
+        x, dy, taps, bias, positions, dx, dw_partial, db_partial, seq_len, dim, _tokens_bucket(batch, seq_len),
         *x.stride()[:2], *dy.stride()[:2], *dx.stride()[:2], *taps.stride(),
         **_flags(weight, bias, activation, cu_seqlens),
     )  # fmt: skip
