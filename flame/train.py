@@ -243,12 +243,16 @@ class Trainer(Stateful):
         self, inputs: dict, labels: torch.Tensor, global_tokens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The pipeline schedule runs forward + backward of the micro-batch in pieces over the stages; its loss
-        divides by ``global_tokens`` already. Only the last stage has the loss (zero elsewhere); no z-loss."""
+        divides by ``global_tokens`` already. Only the last stage has the loss (zero elsewhere); no z-loss.
+
+        With context parallelism the rows are already this rank's slices (every pipeline micro-batch is a set of
+        rows, so each is sliced too); the position ids go to every stage, and the cp exchanges run inside the
+        schedule, in the same order on all ranks of a cp group (they hold the same stages)."""
         self.pp_loss.global_tokens = global_tokens
         losses = [] if self.pp_last else None
         args = (inputs["input"],) if self.pp_first else ()
         kwargs = {k: inputs[k] for k in ("position_ids", "cu_seqlens") if k in inputs}
-        with self.amp:
+        with self.amp, sequence_sharded(self.cp_group):
             self.pp_schedule.step(*args, target=labels if self.pp_last else None, losses=losses, **kwargs)
         zero = torch.zeros((), device=self.device)
         loss = torch.stack(losses).sum().detach() if self.pp_last else zero

@@ -16,6 +16,10 @@ Rank r of W holds positions [r L, (r + 1) L) of every row (L = T / W; `shard_seq
   their recurrences one after another (projections, convolutions, MLPs and attention run in parallel). FLA 0.6's
   affine-chain CP (fla/ops/cp) parallelises the recurrence itself on NVIDIA GPUs; it is not wired in.
 
+Under tensor parallelism the mixers pass plain local tensors of their own heads (or channels), and the exchanges
+move only those over the cp group (torchtitan's "cp" mesh: the ranks that hold the same heads of the other
+slices).
+
 With no active group every function is the single-process computation, so validation, text samples and export
 run the same modules on whole sequences. The exchanges use all_gather, all_reduce and send/recv, which both gloo
 (CPU tests) and NCCL provide.

@@ -268,14 +268,23 @@ def data_shard(dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def pipeline_run(model, dims, config, family: str) -> list[tuple[float, float]]:
     """The trainer's step with a pipeline schedule: micro-batches of 1 row, loss normalised by the global
-    token count inside the schedule, gradient norm reduced over the stages."""
+    token count inside the schedule, gradient norm reduced over the stages. With context parallelism the rows
+    are this rank's slices, the positions go to every stage and the schedule runs inside sequence_sharded."""
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.distributed import utils as dist_utils
 
+    from flame.ops.context_parallel import sequence_sharded
     from flame.parallelize import tie_embeddings
     from flame.parallelize.pipeline import TokenNormalizedLoss, pipeline_model
 
     inputs, labels, global_tokens = data_shard(dims)
+    kwargs, cp_group = {}, None
+    if dims.cp_enabled:
+        from flame.parallelize.context_parallel import shard_batch
+
+        cp_group = dims.get_mesh("cp").get_group()
+        sharded, labels = shard_batch({"input": inputs}, labels, cp_group)
+        inputs, kwargs = sharded["input"], {"position_ids": sharded["position_ids"]}
     config.training.local_batch_size = inputs.shape[0]
     config.parallelism.pipeline_parallel_microbatch_size = 1
     loss_fn = TokenNormalizedLoss()
@@ -295,15 +304,16 @@ def pipeline_run(model, dims, config, family: str) -> list[tuple[float, float]]:
         loss_fn.global_tokens = global_tokens
         losses = [] if last else None
         args = (inputs,) if first else ()
-        schedule.step(*args, target=labels if last else None, losses=losses)
+        with sequence_sharded(cp_group):
+            schedule.step(*args, target=labels if last else None, losses=losses, **kwargs)
         loss = torch.stack(losses).sum().detach() if last else torch.zeros(())
         grad_norm = dist_utils.clip_grad_norm_(
             [p for part in parts for p in part.parameters()], MAX_NORM, foreach=True, pp_mesh=pp_mesh
         )
         optimizers.step()
-        # Only the last stage has the loss; data-parallel ranks each have their part.
-        batch_group = dims.get_mesh("batch").get_group() if dims.dp_enabled else None
-        loss = dist_utils.dist_sum(loss, pp_mesh, extra_pg=batch_group)
+        # Only the last stage has the loss; data-parallel and cp ranks each have their part.
+        loss_mesh = dims.get_optional_mesh("loss")
+        loss = dist_utils.dist_sum(loss, pp_mesh, extra_pg=loss_mesh.get_group() if loss_mesh else None)
         history.append((float(loss), float(grad_norm)))
     return history
 

@@ -41,6 +41,10 @@ def refused(world_size: int, *flags: str, config: str = "transformer_340M.json")
         (8, ["--parallelism.tensor_parallel_degree", "4"], {"dp_replicate": 1, "dp_shard": 2, "tp": 4}),
         (4, ["--parallelism.data_parallel_replicate_degree", "4", "--parallelism.data_parallel_shard_degree", "1"],
          {"dp_replicate": 4, "dp_shard": 1, "tp": 1}),
+        (8, ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+         {"dp_shard": 2, "cp": 2, "tp": 2}),
+        (8, ["--parallelism.context_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+             "--parallelism.tensor_parallel_degree", "2"], {"dp_shard": 1, "cp": 2, "tp": 2, "pp": 2}),
     ],
 )  # fmt: skip
 def test_valid_settings_resolve_the_degrees(world_size, flags, degrees):
@@ -266,9 +270,19 @@ def test_preflight_refuses_bad_parallelism_in_one_line():
 
 def test_context_parallel_settings_it_cannot_run_are_one_line(tmp_path):
     cp2 = ["--parallelism.context_parallel_degree", "2"]
-    assert "does not combine with tensor or pipeline" in refused(
-        4, *cp2, "--parallelism.tensor_parallel_degree", "2"
+    # Sequence parallelism splits each cp slice again over the tensor-parallel ranks.
+    assert (
+        "training.seq_len 2050 is not divisible by context_parallel_degree 2 x tensor_parallel_degree 2"
+        in refused(4, *cp2, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "2050")
     )
+    pp2 = [*cp2, "--parallelism.pipeline_parallel_degree", "2"]
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        message = refused(4, *pp2, "--parallelism.pipeline_parallel_schedule", schedule)
+        assert f"does not combine with the pipeline schedule {schedule}, which splits the backward" in message
+    csv = tmp_path / "schedule.csv"
+    csv.write_text("0F0,0B0\n")
+    message = refused(4, *pp2, "--parallelism.pipeline_parallel_schedule_csv", str(csv))
+    assert "does not combine with pipeline_parallel_schedule_csv" in message
     assert "training.varlen (packed documents) is not supported" in refused(
         2, *cp2, "--training.varlen", "--training.batch_size", "1"
     )

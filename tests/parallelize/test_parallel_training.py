@@ -1,9 +1,9 @@
 """Every parallel setting trains like one process: FSDP, HSDP, DDP, TP (with and without sequence parallelism,
 with loss parallelism), FSDP x TP, pipeline parallelism (1F1B, GPipe, interleaved; x FSDP, x TP), context parallelism
-(2 and 4 ranks, x FSDP, with activation checkpointing and compiled blocks), activation checkpointing and CPU
-offload, for the transformer (GQA, QK-norm, per-head query scales, tied embeddings), GatedDeltaNet (grouped value
-heads), a GatedDeltaNet/attention hybrid, DeltaNet and windowed softpick attention, on 2 and 4 gloo ranks in this
-machine's processes.
+(2 and 4 ranks, x FSDP, x TP, x TP x FSDP, x PP with 1F1B and interleaved schedules, with activation checkpointing
+and compiled blocks), activation checkpointing and CPU offload, for the transformer (GQA, QK-norm, per-head query
+scales, tied embeddings), GatedDeltaNet (grouped value heads), a GatedDeltaNet/attention hybrid, DeltaNet and
+windowed softpick attention, on 2, 4 and 8 gloo ranks in this machine's processes.
 
 All runs start from the same full weights (scattered into each rank's shards), see the same global batch, and
 train 3 steps as flame's trainer does. Loss and gradient norm must match the single-process run to float32
@@ -60,8 +60,21 @@ FOUR_RANKS = [
     (Setting("pp2_x_tp2", pp=2, tp=2), ("gated_deltanet",)),
     (Setting("cp2_x_fsdp2", cp=2, dp_shard=2), MAIN),
     (Setting("cp4", cp=4), ("hybrid",)),
+    (Setting("cp2_x_tp2", cp=2, tp=2), ALL),  # FSDP over the cp ranks as well: a 2-D (fsdp, tp) mesh
+    (Setting("pp2_x_cp2", pp=2, cp=2), ("gated_deltanet", "hybrid")),
+    (
+        Setting(
+            "pp2_x_cp2_interleaved",
+            pp=2,
+            cp=2,
+            flags=["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+        ),
+        ("hybrid_4_layers",),
+    ),
 ]
-CASES = [(setting, family, world) for world, table in ((2, TWO_RANKS), (4, FOUR_RANKS)) for setting, families in table for family in families]  # fmt: skip
+EIGHT_RANKS = [(Setting("cp2_x_tp2_x_fsdp2", cp=2, tp=2, dp_shard=2), ("hybrid",))]
+WORLDS = ((2, TWO_RANKS), (4, FOUR_RANKS), (8, EIGHT_RANKS))
+CASES = [(setting, family, world) for world, table in WORLDS for setting, families in table for family in families]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +87,7 @@ def results(tmp_path_factory):
     """All settings of one world size run in one spawn of that many ranks (each rank starts torch once)."""
     tmp = tmp_path_factory.mktemp("parallel")
     found = {}
-    for world in (2, 4):
+    for world, _ in WORLDS:
         jobs = [(setting, family) for setting, family, w in CASES if w == world]
         found.update(run_world(world, jobs, tmp))
     return found
