@@ -38,7 +38,7 @@ from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
 from flame.parallelize import TokenNormalizedLoss, parallelize_model, pipeline_model, tie_embeddings
 from flame.parallelize.compile import maybe_compile_loss
-from flame.parallelize.context_parallel import shard_batch
+from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
 from flame.samples import SampleGenerator
 from flame.validate import Validator
 
@@ -226,7 +226,8 @@ class Trainer(Stateful):
             return self._forward_backward_pipelined(inputs, labels, global_tokens)
         model = self.model_parts[0]
         z_loss = self.job_config.training.z_loss
-        with sequence_sharded(self.cp_group):  # the backward exchanges between cp ranks too
+        # The backward exchanges between cp ranks too; packed rows give the exchanges their whole-row boundaries.
+        with sequence_sharded(self.cp_group, inputs.get(ROW_CU_SEQLENS)):
             with self.amp:
                 logits = model(
                     inputs["input"],
@@ -252,7 +253,7 @@ class Trainer(Stateful):
         losses = [] if self.pp_last else None
         args = (inputs["input"],) if self.pp_first else ()
         kwargs = {k: inputs[k] for k in ("position_ids", "cu_seqlens") if k in inputs}
-        with self.amp, sequence_sharded(self.cp_group):
+        with self.amp, sequence_sharded(self.cp_group, inputs.get(ROW_CU_SEQLENS)):
             self.pp_schedule.step(*args, target=labels if self.pp_last else None, losses=losses, **kwargs)
         zero = torch.zeros((), device=self.device)
         loss = torch.stack(losses).sum().detach() if self.pp_last else zero

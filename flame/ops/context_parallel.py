@@ -16,6 +16,15 @@ Rank r of W holds positions [r L, (r + 1) L) of every row (L = T / W; `shard_seq
   their recurrences one after another (projections, convolutions, MLPs and attention run in parallel). FLA 0.6's
   affine-chain CP (fla/ops/cp) parallelises the recurrence itself on NVIDIA GPUs; it is not wired in.
 
+Packed documents (one row, ``cu_seqlens``): the trainer passes the whole row's cu_seqlens to
+`sequence_sharded(group, cu_seqlens)`, and every rank's model gets the boundaries of its own slice
+(`clip_cu_seqlens`; a document cut by a slice border is a document of each slice). The short convolution
+convolves the previous tokens and its slice with the boundaries of that window (`window_cu_seqlens`), so tokens of
+an earlier document are never read; the relay hands over the state of the slice's last document, and rank r starts
+its first document from it only when that document began on an earlier rank (no state crosses a border that is
+also a document boundary, and the two ranks then run their recurrences at the same time). Attention does not run
+on packed documents under context parallelism (`gather_prefix` refuses them).
+
 Under tensor parallelism the mixers pass plain local tensors of their own heads (or channels), and the exchanges
 move only those over the cp group (torchtitan's "cp" mesh: the ranks that hold the same heads of the other
 slices).
@@ -26,29 +35,54 @@ run the same modules on whole sequences. The exchanges use all_gather, all_reduc
 """
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 _active_group: dist.ProcessGroup | None = None
+# The whole row's cu_seqlens as Python ints (packed documents), or None for fixed-length rows.
+_active_boundaries: list[int] | None = None
 
 
 @contextlib.contextmanager
-def sequence_sharded(group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Run the enclosed forward and backward with sequences split over ``group`` (None: not split)."""
-    global _active_group
-    previous, _active_group = _active_group, group
+def sequence_sharded(group: dist.ProcessGroup | None, cu_seqlens: Tensor | None = None) -> Iterator[None]:
+    """Run the enclosed forward and backward with sequences split over ``group`` (None: not split); ``cu_seqlens``:
+    the document boundaries of the whole packed row (the same on every rank of the group), None without packing."""
+    global _active_group, _active_boundaries
+    previous = _active_group, _active_boundaries
+    # One host copy per micro-batch: the exchanges decide in Python which borders a document crosses.
+    _active_group, _active_boundaries = group, None if cu_seqlens is None else cu_seqlens.tolist()
     try:
         yield
     finally:
-        _active_group = previous
+        _active_group, _active_boundaries = previous
 
 
 def active_group() -> dist.ProcessGroup | None:
     """The context-parallel group of the running forward / backward, or None."""
     return _active_group
+
+
+def clip_cu_seqlens(cu_seqlens: Sequence[int], start: int, end: int) -> list[int]:
+    """The cu_seqlens of positions [start, end) of a packed row with boundaries ``cu_seqlens``: the documents cut
+    by start or end become its first or last document. A negative start counts positions before the row (the
+    zeros of `previous_tokens` on rank 0) as one document of their own."""
+    return [0, *(b - start for b in cu_seqlens if start < b < end), end - start]
+
+
+# Not traced by torch.compile: the row's boundaries change every batch, and traced they would be constants that
+# recompile the block each time.
+@torch.compiler.disable
+def window_cu_seqlens(length: int, before: int, device: torch.device) -> Tensor | None:
+    """cu_seqlens of the ``before`` tokens preceding this rank's slice of ``length`` tokens followed by the slice
+    (what a short convolution sees under context parallelism); None without packed documents."""
+    if _active_boundaries is None:
+        return None
+    start = dist.get_rank(_active_group) * length
+    window = clip_cu_seqlens(_active_boundaries, start - before, start + length)
+    return torch.tensor(window, dtype=torch.int32, device=device)
 
 
 def shard_sequence(x: Tensor, group: dist.ProcessGroup, dim: int = 1) -> Tensor:
@@ -95,6 +129,8 @@ def gather_prefix(x: Tensor) -> Tensor:
     group = _active_group
     if group is None:
         return x
+    if _active_boundaries is not None:
+        raise ValueError("attention does not support packed documents (cu_seqlens) with context parallelism")
     return _GatherPrefix.apply(x, group)
 
 
@@ -135,6 +171,15 @@ def _keep(x: Tensor) -> Tensor:
     return x
 
 
+def _state_crosses(border: int, group: dist.ProcessGroup) -> bool:
+    """Whether a recurrent state crosses the start of rank ``border``'s slice: always for fixed-length rows; for
+    packed documents only where a document runs on across the border."""
+    if _active_boundaries is None:
+        return True
+    length = _active_boundaries[-1] // dist.get_world_size(group)
+    return border * length not in _active_boundaries
+
+
 class _RelayState(torch.autograd.Function):
     """Runs the recurrence of this rank's slice inside its own small autograd graph, so that the backward can wait
     for the next rank's state gradient before it differentiates that graph."""
@@ -142,46 +187,56 @@ class _RelayState(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, group, state_shape, names, *values):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
+        receives = rank > 0 and _state_crosses(rank, group)
+        ctx.sends = rank < world - 1 and _state_crosses(rank + 1, group)
         # States travel in float32, as FLA keeps them (float64 for float64 inputs).
         ctx.state_dtype = torch.promote_types(values[0].dtype, torch.float32)
-        initial = None
-        if rank > 0:
-            initial = torch.empty(state_shape, dtype=ctx.state_dtype, device=values[0].device)
-            dist.recv(initial, group=group, group_src=rank - 1)
-            initial.requires_grad_()
+        received = None
+        if receives:
+            received = torch.empty(state_shape, dtype=ctx.state_dtype, device=values[0].device)
+            dist.recv(received, group=group, group_src=rank - 1)
+            received.requires_grad_()
         detached = [
             x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x for x in values
         ]
         # The inner graph keeps its saved tensors even under activation checkpointing: unpacking a checkpointed
         # one in backward would rerun this forward, and its send / receive, out of step with the other ranks.
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            initial = received
+            if _active_boundaries is not None and received is not None:
+                # One initial state per document of the slice: only the first continues from the previous rank.
+                length = _active_boundaries[-1] // world
+                documents = len(clip_cu_seqlens(_active_boundaries, rank * length, (rank + 1) * length)) - 1
+                initial = torch.cat([received, received.new_zeros(documents - 1, *state_shape[1:])])
             output, final = run(**dict(zip(names, detached)), initial_state=initial, output_final_state=True)
-        if rank < world - 1:
+            if _active_boundaries is not None:
+                final = final[-1:]  # the slice's last document, the one that may continue on the next rank
+        if ctx.sends:
             dist.send(final.detach().to(ctx.state_dtype).contiguous(), group=group, group_dst=rank + 1)
-        ctx.group, ctx.graph = group, (output, final, detached, initial)
+        ctx.group, ctx.graph = group, (output, final, detached, received)
         return output.detach()
 
     @staticmethod
     def backward(ctx, grad_output):
         group = ctx.group
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        output, final, detached, initial = ctx.graph
+        rank = dist.get_rank(group)
+        output, final, detached, received = ctx.graph
         del ctx.graph
         roots, root_grads = [output], [grad_output]
-        if rank < world - 1:
+        if ctx.sends:
             grad_final = torch.empty(final.shape, dtype=ctx.state_dtype, device=final.device)
             dist.recv(grad_final, group=group, group_src=rank + 1)
             roots.append(final)
             root_grads.append(grad_final.to(final.dtype))
         wanted = [x for x in detached if isinstance(x, Tensor) and x.requires_grad]
-        if initial is not None:
-            wanted.append(initial)
+        if received is not None:
+            wanted.append(received)
         grads = list(torch.autograd.grad(roots, wanted, root_grads, allow_unused=True))
-        if initial is not None:
-            grad_initial = grads.pop()
-            if grad_initial is None:
-                grad_initial = torch.zeros_like(initial)
-            dist.send(grad_initial.to(ctx.state_dtype).contiguous(), group=group, group_dst=rank - 1)
+        if received is not None:
+            grad_received = grads.pop()
+            if grad_received is None:
+                grad_received = torch.zeros_like(received)
+            dist.send(grad_received.to(ctx.state_dtype).contiguous(), group=group, group_dst=rank - 1)
         by_input = iter(grads)
         value_grads = [
             next(by_input) if isinstance(x, Tensor) and x.requires_grad else None for x in detached
@@ -195,7 +250,8 @@ def relay_state(
     """Output of a recurrence over this rank's slice, started from the previous rank's final state.
 
     ``run(**inputs, initial_state=..., output_final_state=...)`` returns (output, final state), as FLA's ops and
-    flame's do; the final state has ``state_shape``. With no active group (one process) it runs
+    flame's do; the final state has ``state_shape`` (with packed documents, ``inputs`` hold this slice's
+    cu_seqlens, and ``state_shape`` is one document's: batch 1). With no active group (one process) it runs
     from no initial state and without a final state. Tensor inputs get gradients; other inputs pass through."""
     group = _active_group
     if group is None:

@@ -7,6 +7,11 @@ shards each batch with ``shard_batch`` and runs forward + backward (or the pipel
 the loss is normalised over the "loss" mesh (data parallel x cp), so gradients equal one process's on the whole
 sequences.
 
+Packed documents (training.varlen: one row, ``cu_seqlens``): ``shard_batch`` gives each rank its slice's own
+cu_seqlens and keeps the whole row's under ``ROW_CU_SEQLENS``, which the trainer hands to ``sequence_sharded`` for
+the exchanges (short-convolution windows and the state relay across borders). GatedDeltaNet and DeltaNet run on
+them; attention layers do not (``check_context_parallel`` refuses them).
+
 With tensor parallelism the mixers get plain local tensors of their own heads and channels (colwise projections
 hand over local outputs), so the exchanges run on those shards over the cp group: torchtitan's "cp" mesh joins the
 ranks that hold the same heads of the neighbouring slices. Sequence parallelism then splits each slice again over
@@ -21,21 +26,32 @@ from torch import Tensor
 
 from flame.errors import ConfigError
 from flame.models.layers.attention import Attention
-from flame.ops.context_parallel import shard_sequence
+from flame.ops.context_parallel import clip_cu_seqlens, shard_sequence
+
+# The key of a sharded packed batch that holds the whole row's cu_seqlens (for sequence_sharded).
+ROW_CU_SEQLENS = "row_cu_seqlens"
 
 
 def shard_batch(inputs: dict, labels: Tensor, group: dist.ProcessGroup) -> tuple[dict, Tensor]:
     """This rank's slice of every sequence: tokens, labels and their global positions (RoPE and the scaled
-    softpick variants read positions, which must continue across the slices)."""
+    softpick variants read positions, which must continue across the slices). A packed row also gets the
+    boundaries of the documents in its slice as ``cu_seqlens`` and keeps the row's under ``ROW_CU_SEQLENS``."""
     tokens = inputs["input"]
+    cu_seqlens = inputs.get("cu_seqlens")
     positions = inputs.get("position_ids")
-    if positions is None:
+    if positions is None:  # packed rows come with their positions in their documents
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
     sharded = {
         **inputs,
         "input": shard_sequence(tokens, group),
         "position_ids": shard_sequence(positions, group),
     }
+    if cu_seqlens is not None:
+        length = sharded["input"].shape[1]
+        start = dist.get_rank(group) * length
+        local = clip_cu_seqlens(cu_seqlens.tolist(), start, start + length)
+        sharded["cu_seqlens"] = torch.tensor(local, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+        sharded[ROW_CU_SEQLENS] = cu_seqlens
     return sharded, shard_sequence(labels, group)
 
 
@@ -63,11 +79,6 @@ def check_context_parallel(job_config, model, degrees: dict[str, int]) -> None:
                 "or LoopedBFS"
             )
     training = job_config.training
-    if training.varlen:
-        raise ConfigError(
-            "context parallelism splits fixed-length rows; training.varlen (packed documents) is not supported "
-            "with context_parallel_degree > 1"
-        )
     if training.seq_len % cp:
         raise ConfigError(
             f"training.seq_len {training.seq_len} is not divisible by context_parallel_degree {cp}"
@@ -79,6 +90,11 @@ def check_context_parallel(job_config, model, degrees: dict[str, int]) -> None:
             "ranks)"
         )
     for name, module in model.named_modules():
+        if isinstance(module, Attention) and training.varlen:
+            raise ConfigError(
+                f"{name}: attention does not support packed documents (training.varlen) with context "
+                "parallelism; set context_parallel_degree 1 or turn training.varlen off"
+            )
         if isinstance(module, Attention) and module.window_size is not None and module.score_fn == "softmax":
             # A query slice against a longer key range has no windowed softmax kernel: the fallback would
             # materialize the scores.

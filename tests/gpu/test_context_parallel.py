@@ -13,6 +13,10 @@ so float32-level differences upstream flip some of those terms. Each case prints
 Run on 2 of 4 H200s (2026-11-21): gdn_softmax_hybrid loss 6.286873 in both, worst gradient 3.2e-4
 (layers.0.attn.b_proj); gdn_softpick_hybrid loss 6.287950 in both, worst gradient 3.1e-3 (layers.1.attn.k_proj).
 delta_net and scaled_softpick_window have not run on a GPU yet.
+
+The packed cases (one row of documents, cu_seqlens, as with training.varlen) have not run on a GPU yet either. There
+FLA's chunks restart at every document, so a document cut by the border is chunked differently from the whole
+row's: float32 (TF32) rounding differs there as well.
 """
 
 import os
@@ -49,6 +53,17 @@ FAMILIES = {
         "attn_impl": "parallel_scaled_softpick_attn",
         "window_size": 700,
     },
+    "gdn_packed_across_border": {"model_type": "gated_deltanet", "head_dim": 64, "num_heads": 4},
+    "gdn_packed_on_border": {"model_type": "gated_deltanet", "head_dim": 64, "num_heads": 4},
+    "delta_net_packed": {"model_type": "delta_net", "num_heads": 4, "use_gate": True},
+}
+# cu_seqlens of the packed families' one row (border at 1024; the short convolutions read 3 tokens back):
+# documents of 2 tokens and less than a chunk, a document starting 2 tokens before the border and crossing it, or
+# one starting on the border.
+DOCUMENTS = {
+    "gdn_packed_across_border": (0, 2, 500, 1022, 1600, 1601, 2048),
+    "gdn_packed_on_border": (0, 700, 1022, 1024, 1030, 2048),
+    "delta_net_packed": (0, 2, 500, 1022, 1600, 1601, 2048),
 }
 
 
@@ -64,8 +79,8 @@ def build(family: str, device: torch.device):
     return model
 
 
-def loss_and_grads(model, tokens, labels, positions, global_tokens):
-    logits = model(tokens, position_ids=positions)
+def loss_and_grads(model, tokens, labels, positions, global_tokens, cu_seqlens=None):
+    logits = model(tokens, position_ids=positions, cu_seqlens=cu_seqlens)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / global_tokens
     loss.backward()
     return loss.detach(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
@@ -81,29 +96,46 @@ def _worker(rank: int, port: int, family: str, queue) -> None:
 
 def run_ranks(rank: int, device: torch.device, family: str, queue) -> None:
     """One forward + backward with sequences split over the initialized 2-rank world; rank 0 compares."""
-    from flame.ops.context_parallel import sequence_sharded, shard_sequence
+    from flame.ops.context_parallel import sequence_sharded
+    from flame.ops.varlen import position_ids_from_cu_seqlens
+    from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
 
     try:
         g = torch.Generator().manual_seed(1)
         data = torch.randint(0, BASE["vocab_size"], (BATCH, SEQ_LEN + 1), generator=g).to(device)
         tokens, labels = data[:, :-1], data[:, 1:]
         positions = torch.arange(SEQ_LEN, device=device).expand(BATCH, -1)
+        cu_seqlens = None
+        if family in DOCUMENTS:  # one packed row
+            tokens, labels = tokens[:1], labels[:1]
+            cu_seqlens = torch.tensor(DOCUMENTS[family], dtype=torch.int32, device=device)
+            positions = position_ids_from_cu_seqlens(cu_seqlens)[None]
         global_tokens = float(labels.numel())
 
         group = dist.group.WORLD
         model = build(family, device)
-        with sequence_sharded(group):
+        inputs = {"input": tokens, "position_ids": positions}
+        if cu_seqlens is not None:
+            inputs["cu_seqlens"] = cu_seqlens
+        # The trainer's split: each rank's slice, its documents' cu_seqlens, the whole row's for the exchanges.
+        sharded, local_labels = shard_batch(inputs, labels, group)
+        with sequence_sharded(group, sharded.get(ROW_CU_SEQLENS)):
             loss, grads = loss_and_grads(
                 model,
-                *(shard_sequence(x, group) for x in (tokens, labels, positions)),
+                sharded["input"],
+                local_labels,
+                sharded["position_ids"],
                 global_tokens,
+                sharded.get("cu_seqlens"),
             )
         dist.all_reduce(loss)
         for grad in grads.values():
             dist.all_reduce(grad)
         if rank == 0:
             reference = build(family, device)
-            ref_loss, ref_grads = loss_and_grads(reference, tokens, labels, positions, global_tokens)
+            ref_loss, ref_grads = loss_and_grads(
+                reference, tokens, labels, positions, global_tokens, cu_seqlens
+            )
             errors = {
                 name: float((grads[name] - ref).norm() / ref.norm().clamp(min=1e-30))
                 for name, ref in ref_grads.items()

@@ -1,6 +1,7 @@
 """flame.ops.context_parallel on 3 gloo ranks: each exchange, forward and backward, equals the single-process
-computation on the whole sequence (float64, odd sizes; 1e-12 relative), and with no active group every function is
-the single-process one."""
+computation on the whole sequence (float64, odd sizes; 1e-12 relative), also on packed documents (the short
+convolution and the state relay across slice borders); with no active group every function is the single-process
+one."""
 
 import os
 import socket
@@ -10,8 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flame.models.layers.short_conv import ShortConvolution
 from flame.ops.context_parallel import (
     active_group,
+    clip_cu_seqlens,
     gather_prefix,
     previous_tokens,
     relay_state,
@@ -21,6 +24,10 @@ from flame.ops.context_parallel import (
 
 WORLD, BATCH, SLICE, WIDTH = 3, 2, 5, 7  # 15 positions, 7 channels
 TOL = 1e-12
+CONV_SIZE = 3  # the convolution reads the 2 tokens before each slice
+# Packed rows (the batch's first row) against the borders 5 and 10: documents that start inside the 2 tokens
+# before a border, a document over all three slices, documents of 1 token; documents starting on both borders.
+PACKED = {"packed_three_slices": (0, 1, 4, 14, 15), "packed_on_borders": (0, 4, 5, 6, 10, 15)}
 
 
 def decayed_sum(x, decay, initial_state=None, output_final_state=False):
@@ -31,6 +38,23 @@ def decayed_sum(x, decay, initial_state=None, output_final_state=False):
         state = decay[:, t] * state + x[:, t]
         outputs.append(state)
     return torch.stack(outputs, 1), (state if output_final_state else None)
+
+
+def decayed_sum_packed(x, decay, cu_seqlens, initial_state=None, output_final_state=False):
+    """decayed_sum restarted at every document of a packed row x [1, T, D]; states [N documents, D]."""
+    outputs, finals = [], []
+    bounds = cu_seqlens.tolist()
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        state = None if initial_state is None else initial_state[i : i + 1]
+        out, final = decayed_sum(x[:, start:end], decay[:, start:end], state, output_final_state=True)
+        outputs.append(out)
+        finals.append(final)
+    return torch.cat(outputs, 1), (torch.cat(finals) if output_final_state else None)
+
+
+def short_convolution():
+    torch.manual_seed(0)
+    return ShortConvolution(WIDTH, CONV_SIZE).double()
 
 
 def inputs():
@@ -57,6 +81,14 @@ def whole_sequence():
             out = decayed_sum(x_, decay_)[0] * upstream
         out.sum().backward()
         results[name] = (out.detach(), x_.grad, decay_.grad)
+    for name, documents in PACKED.items():
+        cu_seqlens = torch.tensor(documents, dtype=torch.int32)
+        x_ = x[:1].clone().requires_grad_()
+        decay_ = decay[:1].clone().requires_grad_()
+        conv = short_convolution()(x_, cu_seqlens) * upstream[:1]
+        relay = decayed_sum_packed(x_, decay_, cu_seqlens)[0] * upstream[:1]
+        (conv.sum() + relay.sum()).backward()
+        results[name] = (conv.detach(), relay.detach(), x_.grad, decay_.grad)
     return results
 
 
@@ -78,6 +110,20 @@ def per_rank(rank: int):
                 out = relay_state(decayed_sum, (BATCH, WIDTH), x=x_, decay=decay_) * up
             out.sum().backward()
         results[name] = (out.detach(), x_.grad, decay_.grad)
+    for name, documents in PACKED.items():
+        cu_seqlens = torch.tensor(documents, dtype=torch.int32)
+        # What the trainer's shard_batch gives the model: the documents of this rank's slice.
+        local = torch.tensor(clip_cu_seqlens(documents, rank * SLICE, (rank + 1) * SLICE), dtype=torch.int32)
+        x_ = shard_sequence(x[:1], group).clone().requires_grad_()
+        decay_ = shard_sequence(decay[:1], group).clone().requires_grad_()
+        up = shard_sequence(upstream[:1], group)
+        with sequence_sharded(group, cu_seqlens):
+            conv = short_convolution()(x_, local) * up
+            relay = relay_state(decayed_sum_packed, (1, WIDTH), x=x_, decay=decay_, cu_seqlens=local) * up
+            (conv.sum() + relay.sum()).backward()
+            with pytest.raises(ValueError, match="attention does not support packed documents"):
+                gather_prefix(x_)
+        results[name] = (conv.detach(), relay.detach(), x_.grad, decay_.grad)
     return results
 
 
@@ -128,6 +174,29 @@ def test_exchange_equals_the_whole_sequence(ranks, name):
     assert_close(torch.cat([r[name][1] for r in ranks], 1), want_dx)
     if name == "relay":
         assert_close(torch.cat([r[name][2] for r in ranks], 1), want_ddecay)
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_short_convolution_and_relay_on_packed_documents_equal_the_whole_row(ranks, name):
+    """Each rank convolves its slice with the previous rank's tokens of the same document only, and starts its
+    first document from the previous rank's state only when that document began there."""
+    want = whole_sequence()[name]
+    for i, expected in enumerate(want):
+        assert_close(torch.cat([r[name][i] for r in ranks], 1), expected)
+
+
+def test_clip_cu_seqlens():
+    documents = [0, 1, 4, 14, 15]
+    assert clip_cu_seqlens(documents, 0, 5) == [0, 1, 4, 5]
+    assert clip_cu_seqlens(documents, 5, 10) == [0, 5]  # inside one document
+    assert clip_cu_seqlens(documents, 10, 15) == [0, 4, 5]
+    # A short convolution's window on ranks 1 and 0: the 2 tokens before the slice, then the slice; on rank 0
+    # the zeros before the row are a document of their own.
+    assert clip_cu_seqlens(documents, 3, 10) == [0, 1, 7]
+    assert clip_cu_seqlens(documents, -2, 5) == [0, 2, 3, 6, 7]
+    # Boundaries on the borders start the slices' first documents, and are not repeated.
+    assert clip_cu_seqlens([0, 4, 5, 6, 10, 15], 5, 10) == [0, 1, 5]
+    assert clip_cu_seqlens([0, 4, 5, 6, 10, 15], 8, 15) == [0, 2, 7]
 
 
 def test_no_active_group_is_one_process():

@@ -1,7 +1,8 @@
 """In-process multi-rank training on CPU/gloo: build a tiny model, parallelize it with flame's plan, load the same
 initial weights everywhere, train a few steps as flame's trainer does (summed loss / global labelled tokens,
 gradient clipping with torchtitan's clip_grad_norm_, torchtitan's optimizer) and report loss and gradient norm
-per step. ``reference_run`` does the same in one process without any parallelism.
+per step. ``reference_run`` does the same in one process without any parallelism. A setting with ``documents``
+trains on one packed row instead (training.varlen: those cu_seqlens over the first row of the batch).
 """
 
 import copy
@@ -77,6 +78,8 @@ class Setting:
     flags: list[str] = field(default_factory=list)
     loss_parallel: bool = False
     sequence_parallel: bool = True
+    # cu_seqlens of one packed row of SEQ_LEN tokens (training.varlen), None for the 4-row batch.
+    documents: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -110,6 +113,17 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     labels[0, :5] = -100
     labels[3, -3:] = -100
     return inputs, labels
+
+
+def packed_batch(documents: tuple[int, ...]) -> tuple[dict, torch.Tensor]:
+    """One packed row (the batch's first) as the varlen loader yields it: cu_seqlens and per-document positions."""
+    from flame.ops.varlen import position_ids_from_cu_seqlens
+
+    inputs, labels = batch()
+    cu_seqlens = torch.tensor(documents, dtype=torch.int32)
+    assert int(cu_seqlens[-1]) == SEQ_LEN
+    positions = position_ids_from_cu_seqlens(cu_seqlens)[None]
+    return {"input": inputs[:1], "cu_seqlens": cu_seqlens, "position_ids": positions}, labels[:1]
 
 
 @torch.no_grad()
@@ -148,7 +162,7 @@ def train(
     global_tokens,
     reduce_mesh,
     loss_ctx,
-    positions=None,
+    model_kwargs=None,
 ):
     from torch.distributed.tensor import DTensor
     from torchtitan.distributed import utils as dist_utils
@@ -157,7 +171,7 @@ def train(
     for _ in range(STEPS):
         optimizers.zero_grad()
         with loss_ctx():
-            logits = model(inputs, position_ids=positions)
+            logits = model(inputs, **(model_kwargs or {}))
             loss_sum = F.cross_entropy(
                 logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
             )
@@ -174,8 +188,9 @@ def train(
     return history
 
 
-def reference_run(family: str) -> list[tuple[float, float]]:
-    """One process, no parallelism: the numbers every setting must reproduce."""
+def reference_run(family: str, documents: tuple[int, ...] | None = None) -> list[tuple[float, float]]:
+    """One process, no parallelism: the numbers every setting must reproduce (on one packed row with
+    ``documents``)."""
     import contextlib
 
     from torchtitan.components.optimizer import build_optimizers
@@ -188,9 +203,16 @@ def reference_run(family: str) -> list[tuple[float, float]]:
     config = job_config([])
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     optimizers = build_optimizers([model], config.optimizer, dims)
-    inputs, labels = batch()
+    kwargs = {}
+    if documents is None:
+        inputs, labels = batch()
+    else:
+        packed, labels = packed_batch(documents)
+        inputs, kwargs = packed["input"], {k: packed[k] for k in ("position_ids", "cu_seqlens")}
     tokens = (labels != -100).sum().float()
-    return train(model, model.parameters, optimizers, inputs, labels, tokens, None, contextlib.nullcontext)
+    return train(
+        model, model.parameters, optimizers, inputs, labels, tokens, None, contextlib.nullcontext, kwargs
+    )
 
 
 def parallel_run(setting: Setting, family: str) -> list[tuple[float, float]]:
@@ -210,6 +232,7 @@ def parallel_run(setting: Setting, family: str) -> list[tuple[float, float]]:
         "--parallelism.tensor_parallel_degree", str(setting.tp),
         "--parallelism.pipeline_parallel_degree", str(setting.pp),
         "--parallelism.context_parallel_degree", str(setting.cp),
+        *(["--training.varlen", "--training.batch_size", "1"] if setting.documents else []),
         *setting.flags,
     ]  # fmt: skip
     config = job_config(flags)
@@ -221,6 +244,7 @@ def parallel_run(setting: Setting, family: str) -> list[tuple[float, float]]:
     with torch.device("meta"):
         model = build_model(model_args(family))
     if setting.pp > 1:
+        assert setting.documents is None, "pipeline_run trains on the 4-row batch"
         return pipeline_run(model, dims, config, family)
     model = parallelize_model(
         model, dims, config, loss_parallel=setting.loss_parallel, sequence_parallel=setting.sequence_parallel
@@ -233,24 +257,30 @@ def parallel_run(setting: Setting, family: str) -> list[tuple[float, float]]:
     model.train()
     optimizers = build_optimizers([model], config.optimizer, dims)
 
-    inputs, labels, global_tokens = data_shard(dims)
     loss_ctx = loss_parallel if setting.loss_parallel else contextlib.nullcontext
-    positions = None
+    if setting.documents is None:
+        inputs, labels, global_tokens = data_shard(dims)
+        inputs = {"input": inputs}
+    else:  # one packed row: no data parallelism, every rank reads it
+        assert not dims.dp_enabled
+        inputs, labels = packed_batch(setting.documents)
+        global_tokens = (labels != -100).sum().float()
     if dims.cp_enabled:
-        # The trainer's split: every rank of a cp group trains on one slice of each row, inside sequence_sharded.
+        # The trainer's split: every rank of a cp group trains on one slice of each row, inside sequence_sharded
+        # (which gets the whole row's cu_seqlens of a packed row).
         from flame.ops.context_parallel import sequence_sharded
-        from flame.parallelize.context_parallel import shard_batch
+        from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
 
         group = dims.get_mesh("cp").get_group()
-        sharded, labels = shard_batch({"input": inputs}, labels, group)
-        inputs, positions = sharded["input"], sharded["position_ids"]
+        inputs, labels = shard_batch(inputs, labels, group)
 
         def loss_ctx():
-            return sequence_sharded(group)
+            return sequence_sharded(group, inputs.get(ROW_CU_SEQLENS))
 
+    kwargs = {k: inputs[k] for k in ("position_ids", "cu_seqlens") if k in inputs}
     return train(
-        model, model.parameters, optimizers, inputs, labels, global_tokens, dims.get_optional_mesh("loss"),
-        loss_ctx, positions,
+        model, model.parameters, optimizers, inputs["input"], labels, global_tokens,
+        dims.get_optional_mesh("loss"), loss_ctx, kwargs,
     )  # fmt: skip
 
 

@@ -1,9 +1,10 @@
 """Every parallel setting trains like one process: FSDP, HSDP, DDP, TP (with and without sequence parallelism,
 with loss parallelism), FSDP x TP, pipeline parallelism (1F1B, GPipe, interleaved; x FSDP, x TP), context parallelism
 (2 and 4 ranks, x FSDP, x TP, x TP x FSDP, x PP with 1F1B and interleaved schedules, with activation checkpointing
-and compiled blocks), activation checkpointing and CPU offload, for the transformer (GQA, QK-norm, per-head query
-scales, tied embeddings), GatedDeltaNet (grouped value heads), a GatedDeltaNet/attention hybrid, DeltaNet and
-windowed softpick attention, on 2, 4 and 8 gloo ranks in this machine's processes.
+and compiled blocks; on packed documents for GatedDeltaNet and DeltaNet), activation checkpointing and CPU offload,
+for the transformer (GQA, QK-norm, per-head query scales, tied embeddings), GatedDeltaNet (grouped value heads), a
+GatedDeltaNet/attention hybrid, DeltaNet and windowed softpick attention, on 2, 4 and 8 gloo ranks in this
+machine's processes.
 
 All runs start from the same full weights (scattered into each rank's shards), see the same global batch, and
 train 3 steps as flame's trainer does. Loss and gradient norm must match the single-process run to float32
@@ -22,7 +23,20 @@ LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
 ALL = ("transformer", "gated_deltanet", "hybrid", "delta_net")
 MAIN = ("transformer", "gated_deltanet", "hybrid")
 
+# Packed documents (one row of 32 tokens, cu_seqlens) against the slice borders; the short convolutions reach
+# conv_size - 1 = 3 tokens back. cp 2 (border 16): a document starts on the border; a document of 2 tokens ends on
+# it, starting inside the 3 tokens before it.
+ON_BORDER = (0, 9, 14, 16, 30, 32)
+# cp 2: a document of 2 tokens crosses the border (the state relay then starts the second slice's first document
+# from it), starting inside the 3 tokens before it.
+ACROSS_BORDER = (0, 9, 15, 17, 32)
+# cp 4 (borders 8, 16, 24): a document starts inside the 3 tokens before border 8, spans slices 0-2 and ends on
+# border 24; documents of 2 and 1 tokens.
+THREE_SLICES = (0, 2, 7, 24, 25, 32)
+PACKED = ("gated_deltanet", "delta_net")
+
 AC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+COMPILED = ["--compile.enable", "--compile.backend", "aot_eager"]
 AC_LAYER = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "1"]
 TWO_RANKS = [
     (Setting("fsdp2", dp_shard=2), ALL),
@@ -41,9 +55,12 @@ TWO_RANKS = [
     (Setting("cp2", cp=2), (*ALL, "softpick_window")),
     (Setting("cp2_full_ac", cp=2, flags=["--activation_checkpoint.mode", "full"]), ("hybrid",)),
     (Setting("cp2_op_sac", cp=2, flags=AC_OP), ("hybrid",)),
+    (Setting("cp2_compiled", cp=2, flags=COMPILED), ("hybrid",)),
+    (Setting("cp2_varlen_on_border", cp=2, documents=ON_BORDER), PACKED),
+    (Setting("cp2_varlen_across_border", cp=2, documents=ACROSS_BORDER), PACKED),
     (
-        Setting("cp2_compiled", cp=2, flags=["--compile.enable", "--compile.backend", "aot_eager"]),
-        ("hybrid",),
+        Setting("cp2_varlen_compiled", cp=2, documents=ACROSS_BORDER, flags=COMPILED),
+        ("gated_deltanet",),
     ),
     (Setting("pp2_gpipe", pp=2, flags=["--parallelism.pipeline_parallel_schedule", "GPipe"]), ("hybrid",)),
     (
@@ -60,7 +77,9 @@ FOUR_RANKS = [
     (Setting("pp2_x_tp2", pp=2, tp=2), ("gated_deltanet",)),
     (Setting("cp2_x_fsdp2", cp=2, dp_shard=2), MAIN),
     (Setting("cp4", cp=4), ("hybrid",)),
+    (Setting("cp4_varlen", cp=4, documents=THREE_SLICES), PACKED),
     (Setting("cp2_x_tp2", cp=2, tp=2), ALL),  # FSDP over the cp ranks as well: a 2-D (fsdp, tp) mesh
+    (Setting("cp2_x_tp2_varlen", cp=2, tp=2, documents=ACROSS_BORDER), ("gated_deltanet",)),
     (Setting("pp2_x_cp2", pp=2, cp=2), ("gated_deltanet", "hybrid")),
     (
         Setting(
@@ -79,7 +98,8 @@ CASES = [(setting, family, world) for world, table in WORLDS for setting, famili
 
 @pytest.fixture(scope="module")
 def references():
-    return {family: reference_run(family) for family in sorted({family for _, family, _ in CASES})}
+    runs = sorted({(family, setting.documents or ()) for setting, family, _ in CASES})
+    return {(family, documents): reference_run(family, documents or None) for family, documents in runs}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +117,7 @@ def results(tmp_path_factory):
     ("setting", "family"), [(s, f) for s, f, _ in CASES], ids=[f"{s.name}-{f}" for s, f, _ in CASES]
 )
 def test_matches_one_process(setting, family, results, references):
-    got, want = results[f"{setting.name}/{family}"], references[family]
+    got, want = results[f"{setting.name}/{family}"], references[family, setting.documents or ()]
     assert len(got) == len(want) == 3
     assert want[-1][0] < want[0][0] - 0.3  # the steps do train
     for step, ((loss, grad_norm), (ref_loss, ref_grad_norm)) in enumerate(zip(got, want), 1):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from flame.models.layers.sharding import local_param
-from flame.ops.context_parallel import previous_tokens
+from flame.ops.context_parallel import previous_tokens, window_cu_seqlens
 from flame.ops.short_conv import short_conv
 
 
@@ -28,9 +28,16 @@ class ShortConvolution(nn.Conv1d):
         if previous is None:
             return short_conv(x, weight, bias, activation=self.activation, cu_seqlens=cu_seqlens)
         # Context parallelism: convolve this rank's slice together with the tokens before it, keep its outputs.
-        if cu_seqlens is not None:
-            raise ValueError("context parallelism does not support packed documents (cu_seqlens)")
-        y = short_conv(torch.cat([previous, x], dim=1), weight, bias, activation=self.activation)
+        # With packed documents the window's own boundaries keep earlier documents' tokens out.
+        window = window_cu_seqlens(x.shape[1], width - 1, x.device)
+        if (window is None) != (cu_seqlens is None):
+            raise ValueError(
+                "packed documents under context parallelism need both this slice's cu_seqlens and the whole "
+                "row's, given to sequence_sharded"
+            )
+        y = short_conv(
+            torch.cat([previous, x], dim=1), weight, bias, activation=self.activation, cu_seqlens=window
+        )
         return y[:, width - 1 :]
 
     def extra_repr(self) -> str:
