@@ -220,14 +220,17 @@ class Trainer(Stateful):
         self, input_dict: dict, labels: torch.Tensor, global_tokens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward + backward of one micro-batch; returns its shares of the step's cross-entropy and z-loss."""
-        inputs = {k: v.to(self.device) for k, v in input_dict.items()}
+        # A packed row's whole boundaries (context parallelism) stay on the host: the exchanges read them in
+        # Python, and a device copy would cost a sync every micro-batch.
+        row_cu_seqlens = input_dict.get(ROW_CU_SEQLENS)
+        inputs = {k: v.to(self.device) for k, v in input_dict.items() if k != ROW_CU_SEQLENS}
         labels = labels.to(self.device)
         if self.parallel_dims.pp_enabled:
-            return self._forward_backward_pipelined(inputs, labels, global_tokens)
+            return self._forward_backward_pipelined(inputs, labels, global_tokens, row_cu_seqlens)
         model = self.model_parts[0]
         z_loss = self.job_config.training.z_loss
-        # The backward exchanges between cp ranks too; packed rows give the exchanges their whole-row boundaries.
-        with sequence_sharded(self.cp_group, inputs.get(ROW_CU_SEQLENS)):
+        # The backward exchanges between cp ranks too.
+        with sequence_sharded(self.cp_group, row_cu_seqlens):
             with self.amp:
                 logits = model(
                     inputs["input"],
@@ -241,7 +244,11 @@ class Trainer(Stateful):
         return cross_entropy.detach() / global_tokens, z_loss * z_term.detach() / global_tokens
 
     def _forward_backward_pipelined(
-        self, inputs: dict, labels: torch.Tensor, global_tokens: torch.Tensor
+        self,
+        inputs: dict,
+        labels: torch.Tensor,
+        global_tokens: torch.Tensor,
+        row_cu_seqlens: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The pipeline schedule runs forward + backward of the micro-batch in pieces over the stages; its loss
         divides by ``global_tokens`` already. Only the last stage has the loss (zero elsewhere); no z-loss.
@@ -253,7 +260,7 @@ class Trainer(Stateful):
         losses = [] if self.pp_last else None
         args = (inputs["input"],) if self.pp_first else ()
         kwargs = {k: inputs[k] for k in ("position_ids", "cu_seqlens") if k in inputs}
-        with self.amp, sequence_sharded(self.cp_group, inputs.get(ROW_CU_SEQLENS)):
+        with self.amp, sequence_sharded(self.cp_group, row_cu_seqlens):
             self.pp_schedule.step(*args, target=labels if self.pp_last else None, losses=losses, **kwargs)
         zero = torch.zeros((), device=self.device)
         loss = torch.stack(losses).sum().detach() if self.pp_last else zero
