@@ -146,3 +146,21 @@ def test_dry_run_of_transformer_340m_matches_fla():
     params = int(re.search(r"^params: (\d+)$", result.stdout, re.M).group(1))
     assert params == fla_transformer_param_count(config)
     assert 370_000_000 < params < 380_000_000
+
+
+@pytest.mark.parametrize("preset, expected", [("", "1"), ("0", "0")])
+def test_ranks_cache_triton_autotuning_unless_told_not_to(tmp_path, preset, expected):
+    """train.sh hands torchrun TRITON_CACHE_AUTOTUNING=1 unless the caller set it (a stub torchrun prints it)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "torchrun"
+    stub.write_text('#!/bin/sh\necho "ranks see TRITON_CACHE_AUTOTUNING=$TRITON_CACHE_AUTOTUNING"\n')
+    stub.chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FLAME_EXPORT_HF": "0",
+        "TRITON_CACHE_AUTOTUNING": preset,  # empty counts as unset
+    }
+    result = train_sh("--job.dump_folder", str(tmp_path / "dump"), env=env)
+    assert result.returncode == 0, result.stderr
+    assert f"ranks see TRITON_CACHE_AUTOTUNING={expected}\n" in result.stdout
