@@ -104,7 +104,8 @@ def model_args(name: str, tiny: bool):
 def job_config(seq_len: int, compiled: bool, world_size: int, args):
     flags = ["--training.seq_len", str(seq_len), "--parallelism.data_parallel_shard_degree", str(world_size),
              "--activation_checkpoint.mode", args.ac, "--optimizer.lr", "3e-4",
-             "--model.attention_backend", args.attention_backend]  # fmt: skip
+             "--model.attention_backend", args.attention_backend,
+             "--parallelism.fsdp_reshard_after_forward", args.fsdp_reshard_after_forward]  # fmt: skip
     if compiled:
         flags += ["--compile.enable", "--compile.backend", args.compile_backend,
                   "--compile.components", args.compile_components]  # fmt: skip
@@ -316,6 +317,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--attention_backend", default="auto", choices=ATTENTION_BACKENDS, help="GPU attention kernels"
+    )
+    parser.add_argument(
+        "--fsdp_reshard_after_forward",
+        choices=("default", "always", "never"),
+        default="default",
+        help="FSDP: free each block's gathered parameters after its forward (never: keep them for the backward, "
+        "one all-gather per block and step instead of two)",
     )
     parser.add_argument(
         "--ac", default="none", choices=["none", "full", "selective"], help="activation checkpointing"
