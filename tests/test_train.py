@@ -129,6 +129,32 @@ def test_context_parallel_matches_one_process_alone_and_with_pipeline_parallelis
                 assert split[step] == pytest.approx(single[step], rel=rtol), (run, name, step, single, split)
 
 
+def test_packed_documents_through_a_pipeline_match_one_process(tmp_path):
+    """training.varlen (one packed row per batch, cu_seqlens to every stage) with two ranks of Interleaved1F1B,
+    two stages each, on a 4-layer GatedDeltaNet: the one micro-batch runs through all four stages."""
+    config = tmp_path / "gdn.json"
+    config.write_text('{"model_type": "gated_deltanet", "hidden_size": 128, "num_hidden_layers": 4,'
+                      ' "num_heads": 2, "head_dim": 32, "vocab_size": 4096}')  # fmt: skip
+    common = ["--model.config", str(config), "--training.seq_len", "128", "--training.batch_size", "1",
+              "--training.varlen", "--training.steps", "3", "--lr_scheduler.warmup_steps", "1",
+              "--checkpoint.interval", "100", "--training.seed", "7"]  # fmt: skip
+    run_train_sh(tmp_path / "seed", 1, *common, "--checkpoint.create_seed_checkpoint")
+    for run in ("one", "pipelined"):
+        shutil.copytree(tmp_path / "seed" / "checkpoint", tmp_path / run / "checkpoint")
+    run_train_sh(tmp_path / "one", 1, *common)
+    run_train_sh(tmp_path / "pipelined", 2, *common, "--parallelism.pipeline_parallel_degree", "2",
+                 "--parallelism.data_parallel_shard_degree", "1",
+                 "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")  # fmt: skip
+    for name, rtol in (("loss/train", 1e-5), ("grad_norm", 1e-4)):
+        single = tensorboard_scalars(tmp_path / "one", name)
+        pipelined = tensorboard_scalars(tmp_path / "pipelined", name)
+        assert sorted(single) == sorted(pipelined) == [1, 2, 3], name
+        for step in (1, 2, 3):
+            assert pipelined[step] == pytest.approx(single[step], rel=rtol), (name, step, single, pipelined)
+    loss = tensorboard_scalars(tmp_path / "one", "loss/train")
+    assert loss[3] < loss[1] - 0.05  # the steps do train
+
+
 def test_pipeline_on_two_processes_matches_one_process(tmp_path, periodic_corpus):
     folder, seq_len = periodic_corpus
     common = ["--training.dataset", str(folder), "--training.seq_len", str(seq_len), "--training.steps", "3",

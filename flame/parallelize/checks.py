@@ -6,7 +6,8 @@ that splits the backward, a sequence length indivisible by cp (x tp with sequenc
 softmax attention or attention on packed documents (varlen) (context_parallel.py);
 DDP combined with tensor or pipeline parallelism; unknown compile components; head counts, MLP widths or the
 sequence length not divisible by the tensor-parallel degree; a q/k norm over all heads (``qk_norm_scope`` full)
-under tensor parallelism, which splits the heads; more pipeline stages than layers; CPU offload without FSDP;
+under tensor parallelism, which splits the heads; more pipeline stages than layers; micro-batch counts the
+pipeline schedule cannot run (1F1B and DualPipeV need one per stage); CPU offload without FSDP;
 activation-checkpointing and converter options that cannot work. train.sh's pre-flight (flame.launch) calls it
 with NGPU x NNODE, and parallelize_model calls it again on the ranks. It imports no torchtitan module, so the
 pre-flight stays fast.
@@ -147,10 +148,32 @@ def check_pipeline_parallel(job_config, model_args) -> None:
             f"{stages} pipeline stages cannot be spread evenly over pipeline_parallel_degree {pp}"
         )
     microbatch = parallelism.pipeline_parallel_microbatch_size
-    if job_config.training.local_batch_size % microbatch:
+    batch = job_config.training.local_batch_size
+    if batch % microbatch:
         raise ConfigError(
-            f"training.local_batch_size {job_config.training.local_batch_size} is not divisible by "
+            f"training.local_batch_size {batch} is not divisible by "
             f"parallelism.pipeline_parallel_microbatch_size {microbatch}"
+        )
+    if parallelism.pipeline_parallel_schedule_csv:
+        return
+    # torch's schedules (torch/distributed/pipelining/schedules.py) refuse these micro-batch counts only once the
+    # ranks have started, with a traceback per rank.
+    schedule = parallelism.pipeline_parallel_schedule
+    micro_batches = batch // microbatch
+    counted = f"got {micro_batches} (training.local_batch_size {batch} / pipeline_parallel_microbatch_size {microbatch})"
+    if job_config.training.varlen:
+        counted += (
+            "; training.varlen makes every batch one packed row: use GPipe, LoopedBFS or Interleaved1F1B"
+        )
+    if schedule.lower() in ("1f1b", "dualpipev") and micro_batches < stages:
+        raise ConfigError(
+            f"pipeline schedule {schedule} needs at least one micro-batch per stage ({stages}), {counted}"
+        )
+    rounds = max(1, micro_batches // pp)
+    if schedule.lower() in ("interleaved1f1b", "interleavedzerobubble") and micro_batches % rounds:
+        raise ConfigError(
+            f"pipeline schedule {schedule} needs a micro-batch count divisible by its rounds ({rounds} = "
+            f"micro-batches // pipeline_parallel_degree {pp}), {counted}"
         )
 
 

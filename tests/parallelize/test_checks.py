@@ -97,6 +97,55 @@ def test_more_pipeline_stages_than_layers_is_refused():
     assert "32 stages from 24 layers" in message
 
 
+@pytest.mark.parametrize(
+    ("schedule", "batch", "expected"),
+    [
+        ("1F1B", "1", "pipeline schedule 1F1B needs at least one micro-batch per stage (2), got 1 "),
+        (
+            "DualPipeV",
+            "3",
+            "pipeline schedule DualPipeV needs at least one micro-batch per stage (4), got 3 ",
+        ),
+        ("Interleaved1F1B", "5", "needs a micro-batch count divisible by its rounds (2 = micro-batches // "),
+        (
+            "InterleavedZeroBubble",
+            "7",
+            "needs a micro-batch count divisible by its rounds (3 = micro-batches // ",
+        ),
+    ],
+)
+def test_micro_batch_counts_a_pipeline_schedule_cannot_run_are_one_line(schedule, batch, expected):
+    pp2 = [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "1",
+    ]
+    message = refused(
+        2, *pp2, "--parallelism.pipeline_parallel_schedule", schedule, "--training.batch_size", batch
+    )
+    assert expected in message
+    assert "training.varlen" not in message
+    valid = {"1F1B": "2", "DualPipeV": "4", "Interleaved1F1B": "6", "InterleavedZeroBubble": "8"}[schedule]
+    check(2, *pp2, "--parallelism.pipeline_parallel_schedule", schedule, "--training.batch_size", valid)
+
+
+def test_packed_documents_pipeline_only_with_schedules_that_run_one_micro_batch():
+    varlen = [
+        "--training.varlen",
+        "--training.batch_size",
+        "1",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+    ]
+    message = refused(2, *varlen, "--parallelism.pipeline_parallel_schedule", "1F1B")
+    assert message.endswith(
+        "training.varlen makes every batch one packed row: use GPipe, LoopedBFS or Interleaved1F1B"
+    )
+    for schedule in ("GPipe", "LoopedBFS", "Interleaved1F1B"):
+        check(2, *varlen, "--parallelism.pipeline_parallel_schedule", schedule)
+
+
 def test_unsupported_combinations_are_one_line():
     assert "expert parallelism" in refused(2, "--parallelism.expert_parallel_degree", "2")
     ddp_tp = [
