@@ -14,6 +14,8 @@ from tests.trainer_helpers import tensorboard_scalars, text_events
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS = re.compile(r"step\s+(\d+)/\d+\s+loss\s+([0-9.]+)")
+# The harness's tolerances (tests/parallelize): float32 summation order moves gradient norms more.
+GRADIENT_TOLERANCES = {"loss/train": 1e-5, "grad_norm": 1e-4}
 
 
 def run_train_sh(dump: Path, ngpu: int, *args: str) -> dict[int, float]:
@@ -28,6 +30,29 @@ def run_train_sh(dump: Path, ngpu: int, *args: str) -> dict[int, float]:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {int(step): float(loss) for step, loss in LOSS.findall(result.stdout)}
+
+
+def train_from_one_seed(tmp_path: Path, common: list[str], runs: dict[str, tuple[int, list[str]]]) -> None:
+    """A seed checkpoint, then each run (processes, its own flags) from a copy of it, so all start equal."""
+    run_train_sh(tmp_path / "seed", 1, *common, "--checkpoint.create_seed_checkpoint")
+    for run, (ngpu, flags) in runs.items():
+        shutil.copytree(tmp_path / "seed" / "checkpoint", tmp_path / run / "checkpoint")
+        run_train_sh(tmp_path / run, ngpu, *common, *flags)
+
+
+def assert_runs_match_run_one(tmp_path: Path, runs: list[str], tolerances: dict[str, float], min_drop: float):
+    """Each run's logged scalars equal run "one"'s at steps 1-3 within the relative tolerance, and run one's loss
+    falls by at least ``min_drop`` (the steps do train)."""
+    for name, rtol in tolerances.items():
+        single = tensorboard_scalars(tmp_path / "one", name)
+        assert sorted(single) == [1, 2, 3], name
+        for run in runs:
+            split = tensorboard_scalars(tmp_path / run, name)
+            assert sorted(split) == [1, 2, 3], (run, name)
+            for step in (1, 2, 3):
+                assert split[step] == pytest.approx(single[step], rel=rtol), (run, name, step, single, split)
+    loss = tensorboard_scalars(tmp_path / "one", "loss/train")
+    assert loss[3] < loss[1] - min_drop
 
 
 @pytest.fixture(scope="module")
@@ -72,19 +97,14 @@ def test_fsdp_on_two_processes_matches_one_process(tmp_path, periodic_corpus):
     # Validation and text samples run on every rank of a sharded model (only rank 0 logs).
     extras = ["--validation.enable", "--validation.freq", "2", "--inference.interval", "2",
               "--inference.max_new_tokens", "4"]  # fmt: skip
-    # Both runs start from the same seed checkpoint (step 0, model only), resharded by DCP on load.
-    run_train_sh(tmp_path / "seed", 1, *common, "--checkpoint.create_seed_checkpoint")
-    for run in ("one", "two"):
-        shutil.copytree(tmp_path / "seed" / "checkpoint", tmp_path / run / "checkpoint")
-    run_train_sh(tmp_path / "one", 1, *common, *extras, "--training.batch_size", "4")
-    run_train_sh(tmp_path / "two", 2, *common, *extras, "--training.batch_size", "2")
-    single = tensorboard_scalars(tmp_path / "one", "loss/train")
-    sharded = tensorboard_scalars(tmp_path / "two", "loss/train")
-    assert sorted(single) == sorted(sharded) == [1, 2, 3]
-    assert single[3] < single[1] - 0.1  # the steps do train
-    # Same weights, same global batch: only float32 summation order differs between 1 and 2 ranks.
-    for step in (1, 2, 3):
-        assert sharded[step] == pytest.approx(single[step], rel=1e-5), (step, single, sharded)
+    # Both runs start from the same seed checkpoint (step 0, model only), resharded by DCP on load. Same weights,
+    # same global batch: only float32 summation order differs between 1 and 2 ranks.
+    runs = {
+        "one": (1, [*extras, "--training.batch_size", "4"]),
+        "two": (2, [*extras, "--training.batch_size", "2"]),
+    }
+    train_from_one_seed(tmp_path, common, runs)
+    assert_runs_match_run_one(tmp_path, ["two"], {"loss/train": 1e-5}, min_drop=0.1)
     # Every row of the validation split is the same sequence: same loss whichever rank reads it.
     single_validation = tensorboard_scalars(tmp_path / "one", "loss/validation")
     sharded_validation = tensorboard_scalars(tmp_path / "two", "loss/validation")
@@ -112,21 +132,8 @@ def test_context_parallel_matches_one_process_alone_and_with_pipeline_parallelis
         "cp": (2, cp2),
         "cp_pp": (4, [*cp2, "--parallelism.pipeline_parallel_degree", "2"]),
     }
-    run_train_sh(tmp_path / "seed", 1, *common, "--checkpoint.create_seed_checkpoint")
-    for run, (ngpu, flags) in runs.items():
-        shutil.copytree(tmp_path / "seed" / "checkpoint", tmp_path / run / "checkpoint")
-        run_train_sh(tmp_path / run, ngpu, *common, *flags)
-    # The harness's tolerances (tests/parallelize): float32 summation order moves gradient norms more.
-    for name, rtol in (("loss/train", 1e-5), ("grad_norm", 1e-4)):
-        single = tensorboard_scalars(tmp_path / "one", name)
-        assert sorted(single) == [1, 2, 3]
-        if name == "loss/train":
-            assert single[3] < single[1] - 0.1  # the steps do train
-        for run in ("cp", "cp_pp"):
-            split = tensorboard_scalars(tmp_path / run, name)
-            assert sorted(split) == [1, 2, 3], (run, name)
-            for step in (1, 2, 3):
-                assert split[step] == pytest.approx(single[step], rel=rtol), (run, name, step, single, split)
+    train_from_one_seed(tmp_path, common, runs)
+    assert_runs_match_run_one(tmp_path, ["cp", "cp_pp"], GRADIENT_TOLERANCES, min_drop=0.1)
 
 
 def test_packed_documents_through_a_pipeline_match_one_process(tmp_path):
@@ -138,21 +145,10 @@ def test_packed_documents_through_a_pipeline_match_one_process(tmp_path):
     common = ["--model.config", str(config), "--training.seq_len", "128", "--training.batch_size", "1",
               "--training.varlen", "--training.steps", "3", "--lr_scheduler.warmup_steps", "1",
               "--checkpoint.interval", "100", "--training.seed", "7"]  # fmt: skip
-    run_train_sh(tmp_path / "seed", 1, *common, "--checkpoint.create_seed_checkpoint")
-    for run in ("one", "pipelined"):
-        shutil.copytree(tmp_path / "seed" / "checkpoint", tmp_path / run / "checkpoint")
-    run_train_sh(tmp_path / "one", 1, *common)
-    run_train_sh(tmp_path / "pipelined", 2, *common, "--parallelism.pipeline_parallel_degree", "2",
-                 "--parallelism.data_parallel_shard_degree", "1",
-                 "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")  # fmt: skip
-    for name, rtol in (("loss/train", 1e-5), ("grad_norm", 1e-4)):
-        single = tensorboard_scalars(tmp_path / "one", name)
-        pipelined = tensorboard_scalars(tmp_path / "pipelined", name)
-        assert sorted(single) == sorted(pipelined) == [1, 2, 3], name
-        for step in (1, 2, 3):
-            assert pipelined[step] == pytest.approx(single[step], rel=rtol), (name, step, single, pipelined)
-    loss = tensorboard_scalars(tmp_path / "one", "loss/train")
-    assert loss[3] < loss[1] - 0.05  # the steps do train
+    pipelined = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                 "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]  # fmt: skip
+    train_from_one_seed(tmp_path, common, {"one": (1, []), "pipelined": (2, pipelined)})
+    assert_runs_match_run_one(tmp_path, ["pipelined"], GRADIENT_TOLERANCES, min_drop=0.05)
 
 
 def test_pipeline_on_two_processes_matches_one_process(tmp_path, periodic_corpus):
@@ -160,18 +156,9 @@ def test_pipeline_on_two_processes_matches_one_process(tmp_path, periodic_corpus
     common = ["--training.dataset", str(folder), "--training.seq_len", str(seq_len), "--training.steps", "3",
               "--lr_scheduler.warmup_steps", "1", "--checkpoint.interval", "100", "--training.seed", "7",
               "--training.batch_size", "4"]  # fmt: skip
-    # Both runs start from the same seed checkpoint, which DCP loads into each rank's pipeline stage.
-    run_train_sh(tmp_path / "seed", 1, *common, "--checkpoint.create_seed_checkpoint")
-    for run in ("one", "pipelined"):
-        shutil.copytree(tmp_path / "seed" / "checkpoint", tmp_path / run / "checkpoint")
-    run_train_sh(tmp_path / "one", 1, *common)
-    # Two stages of the tiny model's 4 layers, 4 micro-batches of 1 row each: the same global batch.
-    run_train_sh(tmp_path / "pipelined", 2, *common, "--parallelism.pipeline_parallel_degree", "2",
-                 "--parallelism.data_parallel_shard_degree", "1",
-                 "--parallelism.pipeline_parallel_microbatch_size", "1")  # fmt: skip
-    single = tensorboard_scalars(tmp_path / "one", "loss/train")
-    pipelined = tensorboard_scalars(tmp_path / "pipelined", "loss/train")
-    assert sorted(single) == sorted(pipelined) == [1, 2, 3]
-    assert single[3] < single[1] - 0.1  # the steps do train
-    for step in (1, 2, 3):
-        assert pipelined[step] == pytest.approx(single[step], rel=1e-5), (step, single, pipelined)
+    # Two stages of the tiny model's 4 layers, 4 micro-batches of 1 row each: the same global batch. Both runs
+    # start from the same seed checkpoint, which DCP loads into each rank's pipeline stage.
+    pipelined = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                 "--parallelism.pipeline_parallel_microbatch_size", "1"]  # fmt: skip
+    train_from_one_seed(tmp_path, common, {"one": (1, []), "pipelined": (2, pipelined)})
+    assert_runs_match_run_one(tmp_path, ["pipelined"], {"loss/train": 1e-5}, min_drop=0.1)
