@@ -2,6 +2,7 @@
 
     python bench/train_throughput.py [--quick]                          # one GPU
     torchrun --nproc_per_node 4 bench/train_throughput.py [--quick]     # FSDP over 4 GPUs (per-GPU batch unchanged)
+    torchrun --nproc_per_node 4 bench/train_throughput.py --cp 2 ...   # context parallel 2 x FSDP 2
     python bench/train_throughput.py --device cpu --tiny                # smoke test of the script itself
 
 It drives flame's real components, as the trainer does: ``build_model`` on the meta device, ``parallelize_model``
@@ -10,7 +11,10 @@ several processes run, bf16 autocast on one GPU), materialisation + ``init_weigh
 the trainer's summed cross-entropy (``loss_sums``, compiled in the compiled mode unless ``--compile_components``
 leaves "loss" out) divided by the global token count, gradient clipping at 1.0. Batches are random tokens
 (no dataset), ``--tokens_per_gpu`` per step (batch = tokens // seq_len). Each case runs ``--warmup`` steps
-(compilation, allocator warm-up), then ``--steps`` timed steps.
+(compilation, allocator warm-up), then ``--steps`` timed steps. With ``--cp N`` each row is split over the N
+ranks of a context-parallel group, as the trainer splits it (``shard_batch`` and ``sequence_sharded``): a group
+reads batch = tokens x N // seq_len rows, so every GPU still holds ``--tokens_per_gpu`` tokens, and FSDP shards over
+the data-parallel x cp ranks.
 
 Cases: every model in ``--models`` x ``--seq_lens`` x ``--modes`` (eager, compiled). The models are the 340M
 configs transformer_340M, the softpick recipes (softpick, rectified, scaled softpick), gated_deltanet_340M, and a
@@ -102,7 +106,9 @@ def model_args(name: str, tiny: bool):
 
 
 def job_config(seq_len: int, compiled: bool, world_size: int, args):
-    flags = ["--training.seq_len", str(seq_len), "--parallelism.data_parallel_shard_degree", str(world_size),
+    flags = ["--training.seq_len", str(seq_len),
+             "--parallelism.data_parallel_shard_degree", str(world_size // args.cp),
+             "--parallelism.context_parallel_degree", str(args.cp),
              "--activation_checkpoint.mode", args.ac, "--optimizer.lr", "3e-4",
              "--model.attention_backend", args.attention_backend,
              "--parallelism.fsdp_reshard_after_forward", args.fsdp_reshard_after_forward]  # fmt: skip
@@ -126,9 +132,12 @@ def build_optimizers(model, config, parallel_dims):
 def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
     from torchtitan.distributed import utils as dist_utils
 
+    from flame.ops.context_parallel import sequence_sharded
+    from flame.parallelize.context_parallel import shard_batch
+
     world_size = parallel_dims.world_size
     margs = model_args(name, args.tiny)
-    batch = max(1, args.tokens_per_gpu // seq_len)
+    batch = max(1, args.tokens_per_gpu * args.cp // seq_len)  # rows per cp group, each split over its ranks
     config = job_config(seq_len, mode == "compiled", world_size, args)
     set_attention_backend(config.model.attention_backend)  # as the trainer does
     with torch.device("meta"):
@@ -147,20 +156,25 @@ def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
         if device.type == "cuda" and world_size == 1
         else contextlib.nullcontext()
     )
-    generator = torch.Generator(device=device).manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+    # The ranks of a cp group draw the same rows (seeded by their data-parallel rank) and train on their slices.
+    dp_rank = parallel_dims.get_mesh("batch").get_local_rank() if parallel_dims.dp_enabled else 0
+    generator = torch.Generator(device=device).manual_seed(dp_rank)
     tokens = torch.randint(0, margs.vocab_size, (batch, seq_len + 1), device=device, generator=generator)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    global_tokens = labels.numel() * world_size
+    inputs, labels = {"input": tokens[:, :-1]}, tokens[:, 1:]
+    global_tokens = labels.numel() * (world_size // args.cp)
+    cp_group = parallel_dims.get_mesh("cp").get_group() if parallel_dims.cp_enabled else None
+    if cp_group is not None:
+        inputs, labels = shard_batch(inputs, labels, cp_group)
 
     loss_fn = maybe_compile_loss(loss_sums, config.compile)
 
     def step():
         optimizers.zero_grad()
-        with amp:
-            logits = model(inputs)
+        with sequence_sharded(cp_group), amp:
+            logits = model(inputs["input"], position_ids=inputs.get("position_ids"))
             loss, _ = loss_fn(logits, labels, z_loss=False)
-        del logits
-        (loss / global_tokens).backward()
+            del logits
+            (loss / global_tokens).backward()
         dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
         optimizers.step()
 
@@ -173,7 +187,7 @@ def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
         step()
     synchronize()
     result.step_s = (time.perf_counter() - start) / args.steps
-    result.tokens_per_s = batch * seq_len / result.step_s
+    result.tokens_per_s = labels.numel() / result.step_s  # this GPU's tokens
     result.tflops = flops_per_token * result.tokens_per_s / 1e12
     if args.peak_tflops:
         result.mfu = result.tflops / args.peak_tflops
@@ -263,20 +277,23 @@ def millions(n: int) -> str:
     return f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n:,}"
 
 
-def table(results: list[Result], world_size: int) -> str:
+def table(results: list[Result], world_size: int, cp: int = 1) -> str:
+    """Markdown rows; with context parallelism the GPUs column names the cp degree and batch/GPU counts rows of
+    which each GPU holds a 1/cp slice."""
+    gpus = f"{world_size} (cp {cp})" if cp > 1 else str(world_size)
     lines = [
         "| model | params | GPUs | seq | batch/GPU | mode | step s | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB |",
         "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if r.error:
-            lines.append(f"| {r.model} | {millions(r.params)} | {world_size} | {r.seq_len} | {r.batch} | {r.mode} | "
+            lines.append(f"| {r.model} | {millions(r.params)} | {gpus} | {r.seq_len} | {r.batch} | {r.mode} | "
                          f"failed: {r.error} | | | | |")  # fmt: skip
             continue
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu == r.mfu else "n/a"
         peak = f"{r.peak_gib:.1f}" if r.peak_gib == r.peak_gib else "n/a"
         lines.append(
-            f"| {r.model} | {millions(r.params)} | {world_size} | {r.seq_len} | {r.batch} | {r.mode} | "
+            f"| {r.model} | {millions(r.params)} | {gpus} | {r.seq_len} | {r.batch} | {r.mode} | "
             f"{r.step_s:.3f} | {r.tokens_per_s:,.0f} | {r.tflops:.1f} | {mfu} | {peak} |"
         )
     return "\n".join(lines)
@@ -317,6 +334,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--attention_backend", default="auto", choices=ATTENTION_BACKENDS, help="GPU attention kernels"
+    )
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: each row is split over this many ranks (the rest of the world size is "
+        "data parallel)",
     )
     parser.add_argument(
         "--fsdp_reshard_after_forward",
@@ -386,8 +410,18 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, value)
+    if world_size % args.cp:
+        print(f"error: --cp {args.cp} does not divide the {world_size} processes", file=sys.stderr)
+        return 2
     parallel_dims = ParallelDims(
-        dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world_size
+        dp_replicate=1,
+        dp_shard=world_size // args.cp,
+        cp=args.cp,
+        tp=1,
+        pp=1,
+        ep=1,
+        etp=1,
+        world_size=world_size,
     )
     if world_size > 1:
         parallel_dims.build_mesh()
@@ -405,12 +439,17 @@ def main(argv: list[str] | None = None) -> int:
                         traceback.print_exc()
                     message = "out of memory" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
                     result = Result(
-                        name, 0, seq_len, max(1, args.tokens_per_gpu // seq_len), mode, error=message
+                        name,
+                        0,
+                        seq_len,
+                        max(1, args.tokens_per_gpu * args.cp // seq_len),
+                        mode,
+                        error=message,
                     )
                 cleanup(device)
                 results.append(result)
                 if rank == 0:
-                    print(table([result], world_size).splitlines()[-1], f"({time.perf_counter() - case_start:.0f} s)",
+                    print(table([result], world_size, args.cp).splitlines()[-1], f"({time.perf_counter() - case_start:.0f} s)",
                           flush=True)  # fmt: skip
                     if result.profile:
                         timelines = "\n".join(f"rank {r}: {line}" for r, line in enumerate(result.timelines))
@@ -419,10 +458,10 @@ def main(argv: list[str] | None = None) -> int:
                             flush=True,
                         )
     if rank == 0:
-        text = table(results, world_size)
+        text = table(results, world_size, args.cp)
         print("\n" + text)
         if not args.no_write:
-            marker = f"bench_train_throughput_{world_size}gpu"
+            marker = f"bench_train_throughput_{world_size}gpu" + (f"_cp{args.cp}" if args.cp > 1 else "")
             command = " ".join(
                 (["torchrun --nproc_per_node", str(world_size)] if world_size > 1 else ["python"])
                 + ["bench/train_throughput.py", *(sys.argv[1:] if argv is None else argv)]
@@ -433,10 +472,16 @@ def main(argv: list[str] | None = None) -> int:
                 parallelism = (
                     "FSDP (bf16 params, fp32 reduce)" if world_size > 1 else "one GPU, bf16 autocast"
                 )
+            if args.cp > 1:
+                parallelism += (
+                    f" over data parallel {world_size // args.cp} x context parallel {args.cp} (each row split "
+                    f"over {args.cp} ranks; batch/GPU counts rows)"
+                )
             write_section(
                 args.doc,
                 marker,
-                f"Training throughput, {world_size} {device.type.upper()}{'s' * (world_size > 1)}",
+                f"Training throughput, {world_size} {device.type.upper()}{'s' * (world_size > 1)}"
+                + (f", context parallel {args.cp}" if args.cp > 1 else ""),
                 f"Command: `{command}` on {world_size} x {device_name(device)}, torch {torch.__version__} "
                 f"({time.strftime('%Y-%m-%d')}); {parallelism}, random tokens, {args.tokens_per_gpu:,} tokens "
                 f"per GPU per step, activation checkpointing {args.ac}, AdamW, {args.warmup} warm-up then "

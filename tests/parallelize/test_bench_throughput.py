@@ -1,6 +1,6 @@
 """bench/train_throughput.py (a GPU benchmark) runs end to end on the CPU with tiny models: one process (eager and
-compiled with the eager backend) and two processes with FSDP under torchrun; it writes its own section of the
-performance document and keeps the others."""
+compiled with the eager backend), two processes with FSDP and two with context parallelism under torchrun; it
+writes its own section of the performance document and keeps the others."""
 
 import os
 import subprocess
@@ -62,6 +62,29 @@ def test_bench_smoke_on_cpu_writes_its_sections(tmp_path):
         assert float(row[6]) > 0 and float(row[7].replace(",", "")) > 0, row  # step time, tokens/s
     assert [(r[0], r[2]) for r in rows(two)] == [("gated_deltanet", "2")]
     assert "FSDP" in two
+
+
+def test_bench_context_parallel_on_cpu_writes_a_section_of_its_own(tmp_path):
+    doc = tmp_path / "performance.md"
+    doc.write_text(
+        "# Performance\n\n<!-- bench_train_throughput_2gpu -->\nFSDP table\n<!-- /bench_train_throughput_2gpu -->\n"
+    )
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(BENCH),
+         "--device", "cpu", "--tiny", "--doc", str(doc), "--models", "gated_deltanet,hybrid", "--modes", "eager",
+         "--cp", "2"])  # fmt: skip
+    text = doc.read_text()
+    assert "<!-- bench_train_throughput_2gpu -->\nFSDP table\n" in text
+    section = text.split("<!-- bench_train_throughput_2gpu_cp2 -->")[1].split(
+        "<!-- /bench_train_throughput_2gpu_cp2 -->"
+    )[0]
+    assert "## Training throughput, 2 CPUs, context parallel 2" in section
+    # 128 tokens per GPU at seq 64 over cp 2: each GPU holds half of 4 rows.
+    assert [(r[0], r[2], r[4]) for r in rows(section)] == [
+        ("gated_deltanet", "2 (cp 2)", "4"),
+        ("hybrid", "2 (cp 2)", "4"),
+    ]
+    for row in rows(section):
+        assert float(row[6]) > 0 and float(row[7].replace(",", "")) > 0, row
 
 
 def test_gpu_timeline_splits_a_step_into_compute_exposed_communication_and_idle(monkeypatch):
