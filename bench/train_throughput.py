@@ -170,9 +170,10 @@ def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
 
     def step():
         optimizers.zero_grad()
-        with sequence_sharded(cp_group), amp:
-            logits = model(inputs["input"], position_ids=inputs.get("position_ids"))
-            loss, _ = loss_fn(logits, labels, z_loss=False)
+        with sequence_sharded(cp_group):  # the backward exchanges between cp ranks too
+            with amp:
+                logits = model(inputs["input"], position_ids=inputs.get("position_ids"))
+                loss, _ = loss_fn(logits, labels, z_loss=False)
             del logits
             (loss / global_tokens).backward()
         dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
