@@ -4,9 +4,9 @@ exchanges flame's mixers need to compute, on each slice, exactly what one proces
 Rank r of W holds positions [r L, (r + 1) L) of every row (L = T / W; `shard_sequence`). While a group is active
 (`sequence_sharded(group)`, which the trainer enters around each forward + backward) the mixers call:
 
-- `gather_prefix` (attention): keys and values of positions [0, (r + 1) L), all-gathered. Queries stay local and
-  read them with bottom-right causal alignment (flame.ops.attention accepts fewer queries than keys). Backward, the
-  gradient of each slice is summed over the ranks that read it. Only K/V grow with the whole sequence; the scores
+- `prefix_attention` (attention, through `gather_prefix`): keys and values of positions [0, (r + 1) L),
+  all-gathered. Queries stay local and read them with bottom-right causal alignment (flame.ops.attention accepts
+  fewer queries than keys). Backward, the gradient of each slice is summed over the ranks that read it. Only K/V grow with the whole sequence; the scores
   are never materialized beyond what the kernel does for one slice of queries.
 - `previous_tokens` (short convolutions): the last n tokens of rank r - 1's slice (zeros on rank 0, which is the
   convolution's own zero padding), so the convolution sees across the slice boundary; backward, their gradient
@@ -22,8 +22,8 @@ Packed documents (one row, ``cu_seqlens``): the trainer passes the whole row's c
 convolves the previous tokens and its slice with the boundaries of that window (`window_cu_seqlens`), so tokens of
 an earlier document are never read; the relay hands over the state of the slice's last document, and rank r starts
 its first document from it only when that document began on an earlier rank (no state crosses a border that is
-also a document boundary, and the two ranks then run their recurrences at the same time). Attention does not run
-on packed documents under context parallelism (`gather_prefix` refuses them).
+also a document boundary, and the two ranks then run their recurrences at the same time). Attention reads the
+earlier ranks' keys only for the slice's first document, from the position that document began.
 
 Under tensor parallelism the mixers pass plain local tensors of their own heads (or channels), and the exchanges
 move only those over the cp group (torchtitan's "cp" mesh: the ranks that hold the same heads of the other
@@ -129,9 +129,58 @@ def gather_prefix(x: Tensor) -> Tensor:
     group = _active_group
     if group is None:
         return x
-    if _active_boundaries is not None:
-        raise ValueError("attention does not support packed documents (cu_seqlens) with context parallelism")
     return _GatherPrefix.apply(x, group)
+
+
+def prefix_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None, attend: Callable[..., Tensor]
+) -> Tensor:
+    """Causal attention of this rank's queries [B, L, H, D] on every key they may see. ``attend(q, k, v,
+    cu_seqlens=...)`` is the attention of queries aligned to the end of their keys (flame.ops.attention).
+
+    Fixed-length rows: the keys and values of positions [0, (r + 1) L), gathered. Packed documents (one row;
+    ``cu_seqlens`` are this slice's): only the slice's first document can have begun on an earlier rank. Its
+    queries attend to the gathered keys from that document's start, the slice's other documents to their own keys,
+    in two calls, so no query sees another document. Every rank takes its keys from the gathered tensor, so every
+    rank's backward joins the gather's collective."""
+    group = _active_group
+    if group is None:
+        return attend(q, k, v, cu_seqlens=cu_seqlens)
+    kv = gather_prefix(torch.cat([k, v], dim=-1))
+    keys, values = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    if _active_boundaries is None:
+        return attend(q, keys, values, cu_seqlens=None)
+    return _packed_prefix_attention(q, keys, values, cu_seqlens, attend)
+
+
+# Not traced by torch.compile, like window_cu_seqlens: the slicing follows the row's boundaries, which change every
+# batch.
+@torch.compiler.disable
+def _packed_prefix_attention(
+    q: Tensor, keys: Tensor, values: Tensor, cu_seqlens: Tensor, attend: Callable[..., Tensor]
+) -> Tensor:
+    """prefix_attention on one packed row; keys / values: the gathered positions [0, (r + 1) L)."""
+    length = q.shape[1]
+    start = dist.get_rank(_active_group) * length
+    document_start = max(b for b in _active_boundaries if b <= start)
+    first_end = min(min(b for b in _active_boundaries if b > start) - start, length)  # in the slice
+    if document_start == start:  # the slice starts a document: its own keys are all it may see
+        return attend(q, keys[:, start:], values[:, start:], cu_seqlens=cu_seqlens)
+    first = attend(
+        q[:, :first_end],
+        keys[:, document_start : start + first_end],
+        values[:, document_start : start + first_end],
+        cu_seqlens=None,
+    )
+    if first_end == length:
+        return first
+    rest = attend(
+        q[:, first_end:],
+        keys[:, start + first_end :],
+        values[:, start + first_end :],
+        cu_seqlens=cu_seqlens[1:] - first_end,
+    )
+    return torch.cat([first, rest], dim=1)
 
 
 class _PreviousTokens(torch.autograd.Function):

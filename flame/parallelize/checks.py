@@ -2,8 +2,8 @@
 
 :func:`check_parallelism` raises :class:`flame.errors.ConfigError` with one line for: degrees that do not multiply
 to the world size; parallelisms flame does not implement (expert); context parallelism with a pipeline schedule
-that splits the backward, a sequence length indivisible by cp (x tp with sequence parallelism), sliding-window
-softmax attention or attention on packed documents (varlen) (context_parallel.py);
+that splits the backward, a sequence length indivisible by cp (x tp with sequence parallelism), or sliding-window
+softmax attention (context_parallel.py);
 DDP combined with tensor or pipeline parallelism; unknown compile components; head counts, MLP widths or the
 sequence length not divisible by the tensor-parallel degree; a q/k norm over all heads (``qk_norm_scope`` full)
 under tensor parallelism, which splits the heads; more pipeline stages than layers; micro-batch counts the

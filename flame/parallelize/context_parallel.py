@@ -9,8 +9,7 @@ sequences.
 
 Packed documents (training.varlen: one row, ``cu_seqlens``): ``shard_batch`` gives each rank its slice's own
 cu_seqlens and keeps the whole row's under ``ROW_CU_SEQLENS``, which the trainer hands to ``sequence_sharded`` for
-the exchanges (short-convolution windows and the state relay across borders). GatedDeltaNet and DeltaNet run on
-them; attention layers do not (``check_context_parallel`` refuses them).
+the exchanges (short-convolution windows, the state relay and attention keys across borders).
 
 With tensor parallelism the mixers get plain local tensors of their own heads and channels (colwise projections
 hand over local outputs), so the exchanges run on those shards over the cp group: torchtitan's "cp" mesh joins the
@@ -90,11 +89,6 @@ def check_context_parallel(job_config, model, degrees: dict[str, int]) -> None:
             "ranks)"
         )
     for name, module in model.named_modules():
-        if isinstance(module, Attention) and training.varlen:
-            raise ConfigError(
-                f"{name}: attention does not support packed documents (training.varlen) with context "
-                "parallelism; set context_parallel_degree 1 or turn training.varlen off"
-            )
         if isinstance(module, Attention) and module.window_size is not None and module.score_fn == "softmax":
             # A query slice against a longer key range has no windowed softmax kernel: the fallback would
             # materialize the scores.

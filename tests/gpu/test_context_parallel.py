@@ -16,7 +16,8 @@ from the whole row's, since FLA's chunks restart at every document: rounding dif
 Every case passed on 2 of 4 H200s (2026-11-21, session 8), worst gradient error (limit):
 gdn_softmax_hybrid 6.0e-4 (1e-3), gdn_softpick_hybrid 3.0e-3 (5e-3), scaled_softpick_window 2.9e-4 (5e-3),
 gdn_packed_across_border 5.4e-4, gdn_packed_on_border 4.7e-4 (1e-3); in bf16 delta_net 4.5e-3 and
-delta_net_packed 1.1e-2 (2e-2, loss 1.5e-5 relative).
+delta_net_packed 1.1e-2 (2e-2, loss 1.5e-5 relative). gdn_softmax_hybrid_packed (attention on packed documents
+under context parallelism, added after that run) has not run on a GPU yet.
 """
 
 import os
@@ -57,6 +58,12 @@ FAMILIES = {
     "gdn_packed_across_border": {"model_type": "gated_deltanet", "head_dim": 64, "num_heads": 4},
     "gdn_packed_on_border": {"model_type": "gated_deltanet", "head_dim": 64, "num_heads": 4},
     "delta_net_packed": {"model_type": "delta_net", "num_heads": 4, "use_gate": True},
+    "gdn_softmax_hybrid_packed": {
+        "model_type": "gated_deltanet",
+        "head_dim": 64,
+        "num_heads": 4,
+        "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2},
+    },
 }
 # cu_seqlens of the packed families' one row (border at 1024; the short convolutions read 3 tokens back):
 # documents of 2 tokens and less than a chunk, a document starting 2 tokens before the border and crossing it, or
@@ -65,6 +72,7 @@ DOCUMENTS = {
     "gdn_packed_across_border": (0, 2, 500, 1022, 1600, 1601, 2048),
     "gdn_packed_on_border": (0, 700, 1022, 1024, 1030, 2048),
     "delta_net_packed": (0, 2, 500, 1022, 1600, 1601, 2048),
+    "gdn_softmax_hybrid_packed": (0, 2, 500, 1022, 1600, 1601, 2048),
 }
 
 

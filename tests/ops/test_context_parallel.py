@@ -1,8 +1,9 @@
 """flame.ops.context_parallel on 3 gloo ranks: each exchange, forward and backward, equals the single-process
 computation on the whole sequence (float64, odd sizes; 1e-12 relative), also on packed documents (the short
-convolution and the state relay across slice borders); with no active group every function is the single-process
-one."""
+convolution, the state relay and attention across slice borders); with no active group every function is the
+single-process one."""
 
+import functools
 import os
 import socket
 
@@ -12,10 +13,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flame.models.layers.short_conv import ShortConvolution
+from flame.ops.attention import attention
 from flame.ops.context_parallel import (
     active_group,
     clip_cu_seqlens,
     gather_prefix,
+    prefix_attention,
     previous_tokens,
     relay_state,
     sequence_sharded,
@@ -23,6 +26,7 @@ from flame.ops.context_parallel import (
 )
 
 WORLD, BATCH, SLICE, WIDTH = 3, 2, 5, 7  # 15 positions, 7 channels
+ATTEND = functools.partial(attention, impl="softmax", causal=True)
 TOL = 1e-12
 CONV_SIZE = 3  # the convolution reads the 2 tokens before each slice
 # Packed rows (the batch's first row) against the borders 5 and 10: documents that start inside the 2 tokens
@@ -65,6 +69,13 @@ def inputs():
     return x, decay, upstream
 
 
+def attention_inputs():
+    """q (4 heads), k, v (2 heads; head dims 3 and 5) and the attention output's upstream gradient, one row."""
+    g = torch.Generator().manual_seed(1)
+    shapes = [(4, 3), (2, 3), (2, 5), (4, 5)]
+    return [torch.randn(1, WORLD * SLICE, h, d, dtype=torch.float64, generator=g) for h, d in shapes]
+
+
 def whole_sequence():
     """Single-process results: gathered prefixes, previous tokens and the recurrence, with their gradients."""
     x, decay, upstream = inputs()
@@ -85,10 +96,14 @@ def whole_sequence():
         cu_seqlens = torch.tensor(documents, dtype=torch.int32)
         x_ = x[:1].clone().requires_grad_()
         decay_ = decay[:1].clone().requires_grad_()
+        *qkv, attended_upstream = attention_inputs()
+        q, k, v = (t.requires_grad_() for t in qkv)
         conv = short_convolution()(x_, cu_seqlens) * upstream[:1]
         relay = decayed_sum_packed(x_, decay_, cu_seqlens)[0] * upstream[:1]
-        (conv.sum() + relay.sum()).backward()
-        results[name] = (conv.detach(), relay.detach(), x_.grad, decay_.grad)
+        attended = ATTEND(q, k, v, cu_seqlens=cu_seqlens) * attended_upstream
+        (conv.sum() + relay.sum() + attended.sum()).backward()
+        results[name] = (conv.detach(), relay.detach(), attended.detach(), x_.grad, decay_.grad, q.grad, k.grad,
+                         v.grad)  # fmt: skip
     return results
 
 
@@ -117,13 +132,15 @@ def per_rank(rank: int):
         x_ = shard_sequence(x[:1], group).clone().requires_grad_()
         decay_ = shard_sequence(decay[:1], group).clone().requires_grad_()
         up = shard_sequence(upstream[:1], group)
+        *qkv, attended_upstream = (shard_sequence(t, group) for t in attention_inputs())
+        q, k, v = (t.clone().requires_grad_() for t in qkv)
         with sequence_sharded(group, cu_seqlens):
             conv = short_convolution()(x_, local) * up
             relay = relay_state(decayed_sum_packed, (1, WIDTH), x=x_, decay=decay_, cu_seqlens=local) * up
-            (conv.sum() + relay.sum()).backward()
-            with pytest.raises(ValueError, match="attention does not support packed documents"):
-                gather_prefix(x_)
-        results[name] = (conv.detach(), relay.detach(), x_.grad, decay_.grad)
+            attended = prefix_attention(q, k, v, local, ATTEND) * attended_upstream
+            (conv.sum() + relay.sum() + attended.sum()).backward()
+        results[name] = (conv.detach(), relay.detach(), attended.detach(), x_.grad, decay_.grad, q.grad, k.grad,
+                         v.grad)  # fmt: skip
     return results
 
 
@@ -177,9 +194,10 @@ def test_exchange_equals_the_whole_sequence(ranks, name):
 
 
 @pytest.mark.parametrize("name", list(PACKED))
-def test_short_convolution_and_relay_on_packed_documents_equal_the_whole_row(ranks, name):
-    """Each rank convolves its slice with the previous rank's tokens of the same document only, and starts its
-    first document from the previous rank's state only when that document began there."""
+def test_short_convolution_relay_and_attention_on_packed_documents_equal_the_whole_row(ranks, name):
+    """Each rank convolves its slice with the previous rank's tokens of the same document only, starts its first
+    document from the previous rank's state only when that document began there, and its queries attend to the
+    earlier ranks' keys of their own document only."""
     want = whole_sequence()[name]
     for i, expected in enumerate(want):
         assert_close(torch.cat([r[name][i] for r in ranks], 1), expected)

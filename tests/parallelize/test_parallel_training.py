@@ -1,7 +1,8 @@
 """Every parallel setting trains like one process: FSDP, HSDP, DDP, TP (with and without sequence parallelism,
 with loss parallelism), FSDP x TP, pipeline parallelism (1F1B, GPipe, interleaved; x FSDP, x TP), context parallelism
 (2 and 4 ranks, x FSDP, x TP, x TP x FSDP, x PP with 1F1B and interleaved schedules, with activation checkpointing
-and compiled blocks; on packed documents for GatedDeltaNet and DeltaNet), activation checkpointing and CPU offload,
+and compiled blocks; on packed documents for GatedDeltaNet, DeltaNet, the hybrid and windowed softpick attention),
+activation checkpointing and CPU offload,
 for the transformer (GQA, QK-norm, per-head query scales, tied embeddings), GatedDeltaNet (grouped value heads), a
 GatedDeltaNet/attention hybrid, DeltaNet and windowed softpick attention, on 2, 4 and 8 gloo ranks in this
 machine's processes.
@@ -33,7 +34,7 @@ ACROSS_BORDER = (0, 9, 15, 17, 32)
 # cp 4 (borders 8, 16, 24): a document starts inside the 3 tokens before border 8, spans slices 0-2 and ends on
 # border 24; documents of 2 and 1 tokens.
 THREE_SLICES = (0, 2, 7, 24, 25, 32)
-PACKED = ("gated_deltanet", "delta_net")
+PACKED = ("gated_deltanet", "delta_net", "hybrid")
 
 AC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 COMPILED = ["--compile.enable", "--compile.backend", "aot_eager"]
@@ -57,10 +58,10 @@ TWO_RANKS = [
     (Setting("cp2_op_sac", cp=2, flags=AC_OP), ("hybrid",)),
     (Setting("cp2_compiled", cp=2, flags=COMPILED), ("hybrid",)),
     (Setting("cp2_varlen_on_border", cp=2, documents=ON_BORDER), PACKED),
-    (Setting("cp2_varlen_across_border", cp=2, documents=ACROSS_BORDER), PACKED),
+    (Setting("cp2_varlen_across_border", cp=2, documents=ACROSS_BORDER), (*PACKED, "softpick_window")),
     (
         Setting("cp2_varlen_compiled", cp=2, documents=ACROSS_BORDER, flags=COMPILED),
-        ("gated_deltanet",),
+        ("gated_deltanet", "hybrid"),
     ),
     (Setting("pp2_gpipe", pp=2, flags=["--parallelism.pipeline_parallel_schedule", "GPipe"]), ("hybrid",)),
     (
@@ -79,7 +80,7 @@ FOUR_RANKS = [
     (Setting("cp4", cp=4), ("hybrid",)),
     (Setting("cp4_varlen", cp=4, documents=THREE_SLICES), PACKED),
     (Setting("cp2_x_tp2", cp=2, tp=2), ALL),  # FSDP over the cp ranks as well: a 2-D (fsdp, tp) mesh
-    (Setting("cp2_x_tp2_varlen", cp=2, tp=2, documents=ACROSS_BORDER), ("gated_deltanet",)),
+    (Setting("cp2_x_tp2_varlen", cp=2, tp=2, documents=ACROSS_BORDER), ("gated_deltanet", "hybrid")),
     (Setting("pp2_x_cp2", pp=2, cp=2), ("gated_deltanet", "hybrid")),
     (
         Setting(

@@ -8,6 +8,8 @@ OLMo-core's ``use_head_qk_norm``; weights of width head_dim), ``"full"`` the who
 (OLMo 2/3 and transformers' OLMo hybrid; weights of width num_heads * head_dim and num_kv_heads * head_dim).
 """
 
+import functools
+
 import torch
 from torch import nn
 
@@ -16,7 +18,7 @@ from flame.models.layers.norm import RMSNorm
 from flame.models.layers.rotary import apply_rotary, rotary_cos_sin
 from flame.models.layers.sharding import local_param
 from flame.ops.attention import attention, scale_queries_by_position
-from flame.ops.context_parallel import active_group, gather_prefix
+from flame.ops.context_parallel import prefix_attention
 
 # attn_impl -> (score normalisation, queries scaled by a learnable per-head factor and log(position + 2))
 ATTN_IMPLS: dict[str, tuple[str, bool]] = {
@@ -106,11 +108,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.scaled:
             q = scale_queries_by_position(q, local_param(self, "q_scale"), position_ids)
-        if active_group() is not None:
-            # Context parallelism: this rank's queries read the keys and values of every position up to the end
-            # of its slice (bottom-right causal alignment in `attention`).
-            k, v = gather_prefix(torch.cat([k, v], dim=-1)).split(self.head_dim, dim=-1)
-        o = attention(
-            q, k, v, impl=self.score_fn, causal=True, window_size=self.window_size, cu_seqlens=cu_seqlens
-        )
+        # Under context parallelism this rank's queries also read the keys of earlier slices.
+        attend = functools.partial(attention, impl=self.score_fn, causal=True, window_size=self.window_size)
+        o = prefix_attention(q, k, v, cu_seqlens, attend)
         return self.o_proj(o.reshape(batch, seq_len, -1))
