@@ -129,6 +129,11 @@ def build_optimizers(model, config, parallel_dims):
         return titan_build([model], config.optimizer, parallel_dims)
 
 
+def rows_per_step(args, seq_len: int) -> int:
+    """Rows per step of a context-parallel group (one GPU without CP); each of its ranks holds a 1/cp slice."""
+    return max(1, args.tokens_per_gpu * args.cp // seq_len)
+
+
 def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
     from torchtitan.distributed import utils as dist_utils
 
@@ -137,7 +142,7 @@ def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
 
     world_size = parallel_dims.world_size
     margs = model_args(name, args.tiny)
-    batch = max(1, args.tokens_per_gpu * args.cp // seq_len)  # rows per cp group, each split over its ranks
+    batch = rows_per_step(args, seq_len)
     config = job_config(seq_len, mode == "compiled", world_size, args)
     set_attention_backend(config.model.attention_backend)  # as the trainer does
     with torch.device("meta"):
@@ -443,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                         name,
                         0,
                         seq_len,
-                        max(1, args.tokens_per_gpu * args.cp // seq_len),
+                        rows_per_step(args, seq_len),
                         mode,
                         error=message,
                     )

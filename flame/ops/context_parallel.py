@@ -34,6 +34,7 @@ run the same modules on whole sequences. The exchanges use all_gather, all_reduc
 (CPU tests) and NCCL provide.
 """
 
+import bisect
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
@@ -160,12 +161,15 @@ def _packed_prefix_attention(
     q: Tensor, keys: Tensor, values: Tensor, cu_seqlens: Tensor, attend: Callable[..., Tensor]
 ) -> Tensor:
     """prefix_attention on one packed row; keys / values: the gathered positions [0, (r + 1) L)."""
-    length = q.shape[1]
-    start = dist.get_rank(_active_group) * length
-    document_start = max(b for b in _active_boundaries if b <= start)
-    first_end = min(min(b for b in _active_boundaries if b > start) - start, length)  # in the slice
-    if document_start == start:  # the slice starts a document: its own keys are all it may see
+    rank, length = dist.get_rank(_active_group), q.shape[1]
+    start = rank * length
+    if not _document_crosses(
+        rank, _active_group
+    ):  # the slice starts a document: its own keys are all it sees
         return attend(q, keys[:, start:], values[:, start:], cu_seqlens=cu_seqlens)
+    after = bisect.bisect_right(_active_boundaries, start)  # the first boundary after the slice's start
+    document_start = _active_boundaries[after - 1]
+    first_end = min(_active_boundaries[after] - start, length)  # in the slice
     first = attend(
         q[:, :first_end],
         keys[:, document_start : start + first_end],
@@ -220,9 +224,9 @@ def _keep(x: Tensor) -> Tensor:
     return x
 
 
-def _state_crosses(border: int, group: dist.ProcessGroup) -> bool:
-    """Whether a recurrent state crosses the start of rank ``border``'s slice: always for fixed-length rows; for
-    packed documents only where a document runs on across the border."""
+def _document_crosses(border: int, group: dist.ProcessGroup) -> bool:
+    """Whether the sequence runs on across the start of rank ``border``'s slice (a recurrent state or attention
+    keys cross it): always for fixed-length rows; for packed documents only where a document runs across."""
     if _active_boundaries is None:
         return True
     length = _active_boundaries[-1] // dist.get_world_size(group)
@@ -236,8 +240,8 @@ class _RelayState(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, group, state_shape, names, *values):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        receives = rank > 0 and _state_crosses(rank, group)
-        ctx.sends = rank < world - 1 and _state_crosses(rank + 1, group)
+        receives = rank > 0 and _document_crosses(rank, group)
+        ctx.sends = rank < world - 1 and _document_crosses(rank + 1, group)
         # States travel in float32, as FLA keeps them (float64 for float64 inputs).
         ctx.state_dtype = torch.promote_types(values[0].dtype, torch.float32)
         received = None

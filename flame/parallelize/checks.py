@@ -159,18 +159,19 @@ def check_pipeline_parallel(job_config, model_args) -> None:
     # torch's schedules (torch/distributed/pipelining/schedules.py) refuse these micro-batch counts only once the
     # ranks have started, with a traceback per rank.
     schedule = parallelism.pipeline_parallel_schedule
+    name = schedule.lower()
     micro_batches = batch // microbatch
     counted = f"got {micro_batches} (training.local_batch_size {batch} / pipeline_parallel_microbatch_size {microbatch})"
     if job_config.training.varlen:
         counted += (
             "; training.varlen makes every batch one packed row: use GPipe, LoopedBFS or Interleaved1F1B"
         )
-    if schedule.lower() in ("1f1b", "dualpipev") and micro_batches < stages:
+    if name in ("1f1b", "dualpipev") and micro_batches < stages:
         raise ConfigError(
             f"pipeline schedule {schedule} needs at least one micro-batch per stage ({stages}), {counted}"
         )
     rounds = max(1, micro_batches // pp)
-    if schedule.lower() in ("interleaved1f1b", "interleavedzerobubble") and micro_batches % rounds:
+    if name in ("interleaved1f1b", "interleavedzerobubble") and micro_batches % rounds:
         raise ConfigError(
             f"pipeline schedule {schedule} needs a micro-batch count divisible by its rounds ({rounds} = "
             f"micro-batches // pipeline_parallel_degree {pp}), {counted}"
