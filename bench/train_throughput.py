@@ -5,16 +5,16 @@
     torchrun --nproc_per_node 4 bench/train_throughput.py --cp 2 ...   # context parallel 2 x FSDP 2
     python bench/train_throughput.py --device cpu --tiny                # smoke test of the script itself
 
-It drives flame's real components, as the trainer does: ``build_model`` on the meta device, ``parallelize_model``
-(per-block torch.compile in the compiled mode; FSDP with bf16 parameters and float32 gradient reduction when
-several processes run, bf16 autocast on one GPU), materialisation + ``init_weights``, flame's optimizer (AdamW),
-the trainer's summed cross-entropy (``loss_sums``, compiled in the compiled mode unless ``--compile_components``
-leaves "loss" out) divided by the global token count, gradient clipping at 1.0. Batches are random tokens
-(no dataset), ``--tokens_per_gpu`` per step (batch = tokens // seq_len). Each case runs ``--warmup`` steps
-(compilation, allocator warm-up), then ``--steps`` timed steps. With ``--cp N`` each row is split over the N
-ranks of a context-parallel group, as the trainer splits it (``shard_batch`` and ``sequence_sharded``): a group
-reads batch = tokens x N // seq_len rows, so every GPU still holds ``--tokens_per_gpu`` tokens, and FSDP shards over
-the data-parallel x cp ranks.
+Each case runs the trainer's own model builder and training step (``build_model_parts`` and ``TrainStep`` in
+flame/train/): the model built on the meta device and parallelized with the job's plan (per-block torch.compile in
+the compiled mode; FSDP with bf16 parameters and float32 gradient reduction when several processes run, bf16
+autocast on one GPU), flame's optimizer and LR schedule, the summed cross-entropy (compiled in the compiled mode
+unless ``--compile_components`` leaves "loss" out) over the step's global labelled-token count, gradient clipping.
+Batches are random tokens (no dataset), ``--tokens_per_gpu`` per step (batch = tokens // seq_len). Each case runs
+``--warmup`` steps (compilation, allocator warm-up), then ``--steps`` timed steps. With ``--cp N`` each row is split
+over the N ranks of a context-parallel group by the step, as in training: a group reads batch = tokens x N //
+seq_len rows, so every GPU still holds ``--tokens_per_gpu`` tokens, and FSDP shards over the data-parallel x cp
+ranks.
 
 Cases: every model in ``--models`` x ``--seq_lens`` x ``--modes`` (eager, compiled). The models are the 340M
 configs transformer_340M, the softpick recipes (softpick, rectified, scaled softpick), gated_deltanet_340M, and a
@@ -28,7 +28,6 @@ otherwise. Rank 0 prints a markdown table and writes it into docs/performance.md
 """
 
 import argparse
-import contextlib
 import gc
 import os
 import re
@@ -49,11 +48,10 @@ import torchtitan  # noqa: E402,F401  (the real package before flame.config: see
 
 from flame import compat  # noqa: E402
 from flame.config import parse_args  # noqa: E402
-from flame.models import build_model, get_model_spec, read_model_config  # noqa: E402
-from flame.ops.attention import ATTENTION_BACKENDS, set_attention_backend  # noqa: E402
-from flame.parallelize import parallelize_model, tie_embeddings  # noqa: E402
-from flame.parallelize.compile import maybe_compile_loss  # noqa: E402
-from flame.train import loss_sums  # noqa: E402
+from flame.models import get_model_spec, read_model_config  # noqa: E402
+from flame.ops.attention import ATTENTION_BACKENDS  # noqa: E402
+from flame.train.model_parts import Topology, build_model_parts  # noqa: E402
+from flame.train.step import build_train_step  # noqa: E402
 
 PERFORMANCE_DOC = REPO / "docs" / "performance.md"
 H100_BF16_PEAK_TFLOPS = 989.0  # dense bf16, H100 SXM and H200 alike
@@ -118,71 +116,30 @@ def job_config(seq_len: int, compiled: bool, world_size: int, args):
     return parse_args(flags)
 
 
-def build_optimizers(model, config, parallel_dims):
-    try:  # flame's own (weight-decay groups), as the trainer uses
-        from flame.optim import build_optimizers as flame_build
-
-        return flame_build([model], config)
-    except ImportError:
-        from torchtitan.components.optimizer import build_optimizers as titan_build
-
-        return titan_build([model], config.optimizer, parallel_dims)
-
-
 def rows_per_step(args, seq_len: int) -> int:
     """Rows per step of a context-parallel group (one GPU without CP); each of its ranks holds a 1/cp slice."""
     return max(1, args.tokens_per_gpu * args.cp // seq_len)
 
 
 def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
-    from torchtitan.distributed import utils as dist_utils
-
-    from flame.ops.context_parallel import sequence_sharded
-    from flame.parallelize.context_parallel import shard_batch
-
+    """One case through the trainer's own builder and step (build_model_parts, TrainStep) on random tokens."""
     world_size = parallel_dims.world_size
     margs = model_args(name, args.tiny)
     batch = rows_per_step(args, seq_len)
     config = job_config(seq_len, mode == "compiled", world_size, args)
-    set_attention_backend(config.model.attention_backend)  # as the trainer does
-    with torch.device("meta"):
-        model = build_model(margs)
-    params, flops_per_token = margs.get_nparams_and_flops(model, seq_len)
-    result = Result(name, params, seq_len, batch, mode)
-    model = parallelize_model(model, parallel_dims, config)
-    model.to_empty(device=device)
-    tie_embeddings(model)
-    model.init_weights()
-    model.train()
-    optimizers = build_optimizers(model, config, parallel_dims)
-    # One GPU trains in float32 under bf16 autocast; FSDP gathers bf16 parameters itself (the trainer's rule).
-    amp = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if device.type == "cuda" and world_size == 1
-        else contextlib.nullcontext()
-    )
-    # The ranks of a cp group draw the same rows (seeded by their data-parallel rank) and train on their slices.
-    dp_rank = parallel_dims.get_mesh("batch").get_local_rank() if parallel_dims.dp_enabled else 0
-    generator = torch.Generator(device=device).manual_seed(dp_rank)
+    topology = Topology.of(parallel_dims, device)
+    model = build_model_parts(margs, topology, config)
+    result = Result(name, model.nparams, seq_len, batch, mode)
+    train_step = build_train_step(model, topology, config)
+    # The ranks of a cp group draw the same rows (seeded by their data-parallel rank); the step slices them.
+    generator = torch.Generator(device=device).manual_seed(topology.dp_rank)
     tokens = torch.randint(0, margs.vocab_size, (batch, seq_len + 1), device=device, generator=generator)
-    inputs, labels = {"input": tokens[:, :-1]}, tokens[:, 1:]
-    global_tokens = labels.numel() * (world_size // args.cp)
-    cp_group = parallel_dims.get_mesh("cp").get_group() if parallel_dims.cp_enabled else None
-    if cp_group is not None:
-        inputs, labels = shard_batch(inputs, labels, cp_group)
-
-    loss_fn = maybe_compile_loss(loss_sums, config.compile)
+    batches = [({"input": tokens[:, :-1]}, tokens[:, 1:])]
+    flops_per_token = model.flops_per_token
+    local_tokens = batch * seq_len // args.cp  # this GPU's tokens per step
 
     def step():
-        optimizers.zero_grad()
-        with sequence_sharded(cp_group):  # the backward exchanges between cp ranks too
-            with amp:
-                logits = model(inputs["input"], position_ids=inputs.get("position_ids"))
-                loss, _ = loss_fn(logits, labels, z_loss=False)
-            del logits
-            (loss / global_tokens).backward()
-        dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
-        optimizers.step()
+        train_step(batches)
 
     synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     for _ in range(args.warmup):
@@ -193,7 +150,7 @@ def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
         step()
     synchronize()
     result.step_s = (time.perf_counter() - start) / args.steps
-    result.tokens_per_s = labels.numel() / result.step_s  # this GPU's tokens
+    result.tokens_per_s = local_tokens / result.step_s
     result.tflops = flops_per_token * result.tokens_per_s / 1e12
     if args.peak_tflops:
         result.mfu = result.tflops / args.peak_tflops

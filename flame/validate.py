@@ -11,13 +11,11 @@ import itertools
 import math
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from flame.data import build_dataloader
 from flame.errors import FlameError
-
-IGNORE_INDEX = -100
+from flame.loss import labelled_tokens, loss_sums
 
 
 def validation_job_config(job_config):
@@ -73,10 +71,8 @@ class Validator:
                     position_ids=inputs.get("position_ids"),
                     cu_seqlens=inputs.get("cu_seqlens"),
                 )
-            loss_sum += F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-            tokens += (labels != IGNORE_INDEX).sum()
+            loss_sum += loss_sums(logits, labels, z_loss=False)[0]
+            tokens += labelled_tokens(labels)
         model.train()
         if self.batch_mesh is not None:
             totals = torch.stack([loss_sum, tokens])

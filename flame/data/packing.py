@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from flame.data.documents import count
+from flame.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 SPLIT_DOCUMENTS = "split_long_documents"
 
 Sample = tuple[dict[str, torch.Tensor], torch.Tensor]

@@ -7,7 +7,6 @@ supported (flame's models take no attention mask): batches must hold sequences o
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -18,6 +17,7 @@ from flame.hf.configuration import (
     FlameGatedDeltaNetConfig,
     FlameTransformerConfig,
 )
+from flame.loss import labelled_tokens, loss_sums
 from flame.models import build_model
 
 
@@ -78,9 +78,9 @@ class FlameForCausalLM(FlamePreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
-            )
+            # HF's convention: labels are the inputs, shifted here (flame's own batches come shifted already).
+            cross_entropy, _ = loss_sums(logits[:, :-1], labels[:, 1:], z_loss=False)
+            loss = cross_entropy / labelled_tokens(labels[:, 1:])
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def prepare_inputs_for_generation(

@@ -7,7 +7,6 @@ Names are imported on first use, so that the pre-flight's ``flame.parallelize.ch
 """
 
 __all__ = [
-    "TokenNormalizedLoss",
     "check_parallelism",
     "parallelize_model",
     "pipeline_model",
@@ -24,7 +23,7 @@ def __getattr__(name: str):
         from flame.parallelize import parallelize
 
         return getattr(parallelize, name)
-    if name in ("pipeline_model", "TokenNormalizedLoss"):
+    if name == "pipeline_model":
         from flame.parallelize import pipeline
 
         return getattr(pipeline, name)

@@ -13,7 +13,6 @@ stage takes hidden states where the first takes token ids), and ``init_weights``
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.pipeline_parallel import (
@@ -23,28 +22,11 @@ from torchtitan.distributed.pipeline_parallel import (
 )
 from torchtitan.tools.logging import logger
 
+from flame.loss import TokenNormalizedLoss
 from flame.parallelize.checks import check_parallelism, pipeline_stages
 
-IGNORE_INDEX = -100
 # torchtitan's generic names -> flame's
 RENAMES = {"tok_embeddings": "embeddings", "output": "lm_head"}
-
-
-class TokenNormalizedLoss:
-    """Summed cross-entropy of a micro-batch / ``global_tokens`` (set by the trainer each step, before the
-    schedule runs): the sum over micro-batches and ranks is the step's mean loss, as without pipelining."""
-
-    def __init__(self, ignore_index: int = IGNORE_INDEX):
-        self.ignore_index = ignore_index
-        self.global_tokens: torch.Tensor | float | None = None
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.global_tokens is None:
-            raise RuntimeError("set TokenNormalizedLoss.global_tokens before running the pipeline schedule")
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=self.ignore_index, reduction="sum"
-        )
-        return loss_sum / self.global_tokens
 
 
 def stage_module_names(job_config, num_layers: int) -> list[list[str]]:

@@ -1,8 +1,8 @@
-"""In-process multi-rank training on CPU/gloo: build a tiny model, parallelize it with flame's plan, load the same
-initial weights everywhere, train a few steps as flame's trainer does (summed loss / global labelled tokens,
-gradient clipping with torchtitan's clip_grad_norm_, torchtitan's optimizer) and report loss and gradient norm
-per step. ``reference_run`` does the same in one process without any parallelism. A setting with ``documents``
-trains on one packed row instead (training.varlen: those cu_seqlens over the first row of the batch).
+"""In-process multi-rank training on CPU/gloo through the trainer's own builder and step (build_model_parts,
+TrainStep): a tiny model parallelized with flame's plan, the same initial weights loaded everywhere, a few steps on
+one batch, and the global loss and gradient norm per step. ``reference_run`` does the same in one process without
+any parallelism. A setting with ``documents`` trains on one packed row instead (training.varlen: those cu_seqlens
+over the first row of the batch).
 """
 
 import copy
@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 # model_type + config overrides of the tiny models every configuration trains (heads divisible by 2 and 4 where
 # tensor parallelism splits them).
@@ -150,81 +149,56 @@ def load_full_state(model, full: dict[str, torch.Tensor]) -> None:
 def job_config(flags: list[str]):
     from flame.config import parse_args
 
-    return parse_args(["--training.seq_len", str(SEQ_LEN), "--optimizer.lr", str(LR), *flags])
+    # A constant learning rate: every step moves the weights as much as the first.
+    return parse_args(
+        ["--training.seq_len", str(SEQ_LEN), "--optimizer.lr", str(LR), "--training.max_norm", str(MAX_NORM),
+         "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay_ratio", "0", *flags]
+    )  # fmt: skip
 
 
 def train(
-    model,
-    model_parts_params,
-    optimizers,
-    inputs,
-    labels,
-    global_tokens,
-    reduce_mesh,
-    loss_ctx,
-    model_kwargs=None,
-):
-    from torch.distributed.tensor import DTensor
-    from torchtitan.distributed import utils as dist_utils
+    family: str, dims, config, inputs: dict, labels: torch.Tensor, **build
+) -> list[tuple[float, float]]:
+    """STEPS of the trainer's own step (build_model_parts + TrainStep) on one batch: every model part starts from
+    ``initial_state``; returns the step's global loss and gradient norm per step."""
+    from flame.train.model_parts import Topology, build_model_parts
+    from flame.train.step import build_train_step
 
+    full = initial_state(family)
+
+    def initialize(part):
+        part.init_weights()  # the trainer's path (random init of DTensors); overwritten below
+        load_full_state(part, full)  # identical initial weights in every setting
+
+    topology = Topology.of(dims, torch.device("cpu"))
+    model = build_model_parts(model_args(family), topology, config, initialize=initialize, **build)
+    step = build_train_step(model, topology, config)
     history = []
     for _ in range(STEPS):
-        optimizers.zero_grad()
-        with loss_ctx():
-            logits = model(inputs, **(model_kwargs or {}))
-            loss_sum = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
-            )
-            loss = loss_sum / global_tokens
-            loss.backward()
-        loss = loss.detach()
-        if isinstance(loss, DTensor):  # loss parallel
-            loss = loss.full_tensor()
-        grad_norm = dist_utils.clip_grad_norm_(model_parts_params(), MAX_NORM, foreach=True)
-        optimizers.step()
-        if reduce_mesh is not None:
-            loss = dist_utils.dist_sum(loss, reduce_mesh)
-        history.append((float(loss), float(grad_norm)))
+        result = step([(inputs, labels)])
+        loss, _ = step.global_losses(result)
+        history.append((loss, float(result.grad_norm)))
     return history
 
 
 def reference_run(family: str, documents: tuple[int, ...] | None = None) -> list[tuple[float, float]]:
     """One process, no parallelism: the numbers every setting must reproduce (on one packed row with
     ``documents``)."""
-    import contextlib
-
-    from torchtitan.components.optimizer import build_optimizers
     from torchtitan.distributed import ParallelDims
 
-    from flame.models import build_model
-
-    model = build_model(model_args(family))
-    model.load_state_dict(initial_state(family))
-    config = job_config([])
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    optimizers = build_optimizers([model], config.optimizer, dims)
-    kwargs = {}
     if documents is None:
         inputs, labels = batch()
+        inputs = {"input": inputs}
     else:
-        packed, labels = packed_batch(documents)
-        inputs, kwargs = packed["input"], {k: packed[k] for k in ("position_ids", "cu_seqlens")}
-    tokens = (labels != -100).sum().float()
-    return train(
-        model, model.parameters, optimizers, inputs, labels, tokens, None, contextlib.nullcontext, kwargs
-    )
+        inputs, labels = packed_batch(documents)
+    return train(family, dims, job_config([]), inputs, labels)
 
 
 def parallel_run(setting: Setting, family: str) -> list[tuple[float, float]]:
-    """Run on every rank of an initialized gloo world of setting.world_size ranks."""
-    import contextlib
-
-    from torch.distributed.tensor.parallel import loss_parallel
-    from torchtitan.components.optimizer import build_optimizers
+    """Run on every rank of an initialized gloo world of setting.world_size ranks: this rank's rows of the
+    batch (all of them with context parallelism, whose step slices them), through the trainer's step."""
     from torchtitan.distributed import ParallelDims
-
-    from flame.models import build_model
-    from flame.parallelize import parallelize_model, tie_embeddings
 
     flags = [
         "--parallelism.data_parallel_replicate_degree", str(setting.dp_replicate),
@@ -241,111 +215,32 @@ def parallel_run(setting: Setting, family: str) -> list[tuple[float, float]]:
         world_size=dist.get_world_size(),
     )  # fmt: skip
     dims.build_mesh()
-    with torch.device("meta"):
-        model = build_model(model_args(family))
-    if setting.pp > 1:
-        assert setting.documents is None, "pipeline_run trains on the 4-row batch"
-        return pipeline_run(model, dims, config, family)
-    model = parallelize_model(
-        model, dims, config, loss_parallel=setting.loss_parallel, sequence_parallel=setting.sequence_parallel
-    )
-    model.to_empty(device="cpu")
-    tie_embeddings(model)
-    model.init_weights()  # the trainer's path (random init of DTensors); overwritten below
-    # Identical initial weights in every setting: the full tensors, scattered to each rank's shards.
-    load_full_state(model, initial_state(family))
-    model.train()
-    optimizers = build_optimizers([model], config.optimizer, dims)
-
-    loss_ctx = loss_parallel if setting.loss_parallel else contextlib.nullcontext
     if setting.documents is None:
-        inputs, labels, global_tokens = data_shard(dims)
+        inputs, labels = data_shard(dims)
         inputs = {"input": inputs}
     else:  # one packed row: no data parallelism, every rank reads it
         assert not dims.dp_enabled
         inputs, labels = packed_batch(setting.documents)
-        global_tokens = (labels != -100).sum().float()
-    if dims.cp_enabled:
-        # The trainer's split: every rank of a cp group trains on one slice of each row, inside sequence_sharded
-        # (which gets the whole row's cu_seqlens of a packed row).
-        from flame.ops.context_parallel import sequence_sharded
-        from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
-
-        group = dims.get_mesh("cp").get_group()
-        inputs, labels = shard_batch(inputs, labels, group)
-
-        def loss_ctx():
-            return sequence_sharded(group, inputs.get(ROW_CU_SEQLENS))
-
-    kwargs = {k: inputs[k] for k in ("position_ids", "cu_seqlens") if k in inputs}
+    if setting.pp > 1:
+        assert setting.documents is None, "the pipeline settings train on the 4-row batch"
+        # Micro-batches of one row (a cp rank's slice of one row with context parallelism).
+        config.training.local_batch_size = inputs["input"].shape[0]
+        config.parallelism.pipeline_parallel_microbatch_size = 1
     return train(
-        model, model.parameters, optimizers, inputs["input"], labels, global_tokens,
-        dims.get_optional_mesh("loss"), loss_ctx, kwargs,
+        family, dims, config, inputs, labels,
+        loss_parallel=setting.loss_parallel, sequence_parallel=setting.sequence_parallel,
     )  # fmt: skip
 
 
-def data_shard(dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's rows of the global batch, and the global count of labelled tokens."""
+def data_shard(dims) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of the global batch."""
     inputs, labels = batch()
-    global_tokens = (labels != -100).sum().float()
     if dims.dp_enabled:
         batch_mesh = dims.get_mesh("batch")
         rows = GLOBAL_BATCH // batch_mesh.size()
         start = batch_mesh.get_local_rank() * rows
         inputs, labels = inputs[start : start + rows], labels[start : start + rows]
-    return inputs, labels, global_tokens
-
-
-def pipeline_run(model, dims, config, family: str) -> list[tuple[float, float]]:
-    """The trainer's step with a pipeline schedule: micro-batches of 1 row, loss normalised by the global
-    token count inside the schedule, gradient norm reduced over the stages. With context parallelism the rows
-    are this rank's slices, the positions go to every stage and the schedule runs inside sequence_sharded."""
-    from torchtitan.components.optimizer import build_optimizers
-    from torchtitan.distributed import utils as dist_utils
-
-    from flame.ops.context_parallel import sequence_sharded
-    from flame.parallelize import tie_embeddings
-    from flame.parallelize.pipeline import TokenNormalizedLoss, pipeline_model
-
-    inputs, labels, global_tokens = data_shard(dims)
-    kwargs, cp_group = {}, None
-    if dims.cp_enabled:
-        from flame.parallelize.context_parallel import shard_batch
-
-        cp_group = dims.get_mesh("cp").get_group()
-        sharded, labels = shard_batch({"input": inputs}, labels, cp_group)
-        inputs, kwargs = sharded["input"], {"position_ids": sharded["position_ids"]}
-    config.training.local_batch_size = inputs.shape[0]
-    config.parallelism.pipeline_parallel_microbatch_size = 1
-    loss_fn = TokenNormalizedLoss()
-    schedule, parts, first, last = pipeline_model(model, dims, config, torch.device("cpu"), loss_fn)
-    full = initial_state(family)
-    for part in parts:
-        part.to_empty(device="cpu")
-        tie_embeddings(part)
-        part.init_weights()
-        load_full_state(part, full)
-        part.train()
-    optimizers = build_optimizers(parts, config.optimizer, dims)
-    pp_mesh = dims.get_mesh("pp")
-    history = []
-    for _ in range(STEPS):
-        optimizers.zero_grad()
-        loss_fn.global_tokens = global_tokens
-        losses = [] if last else None
-        args = (inputs,) if first else ()
-        with sequence_sharded(cp_group):
-            schedule.step(*args, target=labels if last else None, losses=losses, **kwargs)
-        loss = torch.stack(losses).sum().detach() if last else torch.zeros(())
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for part in parts for p in part.parameters()], MAX_NORM, foreach=True, pp_mesh=pp_mesh
-        )
-        optimizers.step()
-        # Only the last stage has the loss; data-parallel and cp ranks each have their part.
-        loss_mesh = dims.get_optional_mesh("loss")
-        loss = dist_utils.dist_sum(loss, pp_mesh, extra_pg=loss_mesh.get_group() if loss_mesh else None)
-        history.append((float(loss), float(grad_norm)))
-    return history
+    return inputs, labels
 
 
 def _worker(rank: int, world_size: int, rendezvous: str, jobs: list[tuple[Setting, str]], out: str) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from tests.trainer_helpers import tensorboard_scalars, text_events
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"step\s+(\d+)/\d+\s+loss\s+([0-9.]+)")
 # The harness's tolerances (tests/parallelize): float32 summation order moves gradient norms more.
 GRADIENT_TOLERANCES = {"loss/train": 1e-5, "grad_norm": 1e-4}

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from flame.train import IGNORE_INDEX, loss_sums
+from flame.loss import IGNORE_INDEX
 from tests.trainer_helpers import tensorboard_scalars
 
 
@@ -62,7 +62,7 @@ def test_accumulation_of_two_half_batches_equals_one_batch(make_trainer):
 
 def test_non_finite_gradient_skips_the_step_and_training_goes_on(make_trainer, monkeypatch):
     trainer = make_trainer("--training.skip_nan_inf", "--training.steps", "4")
-    original = trainer.forward_backward
+    original = trainer.train_step_fn.forward_backward
 
     def nan_at_step_2(*args):
         result = original(*args)
@@ -70,7 +70,7 @@ def test_non_finite_gradient_skips_the_step_and_training_goes_on(make_trainer, m
             next(trainer.model_parts[0].parameters()).grad[0, 0] = float("nan")
         return result
 
-    monkeypatch.setattr(trainer, "forward_backward", nan_at_step_2)
+    monkeypatch.setattr(trainer.train_step_fn, "forward_backward", nan_at_step_2)
     logged = captured_metrics(trainer)
     data = iter(trainer.dataloader)
     for step in range(1, 5):
@@ -96,19 +96,6 @@ def test_logged_gradient_norm_is_the_norm_before_clipping(make_trainer):
     clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
     assert clipped == pytest.approx(0.001, rel=1e-3)
     assert logged[0]["grad_norm"] > 1.0  # an untrained model's gradient, far above max_norm
-
-
-def test_loss_sums_z_term_is_logsumexp_squared_over_labelled_tokens():
-    logits = torch.randn(2, 5, 11)
-    labels = torch.randint(0, 11, (2, 5))
-    labels[1, 3:] = IGNORE_INDEX
-    cross_entropy, z = loss_sums(logits, labels, z_loss=True)
-    mask = labels != IGNORE_INDEX
-    lse = logits.logsumexp(-1)
-    expected_ce = (lse - logits.gather(-1, labels.clamp(min=0)[..., None])[..., 0])[mask].sum()
-    torch.testing.assert_close(cross_entropy, expected_ce)
-    torch.testing.assert_close(z, lse[mask].square().sum())
-    assert loss_sums(logits, labels, z_loss=False)[1] == 0
 
 
 def test_z_loss_is_added_to_the_loss_and_logged_apart(make_trainer):

@@ -1,0 +1,5 @@
+import sys
+
+from flame.train.trainer import main
+
+sys.exit(main())

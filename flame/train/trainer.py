@@ -1,0 +1,299 @@
+"""flame's trainer: ``torchrun ... -m flame.train [--section.field value ...]`` (train.sh does this).
+
+``Trainer.train`` is the loop: a step (``TrainStep``, flame/train/step.py) on ``accumulation`` micro-batches,
+its metrics, then a checkpoint, validation and text samples when due, until training.steps or the hard stop
+training.stop_at_step. ``Trainer.__init__`` assembles the parts, one call each.
+"""
+
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torchtitan  # noqa: F401  (the real package, before flame.config parses: see compat.torchtitan_job_config)
+from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools import utils as tt_utils
+from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+
+from flame import compat
+from flame.checkpoint.manager import CheckpointManager
+from flame.checkpoint.rng import RNGState
+from flame.config import parse_args
+from flame.config.checks import last_step, validate_job
+from flame.data import build_dataloader, build_tokenizer
+from flame.errors import FlameError
+from flame.metrics import MetricsLogger
+from flame.models import load_model_args
+from flame.models.common.args import ModelArgs
+from flame.samples import SampleGenerator
+from flame.train.model_parts import Topology, build_model_parts
+from flame.train.step import build_train_step
+from flame.validate import Validator
+
+
+def init_topology(job_config) -> Topology:
+    """This process's device, the process groups and the parallel meshes of the job."""
+    if torch.cuda.is_available():
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    world_size = dist_utils.init_distributed(job_config.comm, base_folder=job_config.job.dump_folder)
+    p = job_config.parallelism
+    parallel_dims = ParallelDims(
+        dp_shard=p.data_parallel_shard_degree,
+        dp_replicate=p.data_parallel_replicate_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree,
+        etp=p.expert_tensor_parallel_degree,
+        world_size=world_size,
+    )
+    dist_utils.set_determinism(parallel_dims, device, job_config.debug, distinct_seed_mesh_dims=["pp"])
+    return Topology.of(parallel_dims, device)
+
+
+def fit_vocab_to_tokenizer(model_args: ModelArgs, tokenizer, resize: bool) -> None:
+    """The model's vocabulary must cover the tokenizer's ids; grow it when asked to."""
+    needed = len(tokenizer)
+    if needed <= model_args.vocab_size:
+        return
+    if not resize:
+        raise FlameError(
+            f"the tokenizer has {needed} tokens but the model's vocab_size is {model_args.vocab_size}; "
+            "use a matching tokenizer, raise vocab_size in the model config, or pass --model.resize_vocab"
+        )
+    logger.warning(f"Resizing vocab_size from {model_args.vocab_size} to {needed} to fit the tokenizer")
+    model_args.vocab_size = needed
+
+
+def accumulation_steps(training, dp_degree: int) -> int:
+    """Micro-batches per optimizer step: given, or what makes training.global_batch_size."""
+    if training.gradient_accumulation_steps is not None:
+        return training.gradient_accumulation_steps
+    if training.global_batch_size <= 0:
+        return 1
+    per_step = training.local_batch_size * dp_degree
+    if training.global_batch_size % per_step:
+        raise FlameError(
+            f"training.global_batch_size {training.global_batch_size} is not a multiple of "
+            f"local batch size x data-parallel degree = {per_step}"
+        )
+    return training.global_batch_size // per_step
+
+
+class Trainer(Stateful):
+    def __init__(self, job_config):
+        validate_job(job_config)
+        self.job_config = job_config
+        training = job_config.training
+        self.last_step = last_step(job_config)  # training.steps, or training.stop_at_step (hard stop)
+        self.topology = init_topology(job_config)
+        self.device = self.topology.device
+        self.dp_degree, self.dp_rank = self.topology.dp_degree, self.topology.dp_rank
+        self.gc_handler = tt_utils.GarbageCollection(gc_freq=training.gc_freq, debug=training.gc_debug)
+
+        # Tokenizer, model config and data.
+        self.tokenizer = build_tokenizer(job_config)
+        self.model_args, unknown_keys = load_model_args(job_config.model.config)
+        if unknown_keys:
+            logger.warning(f"Model config keys flame does not use: {', '.join(unknown_keys)}")
+        fit_vocab_to_tokenizer(self.model_args, self.tokenizer, job_config.model.resize_vocab)
+        self.dataloader = build_dataloader(
+            job_config, self.tokenizer, dp_rank=self.dp_rank, dp_world_size=self.dp_degree
+        )
+
+        # Model and optimization.
+        self.model = build_model_parts(self.model_args, self.topology, job_config)
+        self.model_parts = self.model.parts
+        self.accumulation = accumulation_steps(training, self.dp_degree)
+        self.train_step_fn = build_train_step(self.model, self.topology, job_config)
+        self.optimizers = self.train_step_fn.optimizers
+        self.lr_schedulers = self.train_step_fn.lr_schedulers
+        self.amp = self.train_step_fn.amp
+
+        # State saved with every checkpoint (train_state is this object: step, tokens, skipped steps; rng: the
+        # random generators of every rank). flame.json in each step directory records the model config.
+        self.step = 0
+        self.ntokens_seen = 0
+        self.skipped_steps = 0
+        self.checkpointer = self._build_checkpointer()
+        # An async checkpoint must finish copying the weights before the optimizer changes them.
+        self.train_step_fn.before_update = self.checkpointer.maybe_wait_for_staging
+
+        # Metrics, and the optional work between steps: validation loss and text samples.
+        self.metrics = MetricsLogger(
+            job_config, self.device, torch.distributed.get_rank(), self.model.flops_per_token, self.last_step
+        )
+        batch_mesh = (
+            self.topology.parallel_dims.get_mesh("batch") if self.topology.parallel_dims.dp_enabled else None
+        )
+        self.validator = (
+            Validator(job_config, self.tokenizer, self.dp_rank, self.dp_degree, batch_mesh)
+            if job_config.validation.enable
+            else None
+        )
+        self.sampler = SampleGenerator(job_config, self.tokenizer) if job_config.inference.interval else None
+        if job_config.profiling.enable_memory_snapshot and self.device.type != "cuda":
+            raise FlameError("profiling.enable_memory_snapshot records CUDA memory; it needs a GPU")
+        stop = f", stopping at step {self.last_step}" if self.last_step < training.steps else ""
+        logger.info(
+            f"Training {training.steps} steps{stop} of {training.local_batch_size} x {training.seq_len} tokens per "
+            f"device, {self.dp_degree} data-parallel ranks, {self.accumulation} accumulation step(s)"
+        )
+
+    def _build_checkpointer(self) -> CheckpointManager:
+        job_config = self.job_config
+        tokenizer_path = job_config.model.tokenizer_path
+        return CheckpointManager(
+            dataloader=self.dataloader,
+            model_parts=self.model_parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self, "rng": RNGState()},
+            checkpoint_config=job_config.checkpoint,
+            sd_adapter=None,
+            base_folder=job_config.job.dump_folder,
+            model_config=self.model_args.to_dict(),
+            tokenizer=os.path.abspath(tokenizer_path) if os.path.isdir(tokenizer_path) else tokenizer_path,
+        )
+
+    def next_batches(self, data_iterator) -> list[tuple[dict, torch.Tensor]]:
+        start = time.perf_counter()
+        batches = [next(data_iterator) for _ in range(self.accumulation)]
+        self.metrics.window_data_time += time.perf_counter() - start
+        return batches
+
+    def train_step(self, data_iterator) -> None:
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        batches = self.next_batches(data_iterator)
+        self.ntokens_seen += sum(labels.numel() for _, labels in batches)
+        result = self.train_step_fn(batches)
+        self.metrics.window_tokens += result.tokens
+        if result.skipped:
+            self.skipped_steps += 1
+            logger.warning(
+                f"step {self.step}: gradient norm is {result.grad_norm.item()}; skipping the update"
+            )
+        if self.metrics.should_log(self.step):
+            loss, z_loss = self.train_step_fn.global_losses(result)
+            metrics = {
+                "loss/train": loss,
+                "grad_norm": float(result.grad_norm),
+                "lr": lr,
+                "skipped_steps": self.skipped_steps,
+                "tokens_seen": self.ntokens_seen * self.dp_degree,
+            }
+            if self.job_config.training.z_loss > 0:
+                metrics["loss/z_loss"] = z_loss
+            self.metrics.log(self.step, metrics)
+
+    def validate(self) -> None:
+        start = time.perf_counter()
+        results = self.validator.validate(self.model_parts[0], self.device, self.amp)
+        seconds = time.perf_counter() - start
+        self.metrics.window_other_time += seconds
+        self.metrics.log_validation(self.step, results, seconds)
+
+    def sample(self) -> None:
+        start = time.perf_counter()
+        samples = self.sampler.generate(self.model_parts[0], self.device, self.amp, self.step)
+        self.metrics.window_other_time += time.perf_counter() - start
+        self.metrics.log_samples(self.step, samples)
+
+    def train(self) -> None:
+        job_config = self.job_config
+        self.checkpointer.load(step=job_config.checkpoint.load_step)
+        logger.info(f"Training starts at step {self.step + 1}")
+        self.metrics.reset_window(self.step)
+        data_iterator = iter(self.dataloader)
+        # The profiler (--profiling.enable_profiling) and the CUDA memory recorder (--profiling.enable_memory_snapshot)
+        # write under <dump_folder>/<their folders> every profiling.profile_freq steps; off, they are None.
+        profiling, dump, step = job_config.profiling, job_config.job.dump_folder, self.step
+        with (
+            maybe_enable_profiling(profiling, global_step=step, base_folder=dump) as torch_profiler,
+            maybe_enable_memory_snapshot(profiling, global_step=step, base_folder=dump) as memory_profiler,
+        ):
+            while self.step < self.last_step:
+                self.step += 1
+                self.gc_handler.run(self.step)
+                self.train_step(data_iterator)
+                self.checkpointer.save(self.step, last_step=self.step == self.last_step)
+                if self.validator and self.validator.should_validate(self.step, self.last_step):
+                    self.validate()
+                if self.sampler and self.sampler.should_sample(self.step):
+                    self.sample()
+                if torch_profiler:
+                    torch_profiler.step()
+                if memory_profiler:
+                    memory_profiler.step()
+                if self.step == 1:
+                    # Lazy init and compilation are done: tighten the timeout for faster failure.
+                    dist_utils.set_pg_timeouts(
+                        timedelta(seconds=job_config.comm.train_timeout_seconds), self.topology.parallel_dims
+                    )
+        if self.last_step < job_config.training.steps:
+            logger.info(f"Stopped at step {self.step} of {job_config.training.steps} (training.stop_at_step)")
+        else:
+            logger.info("Training completed")
+
+    def create_seed_checkpoint(self) -> None:
+        """Save the initial weights as step 0 (model only): runs with any parallelism that load it start
+        from identical weights, which random init on sharded parameters does not guarantee."""
+        if torch.distributed.get_world_size() != 1:
+            raise FlameError("create the seed checkpoint with one process (NGPU=1); other runs then load it")
+        self.checkpointer.last_save_model_only = True
+        self.checkpointer.save(curr_step=0, last_step=True)
+        logger.info(f"Saved the seed checkpoint in {self.checkpointer.folder}/step-0")
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.step = state_dict["step"]
+        self.ntokens_seen = state_dict["ntokens_seen"]
+        self.skipped_steps = state_dict.get("skipped_steps", 0)
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.metrics.close()
+
+
+def enable_debug_mode() -> None:
+    """--debug.enable: synchronous CUDA kernels, so an error is raised at the kernel that failed (read when CUDA
+    starts: set before any CUDA call here, and exported by train.sh), and autograd anomaly detection, which names
+    the forward op whose backward produced a NaN. Both slow training down."""
+    os.environ["CUDA_LAUNCH_BLOCKING"] = "1"
+    torch.autograd.set_detect_anomaly(True)
+    logger.info("Debug mode: CUDA_LAUNCH_BLOCKING=1, autograd anomaly detection on")
+
+
+def main(argv: list[str] | None = None) -> int:
+    init_logger()
+    try:
+        job_config = parse_args(sys.argv[1:] if argv is None else argv)
+        if job_config.debug.enable:
+            enable_debug_mode()
+        compat.apply()
+        trainer = Trainer(job_config)
+    except FlameError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        if job_config.checkpoint.create_seed_checkpoint:
+            trainer.create_seed_checkpoint()
+        else:
+            trainer.train()
+    except FlameError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
