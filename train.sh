@@ -43,7 +43,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / N
 # Triton keeps autotuning results in its cache (~/.triton/cache, or TRITON_CACHE_DIR): FLA's kernels tune for 1-3
 # minutes per process, and with several ranks each tunes beside the others' collectives. With the results cached,
 # a restart loads them, and a 2-step NGPU=1 run before a multi-GPU job gives every rank the configs tuned on a
-# quiet GPU (docs/performance.md, "Session 8: multi-GPU runs"). TRITON_CACHE_AUTOTUNING=0 turns it off.
+# quiet GPU (docs/performance.md, "Several H200s with FSDP"). TRITON_CACHE_AUTOTUNING=0 turns it off.
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 torchrun --nnodes "$NNODE" --nproc_per_node "$NGPU" --node_rank "$NODE_RANK" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \

@@ -11,8 +11,8 @@ Weights interchange with FLA's `ShortConvolution`: that module is an `nn.Conv1d`
 runs in float32 (float64 for float64 inputs) and is cast back to x.dtype, as in FLA's kernel.
 
 `short_conv` calls `cuda_implementation` (flame's Triton kernels, short_conv_triton.py, unless replaced) for CUDA
-tensors and `short_conv_torch` otherwise. Since session 6 flame's kernels replace FLA 0.6.0's `causal_conv1d`,
-whose backward ran at ~4.7x the memory-bandwidth floor (docs/performance.md, "Short convolution kernel").
+tensors and `short_conv_torch` otherwise. flame's kernels stand in for FLA 0.6.0's `causal_conv1d`, whose backward
+runs at ~4.7x the memory-bandwidth floor (docs/performance.md, "Short convolution").
 """
 
 import torch

@@ -13,7 +13,7 @@ initialisation many scores lie near 0, so float32-level differences upstream fli
 cases (one row of documents, cu_seqlens, as with training.varlen) chunk a document cut by the border differently
 from the whole row's, since FLA's chunks restart at every document: rounding differs there as well.
 
-Every case passed on 2 of 4 H200s (2026-11-21, session 8), worst gradient error (limit):
+Every case passed on 2 of 4 H200s (2026-11-21), worst gradient error (limit):
 gdn_softmax_hybrid 6.0e-4 (1e-3), gdn_softpick_hybrid 3.0e-3 (5e-3), scaled_softpick_window 2.9e-4 (5e-3),
 gdn_packed_across_border 5.4e-4, gdn_packed_on_border 4.7e-4 (1e-3); in bf16 delta_net 4.5e-3 and
 delta_net_packed 1.1e-2 (2e-2, loss 1.5e-5 relative). gdn_softmax_hybrid_packed (attention on packed documents
