@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from train_throughput import device_name, write_section  # noqa: E402
 
-from flame.ops.short_conv_triton import short_conv_triton  # noqa: E402
+from flame.ops.short_conv.triton_kernel import short_conv_triton  # noqa: E402
 
 MARKER = "bench_short_conv"
 WIDTH = 4

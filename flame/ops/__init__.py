@@ -1,5 +1,5 @@
-"""Sequence-mixing ops: a PyTorch implementation of each (the CPU path and the reference for GPU kernels) behind a
-dispatcher that sends CUDA tensors to FLA 0.6.0's Triton op with the same signature.
+"""Sequence-mixing ops: a PyTorch implementation of each (the CPU path and the reference for GPU kernels) and CUDA
+backends (FLA 0.6.0's Triton ops, flame's own kernels), chosen per call by one table (dispatch.py).
 
 Importing this package does not import FLA or Triton; the CUDA branches import FLA on first use.
 """

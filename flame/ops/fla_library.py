@@ -5,7 +5,7 @@ not trace), so a compiled Gated DeltaNet block broke into a graph per FLA call: 
 Python, guard checks and a separate compiled region in forward and backward. Registered as custom ops with fake
 (shape-only) implementations, the forward and backward of each op are single opaque nodes, and a block compiles to
 one graph. The Triton work inside is FLA's own functions (`chunk_gated_delta_rule_fwd` / `_bwd`), called exactly as
-FLA's autograd Function calls them. (The short convolution is flame's own custom op: short_conv_triton.py.)
+FLA's autograd Function calls them. (The short convolution is flame's own custom op: short_conv/triton_kernel.py.)
 
 Custom ops may not return their inputs, so intermediates that FLA saves only sometimes (the l2-normalised q/k, the
 sigmoid of beta) come back as empty tensors when they are the input itself, and absent gradients as empty tensors

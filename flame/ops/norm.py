@@ -9,12 +9,15 @@ The semantics follow FLA 0.6.0's Triton kernels (`fla.modules.norm`):
 - `l2norm`: x * rsqrt(sum(x^2) + eps) with eps = 1e-6 inside the square root, as FLA's `l2norm_fwd` (used by
   `use_qk_l2norm_in_kernel`); unlike `F.normalize`, which divides by max(||x||, eps).
 
-On CUDA tensors in eager mode `rms_norm` and `gated_rms_norm` call FLA's fused Triton kernels (unless their
-`cuda_*_implementation` is replaced); elsewhere, and under torch.compile, the PyTorch code here.
+On CUDA tensors in eager mode `rms_norm` and `gated_rms_norm` call FLA's fused Triton kernels; elsewhere, and under
+torch.compile (where inductor fuses the PyTorch code with the residual adds and gates around it, and FLA's kernel
+would split the compiled block into several graphs), the PyTorch code here (flame/ops/dispatch.py).
 """
 
 import torch
 import torch.nn.functional as F
+
+from flame.ops import dispatch
 
 GATE_ACTIVATIONS = ("swish", "silu", "sigmoid")
 
@@ -71,30 +74,21 @@ def fla_gated_rms_norm(
     return fla_op(x, gate, weight, None, activation=activation, eps=eps)
 
 
-# What serves CUDA tensors; assign a function with the same signature to use another kernel.
-cuda_rms_norm_implementation = fla_rms_norm
-cuda_gated_rms_norm_implementation = fla_gated_rms_norm
-
-
-def _use_cuda_kernel(x: torch.Tensor) -> bool:
-    # Under torch.compile the PyTorch code serves CUDA too: inductor fuses it with the residual adds and gates
-    # around it, where FLA's kernel would split the compiled block into several graphs.
-    return x.is_cuda and not torch.compiler.is_compiling()
+RMS_NORM = dispatch.register_op("rms_norm", rms_norm_torch, {"fla": fla_rms_norm}, eager_only=True)
+GATED_RMS_NORM = dispatch.register_op(
+    "gated_rms_norm", gated_rms_norm_torch, {"fla": fla_gated_rms_norm}, eager_only=True
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension: `cuda_rms_norm_implementation` on CUDA in eager, `rms_norm_torch`
-    elsewhere and under torch.compile."""
-    if _use_cuda_kernel(x):
-        return cuda_rms_norm_implementation(x, weight, eps)
-    return rms_norm_torch(x, weight, eps)
+    """RMSNorm over the last dimension: FLA's kernel on CUDA in eager, `rms_norm_torch` elsewhere and under
+    torch.compile."""
+    return RMS_NORM.implementation(x)(x, weight, eps)
 
 
 def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float, activation: str = "swish"
 ) -> torch.Tensor:
-    """RMSNorm(x) * weight * act(gate): `cuda_gated_rms_norm_implementation` on CUDA in eager, PyTorch
-    elsewhere and under torch.compile."""
-    if _use_cuda_kernel(x):
-        return cuda_gated_rms_norm_implementation(x, gate, weight, eps, activation)
-    return gated_rms_norm_torch(x, gate, weight, eps, activation)
+    """RMSNorm(x) * weight * act(gate): FLA's kernel on CUDA in eager, PyTorch elsewhere and under
+    torch.compile."""
+    return GATED_RMS_NORM.implementation(x)(x, gate, weight, eps, activation)

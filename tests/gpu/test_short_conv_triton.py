@@ -1,4 +1,4 @@
-"""flame's Triton short-conv kernels (flame/ops/short_conv_triton.py) on the GPU, against the PyTorch reference
+"""flame's Triton short-conv kernels (flame/ops/short_conv/triton_kernel.py) on the GPU, against the PyTorch reference
 `short_conv_torch` in float64 on the same (rounded) inputs, and against FLA 0.6.0's `causal_conv1d`.
 
 Odd sizes (D = 333 and 1000, T up to 1000, packed documents of lengths 1 to 700, some shorter than the kernel),
@@ -15,9 +15,9 @@ matrix pins each kernel to its first autotuning candidate; test_every_configurat
 import pytest
 import torch
 
-from flame.ops import short_conv_triton as kernels
 from flame.ops.short_conv import short_conv_torch
-from flame.ops.short_conv_triton import short_conv_bwd, short_conv_fwd, short_conv_triton
+from flame.ops.short_conv import triton_kernel as kernels
+from flame.ops.short_conv.triton_kernel import short_conv_bwd, short_conv_fwd, short_conv_triton
 
 DEVICE = "cuda"
 # dtype: (rtol, atol relative to the largest |reference value|)

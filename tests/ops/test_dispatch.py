@@ -174,13 +174,13 @@ def test_under_compile_cuda_tensors_reach_the_custom_op_wrappers(case, monkeypat
 
 @pytest.mark.parametrize("compiling", [False, True], ids=["eager", "compiled"])
 def test_cuda_short_conv_runs_flames_triton_kernel(compiling, monkeypatch):
-    from flame.ops import short_conv_triton
+    from flame.ops.short_conv import triton_kernel
 
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     weight = torch.randn(6, 1, 4)
     call = (tensor(1, 8, 6), weight, None, "silu", cu_seqlens)
     check_call_reaches(
-        short_conv_triton,
+        triton_kernel,
         "short_conv_triton",
         SENTINEL,
         lambda: short_conv(*call[:2], activation="silu", cu_seqlens=cu_seqlens),

@@ -266,8 +266,8 @@ def test_compile_per_block_trains_like_eager():
 def test_compiled_loss_gives_the_eager_sums_and_gradients(components):
     """compile.components "loss" compiles flame's loss_sums (cross-entropy and z-loss sums over labelled tokens);
     without it the trainer keeps the eager function."""
-    from flame.parallelize.compile import maybe_compile_loss
     from flame.loss import IGNORE_INDEX, loss_sums
+    from flame.parallelize.compile import maybe_compile_loss
 
     config = parse_args(
         ["--compile.enable", "--compile.backend", "aot_eager", "--compile.components", ",".join(components)]

@@ -2,7 +2,7 @@
 
 An ``nn.Conv1d`` subclass, as FLA's ``ShortConvolution`` is: the weight is [D, 1, W] under the name ``weight``, so
 state dicts map 1:1, and the generic initialisation (normal for ``nn.Conv1d``) covers it. The forward takes
-[B, T, D] and runs ``flame.ops.short_conv.short_conv`` (FLA's Triton kernel on CUDA, PyTorch elsewhere), which keeps
+[B, T, D] and runs ``flame.ops.short_conv.short_conv`` (flame's Triton kernel on CUDA, PyTorch elsewhere), which keeps
 packed documents (``cu_seqlens``) from seeing each other.
 """
 

@@ -1,8 +1,8 @@
 """Attention of the softmax / softpick / rectified family behind one signature.
 
 `attention(q, k, v, *, impl, causal, window_size, cu_seqlens, scale)` sends causal calls on CUDA tensors to the
-backend `set_attention_backend` chose (train.sh: `--model.attention_backend`), everything else (CPU,
-causal=False) to the materialized O(T^2) `reference_attention`. Backends (`BACKENDS`):
+backend pinned in the dispatch table (flame/ops/dispatch.py; train.sh: `--model.attention_backend`), everything
+else (CPU, causal=False) to the materialized O(T^2) `reference_attention`. Backends (`BACKENDS`):
 - "auto" (default): softmax through torch SDPA (its own kernel choice: cuDNN on H100/H200 with torch 2.11, else
   FlashAttention) for plain causal batches and FLA's Triton
   `parallel_attn` (GQA, sliding windows, cu_seqlens) otherwise; softpick / rectified through flame's fused Triton
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from flame.ops import dispatch
 from flame.ops.attention.observe import notify_observers, observe_attention
 from flame.ops.attention.reference import (
     IMPLS,
@@ -131,8 +132,8 @@ def pinned_sdpa_backend(kernel: SDPBackend):
     return pinned
 
 
-def reference_cuda_attention(q, k, v, *, impl, window_size, cu_seqlens, scale) -> torch.Tensor:
-    """The "reference" backend."""
+def reference_causal_attention(q, k, v, *, impl, window_size, cu_seqlens, scale) -> torch.Tensor:
+    """The "reference" backend, and what serves causal calls off CUDA."""
     return reference_attention(
         q, k, v, impl=impl, causal=True, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
     )
@@ -143,19 +144,16 @@ BACKENDS = {
     "fla": fla_cuda_attention,
     "flash": pinned_sdpa_backend(SDPBackend.FLASH_ATTENTION),
     "cudnn": pinned_sdpa_backend(SDPBackend.CUDNN_ATTENTION),
-    "reference": reference_cuda_attention,
+    "reference": reference_causal_attention,
 }
 ATTENTION_BACKENDS = tuple(BACKENDS)
-# What serves causal calls on CUDA tensors; set_attention_backend picks one of BACKENDS.
-cuda_implementation = auto_cuda_attention
+# Causal calls; non-causal ones take the reference on every device (attention() below).
+ATTENTION = dispatch.register_op("attention", reference_causal_attention, BACKENDS)
 
 
 def set_attention_backend(name: str) -> None:
     """Which kernels serve CUDA attention from now on (see the module docstring); process-wide."""
-    global cuda_implementation
-    if name not in BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    cuda_implementation = BACKENDS[name]
+    dispatch.pin("attention", name)
 
 
 def attention(
@@ -174,12 +172,12 @@ def attention(
     notify_observers(
         q, k, impl=impl, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
     )
-    if q.is_cuda and causal:
-        return cuda_implementation(
+    if causal:
+        return ATTENTION.implementation(q)(
             q, k, v, impl=impl, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
         )
     return reference_attention(
-        q, k, v, impl=impl, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
+        q, k, v, impl=impl, causal=False, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
     )
 
 

@@ -6,14 +6,15 @@ FLA's: q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states key-first [N, H
 float64 inputs); o in q's dtype.
 
 FLA's DeltaNet layer calls `fused_recurrent_delta_rule` for sequences of at most 64 tokens (training included) and
-`chunk_delta_rule` otherwise; both dispatchers keep FLA's signatures. CUDA tensors go to `cuda_chunk_implementation`
-/ `cuda_fused_recurrent_implementation` (FLA's Triton ops unless replaced), others to the shared PyTorch code.
+`chunk_delta_rule` otherwise; both dispatchers keep FLA's signatures. CUDA tensors go to FLA's Triton ops, others
+to the shared PyTorch code (flame/ops/dispatch.py).
 Differences that stay FLA's: its chunk kernel refuses float32 inputs, and its fused-recurrent kernel also accepts a
 per-channel beta [B, T, H, V], which the PyTorch path rejects (FLA's DeltaNet layer never passes one).
 """
 
 import torch
 
+from flame.ops import dispatch
 from flame.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_torch
 from flame.ops.norm import l2norm
 from flame.ops.varlen import check_packed_batch
@@ -33,24 +34,22 @@ def fla_fused_recurrent_delta_rule(*args, **kwargs):
     return fla_op(*args, **kwargs)
 
 
-# What serves CUDA tensors; assign a function with the same signature to use another kernel.
-cuda_chunk_implementation = fla_chunk_delta_rule
-cuda_fused_recurrent_implementation = fla_fused_recurrent_delta_rule
-
-
-def _delta_rule_torch(
+def pytorch_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    beta: torch.Tensor,
+    beta: torch.Tensor | None,
     scale: float | None,
     initial_state: torch.Tensor | None,
     output_final_state: bool,
     use_qk_l2norm_in_kernel: bool,
     cu_seqlens: torch.Tensor | None,
-    chunk_size: int,
+    chunk_size: int = 64,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The PyTorch path shared by both dispatchers."""
+    """The PyTorch implementation of both ops (``cu_seqlens_cpu`` only saves FLA work)."""
+    if beta is None:  # fused_recurrent_delta_rule's beta = 1
+        beta = torch.ones_like(q[..., 0])
     if not q.shape[2] == k.shape[2] == v.shape[2]:
         raise ValueError(
             f"q, k and v must have the same number of heads, got {q.shape[2]}, {k.shape[2]}, {v.shape[2]}"
@@ -74,6 +73,12 @@ def _delta_rule_torch(
     )
 
 
+CHUNK_DELTA_RULE = dispatch.register_op("chunk_delta_rule", pytorch_delta_rule, {"fla": fla_chunk_delta_rule})
+FUSED_RECURRENT_DELTA_RULE = dispatch.register_op(
+    "fused_recurrent_delta_rule", pytorch_delta_rule, {"fla": fla_fused_recurrent_delta_rule}
+)
+
+
 def chunk_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -89,31 +94,18 @@ def chunk_delta_rule(
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Delta rule, FLA's chunked op on CUDA. Returns (o [B, T, H, V], final state [N, H, K, V] or None)."""
-    if q.is_cuda:
-        return cuda_chunk_implementation(
-            q=q,
-            k=k,
-            v=v,
-            beta=beta,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu,
-            chunk_size=chunk_size,
-        )
-    return _delta_rule_torch(
-        q,
-        k,
-        v,
-        beta,
-        scale,
-        initial_state,
-        output_final_state,
-        use_qk_l2norm_in_kernel,
-        cu_seqlens,
-        chunk_size,
+    return CHUNK_DELTA_RULE.implementation(q)(
+        q=q,
+        k=k,
+        v=v,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_size=chunk_size,
     )
 
 
@@ -129,39 +121,23 @@ def fused_recurrent_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Delta rule, FLA's fused recurrent op on CUDA; beta=None means beta = 1. Same results as `chunk_delta_rule`."""
-    if q.is_cuda:
-        return cuda_fused_recurrent_implementation(
-            q=q,
-            k=k,
-            v=v,
-            beta=beta,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            cu_seqlens=cu_seqlens,
-        )
-    if beta is None:
-        beta = torch.ones_like(q[..., 0])
-    return _delta_rule_torch(
-        q,
-        k,
-        v,
-        beta,
-        scale,
-        initial_state,
-        output_final_state,
-        use_qk_l2norm_in_kernel,
-        cu_seqlens,
-        chunk_size=64,
+    return FUSED_RECURRENT_DELTA_RULE.implementation(q)(
+        q=q,
+        k=k,
+        v=v,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens,
     )
 
 
 __all__ = [
     "chunk_delta_rule",
-    "cuda_chunk_implementation",
-    "cuda_fused_recurrent_implementation",
     "fla_chunk_delta_rule",
     "fla_fused_recurrent_delta_rule",
     "fused_recurrent_delta_rule",
+    "pytorch_delta_rule",
 ]

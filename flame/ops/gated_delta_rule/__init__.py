@@ -1,8 +1,8 @@
 """Gated delta rule (Gated DeltaNet's sequence mixer) with the semantics of FLA 0.6.0's `chunk_gated_delta_rule`.
 
-`chunk_gated_delta_rule` takes FLA's arguments in FLA's order and dispatches on the device of q: CUDA tensors go to
-`cuda_implementation` (FLA's Triton kernel unless replaced), anything else to the chunked PyTorch code in
-`chunk.py`, after applying in PyTorch what FLA fuses into its kernel:
+`chunk_gated_delta_rule` takes FLA's arguments in FLA's order and dispatches on the device of q (flame/ops/dispatch.py):
+CUDA tensors go to FLA's Triton kernel, anything else to `pytorch_chunk_gated_delta_rule`, which applies in PyTorch
+what FLA fuses into its kernel and runs the chunked code in `chunk.py`:
 
 - use_qk_l2norm_in_kernel: q, k <- x * rsqrt(sum(x^2) + 1e-6) (flame.ops.norm.l2norm);
 - use_beta_sigmoid_in_kernel: beta <- sigmoid(beta), times 2 if allow_neg_eigval (which requires the former);
@@ -14,12 +14,12 @@ Final states are float32 (float64 for float64 inputs) and o has q's dtype, as in
 (`cp_context`) exists only in FLA's kernels; `cu_seqlens_cpu` and `chunk_indices` only save FLA work and are
 ignored on CPU. FLA's deprecated `transpose_state_layout` / `head_first` keywords are not accepted.
 
-To serve CUDA tensors with another kernel (e.g. while FLA issue 640 breaks the gated backward on Hopper), assign a
-function with this signature to `flame.ops.gated_delta_rule.cuda_implementation`.
+Another kernel for CUDA tensors is one more entry in `GATED_DELTA_RULE`'s backends.
 """
 
 import torch
 
+from flame.ops import dispatch
 from flame.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_torch
 from flame.ops.gated_delta_rule.gate import gdn_gate
 from flame.ops.gated_delta_rule.hopper_backward import register_backend as register_hopper_backward
@@ -47,11 +47,7 @@ def fla_chunk_gated_delta_rule(*args, **kwargs):
     return fla_op(*args, **kwargs)
 
 
-# What serves CUDA tensors; assign a function with the same signature to use another kernel.
-cuda_implementation = fla_chunk_gated_delta_rule
-
-
-def chunk_gated_delta_rule(
+def pytorch_chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -74,34 +70,7 @@ def chunk_gated_delta_rule(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated delta rule over q, k [B, T, H, K], v [B, T, HV, V], g and beta [B, T, HV].
-
-    Returns (o [B, T, HV, V], final state [N, HV, K, V] (or [N, HV, V, K] with state_v_first) or None).
-    """
-    if q.is_cuda:
-        return cuda_implementation(
-            q=q,
-            k=k,
-            v=v,
-            g=g,
-            beta=beta,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-            allow_neg_eigval=allow_neg_eigval,
-            state_v_first=state_v_first,
-            cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu,
-            chunk_indices=chunk_indices,
-            cp_context=cp_context,
-            chunk_size=chunk_size,
-            use_gate_in_kernel=use_gate_in_kernel,
-            A_log=A_log,
-            dt_bias=dt_bias,
-        )
-
+    """The PyTorch implementation behind FLA's signature (CPU tensors; the reference of the kernels)."""
     if cp_context is not None:
         raise NotImplementedError("context parallelism (cp_context) needs FLA's CUDA kernels")
     if q.shape[2] != k.shape[2]:
@@ -143,10 +112,66 @@ def chunk_gated_delta_rule(
     return o, final_state
 
 
+GATED_DELTA_RULE = dispatch.register_op(
+    "chunk_gated_delta_rule", pytorch_chunk_gated_delta_rule, {"fla": fla_chunk_gated_delta_rule}
+)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    cp_context=None,
+    *,
+    chunk_size: int = 64,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule over q, k [B, T, H, K], v [B, T, HV, V], g and beta [B, T, HV].
+
+    Returns (o [B, T, HV, V], final state [N, HV, K, V] (or [N, HV, V, K] with state_v_first) or None).
+    """
+    return GATED_DELTA_RULE.implementation(q)(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices,
+        cp_context=cp_context,
+        chunk_size=chunk_size,
+        use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log,
+        dt_bias=dt_bias,
+    )
+
+
 __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_torch",
-    "cuda_implementation",
+    "pytorch_chunk_gated_delta_rule",
     "fla_chunk_gated_delta_rule",
     "gdn_gate",
     "naive_recurrent_gated_delta_rule",

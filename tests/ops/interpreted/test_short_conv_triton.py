@@ -1,4 +1,4 @@
-"""flame's Triton short-conv kernels (short_conv_triton.py), run by Triton's interpreter on the CPU, against the
+"""flame's Triton short-conv kernels (flame/ops/short_conv/triton_kernel.py), run by Triton's interpreter on the CPU, against the
 PyTorch reference `short_conv_torch` evaluated in float64 on the same (rounded) inputs.
 
 Odd sizes (D = 37, T = 45, batch 3; packed documents of lengths 1, 2, 17, 3, 30, some shorter than the kernel),
@@ -19,9 +19,9 @@ dbias are sums over all B x T tokens, whose float32 rounding grows with their si
 import pytest
 import torch
 
-from flame.ops import short_conv_triton as kernels
 from flame.ops.short_conv import short_conv_torch
-from flame.ops.short_conv_triton import short_conv_bwd, short_conv_fwd, short_conv_triton
+from flame.ops.short_conv import triton_kernel as kernels
+from flame.ops.short_conv.triton_kernel import short_conv_bwd, short_conv_fwd, short_conv_triton
 
 # dtype: (rtol, atol relative to the largest |reference value|)
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12), torch.bfloat16: (2**-7, 1e-2)}

@@ -1,4 +1,4 @@
-"""Causal depthwise short convolution over time (the q/k/v "short conv" of DeltaNet / Gated DeltaNet).
+"""The PyTorch short convolution: the CPU path and the reference of the Triton kernels (triton_kernel.py).
 
     y[b, t, d] = act( bias[d] + sum_{i=0}^{W-1} weight[d, W-1-i] * x[b, t-i, d] ),
 
@@ -9,10 +9,6 @@ current token, as in `nn.Conv1d(D, D, W, groups=D, padding=W-1)` truncated to th
 Weights interchange with FLA's `ShortConvolution`: that module is an `nn.Conv1d` subclass whose weight is [D, 1, W]
 (its forward squeezes it to the [D, W] that FLA's `causal_conv1d` takes); both shapes are accepted here. The sum
 runs in float32 (float64 for float64 inputs) and is cast back to x.dtype, as in FLA's kernel.
-
-`short_conv` calls `cuda_implementation` (flame's Triton kernels, short_conv_triton.py, unless replaced) for CUDA
-tensors and `short_conv_torch` otherwise. flame's kernels stand in for FLA 0.6.0's `causal_conv1d`, whose backward
-runs at ~4.7x the memory-bandwidth floor (docs/performance.md, "Short convolution").
 """
 
 import torch
@@ -23,7 +19,7 @@ from flame.ops.varlen import position_ids_from_cu_seqlens
 ACTIVATIONS = (None, "silu", "swish")
 
 
-def _as_depthwise_taps(weight: torch.Tensor) -> torch.Tensor:
+def as_depthwise_taps(weight: torch.Tensor) -> torch.Tensor:
     """[D, 1, W] (nn.Conv1d / ShortConvolution layout) or [D, W] -> [D, W]."""
     if weight.ndim == 3:
         if weight.shape[1] != 1:
@@ -44,7 +40,7 @@ def short_conv_torch(
     """PyTorch causal depthwise conv: x [B, T, D], weight [D, W] or [D, 1, W], bias [D] -> [B, T, D]."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    taps = _as_depthwise_taps(weight)
+    taps = as_depthwise_taps(weight)
     width = taps.shape[1]
     seq_len = x.shape[1]
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -69,34 +65,3 @@ def short_conv_torch(
     if activation is not None:
         y = F.silu(y)
     return y.to(x.dtype)
-
-
-def triton_short_conv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    activation: str | None,
-    cu_seqlens: torch.Tensor | None,
-) -> torch.Tensor:
-    """flame's Triton kernels (short_conv_triton.py, torch.library custom ops, so a compiled block stays one graph),
-    imported on first use: importing them pulls in Triton."""
-    from flame.ops.short_conv_triton import short_conv_triton
-
-    return short_conv_triton(x, weight, bias, activation, cu_seqlens)
-
-
-# What serves CUDA tensors; assign a function with the same signature to use another kernel.
-cuda_implementation = triton_short_conv
-
-
-def short_conv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal depthwise conv [B, T, D] -> [B, T, D]: `cuda_implementation` on CUDA, `short_conv_torch` elsewhere."""
-    if x.is_cuda:
-        return cuda_implementation(x, weight, bias, activation, cu_seqlens)
-    return short_conv_torch(x, weight, bias=bias, activation=activation, cu_seqlens=cu_seqlens)

@@ -3,7 +3,7 @@
     short_conv_triton(x, weight, bias, activation, cu_seqlens) -> y
     y[b, t, d] = act( bias[d] + sum_{i=0}^{W-1} weight[d, W-1-i] * x[b, t-i, d] )
 
-Same contract as `short_conv_torch` in short_conv.py, which the tests compare against: x [B, T, D] (float16 /
+Same contract as `short_conv_torch` in reference.py, which the tests compare against: x [B, T, D] (float16 /
 bfloat16 / float32 / float64; a last dim with stride != 1 is copied), weight [D, W] or [D, 1, W] with
 1 <= W <= 8, bias [D] or None, activation None / "silu" / "swish"; cu_seqlens (int32/int64 [N + 1], batch 1) packs
 documents, and a tap reaching i tokens back is dropped where the token is fewer than i positions into its document
@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flame.ops.short_conv import ACTIVATIONS, _as_depthwise_taps
+from flame.ops.short_conv.reference import ACTIVATIONS, as_depthwise_taps
 
 MAX_WIDTH = 8
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -386,7 +386,7 @@ def short_conv_fwd(
 ) -> Tensor:
     """y [B, T, D] in x's dtype; arguments as checked by `short_conv_triton`."""
     x = _last_dim_contiguous(x)
-    taps = _as_depthwise_taps(weight)
+    taps = as_depthwise_taps(weight)
     batch, seq_len, dim = x.shape
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     positions = _positions_in_documents(cu_seqlens, seq_len, x.device)
@@ -419,7 +419,7 @@ def short_conv_bwd(
     """(dx, dweight, dbias) in the dtypes and shapes of x, weight and bias; dbias is empty when bias is None (a
     custom op returns tensors)."""
     dy, x = _last_dim_contiguous(dy), _last_dim_contiguous(x)
-    taps = _as_depthwise_taps(weight)
+    taps = as_depthwise_taps(weight)
     batch, seq_len, dim = x.shape
     width = taps.shape[1]
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -439,7 +439,7 @@ def short_conv_bwd(
     )  # fmt: skip
     dweight = torch.empty_like(weight, memory_format=torch.contiguous_format)
     dbias = x.new_empty(0) if bias is None else torch.empty_like(bias, memory_format=torch.contiguous_format)
-    dtaps = _as_depthwise_taps(dweight)
+    dtaps = as_depthwise_taps(dweight)
     # The config the autotuner ran (just now), hence the number of partial rows written.
     chosen = _bwd_kernel.best_config.kwargs
     num_partials = batch * triton.cdiv(seq_len, chosen["ROWS"] * chosen["SPAN"])
@@ -484,7 +484,7 @@ def short_conv_triton(
     """Causal depthwise conv [B, T, D] -> [B, T, D] (module docstring); differentiable in x, weight and bias."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    taps = _as_depthwise_taps(weight)
+    taps = as_depthwise_taps(weight)
     if x.ndim != 3 or taps.shape[0] != x.shape[2]:
         raise ValueError(
             f"expected x [B, T, D] and weight [D, W], got {tuple(x.shape)}, {tuple(weight.shape)}"

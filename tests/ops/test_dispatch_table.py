@@ -1,0 +1,91 @@
+"""flame/ops/dispatch.py: the one table that says which implementation serves an op's call."""
+
+import pytest
+import torch
+
+from flame.ops import attention, dispatch, gated_rms_norm, rms_norm, short_conv
+from flame.ops.norm import rms_norm_torch
+
+OPS = ("attention", "chunk_gated_delta_rule", "chunk_delta_rule", "fused_recurrent_delta_rule", "rms_norm",
+       "gated_rms_norm", "short_conv")  # fmt: skip
+
+
+class PretendCuda(torch.Tensor):
+    """A CPU tensor that answers is_cuda=True."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.fixture
+def scratch_op():
+    """A throwaway op with two CUDA backends, removed from the table afterwards."""
+    name = "scratch_op"
+    entry = dispatch.register_op(
+        name, lambda x: "torch", {"fast": lambda x: "fast", "slow": lambda x: "slow"}
+    )
+    yield entry
+    del dispatch._TABLE[name]
+
+
+def test_every_op_with_several_implementations_is_in_the_table():
+    assert set(OPS) <= set(dispatch._TABLE)
+    for op in OPS:
+        assert dispatch.backend_names(op), op
+
+
+def test_cpu_calls_run_the_pytorch_code_and_cuda_calls_the_first_backend(scratch_op):
+    x = torch.zeros(2)
+    assert scratch_op.implementation(x)(x) == "torch"
+    assert scratch_op.implementation(x.as_subclass(PretendCuda))(x) == "fast"
+    assert dispatch.pinned("scratch_op") == "fast"
+
+
+def test_a_pinned_backend_serves_cuda_calls_until_unpinned(scratch_op):
+    cuda = torch.zeros(2).as_subclass(PretendCuda)
+    dispatch.pin("scratch_op", "slow")
+    assert scratch_op.implementation(cuda)(cuda) == "slow"
+    assert scratch_op.implementation(torch.zeros(2))(cuda) == "torch"  # pins are for CUDA calls only
+    dispatch.pin("scratch_op", None)
+    assert scratch_op.implementation(cuda)(cuda) == "fast"
+
+
+def test_unknown_backends_and_ops_and_second_registrations_are_refused(scratch_op):
+    with pytest.raises(
+        ValueError, match=r"scratch_op backend must be one of \('fast', 'slow'\), got 'medium'"
+    ):
+        dispatch.pin("scratch_op", "medium")
+    with pytest.raises(KeyError, match="no op 'no_such_op' in the dispatch table"):
+        dispatch.pin("no_such_op", "fast")
+    with pytest.raises(ValueError, match="registered already"):
+        dispatch.register_op("scratch_op", lambda x: x, {"fast": lambda x: x})
+    with pytest.raises(ValueError, match="needs at least one CUDA backend"):
+        dispatch.register_op("empty_op", lambda x: x, {})
+
+
+def test_eager_only_ops_run_the_pytorch_code_under_compile(monkeypatch):
+    cuda = torch.zeros(2, 4).as_subclass(PretendCuda)
+    assert dispatch._TABLE["rms_norm"].implementation(cuda) is not rms_norm_torch
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert dispatch._TABLE["rms_norm"].implementation(cuda) is rms_norm_torch
+    assert (
+        dispatch._TABLE["short_conv"].implementation(cuda).__name__ == "triton_short_conv"
+    )  # not eager-only
+
+
+def test_dispatch_compiles_into_one_graph():
+    """Looking up the table inside a compiled block adds no graph break: fullgraph compilation succeeds and gives
+    the eager result."""
+
+    def block(x, weight, conv_weight, gate):
+        h = rms_norm(x, weight, 1e-6)
+        h = short_conv(h, conv_weight, activation="silu")
+        q = h.unflatten(-1, (2, 4))
+        h = h + attention(q, q, q, impl="softmax").flatten(-2)
+        return gated_rms_norm(h, gate, weight, 1e-6)
+
+    torch.manual_seed(0)
+    args = (torch.randn(2, 7, 8), torch.randn(8), torch.randn(8, 4), torch.randn(2, 7, 8))
+    compiled = torch.compile(block, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(*args), block(*args), rtol=0, atol=0)
