@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from flame.checkpoint.layout import CheckpointError
 
-# Top-level entries of a full checkpoint besides the model's tensors.
-TRAINING_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+# Top-level entries of a full checkpoint besides the model's tensors (reference_model: DPO's frozen starting weights).
+TRAINING_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "reference_model")
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:

@@ -49,6 +49,7 @@ def validate_job(job_config) -> None:
     _check_inference(job_config.inference)
     _check_profiling(job_config.profiling)
     _check_pipeline(job_config)
+    _check_dpo(job_config)
 
 
 def _check_training(job_config) -> None:
@@ -199,6 +200,22 @@ def _check_profiling(profiling) -> None:
             f"profiling.profile_freq ({profiling.profile_freq}) must be >= profiler_warmup + profiler_active "
             f"({profiling.profiler_warmup} + {profiling.profiler_active})",
         )
+
+
+def _check_dpo(job_config) -> None:
+    if job_config.job.task != "dpo":
+        return
+    parallelism = job_config.parallelism
+    _require(
+        parallelism.pipeline_parallel_degree <= 1 and parallelism.context_parallel_degree <= 1,
+        "job.task dpo scores whole sequences on one rank: use data parallelism (FSDP/HSDP) and tensor parallelism, "
+        "not pipeline_parallel_degree or context_parallel_degree > 1",
+    )
+    _require(not job_config.training.varlen, "job.task dpo pads each reply to seq_len: drop --training.varlen")
+    _require(
+        math.isfinite(job_config.dpo.beta) and job_config.dpo.beta > 0,
+        f"dpo.beta must be a positive number, got {job_config.dpo.beta}",
+    )
 
 
 def _check_pipeline(job_config) -> None:

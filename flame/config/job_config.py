@@ -27,6 +27,11 @@ class Job:
     custom_config_module: str = "flame.config.job_config"
     """Module whose JobConfig extends torchtitan's (flame's own is always merged)"""
 
+    task: Literal["pretrain", "sft", "dpo"] = "pretrain"
+    """pretrain: next-token loss on every token of plain text; sft: chat data (a 'messages' column, or 'prompt' and
+    'response'), loss on the assistant's tokens only; dpo: preference pairs ('prompt', 'chosen', 'rejected'),
+    the DPO loss against the starting model (see [dpo])"""
+
 
 @dataclass
 class Model:
@@ -68,6 +73,9 @@ class Training:
 
     text_column: str | None = None
     """Column holding the text (default: 'text', then 'content')"""
+
+    chat_template: str | None = None
+    """Jinja chat template file for job.task sft/dpo (default: the tokenizer's own chat template)"""
 
     streaming: bool = False
     """Stream the dataset instead of loading it fully"""
@@ -226,6 +234,16 @@ class ActivationCheckpoint:
 
 
 @dataclass
+class DPO:
+    beta: float = 0.1
+    """Strength of the pull towards the reference model (the starting weights)"""
+
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: -log sigmoid(beta x margin) (Rafailov et al. 2023); ipo: (margin - 1 / (2 beta))^2 with
+    length-averaged log-probabilities (Azar et al. 2023)"""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -238,6 +256,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     inference: Inference = field(default_factory=Inference)
     debug: Debug = field(default_factory=Debug)
+    dpo: DPO = field(default_factory=DPO)
 
 
 # flame flag -> torchtitan field it sets (when the flame flag is given).

@@ -13,6 +13,8 @@ from flame.config.checks import varlen_batch_problem
 from flame.errors import FlameError
 
 TRAIN = "train"
+# job.task -> what its data rows are
+ROW_KINDS = {"pretrain": "text", "sft": "chat", "dpo": "preference"}
 
 
 class DataConfigError(FlameError, ValueError):
@@ -31,6 +33,8 @@ class SourceSpec:
     data_files: tuple[str, ...] | None
     text_column: str | None
     streaming: bool
+    kind: str = "text"
+    """What a row is: "text" (one text column), "chat" (a conversation) or "preference" (a prompt and two replies)"""
 
     def describe(self) -> str:
         details = [f"split={self.split}"]
@@ -55,6 +59,9 @@ class DataSpec:
     varlen: bool
     shuffle_buffer: int
     seed: int
+    task: str
+    """job.task: pretrain, sft or dpo"""
+    chat_template: str | None
     shuffle: bool
     """Training data is shuffled and looped forever; evaluation data is read once, in order"""
     infinite: bool
@@ -72,6 +79,7 @@ def data_spec(job_config, split: str = TRAIN) -> DataSpec:
         data_files=training.data_files,
         text_column=training.text_column,
         streaming=bool(training.streaming),
+        kind=ROW_KINDS[job_config.job.task],
     )
     seq_len = _positive(training.seq_len, "training.seq_len")
     batch_size = _positive(training.local_batch_size, "training.local_batch_size (training.batch_size)")
@@ -96,6 +104,8 @@ def data_spec(job_config, split: str = TRAIN) -> DataSpec:
         varlen=bool(training.varlen),
         shuffle_buffer=training.shuffle_buffer,
         seed=0 if seed is None else seed,
+        task=job_config.job.task,
+        chat_template=training.chat_template,
         shuffle=split == TRAIN,
         infinite=split == TRAIN,
     )
@@ -109,6 +119,7 @@ def source_specs(
     data_files: str | None = None,
     text_column: str | None = None,
     streaming: bool = False,
+    kind: str = "text",
 ) -> tuple[SourceSpec, ...]:
     """The datasets named by the data flags (each a comma-separated list aligned with ``dataset``)."""
     paths = _list(dataset, "dataset")
@@ -124,6 +135,7 @@ def source_specs(
             data_files=tuple(f for f in files.split(":") if f) if files else None,
             text_column=column,
             streaming=streaming,
+            kind=kind,
         )
         for path, name, split, directory, files, column in zip(
             paths,

@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from flame.data.chat import BadRow
+from flame.data.config import DataConfigError
 from flame.data.sources import StreamedTextSource
 from flame.data.tokenize import Encoded
 
@@ -109,7 +111,10 @@ class IndexedDocuments(_Documents):
             self._next_epoch()
             order = self._epoch_order()
         rows = order[self._position : self._position + TOKENIZE_BATCH].tolist()
-        self._pending.extend(self._encode(self._source.read(rows)))
+        try:
+            self._pending.extend(self._encode(self._source.read(rows)))
+        except BadRow as e:
+            raise DataConfigError(f"{self._source.description}, row {rows[e.position]}: {e.reason}") from None
 
     def _next_epoch(self) -> None:
         # Each epoch deals this shard other rows, so an epoch without a usable document is possible; so many
@@ -184,7 +189,13 @@ class StreamedDocuments(_Documents):
             self._block_index, self._position = self._block_index + 1, 0
             self._block_start = self._next_block_start
             self._read_block()
-        self._pending.extend(self._encode(self._block[self._position : self._position + TOKENIZE_BATCH]))
+        try:
+            self._pending.extend(self._encode(self._block[self._position : self._position + TOKENIZE_BATCH]))
+        except BadRow as e:
+            where = (
+                f"row {self._position + e.position} of block {self._block_index} of data shard {self._shard}"
+            )
+            raise DataConfigError(f"{self._source.description}, {where}: {e.reason}") from None
 
     def _read_block(self) -> None:
         """Read the block that starts at ``_block_start``; at the end of the stream, the next epoch's first."""
@@ -201,7 +212,7 @@ class StreamedDocuments(_Documents):
                 self._stream.load_state_dict(self._block_start)
             self._batches = self._stream.iter(batch_size=self._block_size)
         try:
-            rows = next(self._batches)[self._source.column]
+            rows = self._source.rows(next(self._batches))
         except StopIteration:
             return None
         except Exception as e:  # a file that turned out corrupt: name the dataset, not only the parser

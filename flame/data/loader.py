@@ -19,10 +19,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset, get_worker_info
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
+from flame.data.chat import BadRow, ChatEncoder, PreferenceEncoder, load_chat_template
 from flame.data.config import TRAIN, DataConfigError, DataSpec, data_spec
 from flame.data.documents import IndexedDocuments, StreamedDocuments
 from flame.data.mixing import DocumentMixer
-from flame.data.packing import FixedWindowPacker, VarlenPacker, collate
+from flame.data.packing import FixedWindowPacker, PairPacker, VarlenPacker, collate, collate_pairs
 from flame.data.shards import TokenShards
 from flame.data.sources import Source, StreamedTextSource, open_source
 from flame.data.tokenize import DocumentEncoder, Encoded
@@ -36,7 +37,7 @@ class PackedTextDataset(IterableDataset, Stateful):
     def __init__(self, spec: DataSpec, sources: list[Source], tokenizer, dp_rank: int, dp_world_size: int):
         self.spec = spec
         self.sources = sources
-        self.encoder = DocumentEncoder(tokenizer)
+        self.encoder = build_encoder(spec, tokenizer)
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
         self._pipeline: _Pipeline | None = None
@@ -79,11 +80,12 @@ class _Pipeline:
             for index, source in enumerate(dataset.sources)
         ]
         mixer = DocumentMixer(streams, spec.probs, spec.seed, shard)
-        self.packer = (
-            VarlenPacker(mixer, spec.seq_len, spec.context_len, self.stats)
-            if spec.varlen
-            else FixedWindowPacker(mixer, spec.seq_len)
-        )
+        if spec.task == "dpo":
+            self.packer = PairPacker(mixer, spec.seq_len, self.stats)
+        elif spec.varlen:
+            self.packer = VarlenPacker(mixer, spec.seq_len, spec.context_len, self.stats)
+        else:
+            self.packer = FixedWindowPacker(mixer, spec.seq_len)
         self.mixer = mixer
 
     def _documents(self, source: Source, index: int, encoder: DocumentEncoder, spec: DataSpec):
@@ -122,6 +124,29 @@ class _Pipeline:
         self.stats.update(state["stats"])
         self.mixer.load_state_dict(state["documents"])
         self.packer.load_state_dict(state["packer"])
+
+
+def build_encoder(spec: DataSpec, tokenizer):
+    """Rows -> documents for the job's task: texts, conversations or preference pairs."""
+    if spec.task == "pretrain":
+        return DocumentEncoder(tokenizer)
+    template = load_chat_template(tokenizer, spec.chat_template)
+    return (ChatEncoder if spec.task == "sft" else PreferenceEncoder)(tokenizer, template)
+
+
+def check_first_row(source: Source, encoder) -> None:
+    """Encode a dataset's first row in this process, so that data the task cannot read fails at once."""
+    if isinstance(source, TokenShards):
+        return
+    first = (
+        source.read([0])
+        if not isinstance(source, StreamedTextSource)
+        else source.rows(next(iter(source.dataset.iter(batch_size=1))))
+    )
+    try:
+        encoder(first)
+    except BadRow as e:
+        raise DataConfigError(f"{source.description}, row 0: {e.reason}") from None
 
 
 def _already_tokenized(documents: list) -> list[Encoded]:
@@ -176,6 +201,9 @@ def build_dataloader(
         # The tokenizer's own threads cannot be used after the workers fork; say so once instead of per worker.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     dataset = PackedTextDataset(spec, sources, tokenizer, dp_rank, dp_world_size)
+    if spec.task != "pretrain":
+        for source in sources:
+            check_first_row(source, dataset.encoder)
     logger.info(
         f"data: {' + '.join(s.description for s in sources)}; rank {dp_rank}/{dp_world_size}, "
         f"{options.num_workers} workers, batch {spec.batch_size} x {spec.seq_len}{' varlen' if spec.varlen else ''}"
@@ -185,6 +213,6 @@ def build_dataloader(
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         batch_size=spec.batch_size,
-        collate_fn=collate,
+        collate_fn=collate_pairs if spec.task == "dpo" else collate,
         **asdict(options),
     )

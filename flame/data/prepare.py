@@ -70,7 +70,7 @@ def prepare(args: argparse.Namespace) -> dict:
     documents = tokens = 0
     started, next_report = time.monotonic(), 100 * READ_BATCH
     for batch in source.dataset.iter(batch_size=READ_BATCH):
-        for encoded in encode(batch[source.column]):
+        for encoded in encode(source.rows(batch)):
             if encoded.note:
                 counts[encoded.note] = counts.get(encoded.note, 0) + 1
             if encoded.tokens is not None:

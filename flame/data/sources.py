@@ -46,28 +46,49 @@ OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 COMPRESSIONS = (*OPENERS, ".zst")
 
 
+def rows_of(batch: dict[str, list], columns: tuple[str, ...]) -> list:
+    """The rows of a batch of columns: the values of a single column (texts, conversations), else a dict per row."""
+    if len(columns) == 1:
+        return batch[columns[0]]
+    return [dict(zip(columns, values)) for values in zip(*(batch[c] for c in columns))]
+
+
 @dataclass
 class IndexedTextSource:
-    """A map-style HF dataset reduced to its text column: random access by row index."""
+    """A map-style HF dataset reduced to the columns a row is read from: random access by row index."""
 
     dataset: datasets.Dataset
-    column: str
+    columns: tuple[str, ...]
     description: str
+
+    @property
+    def column(self) -> str:
+        return self.columns[0]
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def read(self, indices: list[int]) -> list:
-        return self.dataset[indices][self.column]
+        return self.rows(self.dataset[indices])
+
+    def rows(self, batch: dict[str, list]) -> list:
+        return rows_of(batch, self.columns)
 
 
 @dataclass
 class StreamedTextSource:
-    """A streamed HF dataset reduced to its text column."""
+    """A streamed HF dataset reduced to the columns a row is read from."""
 
     dataset: datasets.IterableDataset
-    column: str
+    columns: tuple[str, ...]
     description: str
+
+    @property
+    def column(self) -> str:
+        return self.columns[0]
+
+    def rows(self, batch: dict[str, list]) -> list:
+        return rows_of(batch, self.columns)
 
     def shard(self, index: int, count: int) -> datasets.IterableDataset:
         """Shard ``index`` of ``count`` disjoint shards covering the stream: whole files when the number of
@@ -87,12 +108,12 @@ def open_source(spec: SourceSpec, tokenizer) -> Source:
         check_readable(path, spec)
     dataset = _load(spec, _builder(spec, files))
     if spec.streaming:
-        column = _text_column(spec, _first_row_columns(dataset, spec), dataset.features)
-        return StreamedTextSource(dataset.select_columns([column]), column, spec.describe())
+        columns = _row_columns(spec, _first_row_columns(dataset, spec), dataset.features)
+        return StreamedTextSource(dataset.select_columns(list(columns)), columns, spec.describe())
     if len(dataset) == 0:
         raise DataConfigError(f"{spec.describe()} has no rows")
-    column = _text_column(spec, dataset.column_names, dataset.features)
-    return IndexedTextSource(dataset.select_columns([column]), column, spec.describe())
+    columns = _row_columns(spec, dataset.column_names, dataset.features)
+    return IndexedTextSource(dataset.select_columns(list(columns)), columns, spec.describe())
 
 
 def local_files(spec: SourceSpec) -> list[str]:
@@ -203,6 +224,25 @@ def _first_row_columns(dataset: datasets.IterableDataset, spec: SourceSpec) -> l
     if first is None:
         raise DataConfigError(f"{spec.describe()} has no rows")
     return list(first)
+
+
+# job.task's data: the columns a row is read from, in order of preference.
+ROW_COLUMNS = {
+    "chat": (("messages",), ("prompt", "response")),
+    "preference": (("prompt", "chosen", "rejected"),),
+}
+
+
+def _row_columns(spec: SourceSpec, columns: list[str], features) -> tuple[str, ...]:
+    if spec.kind == "text":
+        return (_text_column(spec, columns, features),)
+    for wanted in ROW_COLUMNS[spec.kind]:
+        if set(wanted) <= set(columns):
+            return wanted
+    options = " or ".join(" + ".join(f"'{c}'" for c in wanted) for wanted in ROW_COLUMNS[spec.kind])
+    raise DataConfigError(
+        f"{spec.describe()} has no {spec.kind} columns ({options}); its columns are {', '.join(columns)}"
+    )
 
 
 def _text_column(spec: SourceSpec, columns: list[str], features) -> str:

@@ -7,6 +7,10 @@ called with ``add_special_tokens=False``), each only if the tokenizer defines it
 Bad texts never stop training: a missing or non-string text and an empty (or whitespace-only) text are
 skipped and counted; a text containing U+FFFD (what the readers put in place of bytes that are not UTF-8)
 is kept and counted.
+
+Every token of a document is a training target (the label of the token before it) unless the document marks it
+as context only: such a token is stored as ``-1 - id`` (``as_context``). Chat data marks everything but the
+assistant's replies that way (flame/data/chat.py); ``split_targets`` reads a document back.
 """
 
 from typing import NamedTuple
@@ -20,6 +24,19 @@ from flame.data.config import DataConfigError
 SKIPPED_NOT_TEXT = "skipped_not_text"
 SKIPPED_EMPTY = "skipped_empty"
 REPLACED_INVALID_UTF8 = "replaced_invalid_utf8"
+
+
+def as_context(tokens: np.ndarray) -> np.ndarray:
+    """Mark tokens as context only: inputs, never targets."""
+    return -1 - tokens
+
+
+def split_targets(document: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, is each token a target) of a document."""
+    if document.dtype.kind == "u":  # prepared token shards: plain text, every token a target
+        return document, np.ones(len(document), dtype=bool)
+    is_target = document >= 0
+    return np.where(is_target, document, -1 - document), is_target
 
 
 def build_tokenizer(job_config) -> PreTrainedTokenizerBase:

@@ -2,9 +2,11 @@
 same step.
 
 1. Split each micro-batch over the context-parallel group (each rank keeps a slice of every row).
-2. Count the labelled tokens of the whole step over every data-parallel and cp rank: each micro-batch's summed
-   loss is divided by that count, so accumulation and sharding give the gradient of one big batch.
-3. Forward + backward of each micro-batch (through the pipeline schedule when there are stages).
+2. Count what the objective averages over (labelled tokens, or preference pairs) in the whole step over every
+   data-parallel and cp rank: each micro-batch's summed loss is divided by that count, so accumulation and
+   sharding give the gradient of one big batch.
+3. Forward + backward of each micro-batch with the objective (flame/train/objective.py; through the pipeline
+   schedule when there are stages).
 4. Clip the gradient norm (the norm before clipping is what the step reports).
 5. Step the optimizer, unless the norm is not finite and training.skip_nan_inf says to skip; step the schedule.
 """
@@ -18,12 +20,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.distributed import utils as dist_utils
 
-from flame.loss import labelled_tokens, loss_sums
 from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
-from flame.parallelize.compile import maybe_compile_loss
 from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
 from flame.train.model_parts import ModelParts, Topology, autocast_context
+from flame.train.objective import LanguageModelObjective
 
 Batch = tuple[
     dict[str, torch.Tensor], torch.Tensor
@@ -32,8 +33,9 @@ Batch = tuple[
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # this rank's share of the step's mean cross-entropy (0 off the last pipeline stage)
-    z_loss: torch.Tensor  # its share of the z-loss term, weighted by training.z_loss
+    # This rank's shares of the step's means: "loss" (cross-entropy, or the DPO loss; 0 off the last pipeline
+    # stage) and the objective's other metrics.
+    metrics: dict[str, torch.Tensor]
     grad_norm: torch.Tensor  # before clipping
     tokens: int  # tokens this device trained on
     skipped: bool  # the update was skipped (non-finite gradient norm)
@@ -51,6 +53,7 @@ class TrainStep:
         job_config,
         amp: contextlib.AbstractContextManager,
         before_update: Callable[[], None] | None = None,
+        objective=None,
     ):
         self.model = model
         self.optimizers = optimizers
@@ -59,8 +62,7 @@ class TrainStep:
         self.amp = amp
         self.max_norm = job_config.training.max_norm
         self.skip_nan_inf = job_config.training.skip_nan_inf
-        self.z_loss = job_config.training.z_loss
-        self.loss_fn = maybe_compile_loss(loss_sums, job_config.compile)
+        self.objective = objective or LanguageModelObjective(job_config)
         self.before_update = before_update  # e.g. wait for an async checkpoint to finish copying the weights
 
     def __call__(self, batches: list[Batch]) -> StepResult:
@@ -68,13 +70,13 @@ class TrainStep:
         self.optimizers.zero_grad()
         if topology.cp_group is not None:
             batches = [shard_batch(inputs, labels, topology.cp_group) for inputs, labels in batches]
-        local_tokens = sum(labelled_tokens(labels) for _, labels in batches).to(topology.device)
-        global_tokens = (
-            dist_utils.dist_sum(local_tokens, topology.loss_mesh)
+        local_count = sum(self.objective.count(labels) for _, labels in batches).to(topology.device)
+        global_count = (
+            dist_utils.dist_sum(local_count, topology.loss_mesh)
             if topology.loss_mesh is not None
-            else local_tokens.float()
+            else local_count.float()
         )
-        losses = [self.forward_backward(inputs, labels, global_tokens) for inputs, labels in batches]
+        shares = [self.forward_backward(inputs, labels, global_count) for inputs, labels in batches]
 
         grad_norm = dist_utils.clip_grad_norm_(
             self.model.parameters(), self.max_norm, foreach=True, pp_mesh=topology.pp_mesh
@@ -87,17 +89,16 @@ class TrainStep:
         if self.lr_schedulers is not None:
             self.lr_schedulers.step()
         return StepResult(
-            loss=sum(cross_entropy for cross_entropy, _ in losses),
-            z_loss=sum(z_term for _, z_term in losses),
+            metrics={name: sum(share[name] for share in shares) for name in shares[0]},
             grad_norm=grad_norm,
             tokens=sum(labels.numel() for _, labels in batches),
             skipped=bool(skipped),
         )
 
     def forward_backward(
-        self, input_dict: dict, labels: torch.Tensor, global_tokens: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward + backward of one micro-batch; returns its shares of the step's cross-entropy and z-loss."""
+        self, input_dict: dict, labels: torch.Tensor, global_count: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Forward + backward of one micro-batch; returns its shares of the step's mean loss and metrics."""
         device = self.topology.device
         # A packed row's whole boundaries (context parallelism) stay on the host: the exchanges read them in
         # Python, and a device copy would cost a sync every micro-batch.
@@ -105,7 +106,7 @@ class TrainStep:
         inputs = {k: v.to(device) for k, v in input_dict.items() if k != ROW_CU_SEQLENS}
         labels = labels.to(device)
         if self.model.schedule is not None:
-            return self._forward_backward_pipelined(inputs, labels, global_tokens, row_cu_seqlens)
+            return self._forward_backward_pipelined(inputs, labels, global_count, row_cu_seqlens)
         # The backward exchanges between cp ranks too; loss parallel's backward needs its context as well.
         with (
             sequence_sharded(self.topology.cp_group, row_cu_seqlens),
@@ -117,27 +118,27 @@ class TrainStep:
                     position_ids=inputs.get("position_ids"),
                     cu_seqlens=inputs.get("cu_seqlens"),
                 )
-                cross_entropy, z_term = self.loss_fn(logits, labels, z_loss=self.z_loss > 0)
-            loss = (cross_entropy + self.z_loss * z_term) / global_tokens
+                loss, metrics = self.objective(logits, labels, inputs)
             del logits  # free before backward
-            loss.backward()
-        return cross_entropy.detach() / global_tokens, self.z_loss * z_term.detach() / global_tokens
+            (loss / global_count).backward()
+        return {name: value.detach() / global_count for name, value in metrics.items()}
 
     def _forward_backward_pipelined(
         self,
         inputs: dict,
         labels: torch.Tensor,
-        global_tokens: torch.Tensor,
+        global_count: torch.Tensor,
         row_cu_seqlens: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> dict[str, torch.Tensor]:
         """The pipeline schedule runs forward + backward of the micro-batch in pieces over the stages; its loss
-        divides by ``global_tokens`` already. Only the last stage has the loss (zero elsewhere); no z-loss.
+        divides by the step's labelled tokens already. Only the last stage has the loss (zero elsewhere); language
+        modelling only, without z-loss (parallelize/checks.py refuses the rest).
 
         With context parallelism the rows are already this rank's slices (every pipeline micro-batch is a set of
         rows, so each is sliced too); the position ids go to every stage, and the cp exchanges run inside the
         schedule, in the same order on all ranks of a cp group (they hold the same stages)."""
         model = self.model
-        model.pipeline_loss.global_tokens = global_tokens
+        model.pipeline_loss.global_tokens = global_count
         losses = [] if model.has_last_stage else None
         args = (inputs["input"],) if model.has_first_stage else ()
         kwargs = {k: inputs[k] for k in ("position_ids", "cu_seqlens") if k in inputs}
@@ -146,17 +147,17 @@ class TrainStep:
                 *args, target=labels if model.has_last_stage else None, losses=losses, **kwargs
             )
         zero = torch.zeros((), device=self.topology.device)
-        loss = torch.stack(losses).sum().detach() if model.has_last_stage else zero
-        return loss, zero
+        return {"loss": torch.stack(losses).sum().detach() if model.has_last_stage else zero}
 
-    def global_losses(self, result: StepResult) -> tuple[float, float]:
-        """The step's mean cross-entropy and z-loss over every rank (a collective: every rank calls it)."""
-        totals = torch.stack([_full(result.loss), _full(result.z_loss)]).to(self.topology.device)
+    def global_metrics(self, result: StepResult) -> dict[str, float]:
+        """The step's mean loss and metrics over every rank (a collective: every rank calls it)."""
+        names = sorted(result.metrics)
+        totals = torch.stack([_full(result.metrics[name]).float() for name in names]).to(self.topology.device)
         if self.topology.loss_mesh is not None:
             torch.distributed.all_reduce(totals, group=self.topology.loss_mesh.get_group())
         if self.model.schedule is not None:  # only the last stage has the loss
             torch.distributed.all_reduce(totals, group=self.topology.pp_mesh.get_group())
-        return float(totals[0]), float(totals[1])
+        return dict(zip(names, totals.tolist()))
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
@@ -165,14 +166,19 @@ def _full(value: torch.Tensor) -> torch.Tensor:
 
 
 def build_train_step(
-    model: ModelParts, topology: Topology, job_config, before_update: Callable[[], None] | None = None
+    model: ModelParts,
+    topology: Topology,
+    job_config,
+    before_update: Callable[[], None] | None = None,
+    objective=None,
 ) -> TrainStep:
     """The step of ``job_config`` for ``model``: flame's optimizer and LR schedule over every model part, the
-    autocast rule, and float8's post-step hook where the model was converted."""
+    autocast rule, float8's post-step hook where the model was converted, and the objective (default: language
+    modelling)."""
     optimizers = build_optimizers(model.parts, job_config)
     lr_schedulers = build_lr_schedulers(optimizers, job_config)
     if (converter := getattr(model.parts[0], "float8_converter", None)) is not None:
         # Float8 all-gather with FSDP: precompute the next step's weight scales after each optimizer step.
         optimizers.register_step_post_hook(lambda *args, **kwargs: converter.post_optimizer_hook(model.parts))
     amp = autocast_context(topology, job_config)
-    return TrainStep(model, optimizers, lr_schedulers, topology, job_config, amp, before_update)
+    return TrainStep(model, optimizers, lr_schedulers, topology, job_config, amp, before_update, objective)

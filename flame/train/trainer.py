@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torchtitan  # noqa: F401  (the real package, before flame.config parses: see compat.torchtitan_job_config)
 from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.components.checkpoint import ModelWrapper
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools import utils as tt_utils
@@ -30,7 +31,8 @@ from flame.metrics import MetricsLogger
 from flame.models import load_model_args
 from flame.models.common.args import ModelArgs
 from flame.samples import SampleGenerator
-from flame.train.model_parts import Topology, build_model_parts
+from flame.train.model_parts import ModelParts, Topology, autocast_context, build_model_parts
+from flame.train.objective import DPOObjective
 from flame.train.step import build_train_step
 from flame.validate import Validator
 
@@ -72,6 +74,17 @@ def fit_vocab_to_tokenizer(model_args: ModelArgs, tokenizer, resize: bool) -> No
     model_args.vocab_size = needed
 
 
+def build_reference(model_args: ModelArgs, topology: Topology, job_config) -> ModelParts | None:
+    """DPO's reference model: built and sharded like the policy, frozen, in eval mode; None for other tasks."""
+    if job_config.job.task != "dpo":
+        return None
+    reference = build_model_parts(model_args, topology, job_config)
+    for part in reference.parts:
+        part.eval()
+        part.requires_grad_(False)
+    return reference
+
+
 def accumulation_steps(training, dp_degree: int) -> int:
     """Micro-batches per optimizer step: given, or what makes training.global_batch_size."""
     if training.gradient_accumulation_steps is not None:
@@ -108,11 +121,17 @@ class Trainer(Stateful):
             job_config, self.tokenizer, dp_rank=self.dp_rank, dp_world_size=self.dp_degree
         )
 
-        # Model and optimization.
+        # Model and optimization; DPO also runs a frozen copy of the starting weights (the reference).
         self.model = build_model_parts(self.model_args, self.topology, job_config)
         self.model_parts = self.model.parts
+        self.reference = build_reference(self.model_args, self.topology, job_config)
         self.accumulation = accumulation_steps(training, self.dp_degree)
-        self.train_step_fn = build_train_step(self.model, self.topology, job_config)
+        objective = (
+            DPOObjective(job_config, self.reference, autocast_context(self.topology, job_config))
+            if self.reference is not None
+            else None
+        )
+        self.train_step_fn = build_train_step(self.model, self.topology, job_config, objective=objective)
         self.optimizers = self.train_step_fn.optimizers
         self.lr_schedulers = self.train_step_fn.lr_schedulers
         self.amp = self.train_step_fn.amp
@@ -150,12 +169,15 @@ class Trainer(Stateful):
     def _build_checkpointer(self) -> CheckpointManager:
         job_config = self.job_config
         tokenizer_path = job_config.model.tokenizer_path
+        states = {"train_state": self, "rng": RNGState()}
+        if self.reference is not None:  # a resumed DPO run keeps comparing against its starting weights
+            states["reference_model"] = ModelWrapper(self.reference.parts)
         return CheckpointManager(
             dataloader=self.dataloader,
             model_parts=self.model_parts,
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
-            states={"train_state": self, "rng": RNGState()},
+            states=states,
             checkpoint_config=job_config.checkpoint,
             sd_adapter=None,
             base_folder=job_config.job.dump_folder,
@@ -181,16 +203,17 @@ class Trainer(Stateful):
                 f"step {self.step}: gradient norm is {result.grad_norm.item()}; skipping the update"
             )
         if self.metrics.should_log(self.step):
-            loss, z_loss = self.train_step_fn.global_losses(result)
+            means = self.train_step_fn.global_metrics(result)
             metrics = {
-                "loss/train": loss,
+                "loss/train": means.pop("loss"),
                 "grad_norm": float(result.grad_norm),
                 "lr": lr,
                 "skipped_steps": self.skipped_steps,
                 "tokens_seen": self.ntokens_seen * self.dp_degree,
             }
-            if self.job_config.training.z_loss > 0:
-                metrics["loss/z_loss"] = z_loss
+            if "z_loss" in means:
+                metrics["loss/z_loss"] = means.pop("z_loss")
+            metrics.update(means)
             self.metrics.log(self.step, metrics)
 
     def validate(self) -> None:
@@ -209,6 +232,10 @@ class Trainer(Stateful):
     def train(self) -> None:
         job_config = self.job_config
         self.checkpointer.load(step=job_config.checkpoint.load_step)
+        if self.reference is not None and self.step == 0:
+            # A new DPO run: the reference is the model it starts from (random, or checkpoint.initial_load_path).
+            for reference, part in zip(self.reference.parts, self.model_parts):
+                reference.load_state_dict(part.state_dict())
         logger.info(f"Training starts at step {self.step + 1}")
         self.metrics.reset_window(self.step)
         data_iterator = iter(self.dataloader)

@@ -176,8 +176,7 @@ def train(
     history = []
     for _ in range(STEPS):
         result = step([(inputs, labels)])
-        loss, _ = step.global_losses(result)
-        history.append((loss, float(result.grad_norm)))
+        history.append((step.global_metrics(result)["loss"], float(result.grad_norm)))
     return history
 
 

@@ -1,0 +1,66 @@
+"""What a training step minimises, given a micro-batch's logits.
+
+An objective returns the micro-batch's summed loss and summed metrics; the step divides both by the step's
+``count`` over every rank (labelled tokens for language modelling, preference pairs for DPO), so that
+accumulation and data parallelism give the gradient and the means of one big batch.
+"""
+
+import contextlib
+
+import torch
+
+from flame.loss import dpo_losses, labelled_tokens, loss_sums, sequence_logprobs
+from flame.parallelize.compile import maybe_compile_loss
+from flame.train.model_parts import ModelParts
+
+
+class LanguageModelObjective:
+    """Next-token cross-entropy over the labelled tokens, plus training.z_loss x logsumexp(logits)^2
+    (job.task pretrain and sft: sft data labels the assistant's tokens only)."""
+
+    def __init__(self, job_config):
+        self.z_loss = job_config.training.z_loss
+        self.loss_fn = maybe_compile_loss(loss_sums, job_config.compile)
+
+    def count(self, labels: torch.Tensor) -> torch.Tensor:
+        return labelled_tokens(labels)
+
+    def __call__(self, logits, labels, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cross_entropy, z_term = self.loss_fn(logits, labels, z_loss=self.z_loss > 0)
+        metrics = {"loss": cross_entropy}
+        if self.z_loss > 0:
+            metrics["z_loss"] = self.z_loss * z_term
+        return cross_entropy + self.z_loss * z_term, metrics
+
+
+class DPOObjective:
+    """Direct preference optimisation (job.task dpo): rows are the micro-batch's chosen replies, then its
+    rejected ones (flame/data/packing.py's collate_pairs); the reference model is the frozen starting weights,
+    run on the same rows without gradients."""
+
+    def __init__(self, job_config, reference: ModelParts, amp: contextlib.AbstractContextManager):
+        self.beta = job_config.dpo.beta
+        self.kind = job_config.dpo.loss
+        self.reference = reference
+        self.amp = amp
+
+    def count(self, labels: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(labels.shape[0] // 2, device=labels.device)  # pairs
+
+    def __call__(self, logits, labels, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with torch.no_grad(), self.amp:
+            reference_logits = self.reference.parts[0](
+                inputs["input"], position_ids=inputs.get("position_ids"), cu_seqlens=inputs.get("cu_seqlens")
+            )
+            reference = sequence_logprobs(reference_logits, labels)
+        del reference_logits
+        losses, chosen, rejected = dpo_losses(
+            sequence_logprobs(logits, labels), reference, self.beta, self.kind
+        )
+        return losses.sum(), {
+            "loss": losses.detach().sum(),
+            "dpo/rewards_chosen": chosen.sum(),
+            "dpo/rewards_rejected": rejected.sum(),
+            "dpo/reward_margin": (chosen - rejected).sum(),
+            "dpo/accuracy": (chosen > rejected).float().sum(),
+        }
