@@ -1,0 +1,25 @@
+"""bench/dpo_step.py (a GPU benchmark) runs end to end on the CPU with tiny models and writes its section."""
+
+import sys
+
+import pytest
+
+from tests.parallelize.test_bench_throughput import REPO, rows, run
+
+pytestmark = pytest.mark.slow
+
+
+def test_dpo_bench_smoke_on_cpu_writes_the_ratio(tmp_path):
+    doc = tmp_path / "performance.md"
+    doc.write_text("# Performance\n")
+    run([sys.executable, str(REPO / "bench" / "dpo_step.py"), "--device", "cpu", "--tiny", "--doc", str(doc)])
+    text = doc.read_text()
+    section = text[text.index("<!-- bench_dpo_step_1gpu -->") : text.index("<!-- /bench_dpo_step_1gpu -->")]
+    assert "DPO step, hybrid against transformer, 1 CPU" in section
+    table = {row[0]: row for row in rows(section)}
+    assert set(table) == {"transformer", "hybrid"}
+    assert table["transformer"][-1] == "1.000"
+    step_time = {name: float(row[3]) for name, row in table.items()}
+    assert float(table["hybrid"][-1]) == pytest.approx(
+        step_time["hybrid"] / step_time["transformer"], abs=2e-3
+    )
