@@ -33,6 +33,7 @@ from flame.errors import FlameError
 from flame.metrics import MetricsLogger
 from flame.models import build_model, load_model_args
 from flame.models.common.args import ModelArgs
+from flame.models.custom import import_custom_modules
 from flame.ops.attention import set_attention_backend
 from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
@@ -114,6 +115,7 @@ class Trainer(Stateful):
 
         # Tokenizer, model config and data.
         self.tokenizer = build_tokenizer(job_config)
+        import_custom_modules(job_config.experimental)
         self.model_args, unknown_keys = load_model_args(job_config.model.config)
         if unknown_keys:
             logger.warning(f"Model config keys flame does not use: {', '.join(unknown_keys)}")

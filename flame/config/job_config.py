@@ -225,6 +225,20 @@ class ActivationCheckpoint:
     """Activation checkpointing: none, selective, full or memory_budget"""
 
 
+# --- The user's own model code (flame.models.custom) -------------------------------------------------------------
+@dataclass
+class Experimental:
+    custom_model_path: str = ""
+    """Your model's module, imported before the model is built: a package folder, a .py file or a dotted module
+    name (registers its classes with transformers' AutoConfig/AutoModelForCausalLM; docs/models.md)"""
+
+    custom_import: str = ""
+    """Another module (dotted name) imported before the model is built, as custom_model_path"""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+
+
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
@@ -238,6 +252,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     inference: Inference = field(default_factory=Inference)
     debug: Debug = field(default_factory=Debug)
+    experimental: Experimental = field(default_factory=Experimental)
 
 
 # flame flag -> torchtitan field it sets (when the flame flag is given).

@@ -1,0 +1,39 @@
+"""Tiny configs of transformers' own causal LMs for the generic family (vocab 4096: flame's default tokenizer)."""
+
+import json
+from pathlib import Path
+
+import torch
+
+SHAPE = {"vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+CONFIGS = {
+    "llama": {"model_type": "llama", **SHAPE},
+    "qwen3": {"model_type": "qwen3", **SHAPE, "head_dim": 8, "tie_word_embeddings": True},
+    "olmo2": {"model_type": "olmo2", **SHAPE},
+}
+
+
+def write_config(folder: Path, name: str, **overrides) -> Path:
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps({**CONFIGS[name], **overrides}))
+    return path
+
+
+def upstream_params(config: dict) -> int:
+    """Parameter count of transformers' own class for the config, built by transformers alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = {k: v for k, v in config.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **values))
+    return sum(p.numel() for p in model.parameters())
+
+
+def dry_run_params(capsys, *flags: str) -> int:
+    """The ``params:`` line of train.sh's pre-flight dry run, run in this process."""
+    from flame.launch import EXIT_DONE, preflight
+
+    assert preflight([*flags, "--job.dry_run"]) == EXIT_DONE
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("params: ")]
+    return int(line.removeprefix("params: "))
