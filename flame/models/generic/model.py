@@ -12,9 +12,10 @@ from flame.models.generic.args import GenericArgs
 
 class FlameCausalLM:
     """Mixed in front of a transformers causal-LM class: ``forward`` returns the logits of every position (flame's
-    data holds the labels already shifted, and flame's loss reads the logits, so the class never sees labels);
-    ``init_weights`` runs the class's own initialisation again, after ``to_empty`` (the class's post_init also
-    calls it, on the meta device, where transformers only ties the weights)."""
+    data holds the labels already shifted, and flame's loss reads the logits, so the class never sees labels).
+    The trainer's ``init_weights()`` after ``to_empty`` is transformers' own: the class's ``_init_weights`` over
+    every module, then the weights tied as the class declares (its post_init calls it too, on the meta device,
+    where transformers only ties)."""
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cu_seqlens=None
@@ -22,12 +23,6 @@ class FlameCausalLM:
         # cu_seqlens is always None here: the generic family refuses --training.varlen before launch.
         positions = {} if position_ids is None else {"position_ids": position_ids}
         return super().forward(input_ids=input_ids, **positions).logits
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        # transformers skips modules it marked initialised; these tensors are new (to_empty).
-        for module in self.modules():
-            module.__dict__.pop("_is_hf_initialized", None)
-        super().init_weights()
 
 
 @functools.cache

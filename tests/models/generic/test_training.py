@@ -88,3 +88,21 @@ def test_qwen3_resumes_exactly_and_round_trips_through_hf(tmp_path):
     imported = trained_model(step0 / "model_config.json", step0)
     for key, value in flame_model.state_dict().items():
         assert torch.equal(imported.state_dict()[key], value), key
+
+
+def test_activation_checkpointing_and_compile_wrap_each_block(tmp_path, make_trainer):
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    config = write_config(tmp_path, "llama")
+    plain = make_trainer("--model.config", str(config), dump=tmp_path / "plain")
+    plain.train()
+    wrapped = make_trainer("--model.config", str(config), "--activation_checkpoint.mode", "full",
+                           "--compile.enable", "--compile.backend", "eager", dump=tmp_path / "wrapped")  # fmt: skip
+    blocks = list(wrapped.model_parts[0].model.layers)
+    assert len(blocks) == 2
+    assert all(isinstance(b, OptimizedModule) and isinstance(b._orig_mod, CheckpointWrapper) for b in blocks)
+    wrapped.train()
+    expected = tensorboard_scalars(tmp_path / "plain", "loss/train")
+    assert sorted(expected) == [1, 2, 3, 4]
+    assert tensorboard_scalars(tmp_path / "wrapped", "loss/train") == expected
