@@ -22,6 +22,10 @@ FAMILIES: dict[str, str] = {
 }
 # Every model_type flame does not implement itself.
 GENERIC_FAMILY = "flame.models.generic"
+# A model config's choice of implementation: auto (flame's family for its model_type, else the generic path),
+# flame, fla (FLA's class, through the generic path) or hf (the class transformers holds, through the generic path).
+IMPL_KEY = "flame_impl"
+IMPLS = ("auto", "flame", "fla", "hf")
 
 
 def get_model_spec(model_type: str) -> ModelSpec:
@@ -65,10 +69,19 @@ def read_model_config(path: str | Path) -> dict:
 
 
 def model_args_from_dict(config: dict) -> tuple[ModelArgs, list[str]]:
-    """Args of the model a config dict describes (flame's family for its model_type, else the generic path),
-    and the keys flame did not understand."""
-    module = FAMILIES.get(config["model_type"], GENERIC_FAMILY)
-    return importlib.import_module(module).SPEC.args_cls.from_dict(config)
+    """Args of the model a config dict describes (by its ``flame_impl``, default auto), and the keys flame did not
+    understand."""
+    impl = config.get(IMPL_KEY, "auto")
+    if impl not in IMPLS:
+        raise ModelConfigError(f"{IMPL_KEY} must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if impl == "flame" and config["model_type"] not in FAMILIES:
+        raise ModelConfigError(
+            f"{IMPL_KEY} flame: flame has no family '{config['model_type']}'; it implements: {', '.join(sorted(FAMILIES))}"
+        )
+    if impl == "flame" or (impl == "auto" and config["model_type"] in FAMILIES):
+        values = {k: v for k, v in config.items() if k != IMPL_KEY}
+        return get_model_spec(config["model_type"]).args_cls.from_dict(values)
+    return importlib.import_module(GENERIC_FAMILY).SPEC.args_cls.from_dict(config)
 
 
 def load_model_args(path: str | Path) -> tuple[ModelArgs, list[str]]:

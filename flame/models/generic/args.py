@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from flame.errors import ModelConfigError
-from flame.models import custom
+from flame.models import IMPL_KEY, custom
 from flame.models.common.args import IGNORED_KEYS, ModelArgs
 
 # Written by flame into a generic model's config (flame.json, model_config.json), never into an HF export: the
@@ -60,6 +60,7 @@ class GenericArgs(ModelArgs):
     model_type: str = ""
     config: dict[str, Any] = field(default_factory=dict)  # the config JSON, model_type and vocab_size aside
     custom_imports: list[str] = field(default_factory=list)
+    impl: str = "auto"  # the config's flame_impl: auto, fla or hf
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> tuple["GenericArgs", list[str]]:
@@ -67,7 +68,13 @@ class GenericArgs(ModelArgs):
         custom.import_targets(imports)
         model_type = config["model_type"]
         config_cls = config_class(model_type)
-        values = {k: v for k, v in config.items() if k not in ("model_type", CUSTOM_IMPORTS_KEY)}
+        impl = config.get(IMPL_KEY, "auto")
+        if impl == "fla" and not config_cls.__module__.startswith("fla."):
+            raise ModelConfigError(
+                f"{IMPL_KEY} fla: the class transformers holds for model_type '{model_type}' is not FLA's "
+                f"({config_cls.__module__}.{config_cls.__name__}); use auto or hf"
+            )
+        values = {k: v for k, v in config.items() if k not in ("model_type", CUSTOM_IMPORTS_KEY, IMPL_KEY)}
         try:
             hf_config = config_cls(**values)
         except (TypeError, ValueError) as e:
@@ -85,6 +92,7 @@ class GenericArgs(ModelArgs):
             model_type=model_type,
             config={k: v for k, v in values.items() if k != "vocab_size"},
             custom_imports=imports or custom.imports_defining(config_cls),
+            impl=impl,
         )
         args.validate()
         return args, unknown
@@ -104,6 +112,8 @@ class GenericArgs(ModelArgs):
 
     def to_dict(self) -> dict[str, Any]:
         record = {CUSTOM_IMPORTS_KEY: self.custom_imports} if self.custom_imports else {}
+        if self.impl != "auto":
+            record[IMPL_KEY] = self.impl
         return {**self.hf_dict(), **record}
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:

@@ -106,3 +106,47 @@ def test_model_parallelism_and_varlen_are_refused(tmp_path, flags, refused):
         check_parallelism(job, args, world_size=2)
     assert "\n" not in str(error.value)
     check_parallelism(parse_args(["--model.config", str(path)]), args, world_size=2)  # FSDP: fine
+
+
+def test_flame_impl_picks_fla_class_over_flame_family(tmp_path, capsys):
+    from tests.models.generic.test_fla_families import fla_params
+
+    config = {"model_type": "gated_deltanet", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_heads": 4, "head_dim": 16}  # fmt: skip
+    own, fla = tmp_path / "own.json", tmp_path / "fla.json"
+    own.write_text(json.dumps(config))
+    fla.write_text(json.dumps({**config, "flame_impl": "fla"}))
+    assert not load_model_args(own)[0].generic
+    args, unknown = load_model_args(fla)
+    assert args.generic and unknown == []
+    with torch.device("meta"):
+        model = build_model(args)
+    assert type(model).__mro__[2].__module__.startswith("fla.models.gated_deltanet")
+    assert dry_run_params(capsys, "--model.config", str(fla)) == fla_params(config)
+    # The choice is recorded with the model (checkpoints' flame.json), not in the HF export's config.
+    assert load_model_args(fla)[0].to_dict()["flame_impl"] == "fla"
+    from flame.models.generic.state_dict_adapter import GenericAdapter
+
+    assert "flame_impl" not in GenericAdapter(args).hf_config()
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            {"model_type": "llama", "flame_impl": "fla"},
+            "flame_impl fla: the class transformers holds for model_type 'llama' is not FLA's",
+        ),
+        ({"model_type": "llama", "flame_impl": "flame"}, "flame_impl flame: flame has no family 'llama'"),
+        (
+            {"model_type": "llama", "flame_impl": "mine"},
+            "flame_impl must be one of auto, flame, fla, hf, got 'mine'",
+        ),
+    ],
+)
+def test_impossible_flame_impl_is_one_line(tmp_path, config, message):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError, match=message) as error:
+        load_model_args(path)
+    assert "\n" not in str(error.value)
