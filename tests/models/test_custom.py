@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from tests.checkpoint.helpers import PORTS, output
 from tests.trainer_helpers import tensorboard_scalars
@@ -138,3 +139,46 @@ def test_example_trains_resumes_and_exports(tmp_path, example):
     imported = trained_model(step0 / "model_config.json", step0)
     for key, value in flame_model.state_dict().items():
         assert torch.equal(imported.state_dict()[key], value), key
+
+
+def registered(model_type: str, build_body):
+    """A causal-LM class registered with transformers under ``model_type``, its body built by ``build_body``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    config_cls = type(f"{model_type}Config", (PretrainedConfig,), {"model_type": model_type})
+
+    class CausalLM(PreTrainedModel):
+        config_class = config_cls
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.body = build_body(config)
+            self.post_init()
+
+        def forward(self, input_ids, **kwargs):
+            return CausalLMOutputWithPast(logits=self.body(input_ids))
+
+    AutoConfig.register(model_type, config_cls, exist_ok=True)
+    AutoModelForCausalLM.register(config_cls, CausalLM, exist_ok=True)
+
+
+@pytest.mark.parametrize(
+    "model_type, build_body, message",
+    [
+        ("flame_test_sequential", lambda c: nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16)),
+         "has no ModuleList of blocks"),
+        ("flame_test_two_stacks", lambda c: nn.ModuleDict({"a": nn.ModuleList([nn.Linear(8, 8)] * 2),
+                                                            "b": nn.ModuleList([nn.Linear(8, 8)] * 2)}),
+         "cannot tell which ModuleList"),
+    ],
+)  # fmt: skip
+def test_a_class_without_declared_blocks_is_one_line(model_type, build_body, message):
+    from flame.errors import ModelConfigError
+    from flame.models import build_model, model_args_from_dict
+
+    registered(model_type, build_body)
+    args, _ = model_args_from_dict({"model_type": model_type, "vocab_size": 16, "num_hidden_layers": 2})
+    with torch.device("meta"), pytest.raises(ModelConfigError, match=message) as error:
+        build_model(args)
+    assert "_no_split_modules = ['YourDecoderLayer']" in str(error.value) and "\n" not in str(error.value)

@@ -39,7 +39,7 @@ def fla_params(config: dict) -> int:
 def test_every_fla_family_builds_with_fla_parameter_count():
     model_types = fla_model_types()
     assert len(model_types) >= 40
-    counts, failed = {}, {}
+    counts, failed, blocks = {}, {}, {}
     for model_type in model_types:
         if model_type in FAMILIES or model_type in NEEDS_FLASH_ATTN:
             continue
@@ -50,10 +50,14 @@ def test_every_fla_family_builds_with_fla_parameter_count():
             model = build_model(args)
         nparams, _ = args.get_nparams_and_flops(model, 64)
         counts[model_type] = nparams
+        blocks[model_type] = model.flame_blocks
         if nparams != fla_params(config):
             failed[model_type] = (nparams, fla_params(config))
     assert failed == {}
     assert len(counts) == len(model_types) - len(FAMILIES) - len(NEEDS_FLASH_ATTN)
+    # Blocks are found from each class, wherever it keeps them (upstream flame issue 4: Mamba's backbone).
+    assert blocks["gla"] == ["model.layers"] and blocks["mamba2"] == ["backbone.layers"]
+    assert blocks["cat"] == ["model.compressor.layers", "model.layers"]  # two stacks of blocks
 
 
 def test_flame_builds_its_own_families_and_flash_attn_families_say_so():
