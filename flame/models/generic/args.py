@@ -83,7 +83,7 @@ class GenericArgs(ModelArgs):
         known = accepted_keys(config_cls) | IGNORED_KEYS | HF_BOOKKEEPING
         unknown = sorted(k for k in values if k not in known)
         args = cls(
-            vocab_size=hf_config.vocab_size,
+            vocab_size=getattr(hf_config, "vocab_size", None),
             hidden_size=getattr(hf_config, "hidden_size", 0),
             num_hidden_layers=getattr(hf_config, "num_hidden_layers", 0),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
