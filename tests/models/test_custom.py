@@ -5,14 +5,14 @@ transformers (after importing the package) and converts back; a module that does
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from tests.checkpoint.helpers import PORTS, output
+from tests.checkpoint.helpers import output
+from tests.models.generic.helpers import train_sh
 from tests.trainer_helpers import tensorboard_scalars
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,16 +23,6 @@ BY_PATH = ["--experimental.custom_model_path", str(PACKAGE)]
 BY_IMPORT = ["--experimental.custom_import", "custom_models"]
 # custom_import names a module on the path: the example's folder.
 ON_PATH = {"PYTHONPATH": f"{EXAMPLES}{os.pathsep}{REPO}"}
-NO_EXPORT = {"FLAME_EXPORT_HF": "0"}
-
-
-def train_sh(dump: Path | None, *args: str, env: dict | None = None, cwd: Path = REPO):
-    dump_flags = ["--job.dump_folder", str(dump)] if dump else []
-    return subprocess.run(
-        ["bash", str(REPO / "train.sh"), *dump_flags, "--metrics.log_freq", "1", *args],
-        capture_output=True, text=True, timeout=300, cwd=cwd,
-        env={**os.environ, "NGPU": "2", "MASTER_PORT": str(next(PORTS)), **(env or {})},
-    )  # fmt: skip
 
 
 @pytest.fixture
@@ -107,10 +97,10 @@ def test_example_trains_resumes_and_exports(tmp_path, example):
 
     # The same job through the other flag, stopped at step 8 and resumed: every step's loss is the same.
     pieces = tmp_path / "pieces"
-    stopped = train_sh(pieces, *BY_IMPORT, *JOB, "--training.stop_at_step", "8", env={**ON_PATH, **NO_EXPORT})
+    stopped = train_sh(pieces, *BY_IMPORT, *JOB, "--training.stop_at_step", "8", env=ON_PATH, export_hf=False)
     assert stopped.returncode == 0, output(stopped, pieces)
     resumed = train_sh(
-        pieces, *BY_IMPORT, *JOB, "--metrics.save_tb_folder", "tb_resumed", env={**ON_PATH, **NO_EXPORT}
+        pieces, *BY_IMPORT, *JOB, "--metrics.save_tb_folder", "tb_resumed", env=ON_PATH, export_hf=False
     )
     assert resumed.returncode == 0, output(resumed, pieces)
     assert "Training starts at step 9" in resumed.stdout

@@ -11,8 +11,8 @@ import torch
 from flame.checkpoint.dcp_io import load_model_tensors
 from flame.models import build_model, load_model_args
 from flame.utils import convert_dcp_to_hf, convert_hf_to_dcp
-from tests.checkpoint.helpers import output, train_sh
-from tests.models.generic.helpers import write_config
+from tests.checkpoint.helpers import output
+from tests.models.generic.helpers import train_sh, write_config
 from tests.trainer_helpers import tensorboard_scalars
 
 pytestmark = pytest.mark.slow
