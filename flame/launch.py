@@ -17,6 +17,7 @@ from flame.config import parse_args
 from flame.config.checks import validate_job
 from flame.errors import FlameError
 from flame.models import build_model, load_model_args
+from flame.models.custom import import_custom_modules
 
 # train.sh stops after the pre-flight without starting ranks when it exits with this code.
 EXIT_DONE = 10
@@ -60,6 +61,7 @@ def dry_run(job_config, model_args) -> None:
 def preflight(argv: list[str]) -> int:
     job_config = parse_args(argv)
     validate_job(job_config)
+    import_custom_modules(job_config.experimental)
     model_args, _ = load_model_args(job_config.model.config)
     vocab = tokenizer_vocab_size(job_config.model.tokenizer_path)
     if vocab is not None and vocab > model_args.vocab_size:

@@ -211,7 +211,9 @@ def _check_dpo(job_config) -> None:
         "job.task dpo scores whole sequences on one rank: use data parallelism (FSDP/HSDP) and tensor parallelism, "
         "not pipeline_parallel_degree or context_parallel_degree > 1",
     )
-    _require(not job_config.training.varlen, "job.task dpo pads each reply to seq_len: drop --training.varlen")
+    _require(
+        not job_config.training.varlen, "job.task dpo pads each reply to seq_len: drop --training.varlen"
+    )
     _require(
         math.isfinite(job_config.dpo.beta) and job_config.dpo.beta > 0,
         f"dpo.beta must be a positive number, got {job_config.dpo.beta}",

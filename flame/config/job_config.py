@@ -234,6 +234,16 @@ class ActivationCheckpoint:
 
 
 @dataclass
+class Experimental:
+    custom_model_path: str = ""
+    """Your model's module, imported before the model is built: a package folder, a .py file or a dotted module
+    name (registers its classes with transformers' AutoConfig/AutoModelForCausalLM; docs/models.md)"""
+
+    custom_import: str = ""
+    """Another module (dotted name) imported before the model is built, as custom_model_path"""
+
+
+@dataclass
 class DPO:
     beta: float = 0.1
     """Strength of the pull towards the reference model (the starting weights)"""
@@ -257,6 +267,7 @@ class JobConfig:
     inference: Inference = field(default_factory=Inference)
     debug: Debug = field(default_factory=Debug)
     dpo: DPO = field(default_factory=DPO)
+    experimental: Experimental = field(default_factory=Experimental)
 
 
 # flame flag -> torchtitan field it sets (when the flame flag is given).

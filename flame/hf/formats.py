@@ -4,26 +4,30 @@ Export formats (``--format``):
 - ``auto`` (default): ``fla`` when FLA's class computes exactly what flame trained, else ``flame``;
 - ``fla``: FLA's model_type (``transformer``, ``gated_deltanet``, ``delta_net``); loads after ``import fla``;
 - ``flame``: flame's model_type (``flame_<family>``); loads after ``import flame``, runs flame's model code;
-- ``llama`` (transformer) and ``olmo_hybrid`` (gated_deltanet): transformers' own classes, no import needed.
+- ``llama`` (transformer) and ``olmo_hybrid`` (gated_deltanet): transformers' own classes, no import needed;
+- ``hf`` (the generic family's only format, its ``auto``): the model's own model_type and parameter names; loads
+  with plain transformers (after ``import fla`` for FLA's types, after importing the package of a user's class).
 An explicit format that cannot express the model exactly is refused with the reason.
 """
 
 import importlib
 
-from flame.models import FAMILIES, get_model_spec
+from flame.models import FAMILIES, family_module, get_model_spec, model_args_from_dict
 from flame.models.common.args import ModelArgs
 from flame.models.common.state_dict_adapter import ExportError, StateDictAdapter
 
-EXPORT_FORMATS = ("auto", "fla", "flame", "llama", "olmo_hybrid")
+EXPORT_FORMATS = ("auto", "fla", "flame", "llama", "olmo_hybrid", "hf")
 
 
-def family_adapters(model_type: str) -> dict[str, type[StateDictAdapter]]:
-    return importlib.import_module(f"{FAMILIES[model_type]}.state_dict_adapter").ADAPTERS
+def family_adapters(args: ModelArgs) -> dict[str, type[StateDictAdapter]]:
+    return importlib.import_module(f"{family_module(args)}.state_dict_adapter").ADAPTERS
 
 
 def export_adapter(args: ModelArgs, fmt: str = "auto") -> tuple[StateDictAdapter, str | None]:
     """The adapter for an export, and for ``auto`` a note on why FLA's format was not taken (else None)."""
-    adapters = family_adapters(args.model_type)
+    adapters = family_adapters(args)
+    if fmt == "auto" and "fla" not in adapters:  # the generic family: its own format
+        return adapters["hf"](args), None
     if fmt == "auto":
         fla = adapters["fla"](args, check=False)
         problems = fla.incompatibilities()
@@ -45,12 +49,12 @@ def import_adapter(config: dict) -> StateDictAdapter:
     # FLA's format: flame reads FLA's config fields (and its own extensions) as written.
     if model_type in FAMILIES:
         args, _ = get_model_spec(model_type).args_cls.from_dict(config)
-        return family_adapters(model_type)["fla"](args, check=False)
+        return family_adapters(args)["fla"](args, check=False)
     family = model_type.removeprefix("flame_") if isinstance(model_type, str) else None
     if family != model_type and family in FAMILIES:
         values = {k: v for k, v in config.items() if k != "model_type"}
         args, _ = get_model_spec(family).args_cls.from_dict(values)
-        return family_adapters(family)["flame"](args, check=False)
+        return family_adapters(args)["flame"](args, check=False)
     if model_type == "llama":
         from flame.models.transformer.state_dict_adapter import LlamaAdapter
 
@@ -59,5 +63,8 @@ def import_adapter(config: dict) -> StateDictAdapter:
         from flame.models.gated_deltanet.state_dict_adapter import OlmoHybridAdapter
 
         return OlmoHybridAdapter(OlmoHybridAdapter.args_from_hf_config(config))
-    known = sorted(FAMILIES) + [f"flame_{f}" for f in sorted(FAMILIES)] + ["llama", "olmo_hybrid"]
-    raise ExportError(f"flame cannot read model_type {model_type!r}; it reads: {', '.join(known)}")
+    if not isinstance(model_type, str):
+        raise ExportError(f"the HF config has no model_type (got {model_type!r})")
+    # Any other model_type that transformers knows: the generic family, under the class's own names.
+    args, _ = model_args_from_dict(config)
+    return family_adapters(args)["hf"](args, check=False)

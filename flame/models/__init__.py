@@ -1,4 +1,10 @@
-"""Model families, looked up by the ``model_type`` of an HF-style config JSON."""
+"""Model families, looked up by the ``model_type`` of an HF-style config JSON (or of an HF model folder's
+config.json).
+
+flame's own families are in FAMILIES; any other model_type that transformers' Auto classes know (transformers'
+own models, FLA's after ``import fla``, a user's registered class) goes through the generic path,
+flame.models.generic. Each family module exposes its ModelSpec as ``SPEC`` (flame/models/common/spec.py).
+"""
 
 import importlib
 import json
@@ -8,15 +14,22 @@ from flame.errors import ModelConfigError
 from flame.models.common.args import ModelArgs
 from flame.models.common.spec import ModelSpec
 
-# model_type -> module exposing the family's args class and model class
+# model_type -> module exposing the family's SPEC
 FAMILIES: dict[str, str] = {
     "transformer": "flame.models.transformer",
     "gated_deltanet": "flame.models.gated_deltanet",
     "delta_net": "flame.models.delta_net",
 }
+# Every model_type flame does not implement itself.
+GENERIC_FAMILY = "flame.models.generic"
+# A model config's choice of implementation: auto (flame's family for its model_type, else the generic path),
+# flame, fla (FLA's class, through the generic path) or hf (the class transformers holds, through the generic path).
+IMPL_KEY = "flame_impl"
+IMPLS = ("auto", "flame", "fla", "hf")
 
 
 def get_model_spec(model_type: str) -> ModelSpec:
+    """The entry of one of flame's own families."""
     if model_type not in FAMILIES:
         raise ModelConfigError(
             f"model_type '{model_type}' is not supported; flame knows: {', '.join(sorted(FAMILIES))}"
@@ -24,11 +37,22 @@ def get_model_spec(model_type: str) -> ModelSpec:
     return importlib.import_module(FAMILIES[model_type]).SPEC
 
 
+def family_module(args: ModelArgs) -> str:
+    """The module of the family that built ``args``."""
+    return GENERIC_FAMILY if args.generic else FAMILIES[args.model_type]
+
+
+def model_spec(args: ModelArgs) -> ModelSpec:
+    return importlib.import_module(family_module(args)).SPEC
+
+
 def read_model_config(path: str | Path) -> dict:
     path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file():  # an HF model folder
+        path = path / "config.json"
     if not path.is_file():
         raise ModelConfigError(
-            f"model config {path} does not exist; pass --model.config <file.json> (see configs/)"
+            f"model config {path} does not exist; pass --model.config <file.json or HF model folder> (see configs/)"
         )
     try:
         config = json.loads(path.read_text())
@@ -38,17 +62,33 @@ def read_model_config(path: str | Path) -> dict:
         ) from e
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelConfigError(
-            f"model config {path} has no 'model_type'; add one of: {', '.join(sorted(FAMILIES))}"
+            f"model config {path} has no 'model_type'; add one of: {', '.join(sorted(FAMILIES))}, "
+            "or a model_type transformers knows"
         )
     return config
 
 
+def model_args_from_dict(config: dict) -> tuple[ModelArgs, list[str]]:
+    """Args of the model a config dict describes (by its ``flame_impl``, default auto), and the keys flame did not
+    understand."""
+    impl = config.get(IMPL_KEY, "auto")
+    if impl not in IMPLS:
+        raise ModelConfigError(f"{IMPL_KEY} must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if impl == "flame" and config["model_type"] not in FAMILIES:
+        raise ModelConfigError(
+            f"{IMPL_KEY} flame: flame has no family '{config['model_type']}'; it implements: {', '.join(sorted(FAMILIES))}"
+        )
+    if impl == "flame" or (impl == "auto" and config["model_type"] in FAMILIES):
+        values = {k: v for k, v in config.items() if k != IMPL_KEY}
+        return get_model_spec(config["model_type"]).args_cls.from_dict(values)
+    return importlib.import_module(GENERIC_FAMILY).SPEC.args_cls.from_dict(config)
+
+
 def load_model_args(path: str | Path) -> tuple[ModelArgs, list[str]]:
-    """Args of the model described by a config JSON, and the keys flame did not understand."""
+    """Args of the model described by a config JSON or HF model folder, and the keys flame did not understand."""
     config = read_model_config(path)
-    spec = get_model_spec(config["model_type"])
     try:
-        return spec.args_cls.from_dict(config)
+        return model_args_from_dict(config)
     except ModelConfigError as e:
         raise ModelConfigError(f"{path}: {e}") from e
     except TypeError as e:  # a field given with a type the dataclass cannot take
@@ -56,4 +96,4 @@ def load_model_args(path: str | Path) -> tuple[ModelArgs, list[str]]:
 
 
 def build_model(args: ModelArgs):
-    return get_model_spec(args.model_type).model_cls(args)
+    return model_spec(args).model_cls(args)

@@ -1,7 +1,8 @@
 """Apply parallelisms to a flame model built on the meta device: float8, tensor parallelism, activation
 checkpointing, per-block torch.compile, then FSDP2/HSDP per block + root, or DDP. One plan serves every family:
-all of them are a ``DecoderLM`` whose ``layers`` children are the blocks; tensor_parallel.py holds the per-mixer
-plans. checks.py validates the options (train.sh's pre-flight runs it too).
+the family's ModelSpec says where its blocks are (flame's ``DecoderLM`` families: the children of ``layers``) and
+which of tensor, pipeline and context parallelism it supports; tensor_parallel.py holds the per-mixer plans of
+flame's own families. checks.py validates the options (train.sh's pre-flight runs it too).
 
 Names are imported on first use, so that the pre-flight's ``flame.parallelize.checks`` does not import torchtitan.
 """

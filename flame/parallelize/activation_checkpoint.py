@@ -5,6 +5,8 @@ import torch
 from torch import nn
 from torchtitan.distributed.activation_checkpoint import apply_ac
 
+from flame.models import model_spec
+
 # Per-op selective AC saves these ops' outputs (torchtitan llama3's list) and recomputes the rest. FLA's Triton
 # ops are autograd Functions, which the policy does not see: they are recomputed.
 OP_SAC_SAVE_LIST = {
@@ -19,11 +21,15 @@ OP_SAC_SAVE_LIST = {
 
 
 def apply_activation_checkpointing(model: nn.Module, job_config) -> None:
-    """Wrap each block of ``model.layers`` (checks.check_activation_checkpoint validated the options)."""
-    apply_ac(
-        model,
-        job_config.activation_checkpoint,
-        model_compile_enabled=job_config.compile.enable,
-        op_sac_save_list=OP_SAC_SAVE_LIST,
-        base_folder=job_config.job.dump_folder,
-    )
+    """Wrap each block (checks.check_activation_checkpoint validated the options). torchtitan's apply_ac wraps
+    the children of a module's ``layers``: it gets a holder of each of the family's block stacks in turn."""
+    for stack in model_spec(model.args).blocks(model):
+        holder = nn.Module()
+        holder.layers = stack
+        apply_ac(
+            holder,
+            job_config.activation_checkpoint,
+            model_compile_enabled=job_config.compile.enable,
+            op_sac_save_list=OP_SAC_SAVE_LIST,
+            base_folder=job_config.job.dump_folder,
+        )

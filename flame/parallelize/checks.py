@@ -4,6 +4,7 @@
 to the world size; parallelisms flame does not implement (expert); context parallelism with a pipeline schedule
 that splits the backward, a sequence length indivisible by cp (x tp with sequence parallelism), or sliding-window
 softmax attention (context_parallel.py);
+a parallelism (or varlen) the model's family does not declare in its spec;
 DDP combined with tensor or pipeline parallelism; unknown compile components; head counts, MLP widths or the
 sequence length not divisible by the tensor-parallel degree; a q/k norm over all heads (``qk_norm_scope`` full)
 under tensor parallelism, which splits the heads; more pipeline stages than layers; micro-batch counts the
@@ -16,7 +17,8 @@ pre-flight stays fast.
 import torch
 
 from flame.errors import ConfigError
-from flame.models import build_model
+from flame.models import build_model, model_spec
+from flame.models.common.spec import MODEL_PARALLELISMS
 from flame.models.layers.attention import Attention
 from flame.models.layers.delta_net import DeltaNet
 from flame.models.layers.gated_deltanet import GatedDeltaNet
@@ -178,6 +180,22 @@ def check_pipeline_parallel(job_config, model_args) -> None:
         )
 
 
+def check_family_support(job_config, model_args, degrees: dict[str, int]) -> None:
+    """The family's spec lists the parallelisms (and varlen) it supports beyond data parallelism."""
+    asked = {
+        "tp": degrees["tp"] > 1,
+        "pp": degrees["pp"] > 1,
+        "cp": degrees["cp"] > 1,
+        "varlen": job_config.training.varlen,
+    }
+    for name, on in asked.items():
+        if on and name not in model_spec(model_args).parallelisms:
+            raise ConfigError(
+                f"{model_args.model_type} models do not support {MODEL_PARALLELISMS[name]}; train them with data "
+                "parallelism (FSDP/HSDP/DDP) and without it"
+            )
+
+
 def check_activation_checkpoint(job_config) -> None:
     ac = job_config.activation_checkpoint
     if ac.mode == "memory_budget":
@@ -224,6 +242,7 @@ def check_parallelism(job_config, model_args, world_size: int, model=None) -> di
         raise ConfigError(
             "training.enable_cpu_offload works through FSDP; set data_parallel_shard_degree > 1"
         )
+    check_family_support(job_config, model_args, degrees)
     check_activation_checkpoint(job_config)
     check_compile(job_config.compile)
     check_converters(job_config, on_gpu=True)  # the GPU is checked on the ranks

@@ -6,14 +6,17 @@ import torch
 from torch import nn
 from torchtitan.tools.logging import logger
 
+from flame.models import model_spec
+
 
 def compile_blocks(model: nn.Module, backend: str) -> None:
     """Compile each block separately: repeated structure compiles once, and FSDP hooks stay outside the graphs
     (pytorch#181924: FSDP2 hooks break fullgraph graphs). Under compile the gated delta rule and the short conv
     (flame's kernel) run as torch.library custom ops and the norms as PyTorch code (flame.ops), so a Gated DeltaNet or attention
     block is one graph; fullgraph stays off because DeltaNet's FLA ops still graph-break."""
-    for layer_id, block in model.layers.named_children():
-        model.layers.register_module(layer_id, torch.compile(block, backend=backend, fullgraph=False))
+    for stack in model_spec(model.args).blocks(model):
+        for layer_id, block in stack.named_children():
+            stack.register_module(layer_id, torch.compile(block, backend=backend, fullgraph=False))
     logger.info("Compiled each block with torch.compile (backend %s)", backend)
 
 

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torchtitan.tools.logging import logger
 
 from flame import compat
+from flame.models import model_spec
 
 
 def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
@@ -35,9 +36,10 @@ def apply_fsdp(
     reshard_policy: str = "default",
     pp_enabled: bool = False,
 ) -> None:
-    """Shard per block (one all-gather per block, never per parameter: seed 004's 16x slowdown), then the
-    embeddings, the final norm + lm head, and the root for whatever is left. ``mesh`` is 1-D (FSDP) or
-    2-D (dp_replicate, fsdp: HSDP). Pipeline stages may lack embeddings, norm or lm_head (None)."""
+    """Shard per block (one all-gather per block, never per parameter: seed 004's 16x slowdown; the family's
+    spec says where the blocks are), then the embeddings, the final norm + lm head where the model names them as
+    flame's families do, and the root for whatever is left (a generic family's edges). ``mesh`` is 1-D (FSDP)
+    or 2-D (dp_replicate, fsdp: HSDP). Pipeline stages may lack embeddings, norm or lm_head (None)."""
     config = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
@@ -46,12 +48,13 @@ def apply_fsdp(
         # Pinned host memory (faster copies to the GPU) needs an accelerator.
         config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
     reshard = reshard_after_forward(reshard_policy, pp_enabled)
-    embeddings, norm, lm_head = model.embeddings, model.norm, model.lm_head
+    embeddings, norm, lm_head = (getattr(model, name, None) for name in ("embeddings", "norm", "lm_head"))
     tied = embeddings is not None and lm_head is not None and lm_head.weight is embeddings.weight
     if embeddings is not None and not tied:  # a tied matrix must live in one group: the root's
         fully_shard(embeddings, **config, reshard_after_forward=reshard)
-    for block in model.layers.values():
-        fully_shard(block, **config, reshard_after_forward=reshard)
+    for stack in model_spec(model.args).blocks(model):
+        for block in stack.children():
+            fully_shard(block, **config, reshard_after_forward=reshard)
     if norm is not None and lm_head is not None and not tied:
         # The last group is needed right after forward: keep it gathered (torchtitan's default).
         fully_shard([norm, lm_head], **config, reshard_after_forward=reshard_policy == "always")

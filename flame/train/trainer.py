@@ -30,6 +30,7 @@ from flame.errors import FlameError
 from flame.metrics import MetricsLogger
 from flame.models import load_model_args
 from flame.models.common.args import ModelArgs
+from flame.models.custom import import_custom_modules
 from flame.samples import SampleGenerator
 from flame.train.model_parts import ModelParts, Topology, autocast_context, build_model_parts
 from flame.train.objective import DPOObjective
@@ -113,6 +114,7 @@ class Trainer(Stateful):
 
         # Tokenizer, model config and data.
         self.tokenizer = build_tokenizer(job_config)
+        import_custom_modules(job_config.experimental)
         self.model_args, unknown_keys = load_model_args(job_config.model.config)
         if unknown_keys:
             logger.warning(f"Model config keys flame does not use: {', '.join(unknown_keys)}")

@@ -1,7 +1,7 @@
 """Convert a flame DCP checkpoint to an HF model folder.
 
     python -m flame.utils.convert_dcp_to_hf --path <dump_folder> --step <n> [--config <model json>]
-        [--tokenizer <dir or hub name>] [--output <dir>] [--format auto|fla|flame|llama|olmo_hybrid]
+        [--tokenizer <dir or hub name>] [--output <dir>] [--format auto|fla|flame|llama|olmo_hybrid|hf]
         [--dtype float32|bfloat16] [--max_shard_size 5GB]
 
 ``--step -1`` takes the latest complete checkpoint. ``--config`` and ``--tokenizer`` default to what the run
@@ -53,7 +53,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def model_args_for(step_path: Path, config: str | None, sidecar: dict | None):
-    from flame.models import get_model_spec, load_model_args
+    from flame.models import load_model_args, model_args_from_dict
 
     if config is not None:
         args, _ = load_model_args(config)
@@ -70,7 +70,7 @@ def model_args_for(step_path: Path, config: str | None, sidecar: dict | None):
             f"checkpoint {step_path} records no model config (no flame.json); pass --config"
         )
     saved = sidecar["model_config"]
-    args, _ = get_model_spec(saved["model_type"]).args_cls.from_dict(saved)
+    args, _ = model_args_from_dict(saved)
     return args
 
 

@@ -1,12 +1,14 @@
 """Convert an HF model folder to a flame DCP checkpoint that a run loads as step 0 and trains on from.
 
     python -m flame.utils.convert_hf_to_dcp --model <hf dir> --checkpoint <dump_folder>/checkpoint/step-0
+        [--custom_model_path <package, .py file or dotted module>]
 
-Reads FLA's model types (``transformer``, ``gated_deltanet``, ``delta_net``), flame's (``flame_<family>``) and
-``llama``; writes the model's tensors in float32 under flame's names at the top level of a model-only DCP
-checkpoint (what torchtitan reads at step 0; upstream's PR #48 nested them under ``model``, which it cannot read),
-``flame.json`` and ``model_config.json`` (the flame model config to train with: ``--model.config``). An existing
-checkpoint is never overwritten.
+Reads FLA's model types (``transformer``, ``gated_deltanet``, ``delta_net``), flame's (``flame_<family>``),
+``llama``, and any other model_type transformers knows, under its own names (flame's generic family; a user's
+class once ``--custom_model_path`` has registered it); writes the model's tensors in float32 under flame's names
+at the top level of a model-only DCP checkpoint (what torchtitan reads at step 0; upstream's PR #48 nested them
+under ``model``, which it cannot read), ``flame.json`` and ``model_config.json`` (the flame model config to train
+with: ``--model.config``). An existing checkpoint is never overwritten.
 """
 
 import argparse
@@ -19,6 +21,7 @@ from flame.errors import FlameError
 from flame.hf.export import check_output_folder, check_tokenizer, load_tokenizer
 from flame.hf.formats import import_adapter
 from flame.models.common.state_dict_adapter import ExportError
+from flame.models.custom import import_target
 from flame.utils import run_cli
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -31,6 +34,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="HF model folder (config.json + safetensors)")
     parser.add_argument(
         "--checkpoint", required=True, help="checkpoint folder to create: <dump>/checkpoint/step-0"
+    )
+    parser.add_argument(
+        "--custom_model_path",
+        help="module registering the model's classes (as --experimental.custom_model_path)",
     )
     return parser.parse_args(argv)
 
@@ -58,6 +65,8 @@ def convert(argv: list[str]) -> int:
         raise FlameError(
             f"{target} already exists and is not empty; remove it or choose another --checkpoint"
         )
+    if options.custom_model_path:
+        import_target(options.custom_model_path)
     adapter = import_adapter(read_hf_config(model))
     args = adapter.args
     has_tokenizer = any((model / name).is_file() for name in TOKENIZER_FILES)

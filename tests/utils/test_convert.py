@@ -218,9 +218,9 @@ def test_bad_input_to_convert_hf_to_dcp(small, trained, tmp_path, capsys):
     )
     assert "do not fit its config.json" in one_error_line(capsys)
     assert not (tmp_path / "new").exists()
-    (broken / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (broken / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
     assert (
         convert_hf_to_dcp.main(["--model", str(broken), "--checkpoint", str(tmp_path / "new" / "step-0")])
         == 2
     )
-    assert "cannot read model_type 'gpt2'" in one_error_line(capsys)
+    assert "model_type 'no_such_model' is not supported" in one_error_line(capsys)

@@ -27,6 +27,8 @@ IGNORED_KEYS = {
 @dataclass
 class ModelArgs:
     model_type: ClassVar[str] = ""
+    # Built from the class transformers registers for model_type (flame.models.generic), not by flame's family.
+    generic: ClassVar[bool] = False
 
     vocab_size: int = 32000
     hidden_size: int = 2048

@@ -1,11 +1,39 @@
-"""What a model family registers: its args class and model class (parallelization hooks join later)."""
+"""What a model family registers (one entry per family, the contract parallelize, the dry run and export read).
 
+- ``args_cls``: the family's :class:`ModelArgs`, read from a config JSON (``from_dict``); its
+  ``get_nparams_and_flops`` is the family's parameter count and training FLOPs per token.
+- ``model_cls``: called with the args (on the meta device) to build the model; the model has ``args``,
+  ``init_weights()`` and ``forward(input_ids, position_ids=, cu_seqlens=) -> logits``.
+- ``blocks``: the modules whose children are the model's blocks, the unit of FSDP, activation checkpointing and
+  torch.compile (flame's families keep them in ``layers``; others elsewhere, or in several stacks).
+- ``parallelisms``: what the family supports beyond data parallelism (FSDP/HSDP/DDP work for every family):
+  any of :data:`MODEL_PARALLELISMS`; the others are refused before launch.
+"""
+
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch import nn
+
 from flame.models.common.args import ModelArgs
+
+# Flag and name of each parallelism a family may declare.
+MODEL_PARALLELISMS = {
+    "tp": "tensor parallelism (--parallelism.tensor_parallel_degree)",
+    "pp": "pipeline parallelism (--parallelism.pipeline_parallel_degree)",
+    "cp": "context parallelism (--parallelism.context_parallel_degree)",
+    "varlen": "packed documents without attention across them (--training.varlen)",
+}
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """flame's DecoderLM keeps its blocks in ``layers``."""
+    return [model.layers]
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     args_cls: type[ModelArgs]
-    model_cls: type
+    model_cls: Callable[[ModelArgs], nn.Module]
+    blocks: Callable[[nn.Module], list[nn.Module]] = decoder_blocks
+    parallelisms: frozenset[str] = frozenset(MODEL_PARALLELISMS)

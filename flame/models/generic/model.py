@@ -1,0 +1,83 @@
+"""A generic-family model: the registered causal-LM class itself (its parameter names, its ``_init_weights``),
+with flame's calling convention mixed in front of it."""
+
+import functools
+
+import torch
+from torch import nn
+
+from flame.errors import ModelConfigError
+from flame.models.generic.args import GenericArgs
+
+
+class FlameCausalLM:
+    """Mixed in front of a transformers causal-LM class: ``forward`` returns the logits of every position (flame's
+    data holds the labels already shifted, and flame's loss reads the logits, so the class never sees labels).
+    The trainer's ``init_weights()`` after ``to_empty`` is transformers' own: the class's ``_init_weights`` over
+    every module, then the weights tied as the class declares (its post_init calls it too, on the meta device,
+    where transformers only ties)."""
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cu_seqlens=None
+    ) -> torch.Tensor:
+        # cu_seqlens is always None here: the generic family refuses --training.varlen before launch.
+        positions = {} if position_ids is None else {"position_ids": position_ids}
+        return super().forward(input_ids=input_ids, **positions).logits
+
+
+@functools.cache
+def flame_class(causal_lm_class: type) -> type:
+    return type(
+        causal_lm_class.__name__,
+        (FlameCausalLM, causal_lm_class),
+        {"__module__": __name__, "__qualname__": causal_lm_class.__name__},
+    )
+
+
+def causal_lm_class(config) -> type:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise ModelConfigError(
+            f"transformers has a config class for model_type '{config.model_type}' but no causal LM class; "
+            "register one with AutoModelForCausalLM.register(YourConfig, YourForCausalLM)"
+        ) from None
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """Names of the ModuleLists holding the model's blocks: those whose modules are all of the class's
+    ``_no_split_modules`` (transformers' declaration of its decoder layers; some models have several stacks),
+    else the only ModuleList with num_hidden_layers modules."""
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    found = [name for name, m in lists if all(type(block).__name__ in block_names for block in m)]
+    if not found:
+        layers = getattr(model.config, "num_hidden_layers", None)
+        found = [name for name, m in lists if len(m) == layers]
+        if len(found) > 1:
+            raise ModelConfigError(
+                f"cannot tell which ModuleList of {type(model).__name__} holds its blocks ({', '.join(found)}); "
+                "declare the block class on the model: _no_split_modules = ['YourDecoderLayer']"
+            )
+    if not found:
+        raise ModelConfigError(
+            f"{type(model).__name__} has no ModuleList of blocks (the unit of FSDP, activation checkpointing and "
+            "compile): keep the decoder layers in an nn.ModuleList and declare their class with "
+            "_no_split_modules = ['YourDecoderLayer']"
+        )
+    return found
+
+
+def build_generic_model(args: GenericArgs) -> nn.Module:
+    config = args.hf_config()
+    config.use_cache = False  # training: no key/value cache
+    model = flame_class(causal_lm_class(config))(config)
+    model.args = args
+    model.flame_blocks = find_blocks(model)
+    return model
+
+
+def generic_blocks(model: nn.Module) -> list[nn.Module]:
+    return [model.get_submodule(name) for name in model.flame_blocks]

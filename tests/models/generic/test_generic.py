@@ -1,0 +1,152 @@
+"""The generic family in one process: transformers' Llama, Qwen3 and OLMo2 built from a config JSON or an HF
+folder, with the class's parameter count, its own initialisation, flame's calling convention and its blocks."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from flame.errors import ConfigError, ModelConfigError
+from flame.models import build_model, load_model_args, model_spec
+from flame.models.generic.model import FlameCausalLM
+from tests.models.generic.helpers import CONFIGS, dry_run_params, upstream_params, write_config
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_dry_run_counts_the_class_parameters(tmp_path, capsys, name):
+    path = write_config(tmp_path, name)
+    assert dry_run_params(capsys, "--model.config", str(path)) == upstream_params(CONFIGS[name])
+
+
+def test_an_hf_model_folder_is_a_config(tmp_path, capsys):
+    folder = tmp_path / "qwen3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(CONFIGS["qwen3"]))
+    assert dry_run_params(capsys, "--model.config", str(folder)) == upstream_params(CONFIGS["qwen3"])
+
+
+def materialized(path, seed: int) -> nn.Module:
+    """Built on the meta device and initialised, as the trainer does."""
+    args, _ = load_model_args(path)
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def test_initialisation_is_the_class_own_and_follows_the_seed(tmp_path):
+    path = write_config(tmp_path, "qwen3", initializer_range=1.0)
+    model = materialized(path, seed=3)
+    # transformers' _init_weights: normal(0, initializer_range) for linear layers, ones for the norms.
+    assert model.model.layers[0].mlp.up_proj.weight.std().item() == pytest.approx(1.0, abs=0.05)
+    assert torch.equal(model.model.norm.weight, torch.ones(32))
+    # tie_word_embeddings: to_empty unties the shared matrix; init_weights ties it again.
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    again, other = materialized(path, seed=3), materialized(path, seed=4)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, again.state_dict()[key]), key
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, other.model.layers[0].mlp.up_proj.weight)
+
+
+def test_forward_returns_the_class_logits(tmp_path):
+    model = materialized(write_config(tmp_path, "olmo2"), seed=0).eval()
+    tokens = torch.randint(0, 4096, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(tokens)
+        expected = super(FlameCausalLM, model).forward(input_ids=tokens).logits  # the class's own
+    assert logits.shape == (2, 12, 4096)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    # Restarting positions changes rotary attention: position_ids reach the class.
+    with torch.no_grad():
+        shifted = model(tokens, position_ids=torch.arange(12).expand(2, -1) + 5)
+    assert not torch.allclose(shifted, logits)
+
+
+def test_blocks_are_the_decoder_layers(tmp_path):
+    args, _ = load_model_args(write_config(tmp_path, "llama"))
+    with torch.device("meta"):
+        model = build_model(args)
+    (stack,) = model_spec(args).blocks(model)
+    assert stack is model.model.layers and len(stack) == 2
+
+
+def test_unknown_keys_are_reported(tmp_path):
+    _, unknown = load_model_args(write_config(tmp_path, "llama", attnres_block_size=4, not_a_field=1))
+    assert unknown == ["not_a_field"]
+
+
+def test_unknown_model_type_is_one_line(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"model_type": "no_such_model"}))
+    with pytest.raises(ModelConfigError, match="model_type 'no_such_model' is not supported") as error:
+        load_model_args(path)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "flags, refused",
+    [
+        (["--parallelism.tensor_parallel_degree", "2"], "tensor parallelism"),
+        (["--parallelism.pipeline_parallel_degree", "2"], "pipeline parallelism"),
+        (["--parallelism.context_parallel_degree", "2"], "context parallelism"),
+        (["--training.varlen"], "--training.varlen"),
+    ],
+)
+def test_model_parallelism_and_varlen_are_refused(tmp_path, flags, refused):
+    from flame.config import parse_args
+    from flame.parallelize.checks import check_parallelism
+
+    path = write_config(tmp_path, "llama")
+    job = parse_args(["--model.config", str(path), *flags])
+    args, _ = load_model_args(path)
+    with pytest.raises(ConfigError, match=f"llama models do not support .*{refused}") as error:
+        check_parallelism(job, args, world_size=2)
+    assert "\n" not in str(error.value)
+    check_parallelism(parse_args(["--model.config", str(path)]), args, world_size=2)  # FSDP: fine
+
+
+def test_flame_impl_picks_fla_class_over_flame_family(tmp_path, capsys):
+    from tests.models.generic.test_fla_families import fla_params
+
+    config = {"model_type": "gated_deltanet", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_heads": 4, "head_dim": 16}  # fmt: skip
+    own, fla = tmp_path / "own.json", tmp_path / "fla.json"
+    own.write_text(json.dumps(config))
+    fla.write_text(json.dumps({**config, "flame_impl": "fla"}))
+    assert not load_model_args(own)[0].generic
+    args, unknown = load_model_args(fla)
+    assert args.generic and unknown == []
+    with torch.device("meta"):
+        model = build_model(args)
+    assert type(model).__mro__[2].__module__.startswith("fla.models.gated_deltanet")
+    assert dry_run_params(capsys, "--model.config", str(fla)) == fla_params(config)
+    # The choice is recorded with the model (checkpoints' flame.json), not in the HF export's config.
+    assert load_model_args(fla)[0].to_dict()["flame_impl"] == "fla"
+    from flame.models.generic.state_dict_adapter import GenericAdapter
+
+    assert "flame_impl" not in GenericAdapter(args).hf_config()
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            {"model_type": "llama", "flame_impl": "fla"},
+            "flame_impl fla: the class transformers holds for model_type 'llama' is not FLA's",
+        ),
+        ({"model_type": "llama", "flame_impl": "flame"}, "flame_impl flame: flame has no family 'llama'"),
+        (
+            {"model_type": "llama", "flame_impl": "mine"},
+            "flame_impl must be one of auto, flame, fla, hf, got 'mine'",
+        ),
+    ],
+)
+def test_impossible_flame_impl_is_one_line(tmp_path, config, message):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError, match=message) as error:
+        load_model_args(path)
+    assert "\n" not in str(error.value)
