@@ -1,8 +1,9 @@
 """Pre-flight check that train.sh runs before torchrun starts any rank.
 
-Parses the job (fast: no torchtitan package init), checks the model config, the tokenizer's vocabulary, NGPU
-and the parallelism degrees against NGPU x NNODE and the model (flame.parallelize.checks), and answers ``--help``
-and ``--job.dry_run`` itself. A mistake is one line on stderr and exit code 2, before any rank could turn it into
+Parses the job (fast: no torchtitan package init), prints a notice line for each upstream flame option given
+that has no effect here, checks the model config, the tokenizer's vocabulary, NGPU and the parallelism degrees
+against NGPU x NNODE and the model (flame.parallelize.checks), and answers ``--help`` and ``--job.dry_run``
+itself (the dry run checks the degrees against NGPU x NNODE but not the visible devices). A mistake is one line on stderr and exit code 2, before any rank could turn it into
 a wall of tracebacks. With FLAME_LAUNCH_ENV set, writes the resolved
 dump folder there for train.sh.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from flame.config import parse_args
 from flame.config.checks import validate_job
+from flame.config.manager import upstream_notices
 from flame.errors import FlameError
 from flame.models import build_model, load_model_args
 
@@ -59,6 +61,8 @@ def dry_run(job_config, model_args) -> None:
 
 def preflight(argv: list[str]) -> int:
     job_config = parse_args(argv)
+    for notice in upstream_notices(job_config):
+        print(notice, file=sys.stderr)
     validate_job(job_config)
     model_args, _ = load_model_args(job_config.model.config)
     vocab = tokenizer_vocab_size(job_config.model.tokenizer_path)
@@ -69,14 +73,20 @@ def preflight(argv: list[str]) -> int:
                 "use a matching tokenizer, raise vocab_size in the model config, or pass --model.resize_vocab"
             )
         model_args.vocab_size = vocab
-    if job_config.job.dry_run:
-        dry_run(job_config, model_args)
-        return EXIT_DONE
     ngpu = int(os.environ.get("NGPU", "1"))
-    check_devices(ngpu)
+    world_size = ngpu * int(os.environ.get("NNODE", "1"))
     from flame.parallelize.checks import check_parallelism
 
-    check_parallelism(job_config, model_args, world_size=ngpu * int(os.environ.get("NNODE", "1")))
+    # The dry run checks the degrees against NGPU x NNODE too, but not the visible devices: a job for 8 GPUs
+    # can be checked on a laptop.
+    degrees = check_parallelism(job_config, model_args, world_size=world_size)
+    if job_config.job.dry_run:
+        dry_run(job_config, model_args)
+        print(f"world_size: {world_size} ({', '.join(f'{k} {v}' for k, v in degrees.items())})")
+        return EXIT_DONE
+    check_devices(ngpu)
+    if job_config.job.print_config:
+        print(json.dumps(dataclasses.asdict(job_config), indent=2, default=str))
     if env_file := os.environ.get("FLAME_LAUNCH_ENV"):
         lines = [f"DUMP_FOLDER={job_config.job.dump_folder}"]
         if job_config.debug.enable:  # read when CUDA starts: exported before any rank does
