@@ -48,6 +48,30 @@ def check_devices(ngpu: int) -> None:
         raise FlameError(f"NGPU={ngpu} but only {visible} GPU(s) are visible; set NGPU <= {visible}")
 
 
+def check_launch(job_config, degrees: dict[str, int], world_size: int, gpus: int) -> None:
+    """Contradictions the ranks would otherwise find only after starting: the data options (context_len over
+    seq_len, varlen with batch_size > 1, mismatched comma lists; flame.data.config, which reads no data), a
+    global batch the data-parallel ranks cannot split, a seed checkpoint on several processes and a CUDA memory
+    snapshot without a GPU."""
+    from flame.data.config import data_spec
+
+    data_spec(job_config)
+    training = job_config.training
+    per_step = training.local_batch_size * degrees["dp_replicate"] * degrees["dp_shard"]
+    global_batch = training.global_batch_size
+    if training.gradient_accumulation_steps is None and global_batch > 0 and global_batch % per_step:
+        raise FlameError(
+            f"training.global_batch_size {global_batch} is not a multiple of local batch size x data-parallel "
+            f"degree = {per_step}; use --training.gradient_accumulation_steps instead"
+        )
+    if job_config.checkpoint.create_seed_checkpoint and world_size != 1:
+        raise FlameError(
+            f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}: launch it with NGPU=1"
+        )
+    if job_config.profiling.enable_memory_snapshot and not gpus:
+        raise FlameError("profiling.enable_memory_snapshot records CUDA memory; it needs a GPU")
+
+
 def dry_run(job_config, model_args) -> None:
     import torch
 
@@ -80,6 +104,9 @@ def preflight(argv: list[str]) -> int:
     # The dry run checks the degrees against NGPU x NNODE too, but not the visible devices: a job for 8 GPUs
     # can be checked on a laptop.
     degrees = check_parallelism(job_config, model_args, world_size=world_size)
+    import torch
+
+    check_launch(job_config, degrees, world_size, gpus=torch.cuda.device_count())
     if job_config.job.dry_run:
         dry_run(job_config, model_args)
         print(f"world_size: {world_size} ({', '.join(f'{k} {v}' for k, v in degrees.items())})")

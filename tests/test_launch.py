@@ -164,3 +164,68 @@ def test_ranks_cache_triton_autotuning_unless_told_not_to(tmp_path, preset, expe
     result = train_sh("--job.dump_folder", str(tmp_path / "dump"), env=env)
     assert result.returncode == 0, result.stderr
     assert f"ranks see TRITON_CACHE_AUTOTUNING={expected}\n" in result.stdout
+
+
+def test_context_len_over_seq_len_stops_in_the_preflight_within_5s(tmp_path):
+    start = time.monotonic()
+    result = train_sh("--training.context_len", "4096", "--training.seq_len", "256", env={"NGPU": "2"})
+    elapsed = time.monotonic() - start
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: training.context_len (4096) must not exceed training.seq_len (256)"
+    ]
+    assert elapsed < 5, f"took {elapsed:.1f}s"
+
+
+@pytest.mark.parametrize(
+    ("ngpu", "args", "message"),
+    [
+        (1, ["--training.varlen", "--training.batch_size", "2"], "training.batch_size must be 1, got 2"),
+        (1, ["--training.dataset", "a,b", "--training.data_probs", "0.5"], "training.data_probs has 1 values"),
+        (2, ["--training.global_batch_size", "12"], "training.global_batch_size 12 is not a multiple of local batch"),
+        (2, ["--checkpoint.create_seed_checkpoint"], "create_seed_checkpoint runs on one process, not 2"),
+        (1, ["--profiling.enable_memory_snapshot"], "enable_memory_snapshot records CUDA memory; it needs a GPU"),
+        (8, ["--training.data_parallel_shard_degree", "3"], "= 3 is not the world size 8"),
+    ],
+)  # fmt: skip
+def test_launch_contradictions_stop_in_the_preflight(monkeypatch, ngpu, args, message):
+    import torch
+
+    from flame.errors import FlameError
+    from flame.launch import preflight
+
+    monkeypatch.setenv("NGPU", str(ngpu))
+    monkeypatch.delenv("FLAME_LAUNCH_ENV", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(FlameError, match=re.escape(message)):
+        preflight(args)
+
+
+def test_a_global_batch_the_ranks_can_split_passes_the_preflight(monkeypatch):
+    from flame.launch import preflight
+
+    monkeypatch.setenv("NGPU", "2")
+    monkeypatch.delenv("FLAME_LAUNCH_ENV", raising=False)
+    assert preflight(["--training.global_batch_size", "32"]) == 0  # 8 x 2 ranks x 2 accumulation steps
+
+
+def test_the_preflight_does_not_import_the_data_loader():
+    """flame.data's loader imports datasets (seconds): the pre-flight checks the data options without it."""
+    code = (
+        "import sys; from flame.launch import preflight; preflight(['--job.dry_run']); "
+        "print('datasets' in sys.modules, 'flame.data.loader' in sys.modules)"
+    )
+    result = subprocess.run(["python", "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.stdout.strip().splitlines()[-1] == "False False", result.stderr
+
+
+def test_print_args_prints_the_merged_config_before_the_ranks(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text("#!/bin/sh\necho ranks start\n")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLAME_EXPORT_HF": "0"}
+    result = train_sh("--job.print_args", "--job.dump_folder", str(tmp_path / "dump"), env=env)
+    assert result.returncode == 0, result.stderr
+    printed, _, after = result.stdout.partition("ranks start")
+    assert json.loads(printed)["job"]["print_config"] is True and after == "\n"
