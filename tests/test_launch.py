@@ -229,3 +229,64 @@ def test_print_args_prints_the_merged_config_before_the_ranks(tmp_path):
     assert result.returncode == 0, result.stderr
     printed, _, after = result.stdout.partition("ranks start")
     assert json.loads(printed)["job"]["print_config"] is True and after == "\n"
+
+
+def stub_torchrun(tmp_path: Path, body: str) -> dict:
+    """PATH with a torchrun that runs ``body`` (bash; $LOG_DIR is its --log-dir), for train.sh's handling of it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "torchrun"
+    stub.write_text(
+        '#!/usr/bin/env bash\nwhile [ $# -gt 0 ]; do [ "$1" = --log-dir ] && LOG_DIR=$2; shift; done\n' + body
+    )
+    stub.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLAME_EXPORT_HF": "0"}
+
+
+LAUNCHER_FAILURE = (
+    'echo "[rank0]:[titan] starting" >&2\n'
+    'echo "Traceback (most recent call last):" >&2\n'
+    'echo "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:" >&2\n'
+    'echo "  exitcode  : -9 (pid: 4242)" >&2\n'
+    "exit 1\n"
+)
+
+
+def test_a_refusal_of_a_rank_the_console_hides_is_the_last_line(tmp_path):
+    dump = tmp_path / "dump"
+    body = 'mkdir -p "$LOG_DIR/none_x/attempt_0/1"\necho "error: rank 1 refuses" > "$LOG_DIR/none_x/attempt_0/1/stderr.log"\n'
+    result = train_sh(
+        "--job.dump_folder", str(dump), env={**stub_torchrun(tmp_path, body + LAUNCHER_FAILURE), "NGPU": "2"}
+    )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == ["[rank0]:[titan] starting", "[rank1]:error: rank 1 refuses"]
+    assert "ChildFailedError" in (dump / "logs" / "launcher.log").read_text()
+
+
+def test_a_rank_ending_without_a_message_gets_one_line_naming_the_reports(tmp_path):
+    dump = tmp_path / "dump"
+    result = train_sh("--job.dump_folder", str(dump), env=stub_torchrun(tmp_path, LAUNCHER_FAILURE))
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "[rank0]:[titan] starting",
+        "error: training failed: a rank ended with exit code -9 without a message (killed, out of memory or "
+        f"crashed); every rank's output is in {dump}/logs, torchrun's report in {dump}/logs/launcher.log",
+    ]
+
+
+def test_under_torchrun_a_rank_refusal_is_the_last_line_without_launcher_traceback(tmp_path):
+    """Two CPU ranks refuse an unreadable dataset: the refusal ends the output, torchrun's report is in the log."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "part.parquet").write_text("not parquet")
+    dump = tmp_path / "dump"
+    result = train_sh(
+        "--training.dataset", str(data), "--job.dump_folder", str(dump), "--training.steps", "30",
+        env={"NGPU": "2", "FLAME_EXPORT_HF": "0", "MASTER_PORT": str(29500 + os.getpid() % 1000)}, timeout=300,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert re.match(
+        r"\[rank0\]:error: cannot read data file '.*part.parquet'", result.stderr.splitlines()[-1]
+    )
+    assert "Traceback" not in result.stderr + result.stdout and "ChildFailedError" not in result.stderr
+    assert "ChildFailedError" in (dump / "logs" / "launcher.log").read_text()
