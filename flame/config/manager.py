@@ -16,6 +16,7 @@ import tyro
 
 from flame.config.job_config import ALIASES, NO_EFFECT, REPO_ROOT, UpstreamJobConfig
 from flame.errors import ConfigError
+from flame.utils.hub import resolve_model_config
 
 try:
     import tomllib
@@ -81,6 +82,8 @@ def parse_args(argv: list[str]) -> Any:
     default = _dict_to_dataclass(config_cls, toml_values) if toml_values else config_cls()
     config = tyro.cli(config_cls, args=argv, default=default, registry=_tyro_registry())
     resolve_aliases(config, given_flags=_given_options(argv, valid))
+    # A hub name for the model config reads its config.json from the HF cache (fetched once if missing).
+    config.model.config = resolve_model_config(config.model.config)
     return config
 
 
