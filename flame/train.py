@@ -310,6 +310,7 @@ class Trainer(Stateful):
                 torch.distributed.all_reduce(totals, group=self.parallel_dims.get_mesh("pp").get_group())
             metrics = {
                 "loss/train": float(totals[0]),
+                "loss/rank_mean": float(loss * global_tokens / local_tokens.clamp(min=1)),
                 "grad_norm": float(grad_norm),
                 "lr": lr,
                 "skipped_steps": self.skipped_steps,
