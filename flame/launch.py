@@ -18,7 +18,6 @@ from flame.config import parse_args
 from flame.config.checks import validate_job
 from flame.config.manager import upstream_notices
 from flame.errors import FlameError
-from flame.models import build_model, load_model_args
 
 # train.sh stops after the pre-flight without starting ranks when it exits with this code.
 EXIT_DONE = 10
@@ -48,14 +47,18 @@ def check_devices(ngpu: int) -> None:
         raise FlameError(f"NGPU={ngpu} but only {visible} GPU(s) are visible; set NGPU <= {visible}")
 
 
-def check_launch(job_config, degrees: dict[str, int], world_size: int, gpus: int) -> None:
-    """Contradictions the ranks would otherwise find only after starting: the data options (context_len over
-    seq_len, varlen with batch_size > 1, mismatched comma lists; flame.data.config, which reads no data), a
-    global batch the data-parallel ranks cannot split, a seed checkpoint on several processes and a CUDA memory
-    snapshot without a GPU."""
+def check_data_options(job_config) -> None:
+    """The data options the ranks would otherwise refuse only after starting (context_len over seq_len, varlen with
+    batch_size > 1, mismatched comma lists): flame.data.config reads no data and imports no torch, so this runs
+    first, within a second."""
     from flame.data.config import data_spec
 
     data_spec(job_config)
+
+
+def check_launch(job_config, degrees: dict[str, int], world_size: int, gpus: int) -> None:
+    """Contradictions the ranks would otherwise find only after starting: a global batch the data-parallel ranks
+    cannot split, a seed checkpoint on several processes and a CUDA memory snapshot without a GPU."""
     training = job_config.training
     per_step = training.local_batch_size * degrees["dp_replicate"] * degrees["dp_shard"]
     global_batch = training.global_batch_size
@@ -75,6 +78,8 @@ def check_launch(job_config, degrees: dict[str, int], world_size: int, gpus: int
 def dry_run(job_config, model_args) -> None:
     import torch
 
+    from flame.models import build_model
+
     print(json.dumps(dataclasses.asdict(job_config), indent=2, default=str))
     with torch.device("meta"):
         model = build_model(model_args)
@@ -87,6 +92,10 @@ def preflight(argv: list[str]) -> int:
     job_config = parse_args(argv)
     for notice in upstream_notices(job_config):
         print(notice, file=sys.stderr)
+    check_data_options(job_config)
+    # flame.models imports torch (seconds): the checks above answer first.
+    from flame.models import load_model_args
+
     validate_job(job_config)
     model_args, _ = load_model_args(job_config.model.config)
     vocab = tokenizer_vocab_size(job_config.model.tokenizer_path)

@@ -243,6 +243,9 @@ def _check_flags(argv: list[str], valid: dict[str, dataclasses.Field]) -> None:
     names = list(valid)
     takes_value, previous = False, None
     for i, arg in enumerate(argv):
+        if arg in ("-h", "--help"):
+            takes_value, previous = False, None
+            continue
         if not arg.startswith("--"):
             if takes_value:
                 takes_value = False
@@ -252,8 +255,6 @@ def _check_flags(argv: list[str], valid: dict[str, dataclasses.Field]) -> None:
                 raise ConfigError(f"unexpected argument '{arg}': options are --section.field [value]")
             continue
         takes_value, previous = False, arg[2:]
-        if arg == "--help":
-            continue
         flag, eq, value = arg[2:].partition("=")
         name = flag.replace("-", "_")
         if switch := _switch(flag, valid):

@@ -305,3 +305,14 @@ def test_docs_table_names_every_listed_option():
     page = (REPO / "docs" / "configs-and-flags.md").read_text()
     table = page[page.index("| upstream option | what flame does |") : page.index("## Optimizer")]
     assert [o for o, _ in listing() if f"`{o}`" not in table and f"`{o} " not in table] == []
+
+
+def test_train_sh_h_lists_upstream_options():
+    result = subprocess.run(["bash", "train.sh", "-h"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    for option in (
+        "--experimental.pipeline-parallel-degree",
+        "--float8.enable-float8-linear",
+        "--job.print-args",
+    ):
+        assert option in result.stdout, option
