@@ -296,6 +296,12 @@ class UpstreamTraining:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] | None = None
     """Upstream's name of parallelism.fsdp_reshard_after_forward"""
 
+    enable_l2wrap: bool = False
+    """Upstream's L2Wrap logit regularization (not implemented in flame: --training.z_loss regularizes the logits)"""
+
+    l2wrap_factor: float | None = None
+    """Upstream's L2Wrap coefficient (not implemented in flame)"""
+
 
 @dataclass
 class UpstreamMetrics:
@@ -444,6 +450,8 @@ NO_EFFECT: dict[str, str] = {
     "fault_tolerance.enable": "flame does not run TorchFT",
     "memory_estimation.disable_fake_mode": "flame has no FSDP memory estimator",
     "activation_offload.mode": "flame does not offload activations; use --activation_checkpoint.mode",
+    "training.enable_l2wrap": "L2Wrap is not implemented; --training.z_loss is flame's regularizer of the logits",
+    "training.l2wrap_factor": "L2Wrap is not implemented; --training.z_loss is flame's regularizer of the logits",
     "checkpoint.hf_upload_enabled": "hub upload is not implemented; checkpoints stay in <dump_folder>/checkpoint",
     "checkpoint.hf_repo_base_name": "hub upload is not implemented; checkpoints stay in <dump_folder>/checkpoint",
     "checkpoint.hf_upload_format": "hub upload is not implemented; checkpoints stay in <dump_folder>/checkpoint",

@@ -316,3 +316,16 @@ def test_train_sh_h_lists_upstream_options():
         "--job.print-args",
     ):
         assert option in result.stdout, option
+
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--training.enable_l2wrap", "--training.l2wrap_factor", "1e-4"], "training.enable_l2wrap"),
+        (["--model.name", "fla"], "model.name"),
+        (["--fault_tolerance.enable"], "fault_tolerance.enable"),
+    ],
+)
+def test_options_of_upstreams_later_listing_without_effect_say_so(argv, option):
+    notices = upstream_notices(parse_args(argv))
+    assert f"notice: --{option} has no effect in flame: {NO_EFFECT[option]}" in notices
