@@ -4,7 +4,7 @@
 # Environment: NGPU (processes per node; default: visible GPUs, 1 without GPU — CPU processes then),
 # NNODE (nodes, default 1), NODE_RANK (default 0), MASTER_ADDR (default localhost), MASTER_PORT (default 29500),
 # LOG_RANK (ranks whose output the console shows, comma separated, default 0).
-# Every rank's full output is kept under <dump_folder>/logs.
+# Every rank's full output is kept under <dump_folder>/logs, torchrun's own messages in <dump_folder>/logs/launcher.log.
 set -uo pipefail
 
 visible_gpus() {
@@ -45,11 +45,44 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / N
 # a restart loads them, and a 2-step NGPU=1 run before a multi-GPU job gives every rank the configs tuned on a
 # quiet GPU (docs/performance.md, "Several H200s with FSDP"). TRITON_CACHE_AUTOTUNING=0 turns it off.
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
+
+# torchrun's own messages (its warnings, and after a failed rank its ChildFailedError traceback and summary) go to
+# <dump_folder>/logs/launcher.log: the ranks' lines ([rankN]: ...) pass, so a rank's refusal stays the last line.
+launcher_log="$DUMP_FOLDER/logs/launcher.log"
+last_line=$(mktemp)
+trap 'rm -f "$env_file" "$last_line"' EXIT
+exec 3>&1
 torchrun --nnodes "$NNODE" --nproc_per_node "$NGPU" --node_rank "$NODE_RANK" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 --log-dir "$DUMP_FOLDER/logs" \
-  -m flame.train "$@"
-rc=$?
+  -m flame.train "$@" 2>&1 1>&3 3>&- |
+  awk -v launcher_log="$launcher_log" -v last_line="$last_line" '
+    /^\[[A-Za-z_]+[0-9]+\]:/ { print; fflush(); last = $0; next }
+    { print >> launcher_log; fflush(launcher_log) }
+    END { print last > last_line }' >&2 3>&-
+rc=${PIPESTATUS[0]}
+exec 3>&-
+
+# A failed run ends on its reason: the refusal shown last, else the first rank's refusal from its log (a rank the
+# console does not show, LOG_RANK), else one line on how it ended and where the reports are.
+if [ "$rc" -ne 0 ] && ! grep -Eq '^\[[A-Za-z_]+[0-9]+\]:error: ' "$last_line"; then
+  attempt=$(ls -td "$DUMP_FOLDER"/logs/*/attempt_*/ 2>/dev/null | head -1)
+  refusal=""
+  for ((local_rank = 0; local_rank < NGPU; local_rank++)); do
+    line=$(grep -m1 '^error: ' "${attempt}${local_rank}/stderr.log" 2>/dev/null)
+    if [ -n "$line" ]; then
+      refusal="[rank$((NODE_RANK * NGPU + local_rank))]:$line"
+      break
+    fi
+  done
+  if [ -n "$refusal" ]; then
+    echo "$refusal" >&2
+  else
+    code=$(grep -m1 -o 'exitcode *: *-*[0-9]*' "$launcher_log" 2>/dev/null | grep -o -- '-*[0-9]*$')
+    echo "error: training failed: a rank ended${code:+ with exit code $code} without a message (killed, out of" \
+      "memory or crashed); every rank's output is in $DUMP_FOLDER/logs, torchrun's report in $launcher_log" >&2
+  fi
+fi
 
 # End of run: convert the final checkpoint (the latest complete one) to an HF folder in the dump folder, as flame
 # does. The converter finds the step and the run's model config and tokenizer in the checkpoint itself, so nothing

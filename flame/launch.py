@@ -1,8 +1,9 @@
 """Pre-flight check that train.sh runs before torchrun starts any rank.
 
-Parses the job (fast: no torchtitan package init), checks the model config, the tokenizer's vocabulary, NGPU
-and the parallelism degrees against NGPU x NNODE and the model (flame.parallelize.checks), and answers ``--help``
-and ``--job.dry_run`` itself. A mistake is one line on stderr and exit code 2, before any rank could turn it into
+Parses the job (fast: no torchtitan package init), prints a notice line for each upstream flame option given
+that has no effect here, checks the model config, the tokenizer's vocabulary, NGPU and the parallelism degrees
+against NGPU x NNODE and the model (flame.parallelize.checks), and answers ``--help`` and ``--job.dry_run``
+itself (the dry run checks the degrees against NGPU x NNODE but not the visible devices). A mistake is one line on stderr and exit code 2, before any rank could turn it into
 a wall of tracebacks. With FLAME_LAUNCH_ENV set, writes the resolved
 dump folder there for train.sh.
 """
@@ -15,9 +16,8 @@ from pathlib import Path
 
 from flame.config import parse_args
 from flame.config.checks import validate_job
+from flame.config.manager import upstream_notices
 from flame.errors import FlameError
-from flame.models import build_model, load_model_args
-from flame.models.custom import import_custom_modules
 
 # train.sh stops after the pre-flight without starting ranks when it exits with this code.
 EXIT_DONE = 10
@@ -47,8 +47,38 @@ def check_devices(ngpu: int) -> None:
         raise FlameError(f"NGPU={ngpu} but only {visible} GPU(s) are visible; set NGPU <= {visible}")
 
 
+def check_data_options(job_config) -> None:
+    """The data options the ranks would otherwise refuse only after starting (context_len over seq_len, varlen with
+    batch_size > 1, mismatched comma lists): flame.data.config reads no data and imports no torch, so this runs
+    first, within a second."""
+    from flame.data.config import data_spec
+
+    data_spec(job_config)
+
+
+def check_launch(job_config, degrees: dict[str, int], world_size: int, gpus: int) -> None:
+    """Contradictions the ranks would otherwise find only after starting: a global batch the data-parallel ranks
+    cannot split, a seed checkpoint on several processes and a CUDA memory snapshot without a GPU."""
+    training = job_config.training
+    per_step = training.local_batch_size * degrees["dp_replicate"] * degrees["dp_shard"]
+    global_batch = training.global_batch_size
+    if training.gradient_accumulation_steps is None and global_batch > 0 and global_batch % per_step:
+        raise FlameError(
+            f"training.global_batch_size {global_batch} is not a multiple of local batch size x data-parallel "
+            f"degree = {per_step}; use --training.gradient_accumulation_steps instead"
+        )
+    if job_config.checkpoint.create_seed_checkpoint and world_size != 1:
+        raise FlameError(
+            f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}: launch it with NGPU=1"
+        )
+    if job_config.profiling.enable_memory_snapshot and not gpus:
+        raise FlameError("profiling.enable_memory_snapshot records CUDA memory; it needs a GPU")
+
+
 def dry_run(job_config, model_args) -> None:
     import torch
+
+    from flame.models import build_model
 
     print(json.dumps(dataclasses.asdict(job_config), indent=2, default=str))
     with torch.device("meta"):
@@ -60,6 +90,13 @@ def dry_run(job_config, model_args) -> None:
 
 def preflight(argv: list[str]) -> int:
     job_config = parse_args(argv)
+    for notice in upstream_notices(job_config):
+        print(notice, file=sys.stderr)
+    check_data_options(job_config)
+    # flame.models imports torch (seconds): the checks above answer first.
+    from flame.models import load_model_args
+    from flame.models.custom import import_custom_modules
+
     validate_job(job_config)
     import_custom_modules(job_config.experimental)
     model_args, _ = load_model_args(job_config.model.config)
@@ -71,14 +108,23 @@ def preflight(argv: list[str]) -> int:
                 "use a matching tokenizer, raise vocab_size in the model config, or pass --model.resize_vocab"
             )
         model_args.vocab_size = vocab
-    if job_config.job.dry_run:
-        dry_run(job_config, model_args)
-        return EXIT_DONE
     ngpu = int(os.environ.get("NGPU", "1"))
-    check_devices(ngpu)
+    world_size = ngpu * int(os.environ.get("NNODE", "1"))
     from flame.parallelize.checks import check_parallelism
 
-    check_parallelism(job_config, model_args, world_size=ngpu * int(os.environ.get("NNODE", "1")))
+    # The dry run checks the degrees against NGPU x NNODE too, but not the visible devices: a job for 8 GPUs
+    # can be checked on a laptop.
+    degrees = check_parallelism(job_config, model_args, world_size=world_size)
+    import torch
+
+    check_launch(job_config, degrees, world_size, gpus=torch.cuda.device_count())
+    if job_config.job.dry_run:
+        dry_run(job_config, model_args)
+        print(f"world_size: {world_size} ({', '.join(f'{k} {v}' for k, v in degrees.items())})")
+        return EXIT_DONE
+    check_devices(ngpu)
+    if job_config.job.print_config:
+        print(json.dumps(dataclasses.asdict(job_config), indent=2, default=str))
     if env_file := os.environ.get("FLAME_LAUNCH_ENV"):
         lines = [f"DUMP_FOLDER={job_config.job.dump_folder}"]
         if job_config.debug.enable:  # read when CUDA starts: exported before any rank does

@@ -76,6 +76,37 @@ class WandbWriter:
         self.wandb.finish()
 
 
+# Upstream flame's (torchtitan's) names, written beside flame's own so that dashboards built on upstream runs read
+# flame's: upstream name -> flame's metric it repeats. grad_norm and lr have the same names in both.
+UPSTREAM_NAMES = {
+    "loss_metrics/global_avg_loss": "loss/train",
+    "throughput(tps)": "throughput/tokens_per_second_per_device",
+    "mfu(%)": "throughput/mfu_percent",
+    "memory/max_active(GiB)": "memory/peak_allocated_gib",
+    "memory/max_reserved(GiB)": "memory/peak_reserved_gib",
+}
+# The trainer's per-rank value from which the logger takes the maximum over ranks (upstream's global_max_loss).
+RANK_LOSS = "loss/rank_mean"
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest ``value`` of all ranks (every rank calls this at the same step)."""
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return value
+    tensor = torch.tensor(value, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return float(tensor)
+
+
+def upstream_metrics(metrics: dict[str, float], flops_per_token: int) -> dict[str, float]:
+    """Upstream flame's names for ``metrics`` (after the logger added throughput and memory)."""
+    named = {name: metrics[ours] for name, ours in UPSTREAM_NAMES.items() if ours in metrics}
+    tokens_per_second = metrics["throughput/tokens_per_second_per_device"]
+    named["tflops"] = flops_per_token * tokens_per_second / 1e12
+    named["time_metrics/data_loading(%)"] = 100 * metrics["throughput/data_loading_share"]
+    return named
+
+
 class MetricsLogger:
     def __init__(self, job_config, device: torch.device, rank: int, flops_per_token: int, last_step: int):
         self.log_freq = job_config.metrics.log_freq
@@ -111,7 +142,9 @@ class MetricsLogger:
         self.window_other_time = 0.0  # validation and text samples: not part of the training throughput
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Add throughput, MFU, memory and ETA to ``metrics`` (loss, grad_norm, lr ...), print, write."""
+        """Add throughput, MFU, memory and ETA to ``metrics`` (loss, grad_norm, lr ...), print, write (with
+        upstream flame's names too). Every rank calls it at the same steps: the max loss over ranks is a collective."""
+        rank_loss = metrics.pop(RANK_LOSS, None)
         elapsed = time.perf_counter() - self.window_start
         training_time = elapsed - self.window_other_time
         tokens_per_second = self.window_tokens / training_time
@@ -141,8 +174,11 @@ class MetricsLogger:
             f"eta {eta}",
         ]
         logger.info("  ".join(part for part in parts if part))
+        written = {**metrics, **upstream_metrics(metrics, self.flops_per_token)}
+        if rank_loss is not None:
+            written["loss_metrics/global_max_loss"] = max_over_ranks(rank_loss, self.device)
         for writer in self.writers:
-            writer.scalars(metrics, step)
+            writer.scalars(written, step)
         self.reset_window(step)
 
     def log_validation(self, step: int, metrics: dict[str, float], seconds: float) -> None:

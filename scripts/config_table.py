@@ -26,6 +26,7 @@ RECIPES = {
     "softpick_transformer_340M": "softpick paper: softpick attention",
     "rectified_transformer_340M": "softpick paper: rectified softmax (appendix)",
     "scaled_softpick_transformer_340M": "softpick paper: scaled softpick",
+    "softpick_scaled_transformer_340M": "the softpick fork's name of scaled_softpick_transformer_340M (a link)",
     "scaled_vanilla_transformer_340M": "softpick paper: scaled softmax",
     "olmo_1b_control": "OLMo-core linear-RNN 1B: control (SWA [4097,4097,4097,full], QK-norm)",
     "olmo_1b_gated_deltanet": "OLMo-core linear-RNN 1B: gated_deltanet",

@@ -164,3 +164,129 @@ def test_ranks_cache_triton_autotuning_unless_told_not_to(tmp_path, preset, expe
     result = train_sh("--job.dump_folder", str(tmp_path / "dump"), env=env)
     assert result.returncode == 0, result.stderr
     assert f"ranks see TRITON_CACHE_AUTOTUNING={expected}\n" in result.stdout
+
+
+def test_context_len_over_seq_len_stops_in_the_preflight_within_5s(tmp_path):
+    start = time.monotonic()
+    result = train_sh("--training.context_len", "4096", "--training.seq_len", "256", env={"NGPU": "2"})
+    elapsed = time.monotonic() - start
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: training.context_len (4096) must not exceed training.seq_len (256)"
+    ]
+    assert elapsed < 5, f"took {elapsed:.1f}s"
+
+
+@pytest.mark.parametrize(
+    ("ngpu", "args", "message"),
+    [
+        (1, ["--training.varlen", "--training.batch_size", "2"], "training.batch_size must be 1, got 2"),
+        (1, ["--training.dataset", "a,b", "--training.data_probs", "0.5"], "training.data_probs has 1 values"),
+        (2, ["--training.global_batch_size", "12"], "training.global_batch_size 12 is not a multiple of local batch"),
+        (2, ["--checkpoint.create_seed_checkpoint"], "create_seed_checkpoint runs on one process, not 2"),
+        (1, ["--profiling.enable_memory_snapshot"], "enable_memory_snapshot records CUDA memory; it needs a GPU"),
+        (8, ["--training.data_parallel_shard_degree", "3"], "= 3 is not the world size 8"),
+    ],
+)  # fmt: skip
+def test_launch_contradictions_stop_in_the_preflight(monkeypatch, ngpu, args, message):
+    import torch
+
+    from flame.errors import FlameError
+    from flame.launch import preflight
+
+    monkeypatch.setenv("NGPU", str(ngpu))
+    monkeypatch.delenv("FLAME_LAUNCH_ENV", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(FlameError, match=re.escape(message)):
+        preflight(args)
+
+
+def test_a_global_batch_the_ranks_can_split_passes_the_preflight(monkeypatch):
+    from flame.launch import preflight
+
+    monkeypatch.setenv("NGPU", "2")
+    monkeypatch.delenv("FLAME_LAUNCH_ENV", raising=False)
+    assert preflight(["--training.global_batch_size", "32"]) == 0  # 8 x 2 ranks x 2 accumulation steps
+
+
+def test_the_preflight_does_not_import_the_data_loader():
+    """flame.data's loader imports datasets (seconds): the pre-flight checks the data options without it."""
+    code = (
+        "import sys; from flame.launch import preflight; preflight(['--job.dry_run']); "
+        "print('datasets' in sys.modules, 'flame.data.loader' in sys.modules)"
+    )
+    result = subprocess.run(["python", "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.stdout.strip().splitlines()[-1] == "False False", result.stderr
+
+
+def test_print_args_prints_the_merged_config_before_the_ranks(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text("#!/bin/sh\necho ranks start\n")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLAME_EXPORT_HF": "0"}
+    result = train_sh("--job.print_args", "--job.dump_folder", str(tmp_path / "dump"), env=env)
+    assert result.returncode == 0, result.stderr
+    printed, _, after = result.stdout.partition("ranks start")
+    assert json.loads(printed)["job"]["print_config"] is True and after == "\n"
+
+
+def stub_torchrun(tmp_path: Path, body: str) -> dict:
+    """PATH with a torchrun that runs ``body`` (bash; $LOG_DIR is its --log-dir), for train.sh's handling of it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "torchrun"
+    stub.write_text(
+        '#!/usr/bin/env bash\nwhile [ $# -gt 0 ]; do [ "$1" = --log-dir ] && LOG_DIR=$2; shift; done\n' + body
+    )
+    stub.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLAME_EXPORT_HF": "0"}
+
+
+LAUNCHER_FAILURE = (
+    'echo "[rank0]:[titan] starting" >&2\n'
+    'echo "Traceback (most recent call last):" >&2\n'
+    'echo "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:" >&2\n'
+    'echo "  exitcode  : -9 (pid: 4242)" >&2\n'
+    "exit 1\n"
+)
+
+
+def test_a_refusal_of_a_rank_the_console_hides_is_the_last_line(tmp_path):
+    dump = tmp_path / "dump"
+    body = 'mkdir -p "$LOG_DIR/none_x/attempt_0/1"\necho "error: rank 1 refuses" > "$LOG_DIR/none_x/attempt_0/1/stderr.log"\n'
+    result = train_sh(
+        "--job.dump_folder", str(dump), env={**stub_torchrun(tmp_path, body + LAUNCHER_FAILURE), "NGPU": "2"}
+    )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == ["[rank0]:[titan] starting", "[rank1]:error: rank 1 refuses"]
+    assert "ChildFailedError" in (dump / "logs" / "launcher.log").read_text()
+
+
+def test_a_rank_ending_without_a_message_gets_one_line_naming_the_reports(tmp_path):
+    dump = tmp_path / "dump"
+    result = train_sh("--job.dump_folder", str(dump), env=stub_torchrun(tmp_path, LAUNCHER_FAILURE))
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "[rank0]:[titan] starting",
+        "error: training failed: a rank ended with exit code -9 without a message (killed, out of memory or "
+        f"crashed); every rank's output is in {dump}/logs, torchrun's report in {dump}/logs/launcher.log",
+    ]
+
+
+def test_under_torchrun_a_rank_refusal_is_the_last_line_without_launcher_traceback(tmp_path):
+    """Two CPU ranks refuse an unreadable dataset: the refusal ends the output, torchrun's report is in the log."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "part.parquet").write_text("not parquet")
+    dump = tmp_path / "dump"
+    result = train_sh(
+        "--training.dataset", str(data), "--job.dump_folder", str(dump), "--training.steps", "30",
+        env={"NGPU": "2", "FLAME_EXPORT_HF": "0", "MASTER_PORT": str(29500 + os.getpid() % 1000)}, timeout=300,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert re.match(
+        r"\[rank0\]:error: cannot read data file '.*part.parquet'", result.stderr.splitlines()[-1]
+    )
+    assert "Traceback" not in result.stderr + result.stdout and "ChildFailedError" not in result.stderr
+    assert "ChildFailedError" in (dump / "logs" / "launcher.log").read_text()

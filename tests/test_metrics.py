@@ -126,3 +126,60 @@ def test_hybrid_flops_sum_attention_and_linear_layers():
     assert total == 6 * (nparams - 1000 * 256) + 2 * 12 * 256 * 2048 + 2 * linear
     # At 2048 tokens a linear-attention layer costs less than an attention layer.
     assert linear < 12 * 256 * 2048
+
+
+def test_upstream_flames_metric_names_are_written_too(tmp_path):
+    from flame.metrics import RANK_LOSS
+
+    config = parse_args(["--job.dump_folder", str(tmp_path)])
+    metrics = MetricsLogger(config, torch.device("cpu"), rank=0, flops_per_token=1000, last_step=20)
+    metrics.peak_flops = 1e6
+    metrics.window_tokens = 2048
+    metrics.window_data_time = 0.0
+    metrics.log(10, {**STEP_METRICS, RANK_LOSS: 5.5})
+    metrics.close()
+
+    def scalar(tag):
+        return tensorboard_scalars(tmp_path, tag).get(10)
+
+    tokens_per_second = scalar("throughput/tokens_per_second_per_device")
+    assert scalar("loss_metrics/global_avg_loss") == 5.25 and scalar("loss_metrics/global_max_loss") == 5.5
+    assert scalar("grad_norm") == 0.5 and scalar("lr") == pytest.approx(3e-4)
+    assert scalar("throughput(tps)") == tokens_per_second
+    assert scalar("tflops") == pytest.approx(1000 * tokens_per_second / 1e12, rel=1e-5)
+    assert scalar("mfu(%)") == scalar("throughput/mfu_percent")
+    assert scalar("memory/max_reserved(GiB)") == scalar("memory/peak_reserved_gib")
+    assert scalar("memory/max_active(GiB)") == scalar("memory/peak_allocated_gib")
+    assert scalar("time_metrics/data_loading(%)") == 0.0
+    assert scalar(RANK_LOSS) is None  # an input of the max, not a metric
+
+
+def max_of_two_ranks(rank: int, port: int, results) -> None:
+    from flame.metrics import max_over_ranks
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://localhost:{port}", rank=rank, world_size=2
+    )
+    results[rank] = max_over_ranks([4.0, 6.5][rank], torch.device("cpu"))
+    torch.distributed.destroy_process_group()
+
+
+def test_max_loss_is_the_largest_rank_mean_of_all_ranks():
+    from tests.trainer_helpers import free_port
+
+    results = torch.multiprocessing.Manager().dict()
+    torch.multiprocessing.spawn(max_of_two_ranks, args=(free_port(), results), nprocs=2)
+    assert dict(results) == {0: 6.5, 1: 6.5}
+
+
+def test_the_trainer_hands_each_ranks_own_mean_loss(make_trainer):
+    """One rank: its own mean loss is the global one (the max over ranks of one rank is its value)."""
+    from flame.metrics import RANK_LOSS
+
+    trainer = make_trainer()
+    logged = []
+    original = trainer.metrics.log
+    trainer.metrics.log = lambda step, metrics: (logged.append(dict(metrics)), original(step, metrics))
+    trainer.step = 1
+    trainer.train_step(iter([next(iter(trainer.dataloader))]))
+    assert logged[0][RANK_LOSS] == pytest.approx(logged[0]["loss/train"], rel=1e-6)

@@ -53,12 +53,22 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def retention_policy(folder: str, interval: int, keep_latest_k: int) -> str:
+    """The start banner's line on checkpoint retention (upstream flame's default keeps every checkpoint)."""
+    kept = "keeping all of them" if keep_latest_k <= 0 else f"keeping the latest {keep_latest_k}"
+    return (
+        f"Checkpoints every {interval} steps in {folder}, {kept} (checkpoint.keep_latest_k {keep_latest_k})"
+    )
+
+
 class CheckpointManager(TorchTitanCheckpointManager):
     def __init__(self, *args, model_config: dict | None = None, tokenizer: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.model_config = model_config
         self.tokenizer = tokenizer
         self._loading_keys: set[str] | None = None
+        if self.enable:
+            logger.info(retention_policy(self.folder, self.interval, self.keep_latest_k))
 
     # ---- saving -------------------------------------------------------------------------------------------
     @torch.no_grad()

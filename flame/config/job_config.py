@@ -4,8 +4,13 @@ torchtitan merges these sections field by field into its own (``--job.custom_con
 passes this module, so every field below is a regular ``--section.field`` flag and TOML key.
 
 Several fields are the names flame's users already type (``--training.batch_size``, ``--training.compile``,
-``--lr_scheduler.lr_min`` ...). They default to ``None`` (switches: ``False``) and, when given, are copied onto
-torchtitan's field of the same meaning by :func:`flame.config.manager.resolve_aliases`; ALIASES lists them.
+``--lr_scheduler.lr_min`` ...). They default to ``None`` and, when given (switches too: ``--training.compile
+false`` is given), are copied onto torchtitan's field of the same meaning by
+:func:`flame.config.manager.resolve_aliases`; ALIASES lists them.
+
+The last block holds upstream flame's option names (fla-org/flame's ``train.sh -h``) that flame spells
+differently or does not use: ALIASES maps the first kind, NO_EFFECT gives the notice line for the second, and
+``flame.config.manager`` converts the few whose values differ in meaning (UPSTREAM_CONVERTED).
 """
 
 from dataclasses import dataclass, field
@@ -104,10 +109,10 @@ class Training:
     seed: int | None = None
     """Base RNG seed (alias of debug.seed)"""
 
-    deterministic: bool = False
+    deterministic: bool | None = None
     """Use deterministic algorithms (alias of debug.deterministic)"""
 
-    compile: bool = False
+    compile: bool | None = None
     """torch.compile each block (alias of compile.enable)"""
 
     skip_nan_inf: bool = False
@@ -146,8 +151,8 @@ class Optimizer:
     min_lr_ratio: float | None = None
     """Alias of lr_scheduler.min_lr_factor (older flame)"""
 
-    fused: bool = False
-    """Older flame's switch for optimizer.implementation = fused (already the default)"""
+    fused: bool | None = None
+    """Older flame's switch: true sets optimizer.implementation fused (the default), false foreach"""
 
 
 @dataclass
@@ -161,8 +166,8 @@ class Checkpoint:
     enable: bool = True
     """Save DCP checkpoints under <dump_folder>/<folder>"""
 
-    keep_latest_k: int = 2
-    """Keep only the latest k checkpoints (0: keep all)"""
+    keep_latest_k: int = 0
+    """Keep only the latest k complete checkpoints; 0 (the default, as upstream flame) keeps all"""
 
     last_save_model_only: bool = False
     """Save only the model at the last step (no optimizer/data state: the run cannot resume from it)"""
@@ -284,4 +289,200 @@ ALIASES: dict[str, str] = {
     "training.warmup_steps": "lr_scheduler.warmup_steps",
     "lr_scheduler.lr_min": "lr_scheduler.min_lr_factor",
     "optimizer.min_lr_ratio": "lr_scheduler.min_lr_factor",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Upstream flame's option names (fla-org/flame's `train.sh -h`, older and current), accepted so that its commands
+# and TOML files run verbatim. Renames are in ALIASES, options without an effect here in NO_EFFECT, and the ones
+# whose values need converting in flame.config.manager (UPSTREAM_CONVERTED). Switches are `bool | None`: None
+# means not given, so `--x false` reaches the field it sets.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class UpstreamJob:
+    print_args: bool | None = None
+    """Upstream's name of job.print_config: print the merged config at launch"""
+
+    use_for_integration_test: bool = False
+    """Upstream's torchtitan test-suite marker (no effect in flame)"""
+
+
+@dataclass
+class UpstreamModel:
+    name: str | None = None
+    """Upstream's model registry name, e.g. 'fla' (no effect: flame picks the family from model_type in model.config)"""
+
+    norm_type: str | None = None
+    """Upstream's norm choice (no effect: the norm comes from the model config)"""
+
+
+@dataclass
+class UpstreamTraining:
+    disable_loss_parallel: bool | None = None
+    """Upstream's name of parallelism.disable_loss_parallel"""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] | None = None
+    """Upstream's name of parallelism.fsdp_reshard_after_forward"""
+
+    enable_l2wrap: bool = False
+    """Upstream's L2Wrap logit regularization (not implemented in flame: --training.z_loss regularizes the logits)"""
+
+    l2wrap_factor: float | None = None
+    """Upstream's L2Wrap coefficient (not implemented in flame)"""
+
+
+@dataclass
+class UpstreamMetrics:
+    rank_0_only: bool | None = None
+    """Upstream's switch: metrics from rank 0 only (the default); false sets metrics.save_for_all_ranks"""
+
+
+@dataclass
+class UpstreamCheckpoint:
+    enable_checkpoint: bool | None = None
+    """Upstream's name of checkpoint.enable"""
+
+    interval_type: Literal["step", "steps", "seconds"] | None = None
+    """Upstream's interval unit: flame counts checkpoint.interval in steps ('seconds' is refused)"""
+
+    model_weights_only: bool | None = None
+    """Upstream's name of checkpoint.last_save_model_only"""
+
+    hf_upload_enabled: bool = False
+    """The softpick fork's hub upload switch (not implemented in flame: checkpoints stay local)"""
+
+    hf_repo_base_name: str | None = None
+    """The softpick fork's hub repository for uploads (not implemented in flame)"""
+
+    hf_upload_format: Literal["dcp", "hf"] | None = None
+    """The softpick fork's upload format (not implemented in flame)"""
+
+
+@dataclass
+class UpstreamExperimental:
+    pipeline_parallel_degree: int | None = None
+    """Upstream's name of parallelism.pipeline_parallel_degree"""
+
+    pipeline_parallel_schedule: str | None = None
+    """Upstream's name of parallelism.pipeline_parallel_schedule"""
+
+    pipeline_parallel_schedule_csv: str | None = None
+    """Upstream's name of parallelism.pipeline_parallel_schedule_csv"""
+
+    pipeline_parallel_microbatches: int | None = None
+    """Upstream's number of pipeline micro-batches per step (sets parallelism.pipeline_parallel_microbatch_size =
+    training.local_batch_size / this)"""
+
+    pipeline_parallel_split_points: list[str] | None = None
+    """Upstream's stage boundaries (no effect: flame splits the layers evenly, see
+    parallelism.pipeline_parallel_layers_per_stage)"""
+
+    context_parallel_degree: int | None = None
+    """Upstream's name of parallelism.context_parallel_degree"""
+
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] | None = None
+    """Upstream's ring-attention collective (no effect: flame's context parallelism gathers keys and states)"""
+
+    enable_async_tensor_parallel: bool = False
+    """Upstream's async TP switch (no effect in flame)"""
+
+    enable_compiled_autograd: bool = False
+    """Upstream's compiled-autograd switch (no effect in flame)"""
+
+
+@dataclass
+class UpstreamFloat8:
+    enable_float8_linear: bool | None = None
+    """Upstream's float8 switch: adds quantize.linear.float8 to model.converters"""
+
+    enable_fsdp_float8_all_gather: bool | None = None
+    """Upstream's name of quantize.linear.float8.enable_fsdp_float8_all_gather"""
+
+    precompute_float8_dynamic_scale_for_fsdp: bool | None = None
+    """Upstream's name of quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"""
+
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
+    """Upstream's name of quantize.linear.float8.recipe_name"""
+
+    force_recompute_fp8_weight_in_bwd: bool = False
+    """Upstream's float8 recompute switch (no effect: torchao decides)"""
+
+    scaling_type_input: Literal["dynamic", "delayed"] | None = None
+    """Upstream's float8 scaling of inputs: dynamic is what flame does ('delayed' is refused)"""
+
+    scaling_type_weight: Literal["dynamic", "delayed"] | None = None
+    """Upstream's float8 scaling of weights: dynamic is what flame does ('delayed' is refused)"""
+
+    scaling_type_grad_output: Literal["dynamic", "delayed"] | None = None
+    """Upstream's float8 scaling of output gradients: dynamic is what flame does ('delayed' is refused)"""
+
+
+@dataclass
+class UpstreamMemoryEstimation:
+    enabled: bool = False
+    """Upstream's FSDP memory estimation switch (no effect in flame)"""
+
+
+@dataclass
+class UpstreamActivationOffload:
+    mode: Literal["none", "full"] = "none"
+    """Upstream's activation offloading (no effect in flame: use activation_checkpoint.mode)"""
+
+
+@dataclass
+class UpstreamJobConfig:
+    job: UpstreamJob = field(default_factory=UpstreamJob)
+    model: UpstreamModel = field(default_factory=UpstreamModel)
+    training: UpstreamTraining = field(default_factory=UpstreamTraining)
+    metrics: UpstreamMetrics = field(default_factory=UpstreamMetrics)
+    checkpoint: UpstreamCheckpoint = field(default_factory=UpstreamCheckpoint)
+    experimental: UpstreamExperimental = field(default_factory=UpstreamExperimental)
+    float8: UpstreamFloat8 = field(default_factory=UpstreamFloat8)
+    memory_estimation: UpstreamMemoryEstimation = field(default_factory=UpstreamMemoryEstimation)
+    activation_offload: UpstreamActivationOffload = field(default_factory=UpstreamActivationOffload)
+
+
+ALIASES.update(
+    {
+        "job.print_args": "job.print_config",
+        "training.disable_loss_parallel": "parallelism.disable_loss_parallel",
+        "training.fsdp_reshard_after_forward": "parallelism.fsdp_reshard_after_forward",
+        "checkpoint.enable_checkpoint": "checkpoint.enable",
+        "checkpoint.model_weights_only": "checkpoint.last_save_model_only",
+        "experimental.pipeline_parallel_degree": "parallelism.pipeline_parallel_degree",
+        "experimental.pipeline_parallel_schedule": "parallelism.pipeline_parallel_schedule",
+        "experimental.pipeline_parallel_schedule_csv": "parallelism.pipeline_parallel_schedule_csv",
+        "experimental.context_parallel_degree": "parallelism.context_parallel_degree",
+        "float8.enable_fsdp_float8_all_gather": "quantize.linear.float8.enable_fsdp_float8_all_gather",
+        "float8.precompute_float8_dynamic_scale_for_fsdp": "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+        "float8.recipe_name": "quantize.linear.float8.recipe_name",
+    }
+)
+
+# Upstream option -> why it changes nothing here; given with a value other than its default, the launch prints
+# "notice: --<option> has no effect in flame: <reason>".
+NO_EFFECT: dict[str, str] = {
+    "job.use_for_integration_test": "it marks torchtitan's own integration tests",
+    "model.name": "the model family comes from model_type in --model.config",
+    "model.norm_type": "the norm comes from the model config (--model.config)",
+    "experimental.pipeline_parallel_split_points": (
+        "flame splits the layers evenly between stages (--parallelism.pipeline_parallel_layers_per_stage)"
+    ),
+    "experimental.context_parallel_rotate_method": "flame's context parallelism all-gathers keys and states",
+    "experimental.enable_async_tensor_parallel": "flame's tensor parallelism is synchronous",
+    "experimental.enable_compiled_autograd": "flame compiles the forward of each block only",
+    "float8.force_recompute_fp8_weight_in_bwd": "torchao's float8 training decides what to recompute",
+    "memory_estimation.enabled": "flame has no FSDP memory estimator; the first steps' logged memory is the measure",
+    "memory_estimation.enable": "flame has no FSDP memory estimator",
+    "model.print_after_conversion": "flame logs the model's size, not its definition",
+    "fault_tolerance.enable": "flame does not run TorchFT",
+    "memory_estimation.disable_fake_mode": "flame has no FSDP memory estimator",
+    "activation_offload.mode": "flame does not offload activations; use --activation_checkpoint.mode",
+    "training.enable_l2wrap": "L2Wrap is not implemented; --training.z_loss is flame's regularizer of the logits",
+    "training.l2wrap_factor": "L2Wrap is not implemented; --training.z_loss is flame's regularizer of the logits",
+    "checkpoint.hf_upload_enabled": "hub upload is not implemented; checkpoints stay in <dump_folder>/checkpoint",
+    "checkpoint.hf_repo_base_name": "hub upload is not implemented; checkpoints stay in <dump_folder>/checkpoint",
+    "checkpoint.hf_upload_format": "hub upload is not implemented; checkpoints stay in <dump_folder>/checkpoint",
 }

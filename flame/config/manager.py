@@ -6,6 +6,7 @@ checked against the merged schema, so a typo fails at once with one line naming 
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import sys
 import typing
@@ -13,8 +14,9 @@ from typing import Any
 
 import tyro
 
-from flame.config.job_config import ALIASES, REPO_ROOT
+from flame.config.job_config import ALIASES, NO_EFFECT, REPO_ROOT, UpstreamJobConfig
 from flame.errors import ConfigError
+from flame.utils.hub import resolve_model_config
 
 try:
     import tomllib
@@ -28,11 +30,14 @@ DEFAULT_JOB = REPO_ROOT / "flame" / "assets" / "default_job.toml"
 PATH_KEYS = (("model", "config"), ("model", "tokenizer_path"), ("training", "dataset"))
 
 
+@functools.cache  # one class per module: tyro caches what it reads from a class (docstrings) per class
 def job_config_class(custom_module: str | None = None) -> type:
-    """torchtitan's JobConfig merged with flame's sections (and a user's custom module, if any)."""
+    """torchtitan's JobConfig merged with flame's sections, upstream flame's option names (and a user's custom
+    module, if any)."""
     from flame.compat import torchtitan_job_config
 
     merged = merge_configs(torchtitan_job_config(), importlib.import_module(FLAME_CONFIG_MODULE).JobConfig)
+    merged = merge_configs(merged, UpstreamJobConfig)
     if custom_module and custom_module != FLAME_CONFIG_MODULE:
         try:
             user = importlib.import_module(custom_module).JobConfig
@@ -71,11 +76,14 @@ def parse_args(argv: list[str]) -> Any:
     config_cls = job_config_class(custom_module)
     valid = valid_options(config_cls)
     _check_toml_keys(toml_values, config_cls, toml_path or "")
+    argv = normalize_switches(argv, valid)
     _check_flags(argv, valid)
 
     default = _dict_to_dataclass(config_cls, toml_values) if toml_values else config_cls()
     config = tyro.cli(config_cls, args=argv, default=default, registry=_tyro_registry())
-    resolve_aliases(config)
+    resolve_aliases(config, given_flags=_given_options(argv, valid))
+    # A hub name for the model config reads its config.json from the HF cache (fetched once if missing).
+    config.model.config = resolve_model_config(config.model.config)
     return config
 
 
@@ -106,13 +114,23 @@ def valid_options(config_cls: type) -> dict[str, dataclasses.Field]:
 
 
 def suggest(name: str, candidates: list[str]) -> str:
-    """' (did you mean 'x'?)' for the nearest candidate, or ''."""
-    section = name.rsplit(".", 1)[0] + "." if "." in name else ""
-    same_section = [c for c in candidates if c.startswith(section)]
-    match = difflib.get_close_matches(name, same_section, n=1, cutoff=0.6) or difflib.get_close_matches(
-        name, candidates, n=1, cutoff=0.6
-    )
-    return f"; did you mean '{match[0]}'?" if match else "; run with --help to list every option"
+    """'; did you mean 'x'?' for a near match only: a close field name in the same section, the same field
+    name in another section, or a close dotted name when the section itself is mistyped."""
+    section, _, field_name = name.rpartition(".")
+    sections = {c.rpartition(".")[0] for c in candidates}
+    if section in sections:
+        fields = {c.rpartition(".")[2]: c for c in candidates if c.rpartition(".")[0] == section}
+        match = difflib.get_close_matches(field_name, list(fields), n=1, cutoff=0.6)
+        if match:
+            return f"; did you mean '{fields[match[0]]}'?"
+        elsewhere = sorted(c for c in candidates if c.rpartition(".")[2] == field_name)
+        if elsewhere:
+            return f"; did you mean '{elsewhere[0]}'?"
+    else:
+        match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75)
+        if match:
+            return f"; did you mean '{match[0]}'?"
+    return "; run with --help to list every option"
 
 
 def _flag_value(argv: list[str], name: str) -> str | None:
@@ -171,27 +189,96 @@ def _tyro_registry() -> "tyro.constructors.ConstructorRegistry":
     return registry
 
 
-def _check_flags(argv: list[str], valid: dict[str, dataclasses.Field]) -> None:
-    """Every --flag exists, and values of int, float and choice options parse."""
-    names = list(valid)
-    for i, arg in enumerate(argv):
-        if not arg.startswith("--") or arg == "--help":
+def _is_switch(annotation: Any) -> bool:
+    """bool, or ``bool | None`` (an alias switch whose None means 'not given')."""
+    return annotation in (bool, "bool") or set(typing.get_args(annotation)) == {bool, type(None)}
+
+
+def _switch(flag: str, valid: dict[str, dataclasses.Field]) -> tuple[str, bool] | None:
+    """(option, negated) for a switch spelled --x, --section.no-x or --no-section.x; None for anything else."""
+    name = flag.replace("-", "_")
+    section, _, field_name = name.rpartition(".")
+    for option, negated in (
+        (name, False),
+        (name.removeprefix("no_"), name.startswith("no_")),
+        (f"{section}.{field_name.removeprefix('no_')}", field_name.startswith("no_")),
+    ):
+        if (negated or option == name) and option in valid and _is_switch(valid[option].type):
+            return option, negated
+    return None
+
+
+def normalize_switches(argv: list[str], valid: dict[str, dataclasses.Field]) -> list[str]:
+    """Switches as tyro takes them, from every spelling upstream's users type: ``--x``, ``--x true|false``,
+    ``--x=false``, ``--no-x`` and ``--section.no-x``."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        switch = _switch(arg[2:].partition("=")[0], valid) if arg.startswith("--") else None
+        if switch is None:
+            out.append(arg)
             continue
+        name, negated = switch
+        _, eq, word = arg.partition("=")
+        if not eq and i < len(argv) and argv[i].lower() in ("true", "false"):
+            word = argv[i]
+            i += 1
+        if (eq or word) and word.lower() not in ("true", "false"):
+            raise ConfigError(
+                f"{arg.partition('=')[0]} is a switch: give it alone or with true/false, got '{word}'"
+            )
+        on = (word.lower() != "false" if word else True) != negated
+        if valid[name].type in (bool, "bool"):
+            section, _, field_name = name.rpartition(".")
+            out.append(f"--{name}" if on else f"--{section}.no-{field_name}")
+        else:
+            out += [f"--{name}", str(on)]
+    return out
+
+
+def _check_flags(argv: list[str], valid: dict[str, dataclasses.Field]) -> None:
+    """Every --flag exists, values of int, float and choice options parse, and no value is left over.
+    Runs on normalized switches (:func:`normalize_switches`)."""
+    names = list(valid)
+    takes_value, previous = False, None
+    for i, arg in enumerate(argv):
+        if arg in ("-h", "--help"):
+            takes_value, previous = False, None
+            continue
+        if not arg.startswith("--"):
+            if takes_value:
+                takes_value = False
+            elif previous is not None and _switch(previous, valid):
+                raise ConfigError(f"--{previous} is a switch: give it alone or with true/false, got '{arg}'")
+            else:
+                raise ConfigError(f"unexpected argument '{arg}': options are --section.field [value]")
+            continue
+        takes_value, previous = False, arg[2:]
         flag, eq, value = arg[2:].partition("=")
         name = flag.replace("-", "_")
-        if name not in valid:
-            section, _, field_name = name.rpartition(".")
-            negated = f"{section}.{field_name.removeprefix('no_')}"
-            if field_name.startswith("no_") and negated in valid and _is_bool(valid[negated].type):
-                continue
-            raise ConfigError(f"unknown option --{flag}{suggest(name, names)}")
-        if _is_bool(valid[name].type):
+        if switch := _switch(flag, valid):
+            takes_value = not _is_bool(valid[switch[0]].type)  # a bool | None switch: True/False follows
             continue
+        if name not in valid:
+            raise ConfigError(f"unknown option --{flag}{suggest(name, names)}")
         if not eq:
             if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                 raise ConfigError(f"option --{flag} needs a value")
             value = argv[i + 1]
+            takes_value = True
         _check_value(flag, value, valid[name].type)
+
+
+def _given_options(argv: list[str], valid: dict[str, dataclasses.Field]) -> set[str]:
+    """Dotted names of the options on a (normalized) command line."""
+    given = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            flag = arg[2:].partition("=")[0]
+            switch = _switch(flag, valid)
+            given.add(switch[0] if switch else flag.replace("-", "_"))
+    return given
 
 
 def _is_bool(annotation: Any) -> bool:
@@ -246,19 +333,75 @@ def _set(config: Any, dotted: str, value: Any) -> None:
     setattr(config, last, value)
 
 
-def resolve_aliases(config: Any) -> None:
-    """Copy flame's user-facing aliases (``training.batch_size`` ...) onto torchtitan's fields."""
+def resolve_aliases(config: Any, given_flags: set[str] = frozenset()) -> None:
+    """Copy flame's user-facing aliases (``training.batch_size`` ...) and upstream flame's option names onto
+    torchtitan's fields. ``given_flags``: options on the command line; an alias from the TOML file does not
+    override its target given as a flag (flags > TOML)."""
     for alias, target in ALIASES.items():
         value = _get(config, alias)
-        # Switches default to False, so only an explicit True is copied.
-        if value is not None and value is not False:
+        if value is not None and not (alias not in given_flags and target in given_flags):
             _set(config, target, value)
     accumulation = config.training.gradient_accumulation_steps
     if accumulation is not None and accumulation < 1:
         raise ConfigError(f"training.gradient_accumulation_steps must be >= 1, got {accumulation}")
-    if config.optimizer.fused:
-        config.optimizer.implementation = "fused"
+    if config.optimizer.fused is not None:
+        config.optimizer.implementation = "fused" if config.optimizer.fused else "foreach"
     _resolve_scheduler_name(config)
+    _convert_upstream_values(config)
+
+
+# Upstream options whose values mean something else in flame's fields: converted by _convert_upstream_values.
+UPSTREAM_CONVERTED = (
+    "metrics.rank_0_only",
+    "experimental.pipeline_parallel_microbatches",
+    "float8.enable_float8_linear",
+    "float8.scaling_type_input",
+    "float8.scaling_type_weight",
+    "float8.scaling_type_grad_output",
+    "checkpoint.interval_type",
+)
+
+
+def _convert_upstream_values(config: Any) -> None:
+    from flame.parallelize.float8 import FLOAT8
+
+    if config.metrics.rank_0_only is not None:
+        config.metrics.save_for_all_ranks = not config.metrics.rank_0_only
+    microbatches = config.experimental.pipeline_parallel_microbatches
+    if microbatches is not None:
+        batch = config.training.local_batch_size
+        if microbatches < 1 or batch % microbatches:
+            raise ConfigError(
+                f"experimental.pipeline_parallel_microbatches must divide training.batch_size ({batch}), "
+                f"got {microbatches}"
+            )
+        config.parallelism.pipeline_parallel_microbatch_size = batch // microbatches
+    float8_linear = config.float8.enable_float8_linear
+    converters = [c for c in config.model.converters if c != FLOAT8]
+    if float8_linear is not None:
+        config.model.converters = [*converters, FLOAT8] if float8_linear else converters
+    for kind in ("input", "weight", "grad_output"):
+        if getattr(config.float8, f"scaling_type_{kind}") == "delayed":
+            raise ConfigError(
+                f"float8.scaling_type_{kind} delayed is not supported (torchao removed delayed scaling); "
+                "flame scales dynamically: drop the option or pass dynamic"
+            )
+    if config.checkpoint.interval_type == "seconds":
+        raise ConfigError(
+            "checkpoint.interval_type seconds is not supported: flame counts checkpoint.interval in steps; "
+            "drop --checkpoint.interval_type and give the interval in steps"
+        )
+
+
+def upstream_notices(config: Any) -> list[str]:
+    """One line per upstream option that was given but has no effect in flame (NO_EFFECT)."""
+    notices = []
+    for name, reason in NO_EFFECT.items():
+        section, _, field_name = name.rpartition(".")
+        field = next(f for f in dataclasses.fields(_get(config, section)) if f.name == field_name)
+        if _get(config, name) != field.default:
+            notices.append(f"notice: --{name} has no effect in flame: {reason}")
+    return notices
 
 
 # Fraction of the steps that older flame's "wsd" schedule decays over when lr_scheduler.decay_ratio is unset.

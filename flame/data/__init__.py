@@ -12,7 +12,19 @@ order and shuffling), mixing, packing, loader (the dataloader), shards + prepare
 """
 
 from flame.data.config import DataConfigError
-from flame.data.loader import FlameDataLoader, build_dataloader
-from flame.data.tokenize import build_tokenizer
 
 __all__ = ["DataConfigError", "FlameDataLoader", "build_dataloader", "build_tokenizer"]
+
+
+def __getattr__(name: str):
+    # The loader and tokenizer import `datasets` and `transformers` (seconds): loaded on first use, so that
+    # train.sh's pre-flight can check the data options (flame.data.config) within its time budget.
+    if name in ("FlameDataLoader", "build_dataloader"):
+        from flame.data import loader
+
+        return getattr(loader, name)
+    if name == "build_tokenizer":
+        from flame.data.tokenize import build_tokenizer
+
+        return build_tokenizer
+    raise AttributeError(f"module 'flame.data' has no attribute '{name}'")

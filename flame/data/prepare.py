@@ -25,7 +25,7 @@ from flame.data.tokenize import DocumentEncoder
 logger = logging.getLogger(__name__)
 
 READ_BATCH = 1024
-"""Rows tokenized together (the fast tokenizer spreads a batch over its threads)"""
+"""Rows tokenized together by default (the fast tokenizer spreads a batch over its threads)"""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -41,6 +41,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokenizer", required=True, help="HF tokenizer directory or hub name")
     parser.add_argument("--output", required=True, help="directory to write the shards and index into")
     parser.add_argument("--shard_tokens", type=int, default=1 << 28, help="tokens per shard (default: 2^28)")
+    parser.add_argument(
+        "--batch_size", type=int, default=READ_BATCH, help=f"rows tokenized together (default: {READ_BATCH})"
+    )
     return parser.parse_args(argv)
 
 
@@ -59,6 +62,8 @@ def prepare(args: argparse.Namespace) -> dict:
         raise DataConfigError("prepare one dataset at a time; mix prepared directories at training time")
     if args.shard_tokens < 1:
         raise DataConfigError(f"--shard_tokens must be >= 1, got {args.shard_tokens}")
+    if args.batch_size < 1:
+        raise DataConfigError(f"--batch_size must be >= 1, got {args.batch_size}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     except (OSError, ValueError) as e:
@@ -68,8 +73,8 @@ def prepare(args: argparse.Namespace) -> dict:
     writer = ShardWriter(args.output, specs[0].split, tokenizer, args.shard_tokens, source.description)
     counts: dict[str, int] = {}
     documents = tokens = 0
-    started, next_report = time.monotonic(), 100 * READ_BATCH
-    for batch in source.dataset.iter(batch_size=READ_BATCH):
+    started, next_report = time.monotonic(), 100 * args.batch_size
+    for batch in source.dataset.iter(batch_size=args.batch_size):
         for encoded in encode(source.rows(batch)):
             if encoded.note:
                 counts[encoded.note] = counts.get(encoded.note, 0) + 1
@@ -80,7 +85,7 @@ def prepare(args: argparse.Namespace) -> dict:
         if documents >= next_report:
             rate = tokens / (time.monotonic() - started)
             logger.info(f"{documents:,} documents, {tokens:,} tokens ({rate:,.0f} tokens/s)")
-            next_report += 100 * READ_BATCH
+            next_report += 100 * args.batch_size
     if documents == 0:
         raise DataConfigError(f"{source.description} holds no non-empty document")
     return writer.finish(counts)

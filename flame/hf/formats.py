@@ -1,7 +1,8 @@
 """Which HF format a model is exported in, and how an HF checkpoint is read back (no transformers import).
 
 Export formats (``--format``):
-- ``auto`` (default): ``fla`` when FLA's class computes exactly what flame trained, else ``flame``;
+- ``auto`` (default): the first that computes exactly what flame trained, of ``llama``/``olmo_hybrid``
+  (transformers loads them with no extra import, on any machine), ``fla``, then ``flame``;
 - ``fla``: FLA's model_type (``transformer``, ``gated_deltanet``, ``delta_net``); loads after ``import fla``;
 - ``flame``: flame's model_type (``flame_<family>``); loads after ``import flame``, runs flame's model code;
 - ``llama`` (transformer) and ``olmo_hybrid`` (gated_deltanet): transformers' own classes, no import needed;
@@ -17,6 +18,10 @@ from flame.models.common.args import ModelArgs
 from flame.models.common.state_dict_adapter import ExportError, StateDictAdapter
 
 EXPORT_FORMATS = ("auto", "fla", "flame", "llama", "olmo_hybrid", "hf")
+# What ``auto`` tries, in order, before flame's own format (which expresses every flame model). transformers' own
+# classes come first: FLA's transformer needs flash-attn on a GPU, so a CPU-trained model exported in FLA's
+# format would not load on the machine that trained it.
+AUTO_ORDER = ("llama", "olmo_hybrid", "fla")
 
 
 def family_adapters(args: ModelArgs) -> dict[str, type[StateDictAdapter]]:
@@ -29,10 +34,10 @@ def export_adapter(args: ModelArgs, fmt: str = "auto") -> tuple[StateDictAdapter
     if fmt == "auto" and "fla" not in adapters:  # the generic family: its own format
         return adapters["hf"](args), None
     if fmt == "auto":
-        fla = adapters["fla"](args, check=False)
-        problems = fla.incompatibilities()
-        if not problems:
-            return fla, None
+        for name in (f for f in AUTO_ORDER if f in adapters):
+            adapter = adapters[name](args, check=False)
+            if not (problems := adapter.incompatibilities()):
+                return adapter, None
         note = f"FLA's {args.model_type} would compute a different model ({'; '.join(problems)})"
         return adapters["flame"](args), note
     if fmt not in adapters:

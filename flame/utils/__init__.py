@@ -1,5 +1,5 @@
 """Command-line tools, each run as ``python -m flame.utils.<name>``: ``convert_dcp_to_hf``, ``convert_hf_to_dcp``,
-``generate``. A mistake in the input is one line ``error: <message>`` on stderr and exit code 2."""
+``generate``, ``preprocess``. A mistake in the input is one line ``error: <message>`` on stderr and exit code 2."""
 
 import sys
 from collections.abc import Callable

@@ -1,6 +1,6 @@
 """Convert a flame DCP checkpoint to an HF model folder.
 
-    python -m flame.utils.convert_dcp_to_hf --path <dump_folder> --step <n> [--config <model json>]
+    python -m flame.utils.convert_dcp_to_hf --path <dump_folder> --step <n> [--config <model json or hub name>]
         [--tokenizer <dir or hub name>] [--output <dir>] [--format auto|fla|flame|llama|olmo_hybrid|hf]
         [--dtype float32|bfloat16] [--max_shard_size 5GB]
 
@@ -29,6 +29,7 @@ from flame.hf.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, plan_export, write_e
 from flame.hf.formats import EXPORT_FORMATS, export_adapter
 from flame.hf.safetensors_io import parse_size
 from flame.utils import run_cli
+from flame.utils.hub import resolve_model_config, resolve_tokenizer
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -37,7 +38,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--path", required=True, help="dump folder of the run (or its checkpoint folder)")
     parser.add_argument("--step", type=int, default=-1, help="checkpoint step; -1: the latest complete one")
-    parser.add_argument("--config", help="model config JSON (default: the one recorded in the checkpoint)")
+    parser.add_argument(
+        "--config", help="model config JSON or hub name (default: the one recorded in the checkpoint)"
+    )
     parser.add_argument("--tokenizer", help="tokenizer dir or hub name (default: the run's)")
     parser.add_argument("--output", help="HF folder to write (default: --path)")
     parser.add_argument("--format", default="auto", choices=EXPORT_FORMATS)
@@ -87,11 +90,13 @@ def convert(argv: list[str]) -> int:
             return 0
     step_path = resolve_step_dir(checkpoint_folder(options.path), options.step)
     sidecar = read_sidecar(step_path)
-    args = model_args_for(step_path, options.config, sidecar)
+    config = None if options.config is None else resolve_model_config(options.config)
+    args = model_args_for(step_path, config, sidecar)
     export_adapter(args, options.format)  # an impossible format fails before anything else is read
     tokenizer = options.tokenizer or (sidecar or {}).get("tokenizer")
     if tokenizer is None:
         raise FlameError(f"checkpoint {step_path} records no tokenizer; pass --tokenizer")
+    tokenizer = resolve_tokenizer(tokenizer)
     output = Path(options.output or options.path)
     plan = plan_export(args, output, options.format, options.dtype, tokenizer)
 

@@ -1,6 +1,6 @@
 """Convert an HF model folder to a flame DCP checkpoint that a run loads as step 0 and trains on from.
 
-    python -m flame.utils.convert_hf_to_dcp --model <hf dir> --checkpoint <dump_folder>/checkpoint/step-0
+    python -m flame.utils.convert_hf_to_dcp --model <hf dir or hub name> --checkpoint <dump_folder>/checkpoint/step-0
         [--custom_model_path <package, .py file or dotted module>]
 
 Reads FLA's model types (``transformer``, ``gated_deltanet``, ``delta_net``), flame's (``flame_<family>``),
@@ -23,6 +23,7 @@ from flame.hf.formats import import_adapter
 from flame.models.common.state_dict_adapter import ExportError
 from flame.models.custom import import_target
 from flame.utils import run_cli
+from flame.utils.hub import resolve_model_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -31,7 +32,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m flame.utils.convert_hf_to_dcp", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--model", required=True, help="HF model folder (config.json + safetensors)")
+    parser.add_argument(
+        "--model", required=True, help="HF model folder (config.json + safetensors) or hub name"
+    )
     parser.add_argument(
         "--checkpoint", required=True, help="checkpoint folder to create: <dump>/checkpoint/step-0"
     )
@@ -54,7 +57,7 @@ def read_hf_config(model: Path) -> dict:
 
 def convert(argv: list[str]) -> int:
     options = parse(argv)
-    model, target = Path(options.model), Path(options.checkpoint)
+    model, target = Path(resolve_model_folder(options.model)), Path(options.checkpoint)
     if not model.is_dir():
         raise FlameError(f"the HF model folder {model} does not exist")
     if target.name != "step-0":

@@ -22,7 +22,7 @@ FLAME_ONLY = {
     "delta-net-hybrid-rectified": ("delta_net", {"attn": {"layers": [0], "num_heads": 4,
                                                           "attn_impl": "parallel_rectified_attn"}}),
 }  # fmt: skip
-# Models FLA's classes compute exactly: exported as FLA's model_type.
+# Models FLA's classes compute exactly: --format fla fits them (auto prefers transformers' own classes).
 FLA_TYPES = {
     "transformer": ("transformer", {}),
     "transformer-qk-norm": ("transformer", {"qk_norm": True, "norm_eps": 1e-5, "window_size": 8}),
@@ -67,7 +67,7 @@ def test_fla_types_fit_fla_classes(tmp_path, case):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, overrides = FLA_TYPES[case]
-    model, out, config = export(tmp_path, model_type, overrides)
+    model, out, config = export(tmp_path, model_type, overrides, "--format", "fla")
     assert config["model_type"] == model_type
     fla_config = AutoConfig.from_pretrained(out)
     assert type(fla_config).__module__.startswith("fla.")
