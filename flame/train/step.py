@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.distributed import utils as dist_utils
@@ -36,6 +37,9 @@ class StepResult:
     # This rank's shares of the step's means: "loss" (cross-entropy, or the DPO loss; 0 off the last pipeline
     # stage) and the objective's other metrics.
     metrics: dict[str, torch.Tensor]
+    local_share: (
+        torch.Tensor
+    )  # this rank's part of what the step averages over (its tokens / all ranks' tokens)
     grad_norm: torch.Tensor  # before clipping
     tokens: int  # tokens this device trained on
     skipped: bool  # the update was skipped (non-finite gradient norm)
@@ -70,11 +74,15 @@ class TrainStep:
         self.optimizers.zero_grad()
         if topology.cp_group is not None:
             batches = [shard_batch(inputs, labels, topology.cp_group) for inputs, labels in batches]
-        local_count = sum(self.objective.count(labels) for _, labels in batches).to(topology.device)
+        local_count = sum(self.objective.count(labels) for _, labels in batches).to(
+            topology.device, torch.float32
+        )
+        # A device tensor, never read on the host: .item() here would make every step wait for the last one's
+        # kernels before launching its own (torchtitan's dist_sum does that).
         global_count = (
-            dist_utils.dist_sum(local_count, topology.loss_mesh)
+            funcol.all_reduce(local_count, "sum", group=topology.loss_mesh)
             if topology.loss_mesh is not None
-            else local_count.float()
+            else local_count
         )
         shares = [self.forward_backward(inputs, labels, global_count) for inputs, labels in batches]
 
@@ -90,6 +98,7 @@ class TrainStep:
             self.lr_schedulers.step()
         return StepResult(
             metrics={name: sum(share[name] for share in shares) for name in shares[0]},
+            local_share=local_count / global_count,
             grad_norm=grad_norm,
             tokens=sum(labels.numel() for _, labels in batches),
             skipped=bool(skipped),

@@ -27,7 +27,7 @@ from flame.config import parse_args
 from flame.config.checks import last_step, validate_job
 from flame.data import build_dataloader, build_tokenizer
 from flame.errors import FlameError
-from flame.metrics import MetricsLogger
+from flame.metrics import RANK_LOSS, MetricsLogger
 from flame.models import load_model_args
 from flame.models.common.args import ModelArgs
 from flame.models.custom import import_custom_modules
@@ -208,6 +208,8 @@ class Trainer(Stateful):
             means = self.train_step_fn.global_metrics(result)
             metrics = {
                 "loss/train": means.pop("loss"),
+                # This rank's own mean, whose maximum over ranks the metrics logger reports (global_max_loss).
+                RANK_LOSS: float(result.metrics["loss"] / result.local_share.clamp(min=1e-12)),
                 "grad_norm": float(result.grad_norm),
                 "lr": lr,
                 "skipped_steps": self.skipped_steps,
