@@ -26,8 +26,8 @@ CASES = {
 }  # fmt: skip
 
 
-def hf_model(case: str):
-    family, overrides = CASES[case]
+def flame_hf_model(family: str, **overrides):
+    """flame's HF class of a family with the weights of tests.utils.helpers.tiny_model(family, **overrides)."""
     flame_model = tiny_model(family, **overrides)
     config_class, model_class = next(
         (c, m) for c, m in zip(CONFIG_CLASSES, MODEL_CLASSES) if c.family == family
@@ -37,6 +37,11 @@ def hf_model(case: str):
     state = {k if k.startswith("lm_head") else f"model.{k}": v for k, v in flame_model.state_dict().items()}
     model.load_state_dict(state)
     return model.eval()
+
+
+def hf_model(case: str):
+    family, overrides = CASES[case]
+    return flame_hf_model(family, **overrides)
 
 
 def padded(rows: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Tensor]:
