@@ -65,11 +65,11 @@ def resolve_tokenizer_path(recorded: str) -> str:
 
 def load_dcp(step_path: Path, config: str | None, device: str, dtype: torch.dtype) -> tuple:
     from flame.checkpoint.dcp_io import load_model_tensors
+    from flame.hf.export import checkpoint_model_args
     from flame.models import build_model
-    from flame.utils.convert_dcp_to_hf import model_args_for
 
     sidecar = read_sidecar(step_path)
-    args = model_args_for(step_path, config, sidecar)
+    args = checkpoint_model_args(step_path, config, sidecar)
     with torch.device("meta"):
         model = build_model(args)
     model.to_empty(device="cpu")  # flame's models hold no buffers: every tensor is read from the checkpoint

@@ -39,6 +39,9 @@ def register_configs() -> None:
 def register_models() -> None:
     if _state["models"]:
         return
+    modeling = sys.modules.get("flame.hf.modeling")
+    if modeling is not None and not hasattr(modeling, "MODEL_CLASSES"):
+        return  # flame.hf.modeling is being imported (its transformers imports got here): it registers at its end
     _state["models"] = True
     from transformers.models.auto.modeling_auto import AutoModelForCausalLM
 

@@ -12,9 +12,16 @@ from pathlib import Path
 
 import torch
 
+from flame.checkpoint.layout import (
+    CheckpointError,
+    checkpoint_folder,
+    config_differences,
+    read_sidecar,
+    resolve_step_dir,
+)
 from flame.errors import FlameError
 from flame.hf.formats import export_adapter
-from flame.hf.safetensors_io import existing_export_files, save_safetensors
+from flame.hf.safetensors_io import existing_export_files, parse_size, save_safetensors
 from flame.models.common.args import ModelArgs
 from flame.models.common.state_dict_adapter import StateDictAdapter
 
@@ -105,3 +112,57 @@ def write_export(plan: ExportPlan, state_dict: dict[str, torch.Tensor], max_shar
         files += [Path(f).name for f in plan.tokenizer.save_pretrained(output)]
     files += save_safetensors(hf_state, output, max_shard_bytes)
     return files
+
+
+def checkpoint_model_args(step_path: Path, config: str | None, sidecar: dict | None) -> ModelArgs:
+    """The model args of a checkpoint: from ``config`` (which must match what the run recorded) or the sidecar."""
+    from flame.models import load_model_args, model_args_from_dict
+
+    if config is not None:
+        args, _ = load_model_args(config)
+        if sidecar is not None:
+            differences = config_differences(sidecar["model_config"], args.to_dict())
+            if differences:
+                raise CheckpointError(
+                    f"checkpoint {step_path} was trained with a different model config than {config}: "
+                    + "; ".join(differences)
+                )
+        return args
+    if sidecar is None:
+        raise CheckpointError(
+            f"checkpoint {step_path} records no model config (no flame.json); pass --config"
+        )
+    saved = sidecar["model_config"]
+    args, _ = model_args_from_dict(saved)
+    return args
+
+
+def export_checkpoint(
+    path: str | os.PathLike,
+    step: int,
+    output: Path,
+    fmt: str = "auto",
+    dtype: str = "float32",
+    config: str | None = None,
+    tokenizer: str | None = None,
+    max_shard_bytes: int = parse_size(DEFAULT_MAX_SHARD_SIZE),
+) -> tuple[ExportPlan, Path, list[str]]:
+    """Export checkpoint ``step`` (-1: the latest complete one) of a dump folder (or its checkpoint folder) as an HF
+    folder; ``tokenizer`` defaults to the run's. Returns the plan, the step's folder and the files written."""
+    step_path = resolve_step_dir(checkpoint_folder(path), step)
+    sidecar = read_sidecar(step_path)
+    args = checkpoint_model_args(step_path, config, sidecar)
+    export_adapter(args, fmt)  # an impossible format fails before anything else is read
+    tokenizer = tokenizer or (sidecar or {}).get("tokenizer")
+    if tokenizer is None:
+        raise FlameError(f"checkpoint {step_path} records no tokenizer; pass --tokenizer")
+    plan = plan_export(args, output, fmt, dtype, tokenizer)
+
+    from flame.checkpoint.dcp_io import load_model_tensors
+    from flame.models import build_model
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in build_model(args).state_dict().items()}
+    state = {k: torch.empty(shape, dtype=torch.float32) for k, shape in shapes.items()}
+    load_model_tensors(step_path, state)
+    return plan, step_path, write_export(plan, state, max_shard_bytes)

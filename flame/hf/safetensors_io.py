@@ -40,32 +40,21 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-def shard_plan(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
-    """Keys grouped into shards of at most max_shard_bytes each (a larger single tensor gets its own shard)."""
-    shards, current, size = [], [], 0
-    for key, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(key)
-        size += nbytes
-    if current:
-        shards.append(current)
-    return shards
-
-
 def save_safetensors(
     state: dict[str, torch.Tensor], folder: str | os.PathLike, max_shard_bytes: int
 ) -> list[str]:
-    """Write the tensors (already in their export dtype) into folder; returns the file names written."""
+    """Write the tensors (already in their export dtype) into folder; returns the file names written.
+
+    The shards are huggingface_hub's (``split_torch_state_dict_into_shards``, what transformers' save_pretrained
+    uses): tensors in order, a new shard when the next one would pass max_shard_bytes, a larger tensor alone."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
     folder = Path(folder)
-    shards = shard_plan(state, max_shard_bytes)
-    names = [SINGLE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-    ]  # fmt: skip
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_bytes
+    )
     seen = set()
-    for name, keys in zip(names, shards):
+    for name, keys in split.filename_to_tensors.items():
         tensors = {}
         for key in keys:
             tensor = state[key].detach().contiguous()
@@ -75,10 +64,11 @@ def save_safetensors(
             tensors[key] = tensor
         save_file(tensors, str(folder / name), metadata={"format": "pt"})
         os.chmod(folder / name, 0o666 & ~_umask())  # safetensors creates its files private
-    if len(shards) > 1:
+    names = list(split.filename_to_tensors)
+    if split.is_sharded:
         index = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-            "weight_map": {key: name for name, keys in zip(names, shards) for key in keys},
+            "weight_map": {key: name for name, keys in split.filename_to_tensors.items() for key in keys},
         }
         (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         return [*names, INDEX]

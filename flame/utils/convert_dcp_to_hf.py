@@ -16,17 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from flame.checkpoint.layout import (
-    CheckpointError,
-    checkpoint_folder,
-    config_differences,
-    latest_step,
-    read_sidecar,
-    resolve_step_dir,
-)
-from flame.errors import FlameError
-from flame.hf.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, plan_export, write_export
-from flame.hf.formats import EXPORT_FORMATS, export_adapter
+from flame.checkpoint.layout import CheckpointError, checkpoint_folder, latest_step
+from flame.hf.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, export_checkpoint
+from flame.hf.formats import EXPORT_FORMATS
 from flame.hf.safetensors_io import parse_size
 from flame.utils import run_cli
 from flame.utils.hub import resolve_model_config, resolve_tokenizer
@@ -55,28 +47,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def model_args_for(step_path: Path, config: str | None, sidecar: dict | None):
-    from flame.models import load_model_args, model_args_from_dict
-
-    if config is not None:
-        args, _ = load_model_args(config)
-        if sidecar is not None:
-            differences = config_differences(sidecar["model_config"], args.to_dict())
-            if differences:
-                raise CheckpointError(
-                    f"checkpoint {step_path} was trained with a different model config than {config}: "
-                    + "; ".join(differences)
-                )
-        return args
-    if sidecar is None:
-        raise CheckpointError(
-            f"checkpoint {step_path} records no model config (no flame.json); pass --config"
-        )
-    saved = sidecar["model_config"]
-    args, _ = model_args_from_dict(saved)
-    return args
-
-
 def convert(argv: list[str]) -> int:
     options = parse(argv)
     max_shard_bytes = parse_size(options.max_shard_size)
@@ -88,28 +58,17 @@ def convert(argv: list[str]) -> int:
         if folder is None or latest_step(folder) <= 0:
             print("No trained checkpoint to convert to HF (checkpointing off, or only a seed checkpoint)")
             return 0
-    step_path = resolve_step_dir(checkpoint_folder(options.path), options.step)
-    sidecar = read_sidecar(step_path)
-    config = None if options.config is None else resolve_model_config(options.config)
-    args = model_args_for(step_path, config, sidecar)
-    export_adapter(args, options.format)  # an impossible format fails before anything else is read
-    tokenizer = options.tokenizer or (sidecar or {}).get("tokenizer")
-    if tokenizer is None:
-        raise FlameError(f"checkpoint {step_path} records no tokenizer; pass --tokenizer")
-    tokenizer = resolve_tokenizer(tokenizer)
-    output = Path(options.output or options.path)
-    plan = plan_export(args, output, options.format, options.dtype, tokenizer)
-
-    import torch
-
-    from flame.checkpoint.dcp_io import load_model_tensors
-    from flame.models import build_model
-
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in build_model(args).state_dict().items()}
-    state = {k: torch.empty(shape, dtype=torch.float32) for k, shape in shapes.items()}
-    load_model_tensors(step_path, state)
-    files = write_export(plan, state, max_shard_bytes)
+    plan, step_path, files = export_checkpoint(
+        options.path,
+        options.step,
+        Path(options.output or options.path),
+        fmt=options.format,
+        dtype=options.dtype,
+        config=None if options.config is None else resolve_model_config(options.config),
+        tokenizer=None if options.tokenizer is None else resolve_tokenizer(options.tokenizer),
+        max_shard_bytes=max_shard_bytes,
+    )
+    output = plan.output
     model_type = plan.adapter.hf_config()["model_type"]
     if plan.note:
         print(f"Exporting as {model_type} (loads after `import flame`): {plan.note}")

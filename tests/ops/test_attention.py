@@ -10,7 +10,14 @@ import pytest
 import torch
 from fla.ops.attn.naive import naive_parallel_attn
 
-from flame.ops.attention import SOFTPICK_EPS, attention, scale_queries_by_position, visibility_mask
+from flame.ops.attention import (
+    IMPLS,
+    SOFTPICK_EPS,
+    attention,
+    reference_attention,
+    scale_queries_by_position,
+    visibility_mask,
+)
 from flame.ops.varlen import position_ids_from_cu_seqlens
 
 FLOAT64_TOL = {"rtol": 1e-12, "atol": 1e-12}
@@ -283,3 +290,19 @@ def test_rejects_bad_arguments():
         ValueError, match="cu_seqlens needs as many queries as keys .*, got 17 queries, 37 keys"
     ):
         attention(q[:, 20:], k, v, impl="softmax", cu_seqlens=torch.tensor([0, 17, 37]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_key_mask_equals_dropping_the_masked_keys_and_empty_rows_are_zero(impl):
+    # Row 0: two padded positions in front (left padding); row 1: none. Queries after the padding must see what they
+    # see without it; the padded queries of row 0 see no key and output 0.
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 7, 4, 8, generator=generator, dtype=torch.float64) for _ in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]
+    key_mask = torch.ones(2, 7, dtype=torch.bool)
+    key_mask[0, :2] = False
+    out = reference_attention(q, k, v, impl=impl, key_mask=key_mask)
+    unpadded = reference_attention(q[:1, 2:], k[:1, 2:], v[:1, 2:], impl=impl)
+    torch.testing.assert_close(out[0, 2:], unpadded[0], rtol=1e-12, atol=1e-12)
+    assert torch.equal(out[0, :2], torch.zeros_like(out[0, :2]))
+    torch.testing.assert_close(out[1], reference_attention(q[1:], k[1:], v[1:], impl=impl)[0], rtol=0, atol=0)

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from flame.errors import ModelConfigError
+from flame.models.layers.decoding import MixerCache
 from flame.models.layers.norm import RMSNorm
 from flame.models.layers.rotary import apply_rotary, rotary_cos_sin
 from flame.models.layers.sharding import local_param
-from flame.ops.attention import attention, scale_queries_by_position
+from flame.ops.attention import attention, reference_attention, scale_queries_by_position
 from flame.ops.context_parallel import prefix_attention
 
 # attn_impl -> (score normalisation, queries scaled by a learnable per-head factor and log(position + 2))
@@ -93,8 +94,15 @@ class Attention(nn.Module):
             nn.init.constant_(self.q_scale, QUERY_SCALE_INIT)
 
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: MixerCache | None = None,
     ) -> torch.Tensor:
+        """``attention_mask`` [B, Tpast + T] (1 = real token) hides padded keys; ``cache`` holds the keys and values
+        of earlier calls, which the queries (the last positions) also read, and gets this call's appended."""
         batch, seq_len, _ = x.shape
         q, k = self.q_proj(x), self.k_proj(x)
         if self.q_norm is not None and self.qk_norm_scope == "full":
@@ -108,7 +116,21 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.scaled:
             q = scale_queries_by_position(q, local_param(self, "q_scale"), position_ids)
-        # Under context parallelism this rank's queries also read the keys of earlier slices.
-        attend = functools.partial(attention, impl=self.score_fn, causal=True, window_size=self.window_size)
-        o = prefix_attention(q, k, v, cu_seqlens, attend)
+        if cache is not None:
+            if cache.key is not None:
+                k, v = torch.cat([cache.key, k], dim=1), torch.cat([cache.value, v], dim=1)
+            cache.key, cache.value = k, v
+        if attention_mask is not None:
+            # Padded batches take the materialized path, the one that takes a per-row key mask.
+            o = reference_attention(
+                q, k, v, impl=self.score_fn, window_size=self.window_size, key_mask=attention_mask.bool()
+            )
+        elif cache is not None:
+            o = attention(q, k, v, impl=self.score_fn, causal=True, window_size=self.window_size)
+        else:
+            # Under context parallelism this rank's queries also read the keys of earlier slices.
+            attend = functools.partial(
+                attention, impl=self.score_fn, causal=True, window_size=self.window_size
+            )
+            o = prefix_attention(q, k, v, cu_seqlens, attend)
         return self.o_proj(o.reshape(batch, seq_len, -1))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flame.models.layers.decoding import MixerCache, convolve, current_token_mask, zero_padded
 from flame.models.layers.gated_deltanet import output_norm
 from flame.models.layers.short_conv import ShortConvolution
 from flame.ops.context_parallel import relay_state
@@ -86,8 +87,20 @@ class DeltaNet(nn.Module):
         self.o_norm = output_norm(self.head_v_dim, use_gate, norm_eps)
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
-    def _qkv(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    def _qkv(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        mask: torch.Tensor | None = None,
+        cache: MixerCache | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        q, k, v = (zero_padded(proj(x), mask) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.use_short_conv and cache is not None:
+            return (
+                convolve(self.q_conv1d, q, cache, "q"),
+                convolve(self.k_conv1d, k, cache, "k"),
+                convolve(self.v_conv1d, v, cache, "v"),
+            )
         if self.use_short_conv:
             return self.q_conv1d(q, cu_seqlens), self.k_conv1d(k, cu_seqlens), self.v_conv1d(v, cu_seqlens)
         if self.qk_activation == "silu":
@@ -95,11 +108,19 @@ class DeltaNet(nn.Module):
         return q, k, F.silu(v)
 
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: MixerCache | None = None,
     ) -> torch.Tensor:
+        """``attention_mask`` [B, Tpast + T] (1 = real token) and ``cache`` (continued and updated) are for inference:
+        flame.models.layers.decoding; padded tokens get beta = 0, so they do not write into the state."""
         # position_ids are not needed: only document boundaries (cu_seqlens) matter to convolutions and recurrence.
         batch, seq_len, _ = x.shape
-        q, k, v = self._qkv(x, cu_seqlens)
+        mask = current_token_mask(attention_mask, seq_len)
+        q, k, v = self._qkv(x, cu_seqlens, mask, cache)
         q = qk_feature_map(q.view(batch, seq_len, -1, self.head_k_dim), self.qk_activation)
         k = qk_feature_map(k.view(batch, seq_len, -1, self.head_k_dim), self.qk_activation)
         v = v.view(batch, seq_len, -1, self.head_v_dim)
@@ -111,15 +132,28 @@ class DeltaNet(nn.Module):
             beta = beta * 2
 
         delta_rule = fused_recurrent_delta_rule if seq_len <= FUSED_RECURRENT_MAX_LEN else chunk_delta_rule
-        o = relay_state(
-            partial(delta_rule, use_qk_l2norm_in_kernel=self.qk_norm == "l2"),
-            (batch, v.shape[2], self.head_k_dim, self.head_v_dim),  # local heads under tensor parallelism
-            q=q,
-            k=k,
-            v=v,
-            beta=beta,
-            cu_seqlens=cu_seqlens,
-        )
+        if mask is not None or cache is not None:
+            o, state = delta_rule(
+                q,
+                k,
+                v,
+                beta=zero_padded(beta, mask),
+                initial_state=None if cache is None else cache.recurrent,
+                output_final_state=cache is not None,
+                use_qk_l2norm_in_kernel=self.qk_norm == "l2",
+            )
+            if cache is not None:
+                cache.recurrent = state
+        else:
+            o = relay_state(
+                partial(delta_rule, use_qk_l2norm_in_kernel=self.qk_norm == "l2"),
+                (batch, v.shape[2], self.head_k_dim, self.head_v_dim),  # local heads under tensor parallelism
+                q=q,
+                k=k,
+                v=v,
+                beta=beta,
+                cu_seqlens=cu_seqlens,
+            )
         if self.use_gate:
             o = self.o_norm(o, self.g_proj(x).view(batch, seq_len, -1, self.head_v_dim))
         else:

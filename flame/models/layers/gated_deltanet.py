@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flame.models.layers.decoding import MixerCache, convolve, current_token_mask, zero_padded
 from flame.models.layers.norm import GatedRMSNorm, RMSNorm
 from flame.models.layers.sharding import local_param
 from flame.models.layers.short_conv import ShortConvolution
 from flame.ops.context_parallel import relay_state
-from flame.ops.gated_delta_rule import chunk_gated_delta_rule
+from flame.ops.gated_delta_rule import chunk_gated_delta_rule, gdn_gate
 
 # Decay initialisation of Mamba2, which FLA's GatedDeltaNet copies: A = exp(A_log) ~ U(0, 16); the step size
 # dt = softplus(dt_bias) log-uniform in [1e-3, 0.1], floored at 1e-4.
@@ -89,8 +90,17 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: MixerCache | None = None,
     ) -> torch.Tensor:
+        """``attention_mask`` [B, Tpast + T] (1 = real token) and ``cache`` (continued and updated) are for inference:
+        flame.models.layers.decoding."""
+        if attention_mask is not None or cache is not None:
+            return self._forward_decoding(x, attention_mask, cache)
         # position_ids are not needed: only document boundaries (cu_seqlens) matter to convolutions and recurrence.
         batch, seq_len, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -121,6 +131,41 @@ class GatedDeltaNet(nn.Module):
             A_log=local_param(self, "A_log"),
             dt_bias=local_param(self, "dt_bias"),
         )
+        if self.use_gate:
+            o = self.o_norm(o, self.g_proj(x).view(batch, seq_len, -1, self.head_v_dim))
+        else:
+            o = self.o_norm(o)
+        return self.o_proj(o.reshape(batch, seq_len, -1))
+
+    def _forward_decoding(
+        self, x: torch.Tensor, attention_mask: torch.Tensor | None, cache: MixerCache | None
+    ) -> torch.Tensor:
+        """The forward from a cached state and/or with padded tokens that change nothing. The gate and beta are
+        computed here rather than in the op so that padded tokens can get g = 0 (no decay) and beta = 0 (no write)."""
+        batch, seq_len, _ = x.shape
+        mask = current_token_mask(attention_mask, seq_len)
+        q, k, v = (zero_padded(proj(x), mask) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.use_short_conv:
+            q = convolve(self.q_conv1d, q, cache, "q")
+            k = convolve(self.k_conv1d, k, cache, "k")
+            v = convolve(self.v_conv1d, v, cache, "v")
+        else:
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        g = zero_padded(gdn_gate(self.a_proj(x), self.A_log, self.dt_bias), mask)
+        beta = self.b_proj(x).float().sigmoid() * (2 if self.allow_neg_eigval else 1)
+        o, state = chunk_gated_delta_rule(
+            q=q.view(batch, seq_len, -1, self.head_dim),
+            k=k.view(batch, seq_len, -1, self.head_dim),
+            v=v.view(batch, seq_len, -1, self.head_v_dim),
+            g=g,
+            beta=zero_padded(beta, mask),
+            initial_state=None if cache is None else cache.recurrent,
+            output_final_state=cache is not None,
+            use_qk_l2norm_in_kernel=True,
+            state_v_first=True,
+        )
+        if cache is not None:
+            cache.recurrent = state
         if self.use_gate:
             o = self.o_norm(o, self.g_proj(x).view(batch, seq_len, -1, self.head_v_dim))
         else:

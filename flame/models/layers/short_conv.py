@@ -21,9 +21,17 @@ class ShortConvolution(nn.Conv1d):
         )
         self.activation = activation
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, past_inputs: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``past_inputs`` [B, P, D]: the inputs before x (incremental decoding), which x's first outputs see."""
         weight, bias = local_param(self, "weight"), local_param(self, "bias")
         width = self.kernel_size[0]
+        if past_inputs is not None:
+            if cu_seqlens is not None:
+                raise ValueError("past_inputs continue one sequence per row; they do not go with cu_seqlens")
+            y = short_conv(torch.cat([past_inputs, x], dim=1), weight, bias, activation=self.activation)
+            return y[:, past_inputs.shape[1] :]
         previous = previous_tokens(x, width - 1)
         if previous is None:
             return short_conv(x, weight, bias, activation=self.activation, cu_seqlens=cu_seqlens)

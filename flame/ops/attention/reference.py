@@ -122,8 +122,12 @@ def reference_attention(
     window_size: int | None = None,
     cu_seqlens: torch.Tensor | None = None,
     scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of the given impl ("softmax", "softpick" or "rectified"), materialized; returns [B, Tq, H, Dv]."""
+    """Attention of the given impl ("softmax", "softpick" or "rectified"), materialized; returns [B, Tq, H, Dv].
+
+    ``key_mask`` [B, Tk] bool (padded batches) hides the keys where it is False from every query; a query left
+    without a visible key (a padded position before the first real token) outputs 0."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     batch, seq_len, num_heads, head_dim = q.shape
@@ -135,12 +139,21 @@ def reference_attention(
     if scale is None:
         scale = head_dim**-0.5
     visible = visibility_mask(seq_len, causal, window_size, cu_seqlens, q.device, key_len=k.shape[1])
+    empty_rows = None
+    if key_mask is not None:
+        if key_mask.shape != (batch, k.shape[1]):
+            raise ValueError(f"key_mask must be [B, Tk] = {[batch, k.shape[1]]}, got {list(key_mask.shape)}")
+        visible = key_mask[:, None, None, :] if visible is None else visible & key_mask[:, None, None, :]
+        empty_rows = ~visible.any(-1, keepdim=True)
+        visible = visible | empty_rows  # keeps softmax finite there; those rows are zeroed below
 
     # Scores and weights in float32 even under autocast (which would run the matmuls in bf16): softpick's
     # relu(e^s - 1) and |e^s - 1| flip at s = 0, where bf16 rounding of s changes the result, and a fused
     # kernel accumulates in float32 as well.
     with torch.autocast(q.device.type, enabled=False):
         out = _materialized_attention(q, k, v, impl, causal, window_size, cu_seqlens, scale, visible)
+        if empty_rows is not None:
+            out = out.masked_fill(empty_rows, 0.0)
     return out.transpose(1, 2).to(q.dtype)
 
 
@@ -156,7 +169,13 @@ def _materialized_attention(q, k, v, impl, causal, window_size, cu_seqlens, scal
 
     if impl == "softmax":
         # SDPA's is_causal aligns the queries to the start of the keys: with Tq != Tk the mask says otherwise.
-        plain_causal = causal and window_size is None and cu_seqlens is None and q.shape[1] == k.shape[1]
+        plain_causal = (
+            causal
+            and window_size is None
+            and cu_seqlens is None
+            and q.shape[1] == k.shape[1]
+            and visible.ndim == 2
+        )
         out = F.scaled_dot_product_attention(
             q_h, k_h, v_h, attn_mask=None if plain_causal else visible, is_causal=plain_causal, scale=scale
         )
