@@ -19,7 +19,7 @@ def test_dpo_bench_smoke_on_cpu_writes_the_ratio(tmp_path):
     table = {row[0]: row for row in rows(section)}
     assert set(table) == {"transformer", "hybrid"}
     assert table["transformer"][-1] == "1.000"
-    step_time = {name: float(row[3]) for name, row in table.items()}
-    assert float(table["hybrid"][-1]) == pytest.approx(
-        step_time["hybrid"] / step_time["transformer"], abs=2e-3
-    )
+    hybrid, transformer = (float(table[name][3]) for name in ("hybrid", "transformer"))
+    # The step times are printed to 1 ms, the ratio from the unrounded ones.
+    ratio = float(table["hybrid"][-1])
+    assert (hybrid - 5e-4) / (transformer + 5e-4) <= ratio <= (hybrid + 5e-4) / (transformer - 5e-4)
