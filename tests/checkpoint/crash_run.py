@@ -18,7 +18,8 @@ def _install(spec: str) -> None:
     original = FileSystemWriter.finish
 
     def finish(self, metadata, results):
-        target = os.path.basename(os.path.normpath(str(self.path))) == f"step-{step}"
+        # flame writes step-<N> under the name step-<N>.partial until it is complete
+        target = os.path.basename(os.path.normpath(str(self.path))).removesuffix(".partial") == f"step-{step}"
         if target and when == "before_metadata":
             os.kill(os.getpid(), signal.SIGKILL)
         original(self, metadata, results)
