@@ -3,16 +3,19 @@
 Parses the job (fast: no torchtitan package init), checks the model config, the tokenizer's vocabulary, NGPU
 and the parallelism degrees against NGPU x NNODE and the model (flame.parallelize.checks), and answers ``--help``
 and ``--job.dry_run`` itself. A mistake is one line on stderr and exit code 2, before any rank could turn it into
-a wall of tracebacks. With FLAME_LAUNCH_ENV set, writes the resolved
-dump folder there for train.sh.
+a wall of tracebacks. With FLAME_LAUNCH_ENV set (train.sh), takes the dump folder's lock for train.sh's process
+on node 0 (``flame.checkpoint.lock``: a second run on the folder stops here) and writes the resolved dump folder
+and the lock's path there for train.sh.
 """
 
 import dataclasses
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
+from flame.checkpoint.lock import HELD_BY_LAUNCHER, DumpFolderLock
 from flame.config import parse_args
 from flame.config.checks import validate_job
 from flame.errors import FlameError
@@ -79,6 +82,10 @@ def preflight(argv: list[str]) -> int:
     check_parallelism(job_config, model_args, world_size=ngpu * int(os.environ.get("NNODE", "1")))
     if env_file := os.environ.get("FLAME_LAUNCH_ENV"):
         lines = [f"DUMP_FOLDER={job_config.job.dump_folder}"]
+        if os.environ.get("NODE_RANK", "0") == "0":
+            lock = DumpFolderLock(job_config.job.dump_folder, pid=os.getppid())  # held by train.sh
+            lock.acquire()
+            lines.append(f"export {HELD_BY_LAUNCHER}={shlex.quote(str(lock.path.resolve()))}")
         if job_config.debug.enable:  # read when CUDA starts: exported before any rank does
             lines.append("export CUDA_LAUNCH_BLOCKING=1")
         Path(env_file).write_text("\n".join(lines) + "\n")
