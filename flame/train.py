@@ -337,7 +337,10 @@ class Trainer(Stateful):
         self.checkpointer.load(step=job_config.checkpoint.load_step)
         logger.info(f"Training starts at step {self.step + 1}")
         self.metrics.reset_window(self.step)
-        data_iterator = iter(self.dataloader)
+        # Creating the iterator draws from torch's generator (the workers' base seed): kept out of the run's random
+        # stream, so that a resumed run, which creates it at another step, draws what the uninterrupted run draws.
+        with torch.random.fork_rng(devices=[]):
+            data_iterator = iter(self.dataloader)
         # The profiler (--profiling.enable_profiling) and the CUDA memory recorder (--profiling.enable_memory_snapshot)
         # write under <dump_folder>/<their folders> every profiling.profile_freq steps; off, they are None.
         profiling, dump, step = job_config.profiling, job_config.job.dump_folder, self.step
