@@ -36,6 +36,7 @@ from flame.models.common.args import ModelArgs
 from flame.ops.attention import set_attention_backend
 from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
+from flame.optim.nonfinite import NonFiniteSteps, clip_grad_norm_
 from flame.parallelize import TokenNormalizedLoss, parallelize_model, pipeline_model, tie_embeddings
 from flame.parallelize.compile import maybe_compile_loss
 from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
@@ -159,6 +160,7 @@ class Trainer(Stateful):
         else:
             self.accumulation = 1
         self.optimizers = build_optimizers(self.model_parts, job_config)
+        self.nonfinite_steps = NonFiniteSteps(training.skip_nan_inf_limit)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config)
         if (converter := getattr(self.model_parts[0], "float8_converter", None)) is not None:
             # Float8 all-gather with FSDP: precompute the next step's weight scales after each optimizer step.
@@ -288,16 +290,17 @@ class Trainer(Stateful):
         self.metrics.window_tokens += sum(labels.numel() for _, labels in batches)  # this device's tokens
 
         # The norm before clipping (what clip_grad_norm_ returns) is the one logged.
-        grad_norm = dist_utils.clip_grad_norm_(
+        grad_norm = clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.job_config.training.max_norm,
-            foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
         )
         if self.job_config.training.skip_nan_inf and not torch.isfinite(grad_norm):
             self.skipped_steps += 1
             logger.warning(f"step {self.step}: gradient norm is {grad_norm.item()}; skipping the update")
+            self.nonfinite_steps.skipped(self.step, self.model_parts)  # names them; stops at the limit
         else:
+            self.nonfinite_steps.finite()
             self.checkpointer.maybe_wait_for_staging()
             self.optimizers.step()
         self.lr_schedulers.step()
