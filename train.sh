@@ -30,7 +30,13 @@ export NGPU
 # Check the job before starting ranks: a mistake is one line here, not a traceback per rank.
 # --help and --job.dry_run are answered by this step alone.
 env_file=$(mktemp)
-trap 'rm -f "$env_file"' EXIT
+# The pre-flight takes <dump_folder>/flame.lock for this script's pid (flame.checkpoint.lock); it is removed on exit.
+release_lock() {
+  rm -f "$env_file"
+  local lock=${FLAME_DUMP_LOCK:-}
+  if [ -n "$lock" ] && grep -q "\"host\": \"$(hostname)\", \"pid\": $$," "$lock" 2>/dev/null; then rm -f "$lock"; fi
+}
+trap release_lock EXIT
 FLAME_LAUNCH_ENV=$env_file python -m flame.launch "$@"
 rc=$?
 if [ "$rc" -eq 10 ]; then exit 0; fi
@@ -45,11 +51,39 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / N
 # a restart loads them, and a 2-step NGPU=1 run before a multi-GPU job gives every rank the configs tuned on a
 # quiet GPU (docs/performance.md, "Session 8: multi-GPU runs"). TRITON_CACHE_AUTOTUNING=0 turns it off.
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
-torchrun --nnodes "$NNODE" --nproc_per_node "$NGPU" --node_rank "$NODE_RANK" \
+# Preemption (docs/checkpoints.md): SIGTERM or SIGUSR1 sent to this script goes to the ranks of this node, which
+# finish their step, save a checkpoint and exit; this script then exits with 75 (76: stopped without that save),
+# the status to requeue on. torchrun runs with SIGUSR1 ignored (its default action would kill it and orphan the
+# ranks); the ranks install their own handler.
+preempted_marker="$DUMP_FOLDER/preempted.json"
+rm -f "$preempted_marker"
+signalled=""
+forward_signal() {
+  signalled=$1
+  local rank_pid
+  for rank_pid in $(pgrep -P "$torchrun_pid"); do kill -s "$1" "$rank_pid" 2>/dev/null; done
+}
+trap 'forward_signal TERM' TERM
+trap 'forward_signal USR1' USR1
+(trap '' USR1; exec torchrun --nnodes "$NNODE" --nproc_per_node "$NGPU" --node_rank "$NODE_RANK" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 --log-dir "$DUMP_FOLDER/logs" \
-  -m flame.train "$@"
-rc=$?
+  -m flame.train "$@") &
+torchrun_pid=$!
+# wait returns early when a trapped signal arrives: wait again until torchrun has ended.
+while :; do
+  wait "$torchrun_pid"
+  rc=$?
+  kill -0 "$torchrun_pid" 2>/dev/null || break
+done
+if [ -f "$preempted_marker" ]; then
+  echo "Preempted: saved $(cat "$preempted_marker"); launch the same command again to resume (exit status 75)" >&2
+  exit 75
+fi
+if [ -n "$signalled" ] && [ "$rc" -ne 0 ]; then
+  echo "Stopped by SIG$signalled before a checkpoint was saved; a new launch resumes from the latest one (exit status 76)" >&2
+  exit 76
+fi
 
 # End of run: convert the final checkpoint (the latest complete one) to an HF folder in the dump folder, as flame
 # does. The converter finds the step and the run's model config and tokenizer in the checkpoint itself, so nothing

@@ -24,7 +24,9 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 from flame import compat
+from flame.checkpoint.lock import hold_for_trainer
 from flame.checkpoint.manager import CheckpointManager
+from flame.checkpoint.preemption import Preempted, Preemption
 from flame.checkpoint.rng import RNGState
 from flame.config import parse_args
 from flame.config.checks import last_step, validate_job
@@ -86,6 +88,7 @@ class Trainer(Stateful):
         else:
             self.device = torch.device("cpu")
         world_size = dist_utils.init_distributed(job_config.comm, base_folder=job_config.job.dump_folder)
+        self.dump_lock = hold_for_trainer(job_config.job.dump_folder)  # None when train.sh holds it
         p = job_config.parallelism
         self.parallel_dims = ParallelDims(
             dp_shard=p.data_parallel_shard_degree,
@@ -191,6 +194,11 @@ class Trainer(Stateful):
             base_folder=job_config.job.dump_folder,
             model_config=self.model_args.to_dict(),
             tokenizer=os.path.abspath(tokenizer_path) if os.path.isdir(tokenizer_path) else tokenizer_path,
+            verify_checksums=job_config.checkpoint.verify_checksums,
+        )
+        ckpt = job_config.checkpoint
+        self.preemption = Preemption(
+            ckpt.preempt_signals, ckpt.preempt_timeout, self.device, job_config.job.dump_folder
         )
         self.metrics = MetricsLogger(
             job_config, self.device, torch.distributed.get_rank(), flops_per_token, self.last_step
@@ -356,6 +364,8 @@ class Trainer(Stateful):
                 self.gc_handler.run(self.step)
                 self.train_step(data_iterator)
                 self.checkpointer.save(self.step, last_step=self.step == self.last_step)
+                if self.step < self.last_step and self.preemption.requested():
+                    self.preemption.save_and_stop(self.checkpointer, self.step)  # raises Preempted
                 if self.validator and self.validator.should_validate(self.step, self.last_step):
                     self.validate()
                 if self.sampler and self.sampler.should_sample(self.step):
@@ -394,6 +404,9 @@ class Trainer(Stateful):
     def close(self) -> None:
         self.checkpointer.close()
         self.metrics.close()
+        self.preemption.close()
+        if self.dump_lock is not None:
+            self.dump_lock.release()
 
 
 def enable_debug_mode() -> None:
@@ -424,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     except FlameError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        return e.exit_status
     finally:
         trainer.close()
         if torch.distributed.is_initialized():

@@ -36,7 +36,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import MODEL
 from torchtitan.components.checkpoint import CheckpointManager as TorchTitanCheckpointManager
 from torchtitan.tools.logging import logger
@@ -80,6 +83,29 @@ def _from_rank0(value):
     return value
 
 
+def _collective_device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def _tensor_bytes(value) -> int:
+    """Bytes of the tensors in a (nested) state dict held by this rank (a DTensor's local shard)."""
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    if isinstance(value, Stateful):
+        return _tensor_bytes(value.state_dict())
+    return 0
+
+
 class PlainDataLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, reading non-tensor entries with ``weights_only=True``: containers, numbers, strings and
     tensors load, anything that would run code (a pickled object of an arbitrary class) is refused."""
@@ -107,7 +133,7 @@ class CheckpointManager(TorchTitanCheckpointManager):
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.verify_checksums = verify_checksums
-        self._loading_keys: set[str] | None = None
+        self._loading = None  # the metadata of the checkpoint being loaded
         self._saving_step: int | None = None  # the save in progress writes into step-<N>.partial
         self._unfinished_step: int | None = None  # written (or being written) but not yet renamed to step-<N>
         self._last_saved_step: int | None = None
@@ -121,18 +147,28 @@ class CheckpointManager(TorchTitanCheckpointManager):
             super().save(curr_step, last_step)
             return
         self.wait_for_save()  # a save still in flight finishes before the next one starts
+        if not self._room_for_save(curr_step):
+            return
         self._prepare_step_dir(curr_step)
         self._saving_step = curr_step
         try:
             super().save(curr_step, last_step)
+        except (OSError, CheckpointException) as e:
+            if "No space left on device" not in str(e):
+                raise
+            raise CheckpointError(
+                f"the disk of {self.folder} filled up while saving step-{curr_step}; that save stays "
+                f"{partial_dir(self.folder, curr_step).name} and is never loaded, the earlier checkpoints are intact: "
+                "free some space and resume"
+            ) from e
         finally:
             self._saving_step = None
         self._unfinished_step = self._last_saved_step = curr_step
         self._finish_if_written()
 
-    def save_now(self, step: int) -> None:
+    def save_now(self, step: int) -> bool:
         """A full checkpoint of this step, whatever the interval, complete on disk when this returns (a save of
-        this step that the loop already started is waited for instead)."""
+        this step that the loop already started is waited for instead); False if it could not be saved."""
         if self._last_saved_step != step:
             self._forced = True
             try:
@@ -140,6 +176,7 @@ class CheckpointManager(TorchTitanCheckpointManager):
             finally:
                 self._forced = False
         self.wait_for_save()
+        return self._last_saved_step == step
 
     def wait_for_save(self) -> None:
         """Wait for an async save in flight and finish it (the rename to ``step-<N>``)."""
@@ -155,6 +192,36 @@ class CheckpointManager(TorchTitanCheckpointManager):
         if not folder and step == self._saving_step:
             return str(partial_dir(self.folder, step))
         return super()._create_checkpoint_id(step, folder)
+
+    def _room_for_save(self, step: int) -> bool:
+        """Whether the checkpoint folder's disk has room for a checkpoint (as large as the newest one, or as the
+        tensors of every rank if there is none yet); if not, the save is skipped with one line and the run goes
+        on, its state in memory, the checkpoints on disk untouched: the next save tries again."""
+        folder = Path(self.folder)
+        complete = sorted(s for s, ok in list_steps(folder).items() if ok)
+        if complete:
+            needed = sum(f.stat().st_size for f in step_dir(folder, complete[-1]).iterdir() if f.is_file())
+        else:
+            local = torch.tensor([_tensor_bytes(self._flattened_model_states_sd())], dtype=torch.float64)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                local = local.to(_collective_device())
+                dist.all_reduce(local)
+            needed = int(local.item())
+        if _rank() == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(folder).free
+            problem = None if free > needed * 1.05 else (needed, free)
+        else:
+            problem = None
+        problem = _from_rank0(problem)
+        if problem:
+            needed, free = problem
+            logger.error(
+                f"Not saving checkpoint step-{step}: it needs about {needed / 2**30:.2f} GiB and {folder} has "
+                f"{free / 2**30:.2f} GiB free; free some space (or lower --checkpoint.keep_latest_k): the run goes "
+                "on and the next save tries again"
+            )
+        return problem is None
 
     def _prepare_step_dir(self, step: int) -> None:
         path = partial_dir(self.folder, step)
@@ -293,11 +360,11 @@ class CheckpointManager(TorchTitanCheckpointManager):
             if differences:
                 logger.warning(f"The model config differs from the one checkpoint {path} was saved with: "
                                + "; ".join(differences))  # fmt: skip
-        self._loading_keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+        self._loading = metadata
         try:
             return super().load(step)
         finally:
-            self._loading_keys = None
+            self._loading = None
 
     @staticmethod
     def _check_format(path: Path, sidecar: dict | None) -> None:
@@ -331,9 +398,18 @@ class CheckpointManager(TorchTitanCheckpointManager):
 
     def _states_to_load(self, model_only: bool) -> dict:
         states = super()._states_to_load(model_only)
-        if self._loading_keys is not None:
-            for key in OPTIONAL_STATES:
-                if key in states and key not in self._loading_keys:
-                    logger.warning(f"The checkpoint has no '{key}' state; it keeps its current value")
-                    states.pop(key)
+        if self._loading is None:
+            return states
+        saved = self._loading.state_dict_metadata
+        for key in OPTIONAL_STATES:
+            if key in states and not any(name.split(".", 1)[0] == key for name in saved):
+                logger.warning(f"The checkpoint has no '{key}' state; it keeps its current value")
+                states.pop(key)
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if "rng" in states and saved["rng.torch"].size[0] != world_size:
+            logger.warning(
+                f"The checkpoint holds RNG states of {saved['rng.torch'].size[0]} ranks, this run has {world_size}: "
+                "the random generators keep their seeded state"
+            )
+            states.pop("rng")
         return states
