@@ -3,11 +3,14 @@ position is JSON text, and loading refuses pickled objects."""
 
 import io
 import random
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import flame
 from flame.checkpoint.manager import PlainDataLoadPlanner
 from flame.checkpoint.rng import RNGState
 from flame.data.loader import decode_state, encode_state
@@ -59,3 +62,12 @@ def test_loading_refuses_pickled_objects(capsys):
     with pytest.raises(Exception, match="Weights only load failed"):
         PlainDataLoadPlanner().load_bytes(None, hostile)
     assert "code from the checkpoint ran" not in capsys.readouterr().out
+
+
+def test_flame_never_unpickles():
+    """No module of flame imports pickle (DCP's own .metadata reading is the one unpickling left: docs/checkpoints.md)."""
+    sources = Path(flame.__file__).parent.rglob("*.py")
+    offenders = [
+        str(p) for p in sources if re.search(r"^\s*(import pickle|from pickle )", p.read_text(), re.M)
+    ]
+    assert offenders == []
