@@ -91,6 +91,13 @@ def _collective_device() -> torch.device:
     )
 
 
+def _newest_checkpoint_bytes(folder: Path) -> int | None:
+    complete = sorted(step for step, ok in list_steps(folder).items() if ok)
+    if not complete:
+        return None
+    return sum(f.stat().st_size for f in step_dir(folder, complete[-1]).iterdir() if f.is_file())
+
+
 def _tensor_bytes(value) -> int:
     """Bytes of the tensors in a (nested) state dict held by this rank (a DTensor's local shard)."""
     if isinstance(value, DTensor):
@@ -198,10 +205,9 @@ class CheckpointManager(TorchTitanCheckpointManager):
         tensors of every rank if there is none yet); if not, the save is skipped with one line and the run goes
         on, its state in memory, the checkpoints on disk untouched: the next save tries again."""
         folder = Path(self.folder)
-        complete = sorted(s for s, ok in list_steps(folder).items() if ok)
-        if complete:
-            needed = sum(f.stat().st_size for f in step_dir(folder, complete[-1]).iterdir() if f.is_file())
-        else:
+        # Rank 0 looks at the disk for all: an async save's rename on rank 0 can come after another rank looks.
+        needed = _from_rank0(_newest_checkpoint_bytes(folder) if _rank() == 0 else None)
+        if needed is None:
             local = torch.tensor([_tensor_bytes(self._flattened_model_states_sd())], dtype=torch.float64)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 local = local.to(_collective_device())
@@ -294,22 +300,19 @@ class CheckpointManager(TorchTitanCheckpointManager):
 
     def _newest_verified_step(self, folder: Path) -> int:
         """The newest complete checkpoint that verifies (-1: none is complete); the ones skipped are named."""
-        complete = sorted((step for step, ok in list_steps(folder).items() if ok), reverse=True)
-        if _rank() == 0:
-            problems = []
-            for step in complete:
+        answer = None
+        if _rank() == 0:  # rank 0 reads the disk and decides for all
+            problems, chosen = [], None
+            for step in sorted((step for step, ok in list_steps(folder).items() if ok), reverse=True):
                 problem = checkpoint_problem(step_dir(folder, step), self.verify_checksums)
                 if problem is None:
+                    chosen = step
                     break
                 problems.append(f"step-{step}: {problem}")
                 logger.warning(f"Skipping checkpoint {step_dir(folder, step)}: {problem}")
-            else:
-                step = None
-            answer = (step, problems)
-        else:
-            answer = None
+            answer = (chosen, problems)
         step, problems = _from_rank0(answer)
-        if complete and step is None:
+        if problems and step is None:
             raise CheckpointError(f"no checkpoint in {folder} verifies ({'; '.join(problems)})")
         return -1 if step is None else step
 
