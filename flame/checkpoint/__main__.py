@@ -1,7 +1,7 @@
 """``python -m flame.checkpoint verify <dump_folder> [--no-checksums]``: check every checkpoint of a run.
 
 One line per step directory (``ok``, or what is wrong with it), then which step a resumed run would load. Exit
-status 0 when every complete checkpoint verifies, 1 when one does not, 2 for a folder that holds no checkpoints.
+status 0 when every complete checkpoint verifies, 1 when one does not, 2 for a path that holds no checkpoint folder.
 """
 
 import argparse
