@@ -1,6 +1,6 @@
 """The short chaos test (scripts/chaos.py): on 2 CPU ranks (gloo, 2 dataloader workers each), one launch stopped
 by SIGTERM and one SIGKILLed while writing a checkpoint; the finished job equals an uninterrupted run bit for bit
-and the SIGTERM lost no step."""
+and the SIGTERM saved the step in progress (exit 75) and lost no step."""
 
 import json
 import subprocess
@@ -22,5 +22,6 @@ def test_killed_and_preempted_launches_end_with_the_uninterrupted_weights(tmp_pa
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(report.read_text())["summary"]
-    assert summary["trials"] == 2 and summary["sigterm"] == 1 and summary["kills_during_save"] == 1, summary
+    assert summary["trials"] == 2 and summary["sigterm_saves"] == 1, summary
+    assert summary["kills_during_save"] == 1, summary
     assert summary["mismatches"] == 0 and summary["steps_lost_after_sigterm"] == 0, summary

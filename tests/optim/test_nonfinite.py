@@ -22,9 +22,11 @@ def test_consecutive_skips_stop_the_run_and_name_the_parameters(make_trainer, tm
         return result
 
     trainer.forward_backward = nan_from_step_3
-    with pytest.raises(NonFiniteGradients, match=r"^2 consecutive steps \(to step 6\) had a non-finite gradient"):
+    stopped = r"^2 consecutive steps \(to step 6\) had a non-finite gradient"
+    with pytest.raises(NonFiniteGradients, match=stopped):
         trainer.train()
     assert trainer.skipped_steps == 3
     named = [r.message for r in caplog.records if "non-finite gradients in" in r.message]
     assert named == [f"step {s}: non-finite gradients in 1 parameter(s): {bad}" for s in (3, 5)]
-    assert sorted(list_steps(dump / "checkpoint")) == [1, 2, 3, 4, 5]  # step 6 stopped the run before its save
+    # Step 6 stopped the run before its save.
+    assert sorted(list_steps(dump / "checkpoint")) == [1, 2, 3, 4, 5]
