@@ -16,6 +16,7 @@ import torch
 from flame.checkpoint.layout import list_steps
 from flame.checkpoint.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED, Preempted, parse_signals
 from flame.errors import ConfigError
+from tests.checkpoint.helpers import killed_run, output
 
 FLAGS = ["--checkpoint.enable", "--checkpoint.interval", "100", "--training.steps", "6"]
 
@@ -51,6 +52,20 @@ def test_a_signal_saves_the_step_in_progress_and_the_run_resumes_exactly(make_tr
     resumed.train()
     got = weights(resumed)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    dump = tmp_path / "run"
+    result = killed_run(dump, "1:3", "--training.steps", "6", "--training.seq_len", "64", "--training.batch_size",
+                        "2", "--lr_scheduler.warmup_steps", "1", "--checkpoint.interval", "100",
+                        env_name="FLAME_TEST_SIGNAL")  # fmt: skip
+    assert result.returncode != 0  # both ranks exit 75; torchrun reports a failure of its own
+    assert json.loads((dump / "preempted.json").read_text()) == {"step": 3, "signal": "SIGUSR1"}, output(
+        result, dump
+    )
+    assert list_steps(dump / "checkpoint") == {3: True}
+    assert "Preempted by SIGUSR1 after step 3" in output(result, dump)
 
 
 def run_handler(script: str, timeout: float, dump) -> subprocess.CompletedProcess:
