@@ -58,8 +58,10 @@ export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 preempted_marker="$DUMP_FOLDER/preempted.json"
 rm -f "$preempted_marker"
 signalled=""
+torchrun_pid=""
 forward_signal() {
   signalled=$1
+  [ -n "$torchrun_pid" ] || return 0
   local rank_pid
   for rank_pid in $(pgrep -P "$torchrun_pid"); do kill -s "$1" "$rank_pid" 2>/dev/null; done
 }
