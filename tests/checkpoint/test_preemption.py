@@ -5,6 +5,7 @@ the chaos test (tests/checkpoint/test_chaos.py)."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import torch
 from flame.checkpoint.layout import list_steps
 from flame.checkpoint.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED, Preempted, parse_signals
 from flame.errors import ConfigError
-from tests.checkpoint.helpers import killed_run, output
+from tests.checkpoint.helpers import PORTS, REPO, killed_run, output
 
 FLAGS = ["--checkpoint.enable", "--checkpoint.interval", "100", "--training.steps", "6"]
 
@@ -66,6 +67,28 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     )
     assert list_steps(dump / "checkpoint") == {3: True}
     assert "Preempted by SIGUSR1 after step 3" in output(result, dump)
+
+
+@pytest.mark.slow
+def test_train_sh_exits_76_when_the_ranks_stop_without_the_save(tmp_path):
+    """The timeout (here shorter than any save) ends the ranks unsaved: train.sh says so last and exits 76."""
+    dump = tmp_path / "run"
+    process = subprocess.Popen(
+        ["bash", "train.sh", "--job.dump_folder", str(dump), "--training.steps", "2000", "--training.seq_len", "64",
+         "--training.batch_size", "2", "--checkpoint.interval", "2000", "--checkpoint.preempt_timeout", "0.001", "--metrics.log_freq", "1"],
+        cwd=REPO, env={**os.environ, "NGPU": "1", "MASTER_PORT": str(next(PORTS)), "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    for line in process.stdout:  # the console shows rank 0's log as it is written
+        if re.search(r"step +2/2000 ", line):
+            break
+    else:
+        raise AssertionError(f"the run ended before step 2: {process.wait()}")
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=240)
+    assert process.returncode == EXIT_PREEMPTED_UNSAVED
+    assert stderr.strip().splitlines()[-1].startswith("Stopped by SIGTERM before a checkpoint was saved")
+    assert not (dump / "preempted.json").exists() and not (dump / "flame.lock").exists()
 
 
 def run_handler(script: str, timeout: float, dump) -> subprocess.CompletedProcess:
