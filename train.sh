@@ -30,7 +30,13 @@ export NGPU
 # Check the job before starting ranks: a mistake is one line here, not a traceback per rank.
 # --help and --job.dry_run are answered by this step alone.
 env_file=$(mktemp)
-trap 'rm -f "$env_file"' EXIT
+# The pre-flight takes <dump_folder>/flame.lock for this script's pid (flame.checkpoint.lock); it is removed on exit.
+release_lock() {
+  rm -f "$env_file"
+  local lock=${FLAME_DUMP_LOCK:-}
+  if [ -n "$lock" ] && grep -q "\"host\": \"$(hostname)\", \"pid\": $$," "$lock" 2>/dev/null; then rm -f "$lock"; fi
+}
+trap release_lock EXIT
 FLAME_LAUNCH_ENV=$env_file python -m flame.launch "$@"
 rc=$?
 if [ "$rc" -eq 10 ]; then exit 0; fi
@@ -45,23 +51,53 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / N
 # a restart loads them, and a 2-step NGPU=1 run before a multi-GPU job gives every rank the configs tuned on a
 # quiet GPU (docs/performance.md, "Several H200s with FSDP"). TRITON_CACHE_AUTOTUNING=0 turns it off.
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
-
 # torchrun's own messages (its warnings, and after a failed rank its ChildFailedError traceback and summary) go to
 # <dump_folder>/logs/launcher.log: the ranks' lines ([rankN]: ...) pass, so a rank's refusal stays the last line.
 launcher_log="$DUMP_FOLDER/logs/launcher.log"
 last_line=$(mktemp)
-trap 'rm -f "$env_file" "$last_line"' EXIT
-exec 3>&1
-torchrun --nnodes "$NNODE" --nproc_per_node "$NGPU" --node_rank "$NODE_RANK" \
+trap 'release_lock; rm -f "$last_line"' EXIT
+
+# Preemption (docs/checkpoints.md): SIGTERM or SIGUSR1 sent to this script goes to the ranks of this node, which
+# finish their step, save a checkpoint and exit; this script then exits with 75 (76: stopped without that save),
+# the status to requeue on. torchrun runs with SIGUSR1 ignored (its default action would kill it and orphan the
+# ranks); the ranks install their own handler.
+preempted_marker="$DUMP_FOLDER/preempted.json"
+rm -f "$preempted_marker"
+signalled=""
+torchrun_pid=""
+forward_signal() {
+  signalled=$1
+  [ -n "$torchrun_pid" ] || return 0
+  local rank_pid
+  for rank_pid in $(pgrep -P "$torchrun_pid"); do kill -s "$1" "$rank_pid" 2>/dev/null; done
+}
+trap 'forward_signal TERM' TERM
+trap 'forward_signal USR1' USR1
+(trap '' USR1; exec torchrun --nnodes "$NNODE" --nproc_per_node "$NGPU" --node_rank "$NODE_RANK" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 --log-dir "$DUMP_FOLDER/logs" \
-  -m flame.train "$@" 2>&1 1>&3 3>&- |
-  awk -v launcher_log="$launcher_log" -v last_line="$last_line" '
+  -m flame.train "$@" \
+  2> >(awk -v launcher_log="$launcher_log" -v last_line="$last_line" '
     /^\[[A-Za-z_]+[0-9]+\]:/ { print; fflush(); last = $0; next }
     { print >> launcher_log; fflush(launcher_log) }
-    END { print last > last_line }' >&2 3>&-
-rc=${PIPESTATUS[0]}
-exec 3>&-
+    END { print last > last_line }' >&2)) &
+torchrun_pid=$!
+# wait returns early when a trapped signal arrives: wait again until torchrun has ended.
+while :; do
+  wait "$torchrun_pid"
+  rc=$?
+  kill -0 "$torchrun_pid" 2>/dev/null || break
+done
+# The filter writes the last rank line once torchrun's stderr closes.
+for _ in $(seq 50); do [ -s "$last_line" ] && break; sleep 0.1; done
+if [ -f "$preempted_marker" ]; then
+  echo "Preempted: saved $(cat "$preempted_marker"); launch the same command again to resume (exit status 75)" >&2
+  exit 75
+fi
+if [ -n "$signalled" ] && [ "$rc" -ne 0 ]; then
+  echo "Stopped by SIG$signalled before a checkpoint was saved; a new launch resumes from the latest one (exit status 76)" >&2
+  exit 76
+fi
 
 # A failed run ends on its reason: the refusal shown last, else the first rank's refusal from its log (a rank the
 # console does not show, LOG_RANK), else one line on how it ended and where the reports are.

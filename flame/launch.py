@@ -3,17 +3,20 @@
 Parses the job (fast: no torchtitan package init), prints a notice line for each upstream flame option given
 that has no effect here, checks the model config, the tokenizer's vocabulary, NGPU and the parallelism degrees
 against NGPU x NNODE and the model (flame.parallelize.checks), and answers ``--help`` and ``--job.dry_run``
-itself (the dry run checks the degrees against NGPU x NNODE but not the visible devices). A mistake is one line on stderr and exit code 2, before any rank could turn it into
-a wall of tracebacks. With FLAME_LAUNCH_ENV set, writes the resolved
-dump folder there for train.sh.
+itself (the dry run checks the degrees against NGPU x NNODE but not the visible devices). A mistake is one line on
+stderr and exit code 2, before any rank could turn it into a wall of tracebacks. With FLAME_LAUNCH_ENV set
+(train.sh), takes the dump folder's lock for train.sh's process on node 0 (``flame.checkpoint.lock``: a second run
+on the folder stops here) and writes the resolved dump folder and the lock's path there for train.sh.
 """
 
 import dataclasses
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
+from flame.checkpoint.lock import HELD_BY_LAUNCHER, DumpFolderLock
 from flame.config import parse_args
 from flame.config.checks import validate_job
 from flame.config.manager import upstream_notices
@@ -127,6 +130,10 @@ def preflight(argv: list[str]) -> int:
         print(json.dumps(dataclasses.asdict(job_config), indent=2, default=str))
     if env_file := os.environ.get("FLAME_LAUNCH_ENV"):
         lines = [f"DUMP_FOLDER={job_config.job.dump_folder}"]
+        if os.environ.get("NODE_RANK", "0") == "0":
+            lock = DumpFolderLock(job_config.job.dump_folder, pid=os.getppid())  # held by train.sh
+            lock.acquire()
+            lines.append(f"export {HELD_BY_LAUNCHER}={shlex.quote(str(lock.path.resolve()))}")
         if job_config.debug.enable:  # read when CUDA starts: exported before any rank does
             lines.append("export CUDA_LAUNCH_BLOCKING=1")
         Path(env_file).write_text("\n".join(lines) + "\n")

@@ -1,12 +1,17 @@
 """Where checkpoints live and which of them are complete (no torch import: the converters' checks stay fast).
 
 A run's checkpoints are torchtitan's: ``<dump_folder>/<checkpoint.folder>/step-<N>/``, each a DCP checkpoint whose
-``.metadata`` file the coordinating rank writes last, after every rank's data files (torch's FileSystemWriter writes
-it to a temporary name and renames it). A step directory without ``.metadata`` is therefore a save that did not
-finish (killed, out of disk ...): it is never loaded as "latest", and loading it by number fails with one line.
+``.metadata`` file the coordinating rank writes last, after every rank's data files. flame writes a checkpoint into
+``step-<N>.partial`` and renames it to ``step-<N>`` once ``.metadata`` and the manifest are written, so a directory
+named ``step-<N>`` is a finished save. A ``.partial`` directory, or a ``step-<N>`` without ``.metadata`` (written by
+flame before the rename existed), is a save that did not finish (killed, out of disk ...): it is never loaded as
+"latest", and loading it by number fails with one line. A checkpoint being deleted is renamed ``step-<N>.purging``
+first, so a purge cut short never leaves a ``step-<N>`` with files missing.
 
-Next to ``.metadata`` flame writes ``flame.json`` before the data: the model config the weights belong to and the
-tokenizer of the run, so that converters and resumed runs can check what they load.
+Next to ``.metadata`` flame writes ``flame.json`` before the data (the model config the weights belong to, the
+tokenizer of the run, flame's version and the checkpoint format number) and ``manifest.json`` after it (the size
+and SHA-256 of every file), so that converters, resumed runs and ``python -m flame.checkpoint verify`` can check
+what they load.
 """
 
 import json
@@ -14,11 +19,19 @@ import os
 import re
 from pathlib import Path
 
+from flame import __version__
 from flame.errors import FlameError
 
 STEP_DIR = re.compile(r"step-(\d+)")
+PARTIAL_DIR = re.compile(r"step-(\d+)\.partial")
+PARTIAL_SUFFIX = ".partial"
+PURGING_SUFFIX = ".purging"
 METADATA = ".metadata"
 SIDECAR = "flame.json"
+MANIFEST = "manifest.json"
+# The checkpoint format this flame writes (flame.json's "format"): 1 holds no pickled entry of flame's own (RNG
+# state as tensors, dataloader state as plain data); checkpoints without the field are format 0.
+FORMAT = 1
 
 
 class CheckpointError(FlameError):
@@ -29,20 +42,29 @@ def step_dir(folder: str | os.PathLike, step: int) -> Path:
     return Path(folder) / f"step-{step}"
 
 
+def partial_dir(folder: str | os.PathLike, step: int) -> Path:
+    """Where a save of ``step`` is written until it is complete."""
+    return Path(folder) / f"step-{step}{PARTIAL_SUFFIX}"
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / METADATA).is_file()
 
 
 def list_steps(folder: str | os.PathLike) -> dict[int, bool]:
-    """{step: complete} of the ``step-<N>`` directories in a checkpoint folder (exact names only)."""
+    """{step: complete} of the ``step-<N>`` directories in a checkpoint folder (exact names only); a step with only
+    a ``step-<N>.partial`` directory (a save in flight or cut short) counts as incomplete."""
     folder = Path(folder)
     if not folder.is_dir():
         return {}
     steps = {}
     for entry in folder.iterdir():
-        match = STEP_DIR.fullmatch(entry.name)
-        if match and entry.is_dir():
+        if not entry.is_dir():
+            continue
+        if match := STEP_DIR.fullmatch(entry.name):
             steps[int(match.group(1))] = is_complete(entry)
+        elif match := PARTIAL_DIR.fullmatch(entry.name):
+            steps.setdefault(int(match.group(1)), False)
     return steps
 
 
@@ -72,7 +94,7 @@ def resolve_step_dir(folder: str | os.PathLike, step: int) -> Path:
     if step < 0:
         raise CheckpointError(f"step must be >= 0, or -1 for the latest checkpoint; got {step}")
     path = step_dir(folder, step)
-    if not path.is_dir():
+    if not path.is_dir() and not partial_dir(folder, step).is_dir():
         raise CheckpointError(f"there is no checkpoint step-{step} in {folder} ({describe_steps(folder)})")
     if not is_complete(path):
         raise CheckpointError(
@@ -98,15 +120,29 @@ def checkpoint_folder(path: str | os.PathLike, subfolder: str = "checkpoint") ->
     raise CheckpointError(f"{path} holds no {subfolder}/ folder and no step-<N> checkpoint")
 
 
+def write_json(file: Path, data: dict) -> None:
+    """Write a JSON file whole or not at all (a temporary name, flushed to disk, then renamed)."""
+    tmp = file.with_name(file.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(file)
+
+
 def write_sidecar(path: str | os.PathLike, model_config: dict, tokenizer: str | None) -> None:
-    info = {"model_config": model_config, "tokenizer": tokenizer}
-    tmp = Path(path) / (SIDECAR + ".tmp")
-    tmp.write_text(json.dumps(info, indent=2) + "\n")
-    tmp.replace(Path(path) / SIDECAR)
+    info = {
+        "model_config": model_config,
+        "tokenizer": tokenizer,
+        "flame_version": __version__,
+        "format": FORMAT,
+    }
+    write_json(Path(path) / SIDECAR, info)
 
 
 def read_sidecar(path: str | os.PathLike) -> dict | None:
-    """flame.json of a step directory: {"model_config": {...}, "tokenizer": str | None}, or None."""
+    """flame.json of a step directory: {"model_config": {...}, "tokenizer": str | None, "flame_version": str,
+    "format": int} (older checkpoints lack the last two), or None."""
     file = Path(path) / SIDECAR
     if not file.is_file():
         return None

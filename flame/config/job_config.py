@@ -137,6 +137,11 @@ class Training:
     tensor_parallel_degree: int | None = None
     """Alias of parallelism.tensor_parallel_degree"""
 
+    # ---- Surviving preemption and damage (docs/checkpoints.md) ----
+    skip_nan_inf_limit: int = 0
+    """With training.skip_nan_inf: stop the run (saving nothing new) after this many consecutive skipped steps;
+    0: never stop"""
+
 
 @dataclass
 class Optimizer:
@@ -171,6 +176,16 @@ class Checkpoint:
 
     last_save_model_only: bool = False
     """Save only the model at the last step (no optimizer/data state: the run cannot resume from it)"""
+
+    # ---- Surviving preemption and damage (docs/checkpoints.md) ----
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that make every rank finish its step, save a checkpoint and exit with status 75 (empty: none)"""
+
+    preempt_timeout: float = 0.0
+    """Seconds after a preemption signal after which the run exits without finishing its save (0: no limit)"""
+
+    verify_checksums: bool = True
+    """Check the SHA-256 of every file of a checkpoint before resuming from it (sizes are always checked)"""
 
 
 @dataclass

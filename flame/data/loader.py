@@ -8,13 +8,16 @@ The loader is torchtitan's ``ParallelAwareDataloader`` (a torchdata ``StatefulDa
 ``state_dict()`` holds, under ``dp_rank_<r>``, the state of every worker's pipeline as of the last batch the
 trainer received (prefetched batches do not count), so a run resumed from a checkpoint gets exactly the
 batches the uninterrupted run would have got. Resuming needs the same data flags, data-parallel degree and
-number of workers.
+number of workers. torchtitan stores that state pickled; flame stores it as JSON text (NumPy arrays tagged with
+their dtype), so loading a checkpoint's dataloader state runs no code from it.
 """
 
+import json
 import logging
 import os
 from dataclasses import asdict
 
+import numpy as np
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset, get_worker_info
 from torchtitan.components.dataloader import ParallelAwareDataloader
@@ -153,8 +156,50 @@ def _already_tokenized(documents: list) -> list[Encoded]:
     return [Encoded(document, None) for document in documents]
 
 
+_ARRAY = "__ndarray__"
+
+
+def _encode(value):
+    if isinstance(value, np.ndarray):
+        return {_ARRAY: value.dtype.str, "data": value.tolist()}
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} in the dataloader state cannot be stored as plain data")
+
+
+def _decode(obj: dict):
+    return np.array(obj["data"], dtype=np.dtype(obj[_ARRAY])) if _ARRAY in obj else obj
+
+
+def encode_state(state: dict) -> str:
+    return json.dumps(state, default=_encode)
+
+
+def decode_state(text: str) -> dict:
+    return json.loads(text, object_hook=_decode)
+
+
 class FlameDataLoader(ParallelAwareDataloader):
     """torchtitan's data-parallel-aware StatefulDataLoader over a :class:`PackedTextDataset`."""
+
+    def state_dict(self) -> dict:
+        return {self._rank_id: encode_state(super(ParallelAwareDataloader, self).state_dict()),
+                "world_size": self.dp_world_size}  # fmt: skip
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not state_dict:
+            return
+        if self._rank_id not in state_dict:
+            logger.warning(
+                f"The checkpoint holds no dataloader state for {self._rank_id}: reading from the start"
+            )
+            return
+        if state_dict["world_size"] != self.dp_world_size:
+            raise DataConfigError(
+                f"the checkpoint's dataloader state is for {state_dict['world_size']} data-parallel ranks, this run "
+                f"has {self.dp_world_size}: resume with the same data-parallel degree"
+            )
+        super(ParallelAwareDataloader, self).load_state_dict(decode_state(state_dict[self._rank_id]))
 
     def data_stats(self) -> dict[str, int]:
         """Counts of skipped or repaired documents (and documents split in varlen mode) summed over this rank's

@@ -19,10 +19,10 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torchtitan.distributed import utils as dist_utils
 
 from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
+from flame.optim.nonfinite import clip_grad_norm_
 from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
 from flame.train.model_parts import ModelParts, Topology, autocast_context
 from flame.train.objective import LanguageModelObjective
@@ -86,9 +86,7 @@ class TrainStep:
         )
         shares = [self.forward_backward(inputs, labels, global_count) for inputs, labels in batches]
 
-        grad_norm = dist_utils.clip_grad_norm_(
-            self.model.parameters(), self.max_norm, foreach=True, pp_mesh=topology.pp_mesh
-        )
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, pp_mesh=topology.pp_mesh)
         skipped = self.skip_nan_inf and not torch.isfinite(grad_norm)
         if not skipped:
             if self.before_update is not None:

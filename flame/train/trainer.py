@@ -21,7 +21,9 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 from flame import compat
+from flame.checkpoint.lock import hold_for_trainer
 from flame.checkpoint.manager import CheckpointManager
+from flame.checkpoint.preemption import Preempted, Preemption
 from flame.checkpoint.rng import RNGState
 from flame.config import parse_args
 from flame.config.checks import last_step, validate_job
@@ -31,6 +33,7 @@ from flame.metrics import RANK_LOSS, MetricsLogger
 from flame.models import load_model_args
 from flame.models.common.args import ModelArgs
 from flame.models.custom import import_custom_modules
+from flame.optim.nonfinite import NonFiniteSteps
 from flame.samples import SampleGenerator
 from flame.train.model_parts import ModelParts, Topology, autocast_context, build_model_parts
 from flame.train.objective import DPOObjective
@@ -108,6 +111,7 @@ class Trainer(Stateful):
         training = job_config.training
         self.last_step = last_step(job_config)  # training.steps, or training.stop_at_step (hard stop)
         self.topology = init_topology(job_config)
+        self.dump_lock = hold_for_trainer(job_config.job.dump_folder)  # None when train.sh holds it
         self.device = self.topology.device
         self.dp_degree, self.dp_rank = self.topology.dp_degree, self.topology.dp_rank
         self.gc_handler = tt_utils.GarbageCollection(gc_freq=training.gc_freq, debug=training.gc_debug)
@@ -128,6 +132,7 @@ class Trainer(Stateful):
         self.model_parts = self.model.parts
         self.reference = build_reference(self.model_args, self.topology, job_config)
         self.accumulation = accumulation_steps(training, self.dp_degree)
+        self.nonfinite_steps = NonFiniteSteps(training.skip_nan_inf_limit)
         objective = (
             DPOObjective(job_config, self.reference, autocast_context(self.topology, job_config))
             if self.reference is not None
@@ -144,6 +149,10 @@ class Trainer(Stateful):
         self.ntokens_seen = 0
         self.skipped_steps = 0
         self.checkpointer = self._build_checkpointer()
+        checkpoint = job_config.checkpoint
+        self.preemption = Preemption(
+            checkpoint.preempt_signals, checkpoint.preempt_timeout, self.device, job_config.job.dump_folder
+        )
         # An async checkpoint must finish copying the weights before the optimizer changes them.
         self.train_step_fn.before_update = self.checkpointer.maybe_wait_for_staging
 
@@ -185,6 +194,7 @@ class Trainer(Stateful):
             base_folder=job_config.job.dump_folder,
             model_config=self.model_args.to_dict(),
             tokenizer=os.path.abspath(tokenizer_path) if os.path.isdir(tokenizer_path) else tokenizer_path,
+            verify_checksums=job_config.checkpoint.verify_checksums,
         )
 
     def next_batches(self, data_iterator) -> list[tuple[dict, torch.Tensor]]:
@@ -242,7 +252,10 @@ class Trainer(Stateful):
                 reference.load_state_dict(part.state_dict())
         logger.info(f"Training starts at step {self.step + 1}")
         self.metrics.reset_window(self.step)
-        data_iterator = iter(self.dataloader)
+        # Creating the iterator draws from torch's generator (the workers' base seed): kept out of the run's random
+        # stream, so that a resumed run, which creates it at another step, draws what the uninterrupted run draws.
+        with torch.random.fork_rng(devices=[]):
+            data_iterator = iter(self.dataloader)
         # The profiler (--profiling.enable_profiling) and the CUDA memory recorder (--profiling.enable_memory_snapshot)
         # write under <dump_folder>/<their folders> every profiling.profile_freq steps; off, they are None.
         profiling, dump, step = job_config.profiling, job_config.job.dump_folder, self.step
@@ -255,6 +268,8 @@ class Trainer(Stateful):
                 self.gc_handler.run(self.step)
                 self.train_step(data_iterator)
                 self.checkpointer.save(self.step, last_step=self.step == self.last_step)
+                if self.step < self.last_step and self.preemption.requested():
+                    self.preemption.save_and_stop(self.checkpointer, self.step)  # raises Preempted
                 if self.validator and self.validator.should_validate(self.step, self.last_step):
                     self.validate()
                 if self.sampler and self.sampler.should_sample(self.step):
@@ -293,6 +308,9 @@ class Trainer(Stateful):
     def close(self) -> None:
         self.checkpointer.close()
         self.metrics.close()
+        self.preemption.close()
+        if self.dump_lock is not None:
+            self.dump_lock.release()
 
 
 def enable_debug_mode() -> None:
@@ -323,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     except FlameError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        return e.exit_status
     finally:
         trainer.close()
         if torch.distributed.is_initialized():

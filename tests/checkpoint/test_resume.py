@@ -38,7 +38,7 @@ def test_interrupted_runs_repeat_the_uninterrupted_run(tmp_path):
     killed = killed_run(dump, "before_metadata:4", *JOB, "--metrics.save_tb_folder", "tb_killed")
     assert killed.returncode != 0, output(killed, dump)
     assert list_steps(folder) == {2: True, 3: True, 4: False}
-    assert any((folder / "step-4").glob("*.distcp"))
+    assert any((folder / "step-4.partial").glob("*.distcp")) and not (folder / "step-4").exists()
     assert latest_step(folder) == 3
     with pytest.raises(CheckpointError, match="step-4 is incomplete"):
         resolve_step_dir(folder, 4)
