@@ -3,7 +3,7 @@ step it is in, save a full checkpoint and exit with ``EXIT_PREEMPTED``; the next
 
 Clusters send such a signal before they kill a job (SLURM's ``--signal=USR1@120`` or its SIGTERM at the time limit,
 Kubernetes and spot instances SIGTERM). The handler only records the signal; after each step the ranks agree
-(one all-reduce) whether any of them got one, so all of them save the same step together. A second signal, or
+(one all-reduce of a host tensor over gloo) whether any of them got one, so all of them save the same step together. A second signal, or
 ``checkpoint.preempt_timeout`` seconds after the first, ends the process at once without the save
 (``EXIT_PREEMPTED_UNSAVED``). The same signal arriving twice within ``DUPLICATE_WINDOW`` seconds counts once: a
 launcher that forwards it and a scheduler that signals every process of the job deliver it twice.
@@ -61,10 +61,13 @@ def _say(text: str) -> None:
 
 
 class Preemption:
-    def __init__(self, signal_names: list[str], timeout: float, device: torch.device, dump_folder: str):
+    def __init__(self, signal_names: list[str], timeout: float, dump_folder: str):
         self.signals = parse_signals(signal_names)
         self.timeout = timeout
-        self.device = device
+        # The vote's group: one that takes host tensors (creating it is a collective: every rank builds a Preemption).
+        self._group = None
+        if dist.is_initialized() and dist.get_world_size() > 1 and "gloo" not in dist.get_backend():
+            self._group = dist.new_group(backend="gloo")
         self.marker = Path(dump_folder) / MARKER
         self.received: signal.Signals | None = None
         self._first_at = 0.0
@@ -105,8 +108,10 @@ class Preemption:
         """Whether any rank got a preemption signal (the same answer on every rank)."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.received is not None
-        flag = torch.tensor([0 if self.received is None else int(self.received)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        # On the host, over gloo: a flag on the GPU would make every step wait for its kernels before the next one
+        # is launched (reading it back is a device sync); the CPU all-reduce costs the ranks' hosts microseconds.
+        flag = torch.tensor([0 if self.received is None else int(self.received)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         if self.received is None and flag.item():
             self.received = signal.Signals(int(flag.item()))  # another rank's signal
         return bool(flag.item())

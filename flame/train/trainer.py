@@ -151,7 +151,7 @@ class Trainer(Stateful):
         self.checkpointer = self._build_checkpointer()
         checkpoint = job_config.checkpoint
         self.preemption = Preemption(
-            checkpoint.preempt_signals, checkpoint.preempt_timeout, self.device, job_config.job.dump_folder
+            checkpoint.preempt_signals, checkpoint.preempt_timeout, job_config.job.dump_folder
         )
         # An async checkpoint must finish copying the weights before the optimizer changes them.
         self.train_step_fn.before_update = self.checkpointer.maybe_wait_for_staging

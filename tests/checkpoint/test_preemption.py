@@ -96,7 +96,7 @@ def run_handler(script: str, timeout: float, dump) -> subprocess.CompletedProces
     code = textwrap.dedent("""
         import os, signal, sys, time, torch
         from flame.checkpoint.preemption import Preemption
-        preemption = Preemption(["SIGUSR1"], float(sys.argv[1]), torch.device("cpu"), sys.argv[2])
+        preemption = Preemption(["SIGUSR1"], float(sys.argv[1]), sys.argv[2])
         def send():
             os.kill(os.getpid(), signal.SIGUSR1)
     """) + textwrap.dedent(script)
