@@ -12,7 +12,7 @@ def test_consecutive_skips_stop_the_run_and_name_the_parameters(make_trainer, tm
     trainer = make_trainer("--training.skip_nan_inf", "--training.skip_nan_inf_limit", "2", "--training.steps", "6",
                            "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
                            dump=dump)  # fmt: skip
-    original = trainer.forward_backward
+    original = trainer.train_step_fn.forward_backward
     bad = "layers.1.mlp.down_proj.weight"
 
     def nan_from_step_3(*args):  # step 3 skipped, step 4 fine, then every step non-finite
@@ -21,7 +21,7 @@ def test_consecutive_skips_stop_the_run_and_name_the_parameters(make_trainer, tm
             dict(trainer.model_parts[0].named_parameters())[bad].grad[0, 0] = float("nan")
         return result
 
-    trainer.forward_backward = nan_from_step_3
+    trainer.train_step_fn.forward_backward = nan_from_step_3
     stopped = r"^2 consecutive steps \(to step 6\) had a non-finite gradient"
     with pytest.raises(NonFiniteGradients, match=stopped):
         trainer.train()
