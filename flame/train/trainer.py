@@ -214,6 +214,9 @@ class Trainer(Stateful):
             logger.warning(
                 f"step {self.step}: gradient norm is {result.grad_norm.item()}; skipping the update"
             )
+            self.nonfinite_steps.skipped(self.step, self.model_parts)  # names them; stops at the limit
+        else:
+            self.nonfinite_steps.finite()
         if self.metrics.should_log(self.step):
             means = self.train_step_fn.global_metrics(result)
             metrics = {
