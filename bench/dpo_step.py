@@ -35,8 +35,8 @@ from train_throughput import cleanup, device_name, millions, write_section  # no
 from flame import compat  # noqa: E402
 from flame.config import parse_args  # noqa: E402
 from flame.models import get_model_spec, read_model_config  # noqa: E402
-from flame.train.model_parts import Topology, autocast_context, build_model_parts  # noqa: E402
-from flame.train.objective import DPOObjective  # noqa: E402
+from flame.train.model_parts import Topology, build_model_parts  # noqa: E402
+from flame.train.objective import build_objective  # noqa: E402
 from flame.train.step import build_train_step  # noqa: E402
 
 PERFORMANCE_DOC = REPO / "docs" / "performance.md"
@@ -71,12 +71,7 @@ def run_case(name: str, args, device, parallel_dims) -> dict:
     margs = model_args(name, args.tiny)
     topology = Topology.of(parallel_dims, device)
     policy = build_model_parts(margs, topology, config)
-    reference = build_model_parts(margs, topology, config)
-    for part in reference.parts:
-        part.eval()
-        part.requires_grad_(False)
-    objective = DPOObjective(config, reference, autocast_context(topology, config))
-    step = build_train_step(policy, topology, config, objective=objective)
+    step = build_train_step(policy, topology, config, objective=build_objective(margs, topology, config))
     generator = torch.Generator(device=device).manual_seed(topology.dp_rank)
     tokens = torch.randint(
         0, margs.vocab_size, (2 * args.pairs, args.seq_len + 1), device=device, generator=generator

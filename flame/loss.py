@@ -46,11 +46,7 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
     token_logprobs = -F.cross_entropy(
         logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     ).view(labels.shape)
-    return token_logprobs.sum(-1), labelled_tokens_per_row(labels)
-
-
-def labelled_tokens_per_row(labels: torch.Tensor) -> torch.Tensor:
-    return (labels != IGNORE_INDEX).sum(-1)
+    return token_logprobs.sum(-1), (labels != IGNORE_INDEX).sum(-1)
 
 
 def dpo_losses(

@@ -10,8 +10,9 @@ import contextlib
 import torch
 
 from flame.loss import dpo_losses, labelled_tokens, loss_sums, sequence_logprobs
+from flame.models.common.args import ModelArgs
 from flame.parallelize.compile import maybe_compile_loss
-from flame.train.model_parts import ModelParts
+from flame.train.model_parts import ModelParts, Topology, autocast_context, build_model_parts
 
 
 class LanguageModelObjective:
@@ -64,3 +65,17 @@ class DPOObjective:
             "dpo/reward_margin": (chosen - rejected).sum(),
             "dpo/accuracy": (chosen > rejected).float().sum(),
         }
+
+
+def build_objective(
+    model_args: ModelArgs, topology: Topology, job_config
+) -> LanguageModelObjective | DPOObjective:
+    """job.task's objective. DPO's reference model is built and sharded like the policy, frozen, in eval mode; it
+    holds random weights until the caller copies the starting weights in (or loads them from a checkpoint)."""
+    if job_config.job.task != "dpo":
+        return LanguageModelObjective(job_config)
+    reference = build_model_parts(model_args, topology, job_config)
+    for part in reference.parts:
+        part.eval()
+        part.requires_grad_(False)
+    return DPOObjective(job_config, reference, autocast_context(topology, job_config))

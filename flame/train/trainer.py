@@ -35,8 +35,8 @@ from flame.models.common.args import ModelArgs
 from flame.models.custom import import_custom_modules
 from flame.optim.nonfinite import NonFiniteSteps
 from flame.samples import SampleGenerator
-from flame.train.model_parts import ModelParts, Topology, autocast_context, build_model_parts
-from flame.train.objective import DPOObjective
+from flame.train.model_parts import Topology, build_model_parts
+from flame.train.objective import DPOObjective, build_objective
 from flame.train.step import build_train_step
 from flame.validate import Validator
 
@@ -76,17 +76,6 @@ def fit_vocab_to_tokenizer(model_args: ModelArgs, tokenizer, resize: bool) -> No
         )
     logger.warning(f"Resizing vocab_size from {model_args.vocab_size} to {needed} to fit the tokenizer")
     model_args.vocab_size = needed
-
-
-def build_reference(model_args: ModelArgs, topology: Topology, job_config) -> ModelParts | None:
-    """DPO's reference model: built and sharded like the policy, frozen, in eval mode; None for other tasks."""
-    if job_config.job.task != "dpo":
-        return None
-    reference = build_model_parts(model_args, topology, job_config)
-    for part in reference.parts:
-        part.eval()
-        part.requires_grad_(False)
-    return reference
 
 
 def accumulation_steps(training, dp_degree: int) -> int:
@@ -130,14 +119,10 @@ class Trainer(Stateful):
         # Model and optimization; DPO also runs a frozen copy of the starting weights (the reference).
         self.model = build_model_parts(self.model_args, self.topology, job_config)
         self.model_parts = self.model.parts
-        self.reference = build_reference(self.model_args, self.topology, job_config)
+        objective = build_objective(self.model_args, self.topology, job_config)
+        self.reference = objective.reference if isinstance(objective, DPOObjective) else None
         self.accumulation = accumulation_steps(training, self.dp_degree)
         self.nonfinite_steps = NonFiniteSteps(training.skip_nan_inf_limit)
-        objective = (
-            DPOObjective(job_config, self.reference, autocast_context(self.topology, job_config))
-            if self.reference is not None
-            else None
-        )
         self.train_step_fn = build_train_step(self.model, self.topology, job_config, objective=objective)
         self.optimizers = self.train_step_fn.optimizers
         self.lr_schedulers = self.train_step_fn.lr_schedulers

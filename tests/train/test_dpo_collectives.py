@@ -24,8 +24,8 @@ def gathers_of_one_dpo_step(family: str, layers: int) -> tuple[int, int]:
 
     from flame.config import parse_args
     from flame.models import get_model_spec
-    from flame.train.model_parts import Topology, autocast_context, build_model_parts
-    from flame.train.objective import DPOObjective
+    from flame.train.model_parts import Topology, build_model_parts
+    from flame.train.objective import build_objective
     from flame.train.step import build_train_step
 
     config = parse_args(["--job.task", "dpo", "--training.seq_len", "16", "--training.batch_size", "1",
@@ -35,14 +35,8 @@ def gathers_of_one_dpo_step(family: str, layers: int) -> tuple[int, int]:
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
     dims.build_mesh()
     topology = Topology.of(dims, torch.device("cpu"))
-    policy, reference = build_model_parts(args, topology, config), build_model_parts(args, topology, config)
-    reference.parts[0].requires_grad_(False)
-    step = build_train_step(
-        policy,
-        topology,
-        config,
-        objective=DPOObjective(config, reference, autocast_context(topology, config)),
-    )
+    policy = build_model_parts(args, topology, config)
+    step = build_train_step(policy, topology, config, objective=build_objective(args, topology, config))
     tokens = torch.randint(0, TINY["vocab_size"], (2, 17), generator=torch.Generator().manual_seed(0))
     batches = [({"input": tokens[:, :-1]}, tokens[:, 1:])]
     step(batches)
