@@ -1,4 +1,12 @@
-"""Every workaround for a torch / torchtitan / FLA quirk lives here, each with the upstream issue it tracks.
+"""Every workaround for a torch / torchtitan / FLA quirk lives here.
+
+:data:`SHIMS` lists them: for each, the upstream issue (or where the behaviour is documented when none is filed), the
+release that fixes it, the function here that works around it, and a probe that reproduces the upstream behaviour
+with the installed packages. tests/test_compat.py runs every probe: a probe that no longer reproduces means the
+pinned versions (3rdparty/) no longer need that shim, and the test names the function to delete.
+
+Where flame's behaviour deliberately differs from torchtitan's (the checkpoint manager's guarantees, the pipeline
+loss normalised by the global token count: torchtitan#2972), that is flame's design, documented where it lives.
 
 Call :func:`apply` once per process, after importing torch and before building meshes or models.
 """
@@ -6,8 +14,24 @@ Call :func:`apply` once per process, after importing torch and before building m
 import importlib.util
 import sys
 import types
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Shim:
+    name: str
+    upstream: str
+    """The upstream issue, or where the behaviour is documented when no issue is filed"""
+    fixed_in: str | None
+    """The first release without the behaviour (None: not fixed in any release)"""
+    workaround: str
+    """The function in this module that works around it"""
+    reproduces: Callable[[], bool]
+    """True while the installed packages still behave this way (in a fresh process, in SHIMS' order: probes import
+    and the first needs a process without the fake process group)"""
 
 
 def torchtitan_job_config() -> type:
@@ -28,27 +52,58 @@ def torchtitan_job_config() -> type:
     return JobConfig
 
 
+def _torchtitan_init_imports_quantization() -> bool:
+    spec = importlib.util.find_spec("torchtitan")
+    with open(spec.origin) as init:
+        return "torchtitan.components.quantization" in init.read()
+
+
 def apply() -> None:
     _register_fake_process_group()
     _use_cpu_when_no_accelerator()
     _profile_cpu_only_without_gpu()
 
 
+def _register_fake_process_group() -> None:
+    # torchtitan's ParallelDims.build_mesh() gives size-1 mesh dims the c10d backend "fake", which torch registers
+    # only when this test-support module is imported ("Unknown c10d backend type FAKE" otherwise).
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+
+def _fake_backend_unknown() -> bool:
+    import torch.distributed as dist
+
+    if "torch.testing._internal.distributed.fake_pg" in sys.modules:
+        raise RuntimeError("probe needs a process that has not imported fake_pg")
+    try:
+        dist.init_process_group(backend="fake", store=dist.HashStore(), rank=0, world_size=1)
+    except (AssertionError, RuntimeError, ValueError) as error:
+        return "FAKE" in str(error).upper()
+    dist.destroy_process_group()
+    return False
+
+
 def fsdp_sum_reductions_on_gloo(fsdp_module, mesh) -> None:
     """Make an FSDP2 module reduce gradients with plain SUM when its mesh communicates over gloo."""
-    # pytorch#162338: gloo has no ReduceOp.PREMUL_SUM ("Cannot use ReduceOp.PREMUL_SUM with Gloo"), and FSDP2
-    # averaging on gloo silently sums. Summing is what flame wants anyway: the trainer divides the loss by the
-    # global token count.
+    # gloo has no ReduceOp.PREMUL_SUM, which FSDP2's averaging uses, and FSDP2 averaging on gloo silently sums.
+    # Summing is what flame wants anyway: the trainer divides the loss by the global token count.
     import torch.distributed as dist
 
     if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
         fsdp_module.set_force_sum_reduction_for_comms(True)
 
 
-def _register_fake_process_group() -> None:
-    # torchtitan#2236, #2275: ParallelDims.build_mesh() gives size-1 mesh dims the c10d backend "fake"; torch 2.11
-    # raises "Unknown c10d backend type FAKE" unless this module registered it (a no-op on torch >= 2.13).
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+def _gloo_lacks_premul_sum() -> bool:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(1), op=dist._make_nccl_premul_sum(2.0))
+    except (RuntimeError, ValueError) as error:
+        return "PREMUL_SUM" in str(error)
+    finally:
+        dist.destroy_process_group()
+    return False
 
 
 class _CpuDeviceModule(types.SimpleNamespace):
@@ -65,9 +120,9 @@ class _CpuDeviceModule(types.SimpleNamespace):
 
 
 def _use_cpu_when_no_accelerator() -> None:
-    # torchtitan 0.2.2 tools/utils.get_device_info() falls back to "cuda" when torch finds no accelerator, so a
-    # CPU-only run picks the NCCL backend and calls torch.cuda.set_device (no upstream issue filed; see
-    # shared notes). Point its module-level device globals at the CPU and gloo instead.
+    # torchtitan's tools/utils.get_device_info() falls back to "cuda" when torch finds no accelerator, so a CPU-only
+    # run picks the NCCL backend and calls torch.cuda.set_device. Point its module-level device globals at the CPU
+    # and gloo instead.
     if torch.accelerator.is_available():
         return
     import torchtitan.distributed.parallel_dims as parallel_dims
@@ -82,10 +137,21 @@ def _use_cpu_when_no_accelerator() -> None:
             module.device_module = cpu_module
 
 
+def _torchtitan_assumes_cuda() -> bool:
+    import torchtitan.tools.utils as tools_utils
+
+    found = tools_utils._get_available_device_type
+    tools_utils._get_available_device_type = lambda: None
+    try:
+        return tools_utils.get_device_info()[0] == "cuda"
+    finally:
+        tools_utils._get_available_device_type = found
+
+
 def _profile_cpu_only_without_gpu() -> None:
-    # torchtitan 0.2.2 tools/profiling.maybe_enable_profiling passes activities=[CPU, None] when neither CUDA nor
-    # XPU is available, and torch.profiler.profile rejects the None ("Expected ProfilerActivity or dict"; no
-    # upstream issue filed). Give that module a torch whose profiler drops it.
+    # torchtitan's tools/profiling.maybe_enable_profiling passes activities=[CPU, None] when neither CUDA nor XPU is
+    # available, and torch.profiler.profile rejects the None ("Expected ProfilerActivity or dict"). Give that module
+    # a torch whose profiler drops it.
     if torch.cuda.is_available() or torch.xpu.is_available():
         return
     import torchtitan.tools.profiling as profiling
@@ -105,3 +171,115 @@ def _profile_cpu_only_without_gpu() -> None:
         profile=CpuProfile, schedule=torch.profiler.schedule, ProfilerActivity=torch.profiler.ProfilerActivity
     )
     profiling.torch = patched
+
+
+def _profiler_rejects_none_activity() -> bool:
+    try:
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, None])
+    except TypeError:
+        return True
+    return False
+
+
+def serve_gated_dqkwg_on_hopper(kernel: Callable) -> None:
+    """Register ``kernel`` (flame's Triton chunk_bwd_dqkwg) with FLA's 'common' backend registry where FLA refuses
+    its own (idempotent)."""
+    global _hopper_backend_registered
+    if _hopper_backend_registered or not fla_refuses_gated_dqkwg_here():
+        return
+    from fla.backends import BaseBackend, register
+
+    @register("common")
+    class FlameHopperBackend(BaseBackend):
+        backend_type = "flame_hopper_dqkwg"
+        priority = 0  # ahead of FLA's own backends: only this one is known correct here
+
+        def chunk_bwd_dqkwg_verifier(self, *args, g=None, g_gamma=None, **kwargs) -> tuple[bool, str | None]:
+            if g is None or g_gamma is not None:
+                return False, "flame's Hopper backward serves the gated case only"
+            return True, None
+
+        def chunk_bwd_dqkwg(self, *args, **kwargs):
+            # The named range makes its share of a step visible in torch.profiler tables.
+            with torch.profiler.record_function("flame_chunk_bwd_dqkwg"):
+                return kernel(*args, **kwargs)
+
+    _hopper_backend_registered = True
+
+
+_hopper_backend_registered = False
+
+# The Triton releases on which FLA refuses its gated chunk_bwd_dqkwg on Hopper (FLA's own guard).
+HOPPER_DQKWG_TRITON = (">=3.4.0", "<3.7.1")
+
+
+def fla_refuses_gated_dqkwg_here() -> bool:
+    """True on the GPUs where FLA refuses its gated chunk_bwd_dqkwg (Hopper, Triton in HOPPER_DQKWG_TRITON)."""
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    return bool(IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
+
+
+def _fla_guards_hopper_dqkwg() -> bool:
+    spec = importlib.util.find_spec("fla.ops.common.chunk_o")
+    with open(spec.origin) as source:
+        return "see #640" in source.read()
+
+
+def _fla_ops_disable_compile() -> bool:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return getattr(chunk_gated_delta_rule, "_torchdynamo_disable", False)
+
+
+SHIMS = (
+    Shim(
+        name="fake_process_group",
+        upstream="pytorch/torchtitan#2236, #2275",
+        fixed_in=None,
+        workaround="_register_fake_process_group",
+        reproduces=_fake_backend_unknown,
+    ),
+    Shim(
+        name="torchtitan_job_config",
+        upstream="not filed: torchtitan 0.2.2's __init__.py imports its quantization converters",
+        fixed_in=None,
+        workaround="torchtitan_job_config",
+        reproduces=_torchtitan_init_imports_quantization,
+    ),
+    Shim(
+        name="fsdp_gloo_premul_sum",
+        upstream="pytorch/pytorch#162338",
+        fixed_in=None,
+        workaround="fsdp_sum_reductions_on_gloo",
+        reproduces=_gloo_lacks_premul_sum,
+    ),
+    Shim(
+        name="torchtitan_cpu_device",
+        upstream="not filed: torchtitan 0.2.2 tools/utils.get_device_info() falls back to cuda",
+        fixed_in=None,
+        workaround="_use_cpu_when_no_accelerator",
+        reproduces=_torchtitan_assumes_cuda,
+    ),
+    Shim(
+        name="torchtitan_cpu_profiler",
+        upstream="not filed: torchtitan 0.2.2 tools/profiling passes a None activity without a GPU",
+        fixed_in=None,
+        workaround="_profile_cpu_only_without_gpu",
+        reproduces=_profiler_rejects_none_activity,
+    ),
+    Shim(
+        name="fla_hopper_dqkwg",
+        upstream="fla-org/flash-linear-attention#640 (Triton miscompiles tl.trans of a wgmma accumulator)",
+        fixed_in="triton 3.7.1",
+        workaround="serve_gated_dqkwg_on_hopper",
+        reproduces=_fla_guards_hopper_dqkwg,
+    ),
+    Shim(
+        name="fla_compiler_disable",
+        upstream="not filed: FLA 0.6.0 wraps its public ops in torch.compiler.disable",
+        fixed_in=None,
+        workaround="flame.ops.fla_library (FLA's gated delta rule as torch.library custom ops)",
+        reproduces=_fla_ops_disable_compile,
+    ),
+)

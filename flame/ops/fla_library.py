@@ -161,9 +161,9 @@ def gated_delta_rule_bwd(
     from fla.ops.common.gate import fused_beta_sigmoid_bwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
 
-    from flame.ops.gated_delta_rule.hopper_backward import register_backend
+    from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
 
-    register_backend()
+    serve_where_fla_refuses()
     do, dht, q, q_rstd, k, k_rstd, v, g, g_cumsum, beta, beta_act, A, A_log, dt_bias, initial_state = (
         _contiguous(
             do, dht, q, q_rstd, k, k_rstd, v, g, g_cumsum, beta, beta_act, A, A_log, dt_bias, initial_state

@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 
+from flame.ops.gated_delta_rule.dqkwg_reference import chunk_bwd_dqkwg_torch
 from flame.ops.gated_delta_rule.dqkwg_triton import (
     BLOCK_K,
     TUNING_CONFIGS,
     chunk_bounds,
     chunk_bwd_dqkwg_triton,
 )
-from flame.ops.gated_delta_rule.hopper_backward import chunk_bwd_dqkwg_torch
 
 LIMITS = {torch.float32: 1e-5, torch.bfloat16: 0.01}
 CASES = [

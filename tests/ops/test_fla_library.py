@@ -19,7 +19,7 @@ import fla.ops.utils.index
 import pytest
 import torch
 
-import flame.ops.gated_delta_rule.hopper_backward
+import flame.ops.gated_delta_rule.dqkwg_reference
 from flame.ops import fla_library
 
 B, T, H, HV, K, V, CHUNK = 2, 8, 2, 4, 4, 3, 32  # K != V: a transposed state layout shows in the shapes
@@ -55,7 +55,7 @@ INTERNALS = {
     (fla.ops.utils.index, "prepare_chunk_indices"): lambda a: torch.zeros(2, 2, dtype=torch.long),
     (fla.ops.gated_delta_rule.chunk, "chunk_gated_delta_rule_fwd"): gdn_fwd,
     (fla.ops.gated_delta_rule.chunk, "chunk_gated_delta_rule_bwd"): gdn_bwd,
-    (flame.ops.gated_delta_rule.hopper_backward, "register_backend"): lambda a: None,
+    (flame.ops.gated_delta_rule.dqkwg_triton, "serve_where_fla_refuses"): lambda a: None,
 }
 
 
@@ -169,7 +169,7 @@ def test_gated_delta_rule_backward_calls_fla_as_its_function_does(layer, fla_cal
     a = gdn_arguments(layer)
     outputs, (do, dht, *_), op_grads, grads = gdn_forward_backward(a, monkeypatch)
     _, _, q_normed, q_rstd, k_normed, k_rstd, g_cumsum, beta_act, A = outputs
-    assert len(fla_calls["register_backend"]) == 1 and (dht is not None) == layer
+    assert len(fla_calls["serve_where_fla_refuses"]) == 1 and (dht is not None) == layer
     ((call, (fla_dq, fla_dk, _, fla_dbeta, *_)),) = fla_calls["chunk_gated_delta_rule_bwd"]
     saved = [q_normed, k_normed, beta_act, a["g"]] if layer else [a["q"], a["k"], a["beta"], None]
     assert same([call[name] for name in ("q", "k", "beta", "g_input")], saved)

@@ -21,8 +21,8 @@ import torch
 
 from flame.ops import dispatch
 from flame.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_torch
+from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
 from flame.ops.gated_delta_rule.gate import gdn_gate
-from flame.ops.gated_delta_rule.hopper_backward import register_backend as register_hopper_backward
 from flame.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 from flame.ops.norm import l2norm
 from flame.ops.varlen import check_packed_batch
@@ -36,14 +36,14 @@ def fla_chunk_gated_delta_rule(*args, **kwargs):
     runs through flame's torch.library custom ops (`flame.ops.fla_library`), so that a block compiles to one graph
     instead of breaking at FLA's ``torch.compiler.disable``; FLA's context parallelism (``cp_context``) stays on
     FLA's op. On Hopper GPUs with Triton 3.4-3.7.0 its gated backward is served by flame's correct one
-    (hopper_backward.py)."""
+    (dqkwg_reference.py)."""
     if torch.compiler.is_compiling() and kwargs.get("cp_context") is None:
         from flame.ops import fla_library
 
         return fla_library.chunk_gated_delta_rule(*args, **kwargs)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
 
-    register_hopper_backward()
+    serve_where_fla_refuses()
     return fla_op(*args, **kwargs)
 
 

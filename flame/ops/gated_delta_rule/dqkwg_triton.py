@@ -4,7 +4,7 @@ FLA issue 640: those Triton versions miscompile ``tl.trans`` of a wgmma-layout a
 kernel transposes the chunk's score-gradient tile ds (an accumulator) to form dk. This kernel never transposes an
 accumulator: it accumulates ds = do v^T and its transpose ds^T = v do^T as two separate products of loaded tiles
 (one extra BT x BT x BV product per value block, a few percent of the kernel's FLOPs). Everything else follows the
-math in hopper_backward.py, which also holds the PyTorch reference this kernel is tested against.
+math in dqkwg_reference.py, which also holds the PyTorch reference this kernel is tested against.
 
 One program per (chunk, key block, value head). Per chunk c with token-local cumulative log2-decay g, start state
 h_c [K, V] (stored [V, K] when state_v_first), gradient dh of the state after the chunk, output gradient do and
@@ -22,6 +22,8 @@ the kernel. dg is returned before FLA's reverse cumulative sum, as FLA's kernel 
 import torch
 import triton
 import triton.language as tl
+
+from flame import compat
 
 
 def chunk_bounds(
@@ -219,3 +221,9 @@ def chunk_bwd_dqkwg_triton(
         dq = dq.view(batch, seq_len, num_heads, group, key_dim).sum(3).to(q.dtype)
         dk = dk.view(batch, seq_len, num_heads, group, key_dim).sum(3).to(k.dtype)
     return dq, dk, dw, dg.sum(0).to(torch.promote_types(g.dtype, torch.float32))
+
+
+def serve_where_fla_refuses() -> None:
+    """Serve FLA's gated chunk_bwd_dqkwg with this kernel where FLA refuses its own (flame.compat's
+    fla_hopper_dqkwg shim); a no-op elsewhere."""
+    compat.serve_gated_dqkwg_on_hopper(chunk_bwd_dqkwg_triton)

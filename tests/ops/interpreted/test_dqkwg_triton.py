@@ -1,6 +1,6 @@
 """flame's Triton chunk_bwd_dqkwg (run by Triton's interpreter on the CPU) against the PyTorch one.
 
-The PyTorch function is itself checked against autograd in test_hopper_backward.py. Inputs are float32 with odd
+The PyTorch function is itself checked against autograd in test_dqkwg_reference.py. Inputs are float32 with odd
 lengths, partial chunks, grouped value heads, varlen and both state layouts; the kernel runs with small blocks so
 that several key/value blocks and the partial-dg sum over key blocks are exercised. Limit: 1e-5 relative to the
 largest value of each result (float32 products of length <= 64 in a different order).
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
+from flame.ops.gated_delta_rule.dqkwg_reference import chunk_bwd_dqkwg_torch
 from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds, chunk_bwd_dqkwg_triton
-from flame.ops.gated_delta_rule.hopper_backward import chunk_bwd_dqkwg_torch
 
 # Small blocks: several key and value blocks per chunk, and the partial dg sums over key blocks.
 LAUNCH = {"BK": 16, "BV": 16, "num_warps": 4, "num_stages": 1}

@@ -1,14 +1,11 @@
-"""A correct gated ``chunk_bwd_dqkwg`` for Hopper GPUs with Triton 3.4-3.7.0, served through FLA's backend registry.
+"""The PyTorch reference of FLA's gated ``chunk_bwd_dqkwg``, which flame's Triton kernel (dqkwg_triton.py) is tested
+against.
 
-FLA issue 640 (PR 826): Triton >= 3.4, < 3.7.1 miscompiles ``tl.trans`` of a wgmma-layout accumulator in FLA's
-gated ``chunk_bwd_kernel_dqkwg`` on Hopper, so FLA 0.6.0 raises there instead of returning wrong gradients. FLA
-lets a registered backend serve any ``@dispatch('common')`` function (``fla.backends.register``); this module
-registers flame's Triton kernel (dqkwg_triton.py, which never transposes an accumulator). Everything else in the
-backward (and the whole forward) stays on FLA's Triton kernels. The guard is never lifted.
+The kernel exists for FLA issue 640 (PR 826): Triton >= 3.4, < 3.7.1 miscompiles ``tl.trans`` of a wgmma-layout
+accumulator in FLA's gated ``chunk_bwd_kernel_dqkwg`` on Hopper, so FLA 0.6.0 raises there instead of returning wrong
+gradients, and flame.compat serves that function with flame's kernel through FLA's backend registry.
 
-`chunk_bwd_dqkwg_torch` below computes the same per-chunk quantities with batched PyTorch matmuls: it is the
-reference the kernel is tested against (and was the served implementation before the kernel, at ~14 ms per
-340M-model layer on an H100).
+`chunk_bwd_dqkwg_torch` computes the same per-chunk quantities with batched PyTorch matmuls.
 
 Per chunk c with token-local cumulative log2-decay g (FLA's convention), start state h_c, gradient dh of the
 state after the chunk, output gradient do and (for the delta rule) gradient dv of v_new = u - w h_c:
@@ -23,7 +20,7 @@ dg is returned before FLA's reverse cumulative sum, exactly as the Triton kernel
 
 import torch
 
-from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds, chunk_bwd_dqkwg_triton
+from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds
 
 
 def _chunk_token_index(
@@ -116,38 +113,3 @@ def chunk_bwd_dqkwg_torch(
         dg.unsqueeze(-1), tuple(g.shape) + (1,), torch.promote_types(g.dtype, torch.float32)
     ).squeeze(-1)
     return dq, dk, dw, dg
-
-
-def affected() -> bool:
-    """True on the GPUs where FLA 0.6.0 refuses its gated chunk_bwd_dqkwg (Hopper + Triton 3.4-3.7.0)."""
-    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
-
-    return bool(IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
-
-
-_registered = False
-
-
-def register_backend() -> None:
-    """Register flame's Triton chunk_bwd_dqkwg with FLA's 'common' registry (idempotent, only where needed)."""
-    global _registered
-    if _registered or not affected():
-        return
-    from fla.backends import BaseBackend, register
-
-    @register("common")
-    class FlameHopperBackend(BaseBackend):
-        backend_type = "flame_hopper_dqkwg"
-        priority = 0  # ahead of FLA's own backends: only this one is known correct here
-
-        def chunk_bwd_dqkwg_verifier(self, *args, g=None, g_gamma=None, **kwargs) -> tuple[bool, str | None]:
-            if g is None or g_gamma is not None:
-                return False, "flame's Hopper backward serves the gated case only"
-            return True, None
-
-        def chunk_bwd_dqkwg(self, *args, **kwargs):
-            # The named range makes its share of a step visible in torch.profiler tables.
-            with torch.profiler.record_function("flame_chunk_bwd_dqkwg"):
-                return chunk_bwd_dqkwg_triton(*args, **kwargs)
-
-    _registered = True

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from flame.ops.gated_delta_rule.hopper_backward import _chunk_token_index, chunk_bwd_dqkwg_torch
+from flame.ops.gated_delta_rule.dqkwg_reference import _chunk_token_index, chunk_bwd_dqkwg_torch
 
 
 def loss_of_chunks(q, k, v, w, g, h, do, dh, dv, scale, index, valid, state_v_first):

@@ -1,0 +1,52 @@
+"""Every shim in flame.compat is still needed by the installed packages and by the pinned GPU stack: when an upstream
+release fixes a behaviour, its probe stops reproducing and this test names the workaround to delete."""
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+
+from flame import compat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def reproduced() -> dict[str, bool]:
+    # One fresh process for all probes, in SHIMS' order (the first needs a process without the fake process group).
+    probe = "import json; from flame.compat import SHIMS; print(json.dumps({s.name: bool(s.reproduces()) for s in SHIMS}))"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("shim", compat.SHIMS, ids=lambda shim: shim.name)
+def test_upstream_still_behaves_as_the_shim_assumes(shim, reproduced):
+    assert reproduced[shim.name], (
+        f"{shim.upstream} no longer reproduces with the installed packages (fixed in {shim.fixed_in or '?'}): "
+        f"delete flame.compat's {shim.workaround} and its SHIMS entry"
+    )
+
+
+def test_each_workaround_exists():
+    for shim in compat.SHIMS:
+        name = shim.workaround.split(" ")[0]
+        assert hasattr(compat, name) or importlib.util.find_spec(name) is not None, shim
+
+
+def pinned(constraints: str, package: str) -> str:
+    text = (ROOT / "3rdparty" / constraints).read_text()
+    return re.search(rf"^{re.escape(package)}==(\S+)$", text, re.MULTILINE).group(1)
+
+
+def test_gpu_stack_triton_is_one_fla_refuses_on_hopper():
+    # The Hopper shim only acts on a GPU; its probe above checks FLA's guard, this checks the pinned GPU stack is in it.
+    assert pinned("constraints-gpu.txt", "triton") in SpecifierSet(",".join(compat.HOPPER_DQKWG_TRITON)), (
+        "the GPU stack's triton is outside FLA issue 640's range: delete flame.compat.serve_gated_dqkwg_on_hopper"
+    )
