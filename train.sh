@@ -124,6 +124,6 @@ fi
 # does. The converter finds the step and the run's model config and tokenizer in the checkpoint itself, so nothing
 # is parsed from this command line. FLAME_EXPORT_HF=0 skips it; only node 0 exports.
 if [ "$rc" -eq 0 ] && [ "${FLAME_EXPORT_HF:-1}" != 0 ] && [ "$NODE_RANK" -eq 0 ]; then
-  python -m flame.utils.convert_dcp_to_hf --path "$DUMP_FOLDER" --step -1 --after_training || rc=$?
+  python -m flame.cli.convert_dcp_to_hf --path "$DUMP_FOLDER" --step -1 --after_training || rc=$?
 fi
 exit "$rc"

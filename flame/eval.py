@@ -13,8 +13,8 @@ folder), ``<dump>/eval/step-<N>`` (a checkpoint) or ``eval/<owner>__<name>`` (a 
 import argparse
 import sys
 
+from flame.cli import run_cli
 from flame.errors import FlameError
-from flame.utils import run_cli
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Text samples during training: every ``inference.interval`` steps, continue each prompt and log the text.
 
 Prompts (``--inference.prompt``, several separated by '|') are tokenized like the training documents (BOS first)
-and continued by :func:`flame.utils.generate.sample` for up to ``inference.max_new_tokens`` tokens, stopping at
+and continued by :func:`flame.generation.sample` for up to ``inference.max_new_tokens`` tokens, stopping at
 EOS: greedy with ``inference.temperature`` 0, else sampled at that temperature among the ``inference.top_k`` most
 likely tokens (0: all), seeded by (debug.seed, step). The training model runs in eval mode under no_grad,
 recomputing the whole prefix for every token (no KV cache: models sampled during training are small, and every
@@ -13,7 +13,7 @@ same seed, so all ranks pick the same tokens and stop together; only rank 0 logs
 
 import torch
 
-from flame.utils.generate import sample
+from flame.generation import sample
 
 
 class SampleGenerator:

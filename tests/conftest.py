@@ -5,7 +5,9 @@ tests/ops/interpreted runs Triton kernels in Triton's CPU interpreter, in a subp
 """
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 from tests.trainer_helpers import make_trainer  # noqa: F401  (fixture)
@@ -15,3 +17,17 @@ collect_ignore = [] if torch.cuda.is_available() else ["gpu"]
 # these in a subprocess with TRITON_INTERPRET=1.
 if os.environ.get("TRITON_INTERPRET") != "1":
     collect_ignore.append("ops/interpreted")
+
+
+@pytest.fixture
+def offline_cache(tmp_path, monkeypatch) -> Path:
+    """An empty HF cache that this process and its children use, offline."""
+    import huggingface_hub.constants as constants
+
+    cache = tmp_path / "hf_cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache

@@ -358,7 +358,7 @@ class CheckpointManager(TorchTitanCheckpointManager):
         if step != 0 and is_model_only(metadata):
             raise CheckpointError(
                 f"checkpoint {path} holds only the model (a seed checkpoint or checkpoint.last_save_model_only) "
-                "and cannot resume training; convert it (python -m flame.utils.convert_dcp_to_hf) or start a new "
+                "and cannot resume training; convert it (python -m flame.cli.convert_dcp_to_hf) or start a new "
                 "run from it"
             )
         expected = {k: tuple(v.shape) for k, v in self.states["model"].state_dict().items()}

@@ -16,7 +16,7 @@ import tyro
 
 from flame.config.job_config import ALIASES, NO_EFFECT, REPO_ROOT, UpstreamJobConfig
 from flame.errors import ConfigError
-from flame.utils.hub import resolve_model_config
+from flame.hf.hub import resolve_model_config
 
 try:
     import tomllib

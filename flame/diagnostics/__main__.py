@@ -5,7 +5,7 @@
         [--passkey_lengths 256,512,1024,2048] [--passkey_trials 10] [--sink_threshold 0.3] [--near_zero 1e-3]
         [--seed 0] [--device cpu|cuda] [--dtype float32|bfloat16]
 
-Runs flame's own model (PyTorch attention path; see flame.diagnostics.loading for the checkpoint forms) on
+Runs flame's own model (PyTorch attention path; see flame.hf.load for the checkpoint forms) on
 ``--num_sequences`` sequences of ``--seq_len`` tokens (flame's embedded corpus, or ``--text_file``), one at a time,
 collecting the attention statistics of every attention layer and the activation statistics of every layer; then
 passkey retrieval at each ``--passkey_lengths`` ("" skips it). Prints the per-layer table, the sink rate and the
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from flame.cli import run_cli
 from flame.errors import FlameError
-from flame.utils import run_cli
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -85,13 +85,14 @@ def check(options: argparse.Namespace) -> list[int]:
 def run(argv: list[str]) -> int:
     options = parse(argv)
     lengths = check(options)
-    from flame.diagnostics import inputs, loading, report
+    from flame.diagnostics import inputs, report
     from flame.diagnostics.activations import ActivationStats
     from flame.diagnostics.attention import AttentionStats
     from flame.diagnostics.passkey import check_lengths, passkey_accuracy
+    from flame.hf.load import load
 
     report.require_matplotlib()
-    loaded = loading.load(
+    loaded = load(
         options.checkpoint,
         options.step,
         options.config,

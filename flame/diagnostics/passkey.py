@@ -8,7 +8,7 @@ A prompt of about ``length`` tokens (never more) is
 
 with a 5-digit key drawn at random and the key sentence placed after a random fraction of the filler sentences.
 Each part is tokenized on its own (without special tokens) and the ids are concatenated, so every prompt of a
-length has the same filler. The model continues it greedily (flame.utils.generate.sample, temperature 0) by as many
+length has the same filler. The model continues it greedily (flame.generation.sample, temperature 0) by as many
 tokens as " NNNNN" takes plus one; a trial is correct when the first run of digits in the continuation is the key.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from flame.errors import FlameError
-from flame.utils.generate import logits_of, sample
+from flame.generation import logits_of, sample
 
 INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "

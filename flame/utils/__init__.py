@@ -1,18 +1,3 @@
-"""Command-line tools, each run as ``python -m flame.utils.<name>``: ``convert_dcp_to_hf``, ``convert_hf_to_dcp``,
-``generate``, ``preprocess``. A mistake in the input is one line ``error: <message>`` on stderr and exit code 2."""
-
-import sys
-from collections.abc import Callable
-
-from flame.errors import FlameError
-
-EXIT_BAD_INPUT = 2
-
-
-def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
-    """Run a tool's main, turning a FlameError into one line and exit code 2."""
-    try:
-        return main(sys.argv[1:] if argv is None else argv)
-    except FlameError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+"""Upstream flame's module paths for its command-line tools: ``python -m flame.utils.<tool>`` runs
+``flame.cli.<tool>`` (``convert_dcp_to_hf``, ``convert_hf_to_dcp``, ``generate``, ``preprocess``), so upstream users'
+scripts work as typed."""

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
+from flame.cli import convert_dcp_to_hf
 from flame.diagnostics.__main__ import main
 from flame.diagnostics.inputs import corpus_documents, token_sequences
 from flame.hf.export import load_tokenizer
-from flame.utils import convert_dcp_to_hf
 from tests.utils.helpers import TOKENIZER, save_checkpoint, tiny_model
 
 FAST = [

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from flame.utils import convert_dcp_to_hf
+from flame.cli import convert_dcp_to_hf
 from tests.utils.helpers import save_checkpoint, tiny_model, tokens
 
 LIMIT = 0.02

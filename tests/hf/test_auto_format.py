@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
+from flame.cli import convert_dcp_to_hf
 from flame.hf.formats import export_adapter
 from flame.models import build_model, load_model_args
-from flame.utils import convert_dcp_to_hf
 from tests.utils.helpers import REPO, save_checkpoint, tokens
 
 

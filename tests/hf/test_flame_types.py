@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from flame.utils import convert_dcp_to_hf
-from flame.utils.generate import load_flame_model
+from flame.cli import convert_dcp_to_hf
+from flame.hf.load import load_flame_model
 from tests.utils.helpers import REPO, save_checkpoint, tiny_model, tokens
 
 # Models FLA's classes would compute differently: exported as flame_<family>.

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from flame.utils import convert_dcp_to_hf, convert_hf_to_dcp
+from flame.cli import convert_dcp_to_hf, convert_hf_to_dcp
 from tests.utils.helpers import save_checkpoint, tiny_model, tokens
 
 CASES = {

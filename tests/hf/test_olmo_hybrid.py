@@ -15,8 +15,8 @@ import textwrap
 import pytest
 import torch
 
+from flame.cli import convert_dcp_to_hf, convert_hf_to_dcp
 from flame.models.gated_deltanet.state_dict_adapter import OlmoHybridAdapter, olmo_linear_incompatibilities
-from flame.utils import convert_dcp_to_hf, convert_hf_to_dcp
 from tests.utils.helpers import REPO, save_checkpoint, tiny_model, tokens
 
 OLMO_ATTN = {"num_heads": 4, "qk_norm": True, "qk_norm_scope": "full", "norm_order": "post"}

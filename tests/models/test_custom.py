@@ -85,7 +85,7 @@ JOB = ["--model.config", str(CONFIG), "--training.steps", "16", "--training.seq_
 def test_example_trains_resumes_and_exports(tmp_path, example):
     from transformers import AutoModelForCausalLM
 
-    from flame.utils import convert_hf_to_dcp
+    from flame.cli import convert_hf_to_dcp
     from tests.models.generic.test_training import trained_model
 
     whole = tmp_path / "whole"

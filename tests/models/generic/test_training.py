@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from flame.checkpoint.dcp_io import load_model_tensors
+from flame.cli import convert_dcp_to_hf, convert_hf_to_dcp
 from flame.models import build_model, load_model_args
-from flame.utils import convert_dcp_to_hf, convert_hf_to_dcp
 from tests.checkpoint.helpers import output
 from tests.models.generic.helpers import train_sh, write_config
 from tests.trainer_helpers import tensorboard_scalars

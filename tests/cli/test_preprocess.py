@@ -1,11 +1,11 @@
-"""python -m flame.utils.preprocess with upstream flame's options: token shards flame trains from, one folder per
+"""python -m flame.cli.preprocess (flame.utils.preprocess) with upstream flame's options: token shards flame trains from, one folder per
 dataset, the training flags printed, upstream's options without meaning here each a notice, hub tokenizers from
 the cache."""
 
 import json
 
+from flame.cli import preprocess
 from flame.data.shards import INDEX_FILE
-from flame.utils import preprocess
 from tests.data.helpers import numbered_texts, write_jsonl
 from tests.utils.helpers import TOKENIZER
 from tests.utils.hub_cache import add_to_cache

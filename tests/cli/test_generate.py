@@ -1,9 +1,10 @@
-"""flame.utils.generate: sampling from an exported model with flame's model code or with transformers."""
+"""flame.cli.generate: sampling from an export or a DCP checkpoint with flame's model code, or from an export with
+transformers."""
 
 import pytest
 import torch
 
-from flame.utils import convert_dcp_to_hf, generate
+from flame.cli import convert_dcp_to_hf, generate
 from tests.utils.helpers import TOKENIZER, save_checkpoint, tiny_model
 
 
@@ -45,19 +46,17 @@ def test_sampling_is_seeded(exported, capsys):
     assert run(capsys, *argv, "--seed", "3") == first
 
 
-def test_sample_respects_eos_and_vocab_limit():
-    vocab, eos = 10, 2
-
-    def logits_fn(ids):  # always prefers the last (padded) id, then eos
-        logits = torch.zeros(ids.shape[0], ids.shape[1], vocab)
-        logits[..., -1], logits[..., eos] = 5.0, 4.0
-        return logits
-
-    out = generate.sample(logits_fn, torch.zeros(2, 1, dtype=torch.long), 5, temperature=0, eos_token_id=eos,
-                          vocab_limit=vocab - 1)  # fmt: skip
-    assert out.tolist() == [[0, eos], [0, eos]]
+def test_a_dump_folder_generates_what_its_export_does(exported, capsys):
+    _, hf = exported
+    argv = ["--prompt", "Return a new", "--max_new_tokens", "6", "--temperature", "0"]
+    from_export = run(capsys, "--model", str(hf), *argv)
+    assert run(capsys, "--model", str(hf.parent / "dump"), "--step", "1", *argv) == from_export
 
 
 def test_missing_model_folder(tmp_path, capsys):
     assert generate.main(["--model", str(tmp_path / "none"), "--prompt", "x"]) == 2
-    assert capsys.readouterr().err.strip() == f"error: the model folder {tmp_path / 'none'} does not exist"
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .startswith(f"error: the checkpoint folder {tmp_path / 'none'} does not exist")
+    )

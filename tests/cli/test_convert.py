@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from flame.checkpoint.dcp_io import is_model_only, load_model_tensors, read_metadata
 from flame.checkpoint.layout import list_steps
+from flame.cli import convert_dcp_to_hf, convert_hf_to_dcp
 from flame.models import build_model, get_model_spec
-from flame.utils import convert_dcp_to_hf, convert_hf_to_dcp
 from tests.checkpoint.helpers import output, train_sh
 from tests.utils.helpers import save_checkpoint, tiny_model, tokens
 
@@ -224,3 +224,22 @@ def test_bad_input_to_convert_hf_to_dcp(small, trained, tmp_path, capsys):
         == 2
     )
     assert "model_type 'no_such_model' is not supported" in one_error_line(capsys)
+
+
+def test_upstream_module_paths_run_the_same_tools():
+    import importlib
+    import subprocess
+    import sys
+
+    for tool in ("convert_dcp_to_hf", "convert_hf_to_dcp", "generate", "preprocess"):
+        assert (
+            importlib.import_module(f"flame.utils.{tool}").main
+            is importlib.import_module(f"flame.cli.{tool}").main
+        )
+    usage = subprocess.run(
+        [sys.executable, "-m", "flame.utils.convert_dcp_to_hf", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "--path" in usage.stdout

@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from flame.utils import convert_dcp_to_hf, convert_hf_to_dcp
-from flame.utils.hub import is_hub_name
+from flame.cli import convert_dcp_to_hf, convert_hf_to_dcp
+from flame.hf.hub import is_hub_name
 from tests.utils.helpers import REPO, TOKENIZER, save_checkpoint, tiny_model
 from tests.utils.hub_cache import add_to_cache
 

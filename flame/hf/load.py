@@ -2,9 +2,9 @@
 
 - A flame DCP checkpoint: a folder holding ``step-<N>`` checkpoints (a dump folder or its checkpoint folder). The
   step given (default: the latest complete one) is read with the model config its ``flame.json`` records (or
-  ``config``, which must describe the same model), as flame.utils.convert_dcp_to_hf reads it.
-- An HF export written by flame.utils.convert_dcp_to_hf (formats fla, flame, llama): config.json and safetensors,
-  mapped back to flame's parameter names by the format's state-dict adapter (flame.utils.generate.load_flame_model).
+  ``config``, which must describe the same model), as flame.cli.convert_dcp_to_hf reads it.
+- An HF export written by flame.cli.convert_dcp_to_hf (formats fla, flame, llama): config.json and safetensors,
+  mapped back to flame's parameter names by the format's state-dict adapter (load_flame_model).
 
 A dump folder that holds both (train.sh exports into the dump folder) is read as DCP unless it has no complete
 checkpoint. The tokenizer is ``tokenizer`` if given, else the one the run recorded (DCP) or the export's own files;
@@ -12,6 +12,7 @@ a relative recorded path that does not exist from the working directory is tried
 the default job's ``flame/assets/tokenizer`` lives.
 """
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +27,9 @@ from flame.checkpoint.layout import (
 )
 from flame.errors import FlameError
 from flame.hf.export import check_tokenizer, load_tokenizer
-from flame.utils.convert_hf_to_dcp import TOKENIZER_FILES
 
 SOURCE_TREE = Path(__file__).resolve().parents[2]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -77,6 +78,42 @@ def load_dcp(step_path: Path, config: str | None, device: str, dtype: torch.dtyp
     return model.to(device=device, dtype=dtype).eval(), (sidecar or {}).get("tokenizer")
 
 
+def read_hf_config(model: Path) -> dict:
+    file = model / "config.json"
+    if not file.is_file():
+        raise FlameError(f"{model} holds no config.json; pass an HF model folder")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise FlameError(f"{file} is not valid JSON ({e.msg} at line {e.lineno})") from e
+
+
+def load_flame_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """flame's model (DecoderLM) with the weights of an HF folder, in eval mode."""
+    from flame.hf.formats import import_adapter
+    from flame.hf.safetensors_io import load_safetensors
+    from flame.models import build_model
+
+    adapter = import_adapter(read_hf_config(Path(path)))
+    with torch.device("meta"):
+        model = build_model(adapter.args)
+    state = adapter.from_hf(load_safetensors(path))
+    model.load_state_dict(state, assign=True, strict=True)
+    if adapter.args.tie_word_embeddings:
+        model.lm_head.weight = model.embeddings.weight
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_transformers_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    import flame  # noqa: F401  (flame's model types)
+
+    if read_hf_config(Path(path)).get("model_type") in ("transformer", "gated_deltanet", "delta_net"):
+        import fla  # noqa: F401  (FLA's model types)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
 def quietly_load_tokenizer(name: str):
     """load_tokenizer without transformers' warning that it does not know an export's model type (AutoTokenizer
     reads config.json next to the tokenizer files; FLA's and flame's model types are registered only on import)."""
@@ -111,9 +148,6 @@ def load(
     else:
         if config is not None:
             raise FlameError(f"--config is for DCP checkpoints; the HF export {path} has its own config.json")
-        from flame.utils.convert_hf_to_dcp import read_hf_config
-        from flame.utils.generate import load_flame_model
-
         model = load_flame_model(path, device, dtype)
         recorded = str(path) if any((path / name).is_file() for name in TOKENIZER_FILES) else None
         source = f"HF export {path} ({read_hf_config(path)['model_type']})"
