@@ -29,6 +29,7 @@ from torchtitan.tools.logging import logger
 from flame.checkpoint.layout import STEP_DIR
 
 STAGING = "hub-upload"
+LINKING_SUFFIX = ".linking"
 STEP_FOLDER = re.compile(r"step-(\d+)/")  # a path in the hub repository
 
 
@@ -90,12 +91,12 @@ class HubUploader:
         if not self.staging.is_dir():
             return []
         left = []
-        for staged in sorted(self.staging.iterdir()):
-            steps = [int(m.group(1)) for p in staged.iterdir() if (m := STEP_DIR.fullmatch(p.name))]
-            if len(steps) == 1:
-                left.append((steps[0], staged))
-            else:  # a staging cut short before its checkpoint was linked
+        for staged in sorted(p for p in self.staging.iterdir() if p.is_dir()):
+            if staged.name.endswith(LINKING_SUFFIX):  # cut short while its files were linked
                 shutil.rmtree(staged, ignore_errors=True)
+                continue
+            steps = [int(m.group(1)) for p in staged.iterdir() if (m := STEP_DIR.fullmatch(p.name))]
+            left += [(steps[0], staged)] if len(steps) == 1 else []
         return left
 
     def submit(self, step: int, checkpoint: Path) -> None:
@@ -103,7 +104,9 @@ class HubUploader:
         Each submission has its own folder ``hub-upload/<time>/step-<N>``: a step saved again while its earlier
         save waits is uploaded after it, and the later commit wins."""
         staged = self.staging / str(time.time_ns())
-        _link_tree(checkpoint, staged / checkpoint.name)
+        linking = staged.with_name(staged.name + LINKING_SUFFIX)
+        _link_tree(checkpoint, linking / checkpoint.name)
+        linking.rename(staged)  # whole: a launch cut short here leaves a .linking folder, never uploaded
         self._enqueue(step, staged)
 
     def _enqueue(self, step: int, staged: Path) -> None:

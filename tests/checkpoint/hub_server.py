@@ -31,7 +31,9 @@ class FakeHub:
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def __enter__(self):
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(
+            target=self.server.serve_forever, args=(0.05,), daemon=True
+        ).start()  # quick shutdown
         return self
 
     def __exit__(self, *exc):

@@ -146,6 +146,7 @@ def test_a_launch_uploads_what_the_last_one_left_staged(hub, tmp_path, caplog):
     caplog.set_level(logging.INFO)
     folder = tmp_path / "checkpoint"
     fake_checkpoint(folder / STAGING / "1700000000000000000", 5)  # left by a launch that ended mid-upload
+    fake_checkpoint(folder / STAGING / "1700000000000000001.linking", 6)  # one that ended while staging it
     uploader = HubUploader(REPO, folder)
     assert uploader.close(timeout=30) == []
     assert "Uploading step-5 left pending by the last launch" in caplog.text
