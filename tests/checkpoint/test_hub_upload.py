@@ -2,6 +2,7 @@
 huggingface_hub reaches through HF_ENDPOINT: step folders in one repository per run, pruned by keep_latest_k,
 uploads in the background with a bounded wait at exit, failures as one warning line, and the token never logged."""
 
+import json
 import logging
 import re
 import socket
@@ -10,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from flame.config.job_config import ASSETS
 from tests.checkpoint.hub_server import FakeHub
 from tests.trainer_helpers import TINY, free_port
 
 TOKEN = "hf_flameTestToken4c9e1d"
 REPO = "tester/tiny-run"
+TINY_MODEL = ASSETS / "tiny.json"
 
 
 @pytest.fixture
@@ -27,7 +30,7 @@ def hub(monkeypatch):
 
 
 @pytest.fixture
-def train(monkeypatch, capfd):
+def train(monkeypatch, capfd, tmp_path):
     """train(dump, *flags) -> (exit status, everything the run printed): flame.train's main in this process."""
     from flame.train.trainer import main
 
@@ -35,9 +38,24 @@ def train(monkeypatch, capfd):
                         "MASTER_ADDR": "localhost"}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
 
+    # A model smaller than the default tiny one: checkpoints of 7 MiB instead of 61 upload in a fraction of the time.
+    model = tmp_path / "small.json"
+    model.write_text(
+        json.dumps({**json.loads(TINY_MODEL.read_text()), "hidden_size": 64, "num_hidden_layers": 2})
+    )
+
     def run(dump: Path, *flags: str) -> tuple[int, str]:
         monkeypatch.setenv("MASTER_PORT", str(free_port()))
-        status = main(["--job.dump_folder", str(dump), *TINY, "--checkpoint.enable", *flags])
+        argv = [
+            "--job.dump_folder",
+            str(dump),
+            *TINY,
+            "--model.config",
+            str(model),
+            "--checkpoint.enable",
+            *flags,
+        ]
+        status = main(argv)
         out, err = capfd.readouterr()
         return status, out + err
 
@@ -72,12 +90,18 @@ def test_checkpoints_upload_as_step_folders_of_one_repo_pruned_and_resumed(hub, 
     assert "removed step-2 from the hub (checkpoint.keep_latest_k 2)" in log
     assert not (checkpoint / "hub-upload").exists()  # nothing left staged
 
-    # The resumed run (new launch, same dump folder) uploads into the same repository and prunes it.
-    status, log2 = train(dump, *flags, "--training.steps", "8")
+    # The resumed run (new launch, same dump folder) uploads into the same repository and prunes it. Its step-8
+    # save is asynchronous (torchtitan saves the last step synchronously): handed over once written.
+    status, log2 = train(dump, *flags, "--training.steps", "10", "--checkpoint.async_mode", "async")
     assert status == 0, log2
     assert "Training starts at step 7" in log2
-    assert list(hub.repos) == [REPO] and hub.steps(REPO) == [6, 8]
-    assert hub.folder(REPO, "step-8") == local_files(checkpoint / "step-8")
+    assert list(hub.repos) == [REPO] and hub.steps(REPO) == [8, 10]
+    assert [message for _, message in hub.commits[3:]] == [
+        "step-8 (dcp), removing step-4",
+        "step-10 (dcp), removing step-6",
+    ]
+    for step in (8, 10):
+        assert hub.folder(REPO, f"step-{step}") == local_files(checkpoint / f"step-{step}")
     assert TOKEN not in log + log2
 
 
