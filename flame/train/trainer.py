@@ -134,6 +134,7 @@ class Trainer(Stateful):
         self.step = 0
         self.ntokens_seen = 0
         self.skipped_steps = 0
+        self.hub_uploader = self._build_hub_uploader()  # checkpoints to the hub, in the background
         self.checkpointer = self._build_checkpointer()
         checkpoint = job_config.checkpoint
         self.preemption = Preemption(
@@ -169,19 +170,6 @@ class Trainer(Stateful):
         states = {"train_state": self, "rng": RNGState()}
         if self.reference is not None:  # a resumed DPO run keeps comparing against its starting weights
             states["reference_model"] = ModelWrapper(self.reference.parts)
-        checkpoint = job_config.checkpoint
-        self.hub_uploader = None
-        if (
-            checkpoint.hf_upload_enabled and torch.distributed.get_rank() == 0
-        ):  # rank 0 renames finished saves
-            self.hub_uploader = HubUploader(
-                checkpoint.hf_repo_base_name,
-                os.path.join(job_config.job.dump_folder, checkpoint.folder),
-                upload_format=checkpoint.hf_upload_format,
-                keep_latest_k=checkpoint.keep_latest_k,
-                private=checkpoint.hf_repo_private,
-                export_dtype=checkpoint.export_dtype,
-            )
         return CheckpointManager(
             dataloader=self.dataloader,
             model_parts=self.model_parts,
@@ -193,8 +181,22 @@ class Trainer(Stateful):
             base_folder=job_config.job.dump_folder,
             model_config=self.model_args.to_dict(),
             tokenizer=os.path.abspath(tokenizer_path) if os.path.isdir(tokenizer_path) else tokenizer_path,
-            verify_checksums=checkpoint.verify_checksums,
+            verify_checksums=job_config.checkpoint.verify_checksums,
             hub_uploader=self.hub_uploader,
+        )
+
+    def _build_hub_uploader(self) -> HubUploader | None:
+        """checkpoint.hf_upload_enabled: the uploader, on rank 0 (which finishes every save: the rename)."""
+        checkpoint = self.job_config.checkpoint
+        if not checkpoint.hf_upload_enabled or torch.distributed.get_rank() != 0:
+            return None
+        return HubUploader(
+            checkpoint.hf_repo_base_name,
+            os.path.join(self.job_config.job.dump_folder, checkpoint.folder),
+            upload_format=checkpoint.hf_upload_format,
+            keep_latest_k=checkpoint.keep_latest_k,
+            private=checkpoint.hf_repo_private,
+            export_dtype=checkpoint.export_dtype,
         )
 
     def next_batches(self, data_iterator) -> list[tuple[dict, torch.Tensor]]:

@@ -70,7 +70,9 @@ class FakeHub:
     def _commit(self, repo_id: str, ndjson: bytes) -> tuple[int, dict]:
         if not self.commit_gate.is_set():
             self.commits_waiting.release()
-            self.commit_gate.wait()
+            self.commit_gate.wait(
+                timeout=60
+            )  # bounded: a test that forgets the gate fails instead of hanging
         lines = [json.loads(line) for line in ndjson.splitlines() if line.strip()]
         with self.lock:
             files = dict(self.repos[repo_id])

@@ -154,9 +154,12 @@ def test_uploads_run_behind_training_and_the_exit_wait_is_bounded(hub, tmp_path,
     hub.commit_gate.clear()  # the hub holds every commit until the gate opens
     start = time.perf_counter()
     uploader.submit(1, fake_checkpoint(folder, 1))
-    assert hub.commits_waiting.acquire(timeout=30)  # step-1's commit is in flight, held by the hub
+    assert hub.commits_waiting.acquire(
+        timeout=30
+    )  # step-1's commit is in flight, held by the hub (60 s at most)
     uploader.submit(2, fake_checkpoint(folder, 2))  # queued behind it
-    assert time.perf_counter() - start < 30 and uploader.pending() == [1, 2]
+    # Both submits returned while the hub held the first commit: a submit that waited for it would take 60 s.
+    assert time.perf_counter() - start < 30 and uploader.pending() == [1, 2] and hub.commits == []
     assert uploader.close(timeout=0.2) == [1, 2]
     assert "Hub upload of step-1, step-2 to tester/tiny-run still pending after 0.2 s" in caplog.text
     hub.commit_gate.set()
