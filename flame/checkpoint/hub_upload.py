@@ -9,7 +9,8 @@ synchronously on rank 0 into a new timestamped repository per launch; here:
   checkpoint's files are hard-linked into ``<checkpoint folder>/hub-upload/<time>/step-<N>/`` first, so that local
   retention may delete the checkpoint while its upload waits; checkpoints saved during an upload queue behind it;
 - each step is one commit, which also deletes the hub's step folders beyond ``checkpoint.keep_latest_k``: the hub
-  holds a step whole or not at all, and prunes only when an upload succeeded;
+  holds a step whole or not at all, and prunes only when an upload succeeded; a queued step that keep_latest_k newer
+  queued steps would prune is not uploaded;
 - a failed upload (offline, no token, rate limit, HTTP error) is one warning line; training goes on;
 - the end of the run waits ``checkpoint.hf_upload_timeout`` seconds for the queue (not at all after a preemption
   signal); what is left stays staged and is uploaded first by the next launch of the run.
@@ -121,8 +122,16 @@ class HubUploader:
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             step, staged = item
+            with self._lock:
+                newer = [s for s in self._pending if s > step]
             try:
-                self._upload(step, staged)
+                if 0 < self.keep_latest_k <= len(newer):  # uploads that fall behind catch up
+                    logger.info(
+                        f"Not uploading checkpoint step-{step}: {', '.join(f'step-{s}' for s in newer)} wait behind "
+                        f"it and checkpoint.keep_latest_k {self.keep_latest_k} would remove it from the hub"
+                    )
+                else:
+                    self._upload(step, staged)
             except Exception as e:  # noqa: BLE001 (an exception would end the thread, and every later upload)
                 logger.warning(
                     f"Hub upload of checkpoint step-{step} to {self.repo} failed ({self._describe(e)}); "

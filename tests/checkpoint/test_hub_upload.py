@@ -167,6 +167,26 @@ def test_uploads_run_behind_training_and_the_exit_wait_is_bounded(hub, tmp_path,
     assert hub.steps(REPO) == [1, 2] and TOKEN not in caplog.text
 
 
+def test_a_queue_longer_than_keep_latest_k_skips_what_would_be_pruned(hub, tmp_path):
+    from flame.checkpoint.hub_upload import HubUploader
+
+    folder = tmp_path / "checkpoint"
+    uploader = HubUploader(REPO, folder, keep_latest_k=2)
+    hub.commit_gate.clear()
+    uploader.submit(1, fake_checkpoint(folder, 1))
+    assert hub.commits_waiting.acquire(timeout=30)
+    for step in (2, 3, 4):  # saved while step-1 uploads: step-2 would be pruned by step-3 and step-4
+        uploader.submit(step, fake_checkpoint(folder, step))
+    hub.commit_gate.set()
+    assert uploader.close(timeout=30) == []
+    assert [message for _, message in hub.commits] == [
+        "step-1 (dcp)",
+        "step-3 (dcp)",
+        "step-4 (dcp), removing step-1",
+    ]
+    assert hub.steps(REPO) == [3, 4]
+
+
 def test_a_launch_uploads_what_the_last_one_left_staged(hub, tmp_path, caplog):
     from flame.checkpoint.hub_upload import STAGING, HubUploader
 
