@@ -4,7 +4,9 @@ uploads in the background with a bounded wait at exit, failures as one warning l
 
 import json
 import logging
+import os
 import re
+import signal
 import socket
 import time
 from pathlib import Path
@@ -30,7 +32,17 @@ def hub(monkeypatch):
 
 
 @pytest.fixture
-def train(monkeypatch, capfd, tmp_path):
+def small_model(tmp_path) -> str:
+    """A model smaller than the default tiny one: checkpoints of 7 MiB instead of 61 upload in a fraction of the
+    time."""
+    model = tmp_path / "small.json"
+    config = json.loads(TINY_MODEL.read_text())
+    model.write_text(json.dumps({**config, "hidden_size": 64, "num_hidden_layers": 2}))
+    return str(model)
+
+
+@pytest.fixture
+def train(monkeypatch, capfd, small_model):
     """train(dump, *flags) -> (exit status, everything the run printed): flame.train's main in this process."""
     from flame.train.trainer import main
 
@@ -38,24 +50,10 @@ def train(monkeypatch, capfd, tmp_path):
                         "MASTER_ADDR": "localhost"}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
 
-    # A model smaller than the default tiny one: checkpoints of 7 MiB instead of 61 upload in a fraction of the time.
-    model = tmp_path / "small.json"
-    model.write_text(
-        json.dumps({**json.loads(TINY_MODEL.read_text()), "hidden_size": 64, "num_hidden_layers": 2})
-    )
-
     def run(dump: Path, *flags: str) -> tuple[int, str]:
         monkeypatch.setenv("MASTER_PORT", str(free_port()))
-        argv = [
-            "--job.dump_folder",
-            str(dump),
-            *TINY,
-            "--model.config",
-            str(model),
-            "--checkpoint.enable",
-            *flags,
-        ]
-        status = main(argv)
+        argv = ["--job.dump_folder", str(dump), *TINY, "--model.config", small_model, "--checkpoint.enable"]
+        status = main([*argv, *flags])
         out, err = capfd.readouterr()
         return status, out + err
 
@@ -136,6 +134,37 @@ def test_unreachable_hub_is_one_warning_and_the_run_finishes(monkeypatch, train,
         "Training completed" in log and (tmp_path / "run" / "checkpoint" / "step-2" / ".metadata").is_file()
     )
     assert TOKEN not in log
+
+
+def test_after_a_preemption_signal_the_exit_does_not_wait_for_uploads(
+    hub, make_trainer, small_model, tmp_path, caplog
+):
+    from flame.checkpoint.preemption import Preempted
+
+    dump = tmp_path / "run"
+    trainer = make_trainer(*UPLOAD, "--model.config", small_model, "--checkpoint.enable", "--checkpoint.interval",
+                           "100", "--checkpoint.preempt_signals", "SIGUSR1", "--training.steps", "6", dump=dump)  # fmt: skip
+    step = trainer.train_step
+
+    def signalled_step(data_iterator):
+        if trainer.step == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        step(data_iterator)
+
+    trainer.train_step = signalled_step
+    hub.commit_gate.clear()  # the upload of the preemption save cannot finish
+    with pytest.raises(Preempted):
+        trainer.train()
+    start = time.perf_counter()
+    trainer.close()
+    assert (
+        time.perf_counter() - start < 30
+    )  # not checkpoint.hf_upload_timeout (600 s), nor the held commit (60 s)
+    assert "Hub upload of step-2 to tester/tiny-run still pending after 0 s" in caplog.text
+    (staged,) = (dump / "checkpoint" / "hub-upload").iterdir()  # for the next launch
+    assert (staged / "step-2" / ".metadata").is_file()
+    hub.commit_gate.set()
+    trainer.hub_uploader._thread.join(30)
 
 
 def fake_checkpoint(folder: Path, step: int) -> Path:
