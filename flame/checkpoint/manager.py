@@ -26,6 +26,7 @@ What this subclass changes, each for an upstream behaviour that can lose or corr
 - ``flame.json`` (model config, tokenizer, flame's version, format number) is written into every step directory
   before the data.
 - ``save_now`` writes a full checkpoint at any step and waits until it is complete (used on preemption).
+- With a ``HubUploader`` (rank 0, ``checkpoint.hf_upload_enabled``), every checkpoint is handed to it once complete.
 """
 
 import io
@@ -46,6 +47,7 @@ from torchtitan.tools.logging import logger
 
 from flame import __version__
 from flame.checkpoint.dcp_io import check_model_matches, is_model_only, read_metadata
+from flame.checkpoint.hub_upload import HubUploader
 from flame.checkpoint.layout import (
     FORMAT,
     PURGING_SUFFIX,
@@ -142,6 +144,7 @@ class CheckpointManager(TorchTitanCheckpointManager):
         model_config: dict | None = None,
         tokenizer: str | None = None,
         verify_checksums: bool = True,
+        hub_uploader: HubUploader | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -150,6 +153,7 @@ class CheckpointManager(TorchTitanCheckpointManager):
         if self.enable:
             logger.info(retention_policy(self.folder, self.interval, self.keep_latest_k))
         self.verify_checksums = verify_checksums
+        self.hub_uploader = hub_uploader
         self._loading = None  # the metadata of the checkpoint being loaded
         self._saving_step: int | None = None  # the save in progress writes into step-<N>.partial
         self._unfinished_step: int | None = None  # written (or being written) but not yet renamed to step-<N>
@@ -265,6 +269,8 @@ class CheckpointManager(TorchTitanCheckpointManager):
             logger.info(f"Replacing the checkpoint {final} saved by an earlier run")
             self._purge(final)
         written.rename(final)
+        if self.hub_uploader is not None:  # staged before a later purge can delete it
+            self.hub_uploader.submit(step, final)
         self._purge_stale_checkpoints()
 
     def _purge(self, path: Path) -> None:

@@ -7,8 +7,12 @@ this module checks that the values make sense together.
 
 import importlib.util
 import math
+import re
 
 from flame.errors import ConfigError
+
+# A hub repository id, [namespace/]name, as huggingface_hub's validate_repo_id accepts it (without the import).
+HUB_REPO = re.compile(r"([\w.-]{1,96}/)?[\w.-]{1,96}")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -45,6 +49,7 @@ def validate_job(job_config) -> None:
     _check_optimizer(job_config.optimizer)
     _check_lr_scheduler(job_config)
     _check_metrics(job_config.metrics)
+    _check_hub_upload(job_config.checkpoint)
     _check_validation(job_config.validation)
     _check_inference(job_config.inference)
     _check_profiling(job_config.profiling)
@@ -72,6 +77,34 @@ def _check_training(job_config) -> None:
     _require(training.gc_freq >= 1, f"training.gc_freq must be >= 1, got {training.gc_freq}")
     problem = varlen_batch_problem(bool(training.varlen), training.local_batch_size)
     _require(problem is None, problem)
+
+
+def _check_hub_upload(checkpoint) -> None:
+    if not checkpoint.hf_upload_enabled:
+        return
+    _require(
+        checkpoint.enable,
+        "checkpoint.hf_upload_enabled uploads checkpoints, but checkpoint.enable is off; turn checkpoints on",
+    )
+    repo = checkpoint.hf_repo_base_name
+    _require(
+        bool(repo),
+        "checkpoint.hf_upload_enabled needs the hub repository: pass --checkpoint.hf_repo_base_name <user/name>",
+    )
+    _require(
+        HUB_REPO.fullmatch(repo) is not None and ".." not in repo and "--" not in repo,
+        f"checkpoint.hf_repo_base_name must be a hub repository name 'user/name' (letters, digits, '-', '_', '.'), "
+        f"got '{repo}'",
+    )
+    _require(
+        checkpoint.hf_upload_format != "hf" or checkpoint.export_dtype in ("float32", "bfloat16"),
+        f"checkpoint.hf_upload_format hf exports in float32 or bfloat16, got checkpoint.export_dtype "
+        f"{checkpoint.export_dtype}",
+    )
+    _require(
+        checkpoint.hf_upload_timeout >= 0,
+        f"checkpoint.hf_upload_timeout must be >= 0 seconds, got {checkpoint.hf_upload_timeout}",
+    )
 
 
 def _check_model(model) -> None:

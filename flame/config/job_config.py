@@ -187,6 +187,25 @@ class Checkpoint:
     verify_checksums: bool = True
     """Check the SHA-256 of every file of a checkpoint before resuming from it (sizes are always checked)"""
 
+    # ---- Hub upload, with the softpick fork's flag names (docs/checkpoints.md) ----
+    hf_upload_enabled: bool = False
+    """Upload every checkpoint to the hub repository checkpoint.hf_repo_base_name as a step-<N>/ folder, from a
+    background thread on rank 0 (needs a write token: HF_TOKEN or `hf auth login`)"""
+
+    hf_repo_base_name: str | None = None
+    """Hub repository of the uploads, 'user/name' (created if missing; a resumed run keeps adding to it)"""
+
+    hf_upload_format: Literal["dcp", "hf"] = "dcp"
+    """What is uploaded per step: dcp (the checkpoint folder, which resumes) or hf (an HF export of it in
+    checkpoint.export_dtype, which transformers loads)"""
+
+    hf_repo_private: bool = False
+    """Create the hub repository private (default: the hub's default visibility, public for a user, as the fork)"""
+
+    hf_upload_timeout: float = 600.0
+    """Seconds the end of a run waits for uploads still queued; what is left is named and uploaded by the next
+    launch (after a preemption signal the run does not wait)"""
+
 
 @dataclass
 class Metrics:
@@ -365,15 +384,6 @@ class UpstreamCheckpoint:
     model_weights_only: bool | None = None
     """Upstream's name of checkpoint.last_save_model_only"""
 
-    hf_upload_enabled: bool = False
-    """The softpick fork's hub upload switch (not implemented in flame: checkpoints stay local)"""
-
-    hf_repo_base_name: str | None = None
-    """The softpick fork's hub repository for uploads (not implemented in flame)"""
-
-    hf_upload_format: Literal["dcp", "hf"] | None = None
-    """The softpick fork's upload format (not implemented in flame)"""
-
 
 @dataclass
 class UpstreamExperimental:
@@ -497,7 +507,4 @@ NO_EFFECT: dict[str, str] = {
     "activation_offload.mode": "flame does not offload activations; use --activation_checkpoint.mode",
     "training.enable_l2wrap": "L2Wrap is not implemented; --training.z_loss is flame's regularizer of the logits",
     "training.l2wrap_factor": "L2Wrap is not implemented; --training.z_loss is flame's regularizer of the logits",
-    "checkpoint.hf_upload_enabled": "hub upload is not implemented; checkpoints stay in <dump_folder>/checkpoint",
-    "checkpoint.hf_repo_base_name": "hub upload is not implemented; checkpoints stay in <dump_folder>/checkpoint",
-    "checkpoint.hf_upload_format": "hub upload is not implemented; checkpoints stay in <dump_folder>/checkpoint",
 }

@@ -21,6 +21,7 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 from flame import compat
+from flame.checkpoint.hub_upload import HubUploader
 from flame.checkpoint.lock import hold_for_trainer
 from flame.checkpoint.manager import CheckpointManager
 from flame.checkpoint.preemption import Preempted, Preemption
@@ -133,6 +134,7 @@ class Trainer(Stateful):
         self.step = 0
         self.ntokens_seen = 0
         self.skipped_steps = 0
+        self.hub_uploader = self._build_hub_uploader()  # checkpoints to the hub, in the background
         self.checkpointer = self._build_checkpointer()
         checkpoint = job_config.checkpoint
         self.preemption = Preemption(
@@ -180,6 +182,21 @@ class Trainer(Stateful):
             model_config=self.model_args.to_dict(),
             tokenizer=os.path.abspath(tokenizer_path) if os.path.isdir(tokenizer_path) else tokenizer_path,
             verify_checksums=job_config.checkpoint.verify_checksums,
+            hub_uploader=self.hub_uploader,
+        )
+
+    def _build_hub_uploader(self) -> HubUploader | None:
+        """checkpoint.hf_upload_enabled: the uploader, on rank 0 (which finishes every save: the rename)."""
+        checkpoint = self.job_config.checkpoint
+        if not checkpoint.hf_upload_enabled or torch.distributed.get_rank() != 0:
+            return None
+        return HubUploader(
+            checkpoint.hf_repo_base_name,
+            os.path.join(self.job_config.job.dump_folder, checkpoint.folder),
+            upload_format=checkpoint.hf_upload_format,
+            keep_latest_k=checkpoint.keep_latest_k,
+            private=checkpoint.hf_repo_private,
+            export_dtype=checkpoint.export_dtype,
         )
 
     def next_batches(self, data_iterator) -> list[tuple[dict, torch.Tensor]]:
@@ -294,7 +311,11 @@ class Trainer(Stateful):
         self.skipped_steps = state_dict.get("skipped_steps", 0)
 
     def close(self) -> None:
-        self.checkpointer.close()
+        self.checkpointer.close()  # finishes the last save, which the hub uploader then gets
+        if self.hub_uploader is not None:
+            # After a preemption signal the grace period is short: the next launch uploads what is left.
+            preempted = self.preemption.received is not None
+            self.hub_uploader.close(0 if preempted else self.job_config.checkpoint.hf_upload_timeout)
         self.metrics.close()
         self.preemption.close()
         if self.dump_lock is not None:

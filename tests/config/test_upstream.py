@@ -59,13 +59,8 @@ def test_readme_command_dry_runs_verbatim(index, ngpu, tmp_path):
         env={**os.environ, "NGPU": str(ngpu), "HOME": str(tmp_path)},
     )
     assert result.returncode == 0, result.stderr
-    # The hub flags of the softpick commands are accepted with a notice each; nothing else is said.
-    expected = (
-        ["checkpoint.hf_upload_enabled", "checkpoint.hf_repo_base_name"] if "hf_upload" in command else []
-    )
-    assert [
-        re.match(r"notice: --(\S+) has no effect", line).group(1) for line in result.stderr.splitlines()
-    ] == expected
+    # Every option of the commands acts (the softpick commands' hub upload too): no notice.
+    assert [line for line in result.stderr.splitlines() if line.startswith("notice:")] == []
     world = re.search(r"^world_size: (\d+) \(dp_replicate 1, dp_shard (\d+),", result.stdout, re.M)
     assert world.groups() == (str(ngpu), str(ngpu))
     merged = json.loads(result.stdout[: result.stdout.index("params:")])
@@ -77,6 +72,11 @@ def test_readme_command_dry_runs_verbatim(index, ngpu, tmp_path):
         assert merged["debug"]["seed"] == 79 and merged["comm"]["init_timeout_seconds"] == 600
         assert merged["training"]["dataset"] == f"{tmp_path}/.cache/HuggingFaceFW___fineweb-edu/sample-100BT"
         assert merged["checkpoint"]["keep_latest_k"] == 0  # upstream's default: keep every checkpoint
+        assert (
+            merged["checkpoint"]["hf_upload_enabled"] is True
+            and merged["checkpoint"]["hf_upload_format"] == "dcp"
+        )
+        assert merged["checkpoint"]["hf_repo_base_name"].startswith("zaydzuhri/")
     else:
         assert merged["training"]["varlen"] is True and merged["training"]["context_len"] == 4096
         assert merged["training"]["streaming"] is True and merged["checkpoint"]["keep_latest_k"] == 2
