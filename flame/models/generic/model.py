@@ -73,14 +73,7 @@ def find_blocks(model: nn.Module) -> list[str]:
 def build_generic_model(args: GenericArgs) -> nn.Module:
     config = args.hf_config()
     config.use_cache = False  # training: no key/value cache
-    lm_class = causal_lm_class(config)
-    if lm_class.__module__.startswith("fla.") and torch.cuda.is_available():
-        # FLA families whose backward calls FLA's gated chunk_bwd_dqkwg (Comba, MoM, ...) run flame's kernel where
-        # FLA refuses its own (flame.compat's fla_hopper_dqkwg shim).
-        from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
-
-        serve_where_fla_refuses()
-    model = flame_class(lm_class)(config)
+    model = flame_class(causal_lm_class(config))(config)
     model.args = args
     model.flame_blocks = find_blocks(model)
     return model
