@@ -29,6 +29,8 @@ class Shim:
     """The first release without the behaviour (None: not fixed in any release)"""
     workaround: str
     """The function in this module that works around it"""
+    applies: Callable[[], bool]
+    """Whether this machine takes the workaround at all (a CPU-only one does not act where a GPU is visible)"""
     reproduces: Callable[[], bool]
     """True while the installed packages still behave this way (in a fresh process, in SHIMS' order: probes import
     and the first needs a process without the fake process group)"""
@@ -123,7 +125,7 @@ def _use_cpu_when_no_accelerator() -> None:
     # torchtitan's tools/utils.get_device_info() falls back to "cuda" when torch finds no accelerator, so a CPU-only
     # run picks the NCCL backend and calls torch.cuda.set_device. Point its module-level device globals at the CPU
     # and gloo instead.
-    if torch.accelerator.is_available():
+    if not _without_accelerator():
         return
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.distributed.utils as dist_utils
@@ -135,6 +137,18 @@ def _use_cpu_when_no_accelerator() -> None:
             module.device_type = "cpu"
         if hasattr(module, "device_module"):
             module.device_module = cpu_module
+
+
+def _always() -> bool:
+    return True
+
+
+def _without_accelerator() -> bool:
+    return not torch.accelerator.is_available()
+
+
+def _without_gpu() -> bool:
+    return not (torch.cuda.is_available() or torch.xpu.is_available())
 
 
 def _torchtitan_assumes_cuda() -> bool:
@@ -152,7 +166,7 @@ def _profile_cpu_only_without_gpu() -> None:
     # torchtitan's tools/profiling.maybe_enable_profiling passes activities=[CPU, None] when neither CUDA nor XPU is
     # available, and torch.profiler.profile rejects the None ("Expected ProfilerActivity or dict"). Give that module
     # a torch whose profiler drops it.
-    if torch.cuda.is_available() or torch.xpu.is_available():
+    if not _without_gpu():
         return
     import torchtitan.tools.profiling as profiling
 
@@ -235,6 +249,7 @@ def _fla_ops_disable_compile() -> bool:
 SHIMS = (
     Shim(
         name="fake_process_group",
+        applies=_always,
         upstream="pytorch/torchtitan#2236, #2275",
         fixed_in=None,
         workaround="_register_fake_process_group",
@@ -242,6 +257,7 @@ SHIMS = (
     ),
     Shim(
         name="torchtitan_job_config",
+        applies=_always,
         upstream="not filed: torchtitan 0.2.2's __init__.py imports its quantization converters",
         fixed_in=None,
         workaround="torchtitan_job_config",
@@ -249,6 +265,7 @@ SHIMS = (
     ),
     Shim(
         name="fsdp_gloo_premul_sum",
+        applies=_always,
         upstream="pytorch/pytorch#162338",
         fixed_in=None,
         workaround="fsdp_sum_reductions_on_gloo",
@@ -256,6 +273,7 @@ SHIMS = (
     ),
     Shim(
         name="torchtitan_cpu_device",
+        applies=_without_accelerator,
         upstream="not filed: torchtitan 0.2.2 tools/utils.get_device_info() falls back to cuda",
         fixed_in=None,
         workaround="_use_cpu_when_no_accelerator",
@@ -263,6 +281,7 @@ SHIMS = (
     ),
     Shim(
         name="torchtitan_cpu_profiler",
+        applies=_without_gpu,
         upstream="not filed: torchtitan 0.2.2 tools/profiling passes a None activity without a GPU",
         fixed_in=None,
         workaround="_profile_cpu_only_without_gpu",
@@ -270,6 +289,7 @@ SHIMS = (
     ),
     Shim(
         name="fla_hopper_dqkwg",
+        applies=_always,
         upstream="fla-org/flash-linear-attention#640 (Triton miscompiles tl.trans of a wgmma accumulator)",
         fixed_in="triton 3.7.1",
         workaround="serve_gated_dqkwg_on_hopper",
@@ -277,6 +297,7 @@ SHIMS = (
     ),
     Shim(
         name="fla_compiler_disable",
+        applies=_always,
         upstream="not filed: FLA 0.6.0 wraps its public ops in torch.compiler.disable",
         fixed_in=None,
         workaround="flame.ops.fla_library (FLA's gated delta rule as torch.library custom ops)",

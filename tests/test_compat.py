@@ -19,7 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def reproduced() -> dict[str, bool]:
     # One fresh process for all probes, in SHIMS' order (the first needs a process without the fake process group).
-    probe = "import json; from flame.compat import SHIMS; print(json.dumps({s.name: bool(s.reproduces()) for s in SHIMS}))"
+    probe = (
+        "import json; from flame.compat import SHIMS; "
+        "print(json.dumps({s.name: bool(s.reproduces()) for s in SHIMS if s.applies()}))"
+    )
     result = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )
@@ -28,6 +31,8 @@ def reproduced() -> dict[str, bool]:
 
 @pytest.mark.parametrize("shim", compat.SHIMS, ids=lambda shim: shim.name)
 def test_upstream_still_behaves_as_the_shim_assumes(shim, reproduced):
+    if shim.name not in reproduced:
+        pytest.skip(f"{shim.workaround} does not act on this machine (a GPU is visible)")
     assert reproduced[shim.name], (
         f"{shim.upstream} no longer reproduces with the installed packages (fixed in {shim.fixed_in or '?'}): "
         f"delete flame.compat's {shim.workaround} and its SHIMS entry"
