@@ -15,20 +15,11 @@ from torch import nn
 
 from flame.errors import ModelConfigError
 from flame.models import IMPL_KEY, custom
-from flame.models.common.args import IGNORED_KEYS, ModelArgs
+from flame.models.common.args import HF_BOOKKEEPING, ModelArgs
 
 # Written by flame into a generic model's config (flame.json, model_config.json), never into an HF export: the
 # user modules that register its classes, imported again wherever the config is read (the HF converter after a run).
 CUSTOM_IMPORTS_KEY = "flame_custom_imports"
-# What transformers writes into every config.json; not architecture.
-HF_BOOKKEEPING = {
-    "_name_or_path",
-    "transformers_version",
-    "architectures",
-    "dtype",
-    "torch_dtype",
-    "use_cache",
-}
 
 
 def import_fla_models() -> None:
@@ -133,7 +124,7 @@ class GenericArgs(ModelArgs):
         except (TypeError, ValueError) as e:
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelConfigError(f"{config_cls.__name__} refuses this config: {first_line}") from e
-        known = accepted_keys(config_cls) | IGNORED_KEYS | HF_BOOKKEEPING
+        known = accepted_keys(config_cls) | set(HF_BOOKKEEPING)
         unknown = sorted(k for k in values if k not in known)
         args = cls(
             vocab_size=getattr(hf_config, "vocab_size", None),
