@@ -1,5 +1,5 @@
-"""Args of a generic-family model: the config JSON as written, read through the config class transformers has
-registered for its model_type."""
+"""Args of a generic-family model: the config JSON as written, read through the config class of the chosen
+implementation (--model.impl: FLA's, transformers' own or a user's registered class) for its model_type."""
 
 import functools
 import importlib
