@@ -121,19 +121,20 @@ def test_dry_run_prints_config_params_and_flops_without_touching_dump(tmp_path):
     assert merged["job"]["dry_run"] is True and merged["job"]["dump_folder"] == str(dump)
 
 
-def fla_transformer_param_count(config_path: Path) -> int:
-    """FLA's TransformerForCausalLM on the meta device (its Attention only checks that flash_attn imported)."""
+def fla_transformer_param_count(config_path: Path, monkeypatch) -> int:
+    """FLA's TransformerForCausalLM on the meta device (its Attention only checks that flash_attn imported; the
+    placeholder is removed after the test, so that later tests see FLA as it is)."""
     import fla.layers.attn
     import torch
     from fla.models import TransformerConfig, TransformerForCausalLM
 
-    fla.layers.attn.flash_attn_func = lambda *a, **k: None
+    monkeypatch.setattr(fla.layers.attn, "flash_attn_func", lambda *a, **k: None)
     config = TransformerConfig(**json.loads(config_path.read_text()))
     with torch.device("meta"):
         return sum(p.numel() for p in TransformerForCausalLM(config).parameters())
 
 
-def test_dry_run_of_transformer_340m_matches_fla():
+def test_dry_run_of_transformer_340m_matches_fla(monkeypatch):
     config = REPO / "configs/transformer_340M.json"
     result = train_sh(
         "--job.dry_run",
@@ -144,7 +145,7 @@ def test_dry_run_of_transformer_340m_matches_fla():
     )
     assert result.returncode == 0, result.stderr
     params = int(re.search(r"^params: (\d+)$", result.stdout, re.M).group(1))
-    assert params == fla_transformer_param_count(config)
+    assert params == fla_transformer_param_count(config, monkeypatch)
     assert 370_000_000 < params < 380_000_000
 
 

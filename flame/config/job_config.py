@@ -49,6 +49,11 @@ class Model:
     resize_vocab: bool = False
     """If the tokenizer's vocabulary is larger than the model's vocab_size, grow vocab_size to fit it"""
 
+    impl: Literal["auto", "flame", "fla", "hf"] = "auto"
+    """Which implementation builds the model: auto (flame's own for transformer, gated_deltanet and delta_net, else
+    FLA's class for the model_type, else transformers'), flame, fla (FLA's class) or hf (transformers' own class, or
+    a user's registered one); a choice the model_type has no class for stops before launch"""
+
     attention_backend: str = "auto"
     """GPU attention kernels: auto (SDPA's own choice for plain causal softmax, FLA's parallel_attn for
     windows/varlen, flame's kernel for softpick/rectified), flash or cudnn (as auto, plain causal softmax pinned to

@@ -22,8 +22,10 @@ FAMILIES: dict[str, str] = {
 }
 # Every model_type flame does not implement itself.
 GENERIC_FAMILY = "flame.models.generic"
-# A model config's choice of implementation: auto (flame's family for its model_type, else the generic path),
-# flame, fla (FLA's class, through the generic path) or hf (the class transformers holds, through the generic path).
+# Which implementation builds a model (--model.impl): auto (flame's family for its model_type, else FLA's class,
+# else transformers'), flame, fla (FLA's class, through the generic path) or hf (transformers' own class, or a
+# user's registered one, through the generic path). flame records a choice other than auto in the configs it writes
+# (checkpoints' flame.json, model_config.json) under IMPL_KEY, so that they rebuild the same class.
 IMPL_KEY = "flame_impl"
 IMPLS = ("auto", "flame", "fla", "hf")
 
@@ -68,27 +70,42 @@ def read_model_config(path: str | Path) -> dict:
     return config
 
 
-def model_args_from_dict(config: dict) -> tuple[ModelArgs, list[str]]:
-    """Args of the model a config dict describes (by its ``flame_impl``, default auto), and the keys flame did not
-    understand."""
-    impl = config.get(IMPL_KEY, "auto")
-    if impl not in IMPLS:
-        raise ModelConfigError(f"{IMPL_KEY} must be one of {', '.join(IMPLS)}, got {impl!r}")
-    if impl == "flame" and config["model_type"] not in FAMILIES:
+def chosen_impl(config: dict, impl: str) -> str:
+    """The implementation of ``impl`` (--model.impl) and the config's recorded choice together."""
+    recorded = config.get(IMPL_KEY, "auto")
+    for value, where in ((impl, "--model.impl"), (recorded, IMPL_KEY)):
+        if value not in IMPLS:
+            raise ModelConfigError(f"{where} must be one of {', '.join(IMPLS)}, got {value!r}")
+    if "auto" not in (impl, recorded) and impl != recorded:
         raise ModelConfigError(
-            f"{IMPL_KEY} flame: flame has no family '{config['model_type']}'; it implements: {', '.join(sorted(FAMILIES))}"
+            f"--model.impl {impl} contradicts the config's {IMPL_KEY} {recorded} (the implementation its "
+            f"checkpoints were trained with); drop --model.impl or remove {IMPL_KEY} from the config"
         )
-    if impl == "flame" or (impl == "auto" and config["model_type"] in FAMILIES):
-        values = {k: v for k, v in config.items() if k != IMPL_KEY}
-        return get_model_spec(config["model_type"]).args_cls.from_dict(values)
-    return importlib.import_module(GENERIC_FAMILY).SPEC.args_cls.from_dict(config)
+    return recorded if impl == "auto" else impl
 
 
-def load_model_args(path: str | Path) -> tuple[ModelArgs, list[str]]:
-    """Args of the model described by a config JSON or HF model folder, and the keys flame did not understand."""
+def model_args_from_dict(config: dict, impl: str = "auto") -> tuple[ModelArgs, list[str]]:
+    """Args of the model a config dict describes, built by ``impl`` (--model.impl; the config's ``flame_impl``
+    when auto), and the keys the chosen class does not take (the generic path's; flame's families refuse them)."""
+    impl = chosen_impl(config, impl)
+    model_type = config["model_type"]
+    if impl == "flame" and model_type not in FAMILIES:
+        raise ModelConfigError(
+            f"--model.impl flame: flame has no implementation of model_type '{model_type}' (it implements "
+            f"{', '.join(sorted(FAMILIES))}); use --model.impl auto"
+        )
+    values = {k: v for k, v in config.items() if k != IMPL_KEY}
+    if impl == "flame" or (impl == "auto" and model_type in FAMILIES):
+        return get_model_spec(model_type).args_cls.from_dict(values)
+    return importlib.import_module(GENERIC_FAMILY).SPEC.args_cls.from_dict(values, impl=impl)
+
+
+def load_model_args(path: str | Path, impl: str = "auto") -> tuple[ModelArgs, list[str]]:
+    """Args of the model described by a config JSON or HF model folder, built by ``impl`` (--model.impl), and the
+    keys the chosen class does not take."""
     config = read_model_config(path)
     try:
-        return model_args_from_dict(config)
+        return model_args_from_dict(config, impl)
     except ModelConfigError as e:
         raise ModelConfigError(f"{path}: {e}") from e
     except TypeError as e:  # a field given with a type the dataclass cannot take

@@ -109,9 +109,11 @@ class Trainer(Stateful):
         # Tokenizer, model config and data.
         self.tokenizer = build_tokenizer(job_config)
         import_custom_modules(job_config.experimental)
-        self.model_args, unknown_keys = load_model_args(job_config.model.config)
+        self.model_args, unknown_keys = load_model_args(job_config.model.config, job_config.model.impl)
         if unknown_keys:
-            logger.warning(f"Model config keys flame does not use: {', '.join(unknown_keys)}")
+            logger.warning(
+                f"Model config keys the class's config does not take (it ignores them): {', '.join(unknown_keys)}"
+            )
         fit_vocab_to_tokenizer(self.model_args, self.tokenizer, job_config.model.resize_vocab)
         self.dataloader = build_dataloader(
             job_config, self.tokenizer, dp_rank=self.dp_rank, dp_world_size=self.dp_degree

@@ -65,3 +65,33 @@ def test_llama_round_trip_through_dcp(tmp_path):
                                    "--format", "llama"]) == 0  # fmt: skip
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+
+def test_folder_saved_by_transformers_imports_to_dcp_with_its_logits(tmp_path):
+    """transformers' own LlamaForCausalLM, saved by the installed transformers, imported to DCP: flame's model from
+    the written model_config.json and checkpoint gives transformers' logits (float32, rtol 1e-4, atol 1e-5)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flame.checkpoint.dcp_io import load_model_tensors
+    from flame.models import build_model, load_model_args
+
+    torch.manual_seed(5)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 5e5}, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=1, pad_token_id=None,
+    )  # fmt: skip
+    llama = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norm weights not all ones, so that a misplaced norm changes the logits
+        for name, param in llama.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    llama.save_pretrained(tmp_path / "hf")
+    step0 = tmp_path / "dump" / "checkpoint" / "step-0"
+    assert convert_hf_to_dcp.main(["--model", str(tmp_path / "hf"), "--checkpoint", str(step0)]) == 0
+    args, _ = load_model_args(step0 / "model_config.json")
+    model = build_model(args)
+    load_model_tensors(step0, model.state_dict())
+    x = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), llama(x).logits, rtol=1e-4, atol=1e-5)

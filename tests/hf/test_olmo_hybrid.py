@@ -208,3 +208,46 @@ def test_linear_attention_block_matches_olmo_hybrid(neg_eigval, monkeypatch):
     with torch.no_grad():
         expected = block(x, torch.arange(80).expand(2, -1))
         torch.testing.assert_close(olmo(x), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_folder_saved_by_transformers_imports_to_dcp_with_its_logits(tmp_path, monkeypatch):
+    """transformers' own OlmoHybridForCausalLM, saved by the installed transformers (>= 5.17 writes the released
+    checkpoints' names: attention_layer_norm, feedforward_layer_norm, q/k/v_conv1d), imported to DCP: flame's model
+    from the written model_config.json and checkpoint gives transformers' logits (float32, rtol 1e-4, atol 1e-5)."""
+    import inspect
+
+    from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+    from transformers.models.olmo_hybrid import modeling_olmo_hybrid
+
+    from flame.checkpoint.dcp_io import load_model_tensors
+    from flame.hf.safetensors_io import load_safetensors
+    from flame.models import build_model, load_model_args
+
+    # With FLA installed transformers runs FLA's Triton kernel here, which needs a GPU: use its PyTorch reference.
+    reference = inspect.unwrap(modeling_olmo_hybrid.torch_chunk_gated_delta_rule)
+    monkeypatch.setattr(modeling_olmo_hybrid, "torch_chunk_gated_delta_rule", reference)
+    torch.manual_seed(3)
+    config = OlmoHybridConfig(
+        vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12, linear_value_head_dim=12,
+        linear_allow_neg_eigval=True, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+        pad_token_id=None, bos_token_id=None, eos_token_id=1,
+    )  # fmt: skip
+    olmo = OlmoHybridForCausalLM(config).eval()
+    with torch.no_grad():  # norm weights not all ones, so that a misplaced norm changes the logits
+        for name, param in olmo.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    olmo.save_pretrained(tmp_path / "hf")
+    saved = load_safetensors(tmp_path / "hf")  # the layout this test is about: names and equal conv chunks
+    assert "model.layers.0.attention_layer_norm.weight" in saved
+    assert saved["model.layers.0.linear_attn.k_conv1d.weight"].shape[0] == (24 + 24 + 48) // 3
+    step0 = tmp_path / "dump" / "checkpoint" / "step-0"
+    assert convert_hf_to_dcp.main(["--model", str(tmp_path / "hf"), "--checkpoint", str(step0)]) == 0
+    args, _ = load_model_args(step0 / "model_config.json")
+    model = build_model(args)
+    load_model_tensors(step0, model.state_dict())
+    x = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(4))  # beyond one 64-token chunk
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), olmo(x).logits, rtol=1e-4, atol=1e-5)

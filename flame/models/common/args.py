@@ -1,10 +1,14 @@
 """Model arguments read from an HF-style config JSON whose fields match FLA's config classes.
 
-Each family subclasses :class:`ModelArgs` with its own fields; ``from_dict`` keeps the fields the family knows,
-ignores HF bookkeeping and FLA's kernel-fusion switches (flame picks kernels per device), and reports the rest.
+Each family subclasses :class:`ModelArgs` with its own fields. No key of a config is silently dropped: ``from_dict``
+takes the family's fields, passes the keys that do not change the model flame builds (IRRELEVANT_KEYS, each with
+its reason), checks the values of the keys flame honours only for some settings (RESTRICTED_KEYS) and refuses
+everything else, in one line naming the key and what to do.
 """
 
 import dataclasses
+import difflib
+import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -12,16 +16,85 @@ from torch import nn
 
 from flame.errors import ModelConfigError
 
-# Keys that HF/FLA write into config files and that do not change the architecture flame builds.
-IGNORED_KEYS = {
-    "model_type", "architectures", "torch_dtype", "dtype", "transformers_version", "use_cache", "pad_token_id",
-    "fuse_norm", "fuse_swiglu", "fuse_cross_entropy", "fuse_linear_cross_entropy", "use_l2warp", "hidden_act",
-    "elementwise_affine", "keys_to_ignore_at_inference", "output_attentions", "output_hidden_states",
-    "return_dict", "auto_map", "attnres_block_size", "norm_first",
-    # FLA config keys that leave the architecture alone: "attn_mode" (a kernel choice; flame trains the chunked
-    # form), DeltaNet's "use_output_norm" (FLA's layer never reads it), the legacy "attention_bias" of flame's configs.
-    "attn_mode", "use_output_norm", "attention_bias",
-}  # fmt: skip
+# What transformers writes into every config.json (its bookkeeping and the attributes of PreTrainedConfig that
+# concern other heads, outputs and generation); no model reads them for its architecture.
+HF_BOOKKEEPING = {
+    "model_type": "picks the family",
+    "_name_or_path": "where transformers loaded the config from",
+    "architectures": "the class that saved the file",
+    "transformers_version": "the version that saved the file",
+    "dtype": "the dtype the weights were saved in; training precision is --training.mixed_precision_param",
+    "torch_dtype": "the dtype the weights were saved in; training precision is --training.mixed_precision_param",
+    "use_cache": "generation's key/value cache; training keeps none",
+    "auto_map": "where remote code lives; flame builds its own classes",
+    "keys_to_ignore_at_inference": "generation's outputs",
+    "output_attentions": "what the HF forward returns",
+    "output_hidden_states": "what the HF forward returns",
+    "return_dict": "what the HF forward returns",
+    "chunk_size_feed_forward": "a memory option of some HF feed-forward layers; flame's MLP runs whole",
+    "id2label": "classification heads",
+    "label2id": "classification heads",
+    "problem_type": "classification heads",
+    "is_encoder_decoder": "transformers' encoder-decoder models; flame's are decoders",
+}
+# Keys of FLA's config classes that leave the model flame's families build unchanged.
+IRRELEVANT_KEYS = {
+    **HF_BOOKKEEPING,
+    "pad_token_id": "flame's data marks padding in the labels, not by a token id (FLA's class passes it to "
+    "nn.Embedding as padding_idx, so that row gets no gradient there; flame trains every row)",
+    "fuse_norm": "a kernel choice: FLA's fused and unfused RMSNorm compute the same function; flame picks its "
+    "kernels per device",
+    "fuse_swiglu": "a kernel choice: FLA's fused and unfused SwiGLU compute the same function; flame picks its "
+    "kernels per device",
+    "attn_mode": "a kernel choice (chunk, fused_recurrent: the same function); flame trains the chunked form",
+    # The loss's kernels, not the model's: accepted here without a check while flame's fused cross-entropy is being
+    # wired to these keys on the loss side (issue 20); that work decides what they do.
+    "fuse_cross_entropy": "the loss's kernel, not the model's",
+    "fuse_linear_cross_entropy": "the loss's kernel, not the model's",
+}
+
+
+@dataclass(frozen=True)
+class RestrictedKey:
+    """A key flame's families honour for ``accepted`` values only (as FLA means them); others are refused with
+    ``why``. ``fla_reads``: the refused values FLA's class does build (the refusal then points to --model.impl fla);
+    None for all of them."""
+
+    accepted: tuple
+    why: str
+    fla_reads: tuple | None = ()
+
+    def problem(self, key: str, value: Any) -> str | None:
+        if any(value == a and type(value) is type(a) for a in self.accepted):
+            return None
+        if self.fla_reads is None or value in self.fla_reads:
+            todo = "remove it, or use --model.impl fla to train FLA's class, which reads it"
+        else:
+            todo = f"remove it or set it to {json.dumps(self.accepted[0])}"
+        return f"{key} {json.dumps(value)}: {self.why}; {todo}"
+
+
+RESTRICTED_KEYS = {
+    "hidden_act": RestrictedKey(
+        ("swish", "silu"), "flame's MLP is SwiGLU (FLA's GatedMLP takes swish or powlu)", fla_reads=("powlu",)
+    ),
+    "attnres_block_size": RestrictedKey(
+        (None,), "flame's blocks have no attention residuals (FLA's AttnRes)", fla_reads=None
+    ),
+    "use_l2warp": RestrictedKey(
+        (False,), "flame's loss has no L2-warp (FLA adds it in its class's own loss, which flame never calls)"
+    ),
+    "elementwise_affine": RestrictedKey(
+        (True, None), "flame's norms always have weights (FLA 0.6.0's too: its models never read this key)"
+    ),
+    "use_output_norm": RestrictedKey(
+        (True,), "DeltaNet's output norm is always applied (FLA 0.6.0's layer never reads this key)"
+    ),
+    "attention_bias": RestrictedKey(
+        (False,), "flame's and FLA's attention read qkv_bias for the q/k/v biases and have no o_proj bias"
+    ),
+    "norm_first": RestrictedKey((True,), "flame's blocks are pre-norm"),
+}
 
 
 @dataclass
@@ -44,13 +117,25 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> tuple["ModelArgs", list[str]]:
-        """Build args from a config dict; returns (args, keys that were not understood)."""
+        """Build args from a config dict; every key is a field, irrelevant, or an accepted value of a restricted
+        key, else ModelConfigError. Returns (args, []): no key is left over."""
         names = {f.name for f in dataclasses.fields(cls)}
-        known = {k: v for k, v in config.items() if k in names}
-        unknown = sorted(k for k in config if k not in names and k not in IGNORED_KEYS)
-        args = cls(**known)
+        for key, value in config.items():
+            if key in names or key in IRRELEVANT_KEYS:
+                continue
+            if key in RESTRICTED_KEYS:
+                if problem := RESTRICTED_KEYS[key].problem(key, value):
+                    raise ModelConfigError(problem)
+                continue
+            near = difflib.get_close_matches(key, sorted(names), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise ModelConfigError(
+                f"{key} is not a field of flame's {cls.model_type} model{hint}; remove it or correct its name "
+                "(docs/models.md lists the keys flame reads and those it passes over)"
+            )
+        args = cls(**{k: v for k, v in config.items() if k in names})
         args.validate()
-        return args, unknown
+        return args, []
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_type": self.model_type, **dataclasses.asdict(self)}

@@ -12,11 +12,17 @@ context, no biases. One attention shape (heads, RoPE theta) serves every attenti
 The short convolutions are written as the released OLMo hybrid checkpoints hold them, one weight per q/k/v
 (``linear_attn.q_conv1d.weight`` ...): transformers 5.6's class has those modules, and later versions (one
 ``conv1d`` over the concatenated channels) concatenate them on load (transformers' conversion_mapping). Reading an
-``olmo_hybrid`` folder back accepts both layouts.
+``olmo_hybrid`` folder back accepts both layouts, splitting the convolution channels by the config's sizes (what
+transformers >= 5.17's ``save_pretrained`` writes splits them in three equal parts), and the block norm names those
+versions save (the released checkpoints' ``attention_layer_norm`` and ``feedforward_layer_norm``, which the class
+renames on load to ``input_layernorm`` and ``post_attention_layernorm``: OLMO_SAVED_NORM_NAMES).
 """
 
 import functools
+import re
 from typing import Any
+
+import torch
 
 from flame.models.common.hybrid import parse_attn
 from flame.models.common.state_dict_adapter import (
@@ -32,6 +38,15 @@ from flame.models.common.state_dict_adapter import (
 from flame.models.gated_deltanet.args import GatedDeltaNetArgs
 from flame.models.layers.mlp import swiglu_intermediate_size
 
+# The block norms as transformers >= 5.17 saves them (its conversion_mapping for olmo_hybrid, applied in reverse on
+# save) -> as its class and flame's rules name them.
+OLMO_SAVED_NORM_NAMES = {
+    ".attention_layer_norm.": ".input_layernorm.",
+    ".feedforward_layer_norm.": ".post_attention_layernorm.",
+}
+OLMO_CONVOLUTION = re.compile(
+    r"model\.layers\.(?P<layer>\d+)\.linear_attn\.(?:(?P<which>[qkv])_)?conv1d\.weight"
+)
 # OLMo hybrid's output norm eps (FLA's FusedRMSNormGated default), independent of rms_norm_eps.
 OLMO_OUTPUT_NORM_EPS = 1e-5
 
@@ -219,12 +234,13 @@ class OlmoHybridAdapter(StateDictAdapter):
     def from_hf(self, hf_state_dict: State) -> State:
         args: GatedDeltaNetArgs = self.args
         key_dim = args.num_heads * args.head_dim
-        state_dict = {}
+        state_dict, convolutions = {}, {}
         for key, value in hf_state_dict.items():
-            if key.endswith(".linear_attn.conv1d.weight"):  # transformers >= 5.17's fused q/k/v convolution
-                prefix = key.removesuffix("linear_attn.conv1d.weight").removeprefix("model.")
-                q, k, v = value.split([key_dim, key_dim, value.shape[0] - 2 * key_dim], dim=0)
-                state_dict.update({f"{prefix}attn.{x}_conv1d.weight": t for x, t in zip("qkv", (q, k, v))})
+            for saved, loaded in OLMO_SAVED_NORM_NAMES.items():
+                key = key.replace(saved, loaded)
+            # One conv1d (transformers >= 5.17's module) or q/k/v_conv1d (the released checkpoints' names).
+            if conv := OLMO_CONVOLUTION.fullmatch(key):
+                convolutions.setdefault(conv["layer"], {})[conv["which"] or "qkv"] = value
                 continue
             name = self._rules(self._layer(key)).backward(key)
             if name is None:
@@ -232,6 +248,13 @@ class OlmoHybridAdapter(StateDictAdapter):
                     f"{key} has no place in flame's hybrid Gated DeltaNet (an OLMo feature flame lacks)"
                 )
             state_dict[name] = value
+        for layer, pieces in convolutions.items():
+            # Split by the config's sizes whatever the pieces' sizes: transformers >= 5.17 saves its fused
+            # convolution in three equal chunks (its Concatenate's reverse is Chunk), which misplaces channels
+            # whenever the value dimension differs from the key dimension; concatenated, they are right again.
+            fused = pieces["qkv"] if "qkv" in pieces else torch.cat([pieces[x] for x in "qkv"])
+            parts = fused.split([key_dim, key_dim, fused.shape[0] - 2 * key_dim], dim=0)
+            state_dict.update({f"layers.{layer}.attn.{x}_conv1d.weight": t for x, t in zip("qkv", parts)})
         return self._untie(state_dict)
 
     @staticmethod

@@ -1,47 +1,95 @@
-"""Args of a generic-family model: the config JSON as written, read through the config class transformers has
-registered for its model_type."""
+"""Args of a generic-family model: the config JSON as written, read through the config class of the chosen
+implementation (--model.impl: FLA's, transformers' own or a user's registered class) for its model_type."""
 
+import functools
+import importlib
+import importlib.util
 import inspect
+import re
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from torch import nn
 
 from flame.errors import ModelConfigError
 from flame.models import IMPL_KEY, custom
-from flame.models.common.args import IGNORED_KEYS, ModelArgs
+from flame.models.common.args import HF_BOOKKEEPING, ModelArgs
 
 # Written by flame into a generic model's config (flame.json, model_config.json), never into an HF export: the
 # user modules that register its classes, imported again wherever the config is read (the HF converter after a run).
 CUSTOM_IMPORTS_KEY = "flame_custom_imports"
-# What transformers writes into every config.json; not architecture.
-HF_BOOKKEEPING = {
-    "_name_or_path",
-    "transformers_version",
-    "architectures",
-    "dtype",
-    "torch_dtype",
-    "use_cache",
-}
 
 
-def config_class(model_type: str) -> type:
-    """The config class transformers has registered for ``model_type``; FLA's are registered on ``import fla``."""
+def import_fla_models() -> None:
+    """Registers FLA's model types with transformers' Auto classes (FLA's class replaces transformers' for the types
+    both have)."""
+    # FLA warns on import on machines without a GPU; the model is only built here, not run.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import fla.models  # noqa: F401
+
+
+@functools.cache
+def fla_model_types() -> frozenset[str]:
+    """The model types FLA registers, read from its configuration modules' source (``model_type = '...'``) rather
+    than by importing FLA, which takes seconds: auto asks this for every model_type transformers has itself."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    models = Path(spec.submodule_search_locations[0]) / "models"
+    declared = re.compile(r"^\s+model_type\s*=\s*['\"](\w+)['\"]", re.MULTILINE)
+    return frozenset(
+        t for file in models.glob("*/configuration_*.py") for t in declared.findall(file.read_text())
+    )
+
+
+def is_fla_class(cls: type) -> bool:
+    return cls.__module__.startswith("fla.")
+
+
+def transformers_config_class(model_type: str) -> type | None:
+    """transformers' own config class for ``model_type`` (whatever FLA or a user registered over it), else None."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return None
+    module = importlib.import_module(f".{model_type_to_module_name(model_type)}", "transformers.models")
+    return getattr(module, CONFIG_MAPPING_NAMES[model_type])
+
+
+def config_class(model_type: str, impl: str = "auto") -> type:
+    """The config class of ``impl``'s choice for ``model_type``: ``fla`` FLA's, ``hf`` transformers' own (or a user's
+    registered class), ``auto`` FLA's where FLA has the type, else the one transformers' Auto classes hold."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if model_type not in CONFIG_MAPPING:
-        # FLA warns on import on machines without a GPU; the model is only built here, not run.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import fla.models  # noqa: F401  (registers FLA's model types with transformers)
+    if impl == "hf":
+        own = transformers_config_class(model_type)
+        if own is not None:
+            return own
+        if model_type in CONFIG_MAPPING and not is_fla_class(CONFIG_MAPPING[model_type]):
+            return CONFIG_MAPPING[model_type]  # a user's class, registered by an imported module
+        elsewhere = " (FLA has one: --model.impl fla)" if model_type in fla_model_types() else ""
+        raise ModelConfigError(
+            f"--model.impl hf: transformers has no class for model_type '{model_type}'{elsewhere}; "
+            "use --model.impl auto"
+        )
+    if model_type not in CONFIG_MAPPING or model_type in fla_model_types():
+        import_fla_models()
     if model_type not in CONFIG_MAPPING:
         raise ModelConfigError(
             f"model_type '{model_type}' is not supported: flame has no family of that name and transformers has "
             "no class registered for it (import the package that registers it with "
             "--experimental.custom_model_path or --experimental.custom_import)"
         )
-    return CONFIG_MAPPING[model_type]
+    cls = CONFIG_MAPPING[model_type]
+    if impl == "fla" and not is_fla_class(cls):
+        raise ModelConfigError(
+            f"--model.impl fla: FLA has no class for model_type '{model_type}' (transformers holds "
+            f"{cls.__module__}.{cls.__name__}); use --model.impl auto or hf"
+        )
+    return cls
 
 
 def accepted_keys(cls: type) -> set[str]:
@@ -60,27 +108,23 @@ class GenericArgs(ModelArgs):
     model_type: str = ""
     config: dict[str, Any] = field(default_factory=dict)  # the config JSON, model_type and vocab_size aside
     custom_imports: list[str] = field(default_factory=list)
-    impl: str = "auto"  # the config's flame_impl: auto, fla or hf
+    impl: str = (
+        "auto"  # which class: auto, fla or hf (--model.impl; recorded in flame's configs as flame_impl)
+    )
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> tuple["GenericArgs", list[str]]:
+    def from_dict(cls, config: dict[str, Any], impl: str = "auto") -> tuple["GenericArgs", list[str]]:
         imports = list(config.get(CUSTOM_IMPORTS_KEY, []))
         custom.import_targets(imports)
         model_type = config["model_type"]
-        config_cls = config_class(model_type)
-        impl = config.get(IMPL_KEY, "auto")
-        if impl == "fla" and not config_cls.__module__.startswith("fla."):
-            raise ModelConfigError(
-                f"{IMPL_KEY} fla: the class transformers holds for model_type '{model_type}' is not FLA's "
-                f"({config_cls.__module__}.{config_cls.__name__}); use auto or hf"
-            )
+        config_cls = config_class(model_type, impl)
         values = {k: v for k, v in config.items() if k not in ("model_type", CUSTOM_IMPORTS_KEY, IMPL_KEY)}
         try:
             hf_config = config_cls(**values)
         except (TypeError, ValueError) as e:
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelConfigError(f"{config_cls.__name__} refuses this config: {first_line}") from e
-        known = accepted_keys(config_cls) | IGNORED_KEYS | HF_BOOKKEEPING
+        known = accepted_keys(config_cls) | set(HF_BOOKKEEPING)
         unknown = sorted(k for k in values if k not in known)
         args = cls(
             vocab_size=getattr(hf_config, "vocab_size", None),
@@ -108,7 +152,7 @@ class GenericArgs(ModelArgs):
     def hf_config(self):
         values = self.hf_dict()
         del values["model_type"]
-        return config_class(self.model_type)(**values)
+        return config_class(self.model_type, self.impl)(**values)
 
     def to_dict(self) -> dict[str, Any]:
         record = {CUSTOM_IMPORTS_KEY: self.custom_imports} if self.custom_imports else {}

@@ -49,6 +49,15 @@ class TransformerArgs(ModelArgs):
             for name in ("num_kv_heads", "intermediate_size"):
                 if getattr(self, name) is not None:
                     raise ModelConfigError(f"{name}: layer_wise_scaling sets it per layer; remove {name}")
+        if (
+            isinstance(self.rope_theta, bool)
+            or not isinstance(self.rope_theta, (int, float))
+            or self.rope_theta <= 0
+        ):
+            raise ModelConfigError(
+                f"rope_theta must be a positive number, got {self.rope_theta!r} (flame's attention always applies "
+                "RoPE, as FLA's does)"
+            )
         if self.window_size is not None and self.window_size <= 0:
             raise ModelConfigError(f"window_size must be a positive integer or null, got {self.window_size}")
         if self.window_pattern is not None:

@@ -2,6 +2,7 @@
 folder, with the class's parameter count, its own initialisation, flame's calling convention and its blocks."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def test_blocks_are_the_decoder_layers(tmp_path):
 
 def test_unknown_keys_are_reported(tmp_path):
     _, unknown = load_model_args(write_config(tmp_path, "llama", attnres_block_size=4, not_a_field=1))
-    assert unknown == ["not_a_field"]
+    assert unknown == ["attnres_block_size", "not_a_field"]  # llama's config class takes neither
 
 
 def test_unknown_model_type_is_one_line(tmp_path):
@@ -108,45 +109,101 @@ def test_model_parallelism_and_varlen_are_refused(tmp_path, flags, refused):
     check_parallelism(parse_args(["--model.config", str(path)]), args, world_size=2)  # FSDP: fine
 
 
-def test_flame_impl_picks_fla_class_over_flame_family(tmp_path, capsys):
+def test_impl_fla_picks_fla_class_over_flame_family(tmp_path, capsys):
     from tests.models.generic.test_fla_families import fla_params
 
     config = {"model_type": "gated_deltanet", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
               "num_heads": 4, "head_dim": 16}  # fmt: skip
-    own, fla = tmp_path / "own.json", tmp_path / "fla.json"
-    own.write_text(json.dumps(config))
-    fla.write_text(json.dumps({**config, "flame_impl": "fla"}))
-    assert not load_model_args(own)[0].generic
-    args, unknown = load_model_args(fla)
+    path = tmp_path / "gdn.json"
+    path.write_text(json.dumps(config))
+    assert not load_model_args(path)[0].generic and not load_model_args(path, "flame")[0].generic
+    args, unknown = load_model_args(path, "fla")
     assert args.generic and unknown == []
     with torch.device("meta"):
         model = build_model(args)
     assert type(model).__mro__[2].__module__.startswith("fla.models.gated_deltanet")
-    assert dry_run_params(capsys, "--model.config", str(fla)) == fla_params(config)
-    # The choice is recorded with the model (checkpoints' flame.json), not in the HF export's config.
-    assert load_model_args(fla)[0].to_dict()["flame_impl"] == "fla"
+    assert dry_run_params(capsys, "--model.config", str(path), "--model.impl", "fla") == fla_params(config)
+    # The choice is recorded with the model (checkpoints' flame.json), which rebuilds the same class from it, and
+    # not written into the HF export's config.
+    recorded = args.to_dict()
+    assert recorded["flame_impl"] == "fla"
+    from flame.models import model_args_from_dict
+
+    assert model_args_from_dict(recorded)[0].generic
     from flame.models.generic.state_dict_adapter import GenericAdapter
 
     assert "flame_impl" not in GenericAdapter(args).hf_config()
 
 
+def test_impl_picks_fla_or_transformers_class_where_both_have_the_model_type(tmp_path, capsys):
+    """mamba2: FLA's class under auto and fla, transformers' own under hf (whatever FLA registered over it); the dry
+    run's params equal the class's own count, built directly on the meta device."""
+    import warnings
+
+    import transformers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import fla.models
+    config = {"model_type": "mamba2", "vocab_size": 4096, "hidden_size": 48, "num_hidden_layers": 2,
+              "num_heads": 6, "head_dim": 16, "n_groups": 2, "expand": 2, "state_size": 8}  # fmt: skip
+    path = tmp_path / "mamba2.json"
+    path.write_text(json.dumps(config))
+    values = {k: v for k, v in config.items() if k != "model_type"}
+    with torch.device("meta"):
+        upstream = {
+            "fla": fla.models.Mamba2ForCausalLM(fla.models.Mamba2Config(**values)),
+            "hf": transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**values)),
+        }
+    for impl, cls in (("auto", "fla"), ("fla", "fla"), ("hf", "hf")):
+        args, _ = load_model_args(path, impl)
+        with torch.device("meta"):
+            model = build_model(args)
+        assert isinstance(model, type(upstream[cls])), impl
+        count = sum(p.numel() for p in upstream[cls].parameters())
+        assert dry_run_params(capsys, "--model.config", str(path), "--model.impl", impl) == count
+
+
+def test_fla_model_types_are_read_without_importing_fla():
+    import warnings
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from flame.models.generic.args import fla_model_types, is_fla_class
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import fla.models  # noqa: F401
+    registered = {t for t in fla_model_types() if t in CONFIG_MAPPING and is_fla_class(CONFIG_MAPPING[t])}
+    assert registered == fla_model_types() and len(registered) >= 40
+
+
 @pytest.mark.parametrize(
-    "config, message",
+    "config, impl, message",
     [
+        ({"model_type": "llama"}, "fla", "--model.impl fla: FLA has no class for model_type 'llama'"),
+        ({"model_type": "llama"}, "flame", "--model.impl flame: flame has no implementation of model_type 'llama'"),
         (
-            {"model_type": "llama", "flame_impl": "fla"},
-            "flame_impl fla: the class transformers holds for model_type 'llama' is not FLA's",
+            {"model_type": "gated_deltanet"}, "hf",
+            "--model.impl hf: transformers has no class for model_type 'gated_deltanet' (FLA has one: --model.impl fla)",
         ),
-        ({"model_type": "llama", "flame_impl": "flame"}, "flame_impl flame: flame has no family 'llama'"),
+        ({"model_type": "llama", "flame_impl": "mine"}, "auto", "flame_impl must be one of auto, flame, fla, hf, got 'mine'"),
         (
-            {"model_type": "llama", "flame_impl": "mine"},
-            "flame_impl must be one of auto, flame, fla, hf, got 'mine'",
+            {"model_type": "gated_deltanet", "flame_impl": "fla"}, "flame",
+            "--model.impl flame contradicts the config's flame_impl fla",
         ),
     ],
-)
-def test_impossible_flame_impl_is_one_line(tmp_path, config, message):
+)  # fmt: skip
+def test_impossible_impl_is_one_line_at_preflight(tmp_path, capsys, monkeypatch, config, impl, message):
+    from flame.launch import main
+
     path = tmp_path / "x.json"
-    path.write_text(json.dumps(config))
-    with pytest.raises(ModelConfigError, match=message) as error:
-        load_model_args(path)
-    assert "\n" not in str(error.value)
+    path.write_text(json.dumps({"vocab_size": 4096, **config}))
+    with pytest.raises(ModelConfigError, match=re.escape(message)):
+        load_model_args(path, impl)
+    monkeypatch.setattr(
+        "sys.argv", ["flame.launch", "--model.config", str(path), "--model.impl", impl, "--job.dry_run"]
+    )
+    assert main() == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and message in line
