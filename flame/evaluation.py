@@ -1,5 +1,6 @@
 """Evaluation with lm-evaluation-harness (the optional extra ``eval``) on an HF export, a dump folder's checkpoint
-or a hub model, with flame's and FLA's model classes registered (``flame.eval`` is the command).
+or a hub model, with flame's and FLA's model classes registered (``flame.eval`` is the command; the trainer runs
+:func:`evaluate` on exports of its weights every ``eval.interval`` steps, flame/train/evaluator.py).
 
 A local folder is loaded into flame's HF classes (whatever format it was exported in), a hub model by transformers
 with flame's and FLA's types registered; lm-eval's ``hf`` model runs it in bfloat16 on CUDA and float32 on CPU
