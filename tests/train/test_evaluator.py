@@ -33,6 +33,9 @@ def test_scores_at_each_interval_equal_flame_eval_on_that_steps_checkpoint(make_
     assert "eval at step 2 " in caplog.text
 
     logged = json.loads((dump / "eval" / "step-2" / "results.json").read_text())["results"][TASK]
+    # python -m flame.eval runs in a process of its own, without the trainer's preemption handler (which lm-eval's
+    # forked bootstrap workers would inherit, ignoring the pool's SIGTERM): give the signals back first.
+    trainer.preemption.close()
     argv = [str(dump), "--step", "2", "--tasks", TASK, "--limit", "3", "--batch_size", "4"]
     assert eval_cli.main([*argv, "--output", str(tmp_path / "cli")]) == 0
     offline = json.loads((tmp_path / "cli" / "results.json").read_text())["results"][TASK]
@@ -81,3 +84,23 @@ def test_without_lm_eval_the_launch_says_what_to_install(monkeypatch):
     ):
         validate_job(parse_args(["--eval.interval", "5", "--eval.tasks", TASK]))
     validate_job(parse_args(["--eval.tasks", TASK]))  # eval.interval 0: evaluation is off, lm-eval not needed
+
+
+def test_scores_are_named_by_task_metric_and_filter():
+    from flame.train.evaluator import eval_metrics
+
+    results = {
+        "results": {
+            "gsm8k": {
+                "alias": "gsm8k",
+                "exact_match,strict-match": 0.25,
+                "exact_match_stderr,strict-match": 0.5,
+            },
+            TASK: {"acc,none": 1, "perplexity_stderr,none": "N/A", "sample_len": 3},
+        }
+    }
+    assert eval_metrics(results) == {
+        "eval/gsm8k/exact_match/strict-match": 0.25,
+        "eval/gsm8k/exact_match_stderr/strict-match": 0.5,
+        f"eval/{TASK}/acc": 1.0,
+    }
