@@ -89,15 +89,19 @@ class Evaluator:
             plan = plan_export(self.model_args, export, "auto", "float32", self.tokenizer_path)
             write_export(plan, state, parse_size(DEFAULT_MAX_SHARD_SIZE))
             del state
-            with bootstrap_in_this_process():
-                scores = evaluate(
-                    EvalTarget(str(export), results),
-                    self.tasks,
-                    include_paths=self.include_paths,
-                    batch_size=self.batch_size,
-                    limit=self.limit,
-                )
-            shutil.rmtree(export)  # a full copy of the weights per evaluation; the step's checkpoint has them
+            # A full copy of the weights per evaluation is deleted after it (python -m flame.eval <dump> --step N
+            # exports a checkpoint again).
+            try:
+                with bootstrap_in_this_process():
+                    scores = evaluate(
+                        EvalTarget(str(export), results),
+                        self.tasks,
+                        include_paths=self.include_paths,
+                        batch_size=self.batch_size,
+                        limit=self.limit,
+                    )
+            finally:
+                shutil.rmtree(export, ignore_errors=True)
             metrics = [eval_metrics(scores)]
         if self.group is not None:
             dist.broadcast_object_list(metrics, src=0, group=self.group)
