@@ -37,10 +37,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def run(argv: list[str]) -> int:
-    from flame.evaluation import check_tasks, evaluate, resolve_target
+    from flame.evaluation import check_tasks, comma_list, evaluate, resolve_target
 
     options = parse(argv)
-    tasks = [task.strip() for task in options.tasks.split(",") if task.strip()]
+    tasks = comma_list(options.tasks)
     if not tasks:
         raise FlameError("--tasks names no task")
     check_tasks(tasks, options.include_path)  # before an export that would be wasted

@@ -1,5 +1,6 @@
 """Evaluation with lm-evaluation-harness (the optional extra ``eval``) on an HF export, a dump folder's checkpoint
-or a hub model, with flame's and FLA's model classes registered (``flame.eval`` is the command).
+or a hub model, with flame's and FLA's model classes registered (``flame.eval`` is the command; the trainer runs
+:func:`evaluate` on exports of its weights every ``eval.interval`` steps, flame/train/evaluator.py).
 
 A local folder is loaded into flame's HF classes (whatever format it was exported in), a hub model by transformers
 with flame's and FLA's types registered; lm-eval's ``hf`` model runs it in bfloat16 on CUDA and float32 on CPU
@@ -80,9 +81,17 @@ def local_task_folder(source: Path, destination: Path) -> Path:
     return destination
 
 
-def task_manager(tasks: list[str], include_paths: list[str], folder: Path):
+def comma_list(text: str) -> list[str]:
+    """The non-empty names of a comma-separated option (--tasks, eval.tasks, eval.include_path)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def task_manager(
+    tasks: list[str], include_paths: list[str], folder: Path, include_option: str = "--include_path"
+):
     """lm-eval's task index with the shipped tasks and the include folders (copied into folder, see
-    local_task_folder); FlameError naming the first unknown task."""
+    local_task_folder); FlameError naming the first unknown task (include_option: the option that names the
+    include folders, for the message)."""
     require_lm_eval()
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -90,21 +99,26 @@ def task_manager(tasks: list[str], include_paths: list[str], folder: Path):
     folders = [local_task_folder(SHIPPED_TASKS, folder)]
     for i, include in enumerate(include_paths):
         if not Path(include).is_dir():
-            raise FlameError(f"--include_path {include} is not a folder of task YAMLs")
+            raise FlameError(f"{include_option} {include} is not a folder of task YAMLs")
         folders.append(local_task_folder(Path(include), folder / f"include-{i}"))
+    # Indexing lm-eval's own thousands of YAMLs takes seconds; plain tasks of the local folders do not need them
+    # (groups and tags may name lm-eval's tasks).
+    manager = TaskManager(include_path=[str(f) for f in folders], include_defaults=False)
+    if all(task in manager.all_subtasks for task in tasks):
+        return manager
     manager = TaskManager(include_path=[str(f) for f in folders])
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         raise FlameError(
             f"unknown lm-eval task {unknown[0]}: name one of lm-eval {lm_eval.__version__}'s tasks "
-            "(python -m lm_eval ls tasks), flame_corpus_last_word (shipped with flame) or a task of --include_path"
+            f"(python -m lm_eval ls tasks), flame_corpus_last_word (shipped with flame) or a task of {include_option}"
         )
     return manager
 
 
-def check_tasks(tasks: list[str], include_paths: list[str]) -> None:
+def check_tasks(tasks: list[str], include_paths: list[str], include_option: str = "--include_path") -> None:
     with tempfile.TemporaryDirectory(prefix="flame-eval-tasks-") as folder:
-        task_manager(tasks, include_paths, Path(folder))
+        task_manager(tasks, include_paths, Path(folder), include_option)
 
 
 def default_device() -> str:

@@ -1,6 +1,6 @@
 """What a run reports: one console line every ``metrics.log_freq`` steps, the same values as TensorBoard scalars
-(``--metrics.enable_tensorboard``, on by default) and W&B (``--metrics.enable_wandb``), plus validation results
-and text samples. docs/metrics.md lists every metric.
+(``--metrics.enable_tensorboard``, on by default) and W&B (``--metrics.enable_wandb``), plus validation results,
+text samples and lm-eval scores (eval/<task>/<metric>). docs/metrics.md lists every metric.
 
 Only rank 0 writes (every rank with ``--metrics.save_for_all_ranks``, each in its own TensorBoard folder); the
 values are global (loss summed over data-parallel ranks) except throughput and memory, which are per device.
@@ -187,6 +187,18 @@ class MetricsLogger:
             f"perplexity {metrics['perplexity/validation']:.2f}  "
             f"({metrics['validation/tokens']:,.0f} tokens, {seconds:.1f}s)"
         )
+        for writer in self.writers:
+            writer.scalars(metrics, step)
+
+    def log_eval(self, step: int, metrics: dict[str, float], seconds: float) -> None:
+        """lm-eval's scores as eval/<task>/<metric>: one console line (standard errors left out), every writer."""
+        tasks: dict[str, list[str]] = {}
+        for name, value in metrics.items():
+            task, metric = name.removeprefix("eval/").split("/", 1)
+            if "_stderr" not in metric:
+                tasks.setdefault(task, []).append(f"{metric} {value:.4g}")
+        scores = "; ".join(f"{task} {' '.join(values)}" for task, values in tasks.items())
+        logger.info(f"eval at step {step} ({seconds:.1f}s): {scores}")
         for writer in self.writers:
             writer.scalars(metrics, step)
 

@@ -52,6 +52,7 @@ def validate_job(job_config) -> None:
     _check_hub_upload(job_config.checkpoint)
     _check_validation(job_config.validation)
     _check_inference(job_config.inference)
+    _check_eval(job_config.eval)
     _check_profiling(job_config.profiling)
     _check_pipeline(job_config)
     _check_dpo(job_config)
@@ -217,6 +218,32 @@ def _check_inference(inference) -> None:
     _require(inference.top_k >= 0, f"inference.top_k must be >= 0 (0: all tokens), got {inference.top_k}")
 
 
+def _check_eval(evaluation) -> None:
+    """eval.* values, then lm-eval itself and every task name: a run that would fail at its first evaluation,
+    possibly hours in, stops here instead."""
+    _require(evaluation.interval >= 0, f"eval.interval must be >= 0 (0: off), got {evaluation.interval}")
+    if not evaluation.interval:
+        return
+    from flame.evaluation import INSTALL_HINT, check_tasks, comma_list
+
+    tasks = comma_list(evaluation.tasks)
+    _require(
+        bool(tasks),
+        "eval.interval is set but eval.tasks names no task: give --eval.tasks <task>[,<task> ...] "
+        "(flame_corpus_last_word runs offline) or set --eval.interval 0",
+    )
+    _require(evaluation.batch_size >= 1, f"eval.batch_size must be >= 1, got {evaluation.batch_size}")
+    _require(
+        evaluation.limit >= 0 and (evaluation.limit < 1 or evaluation.limit == int(evaluation.limit)),
+        f"eval.limit is a number of examples per task or a fraction below 1 (0: all), got {evaluation.limit}",
+    )
+    _require(
+        importlib.util.find_spec("lm_eval") is not None,
+        f"eval.interval needs lm-evaluation-harness, which is not installed: {INSTALL_HINT}",
+    )
+    check_tasks(tasks, comma_list(evaluation.include_path), include_option="eval.include_path")
+
+
 def _check_profiling(profiling) -> None:
     if not (profiling.enable_profiling or profiling.enable_memory_snapshot):
         return
@@ -267,4 +294,9 @@ def _check_pipeline(job_config) -> None:
     _require(
         not job_config.inference.interval,
         "text samples run the whole model on one rank; set inference.interval 0 with pipeline_parallel_degree > 1",
+    )
+    _require(
+        not job_config.eval.interval,
+        "evaluation exports the whole model from one rank; set eval.interval 0 with pipeline_parallel_degree > 1 "
+        "and evaluate the checkpoints with python -m flame.eval",
     )

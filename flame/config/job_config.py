@@ -265,6 +265,25 @@ class Inference:
 
 
 @dataclass
+class Eval:
+    interval: int = 0
+    """Evaluate with lm-evaluation-harness every interval steps and at the last step (0: never): rank 0 exports
+    the current weights and runs eval.tasks as python -m flame.eval does; docs/evaluation.md"""
+
+    tasks: str = ""
+    """lm-eval task names, comma separated (flame_corpus_last_word is shipped with flame and runs offline)"""
+
+    include_path: str = ""
+    """Folders of task YAMLs to search besides lm-eval's tasks and flame's, comma separated"""
+
+    limit: float = 0
+    """Examples per task (a fraction below 1); 0: all"""
+
+    batch_size: int = 8
+    """Examples per forward of the evaluated model"""
+
+
+@dataclass
 class Debug:
     enable: bool = False
     """Debug mode: CUDA_LAUNCH_BLOCKING=1 (a CUDA error points at the failing kernel) and autograd anomaly
@@ -309,6 +328,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     validation: Validation = field(default_factory=Validation)
     inference: Inference = field(default_factory=Inference)
+    eval: Eval = field(default_factory=Eval)
     debug: Debug = field(default_factory=Debug)
     dpo: DPO = field(default_factory=DPO)
     experimental: Experimental = field(default_factory=Experimental)

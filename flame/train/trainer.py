@@ -1,7 +1,7 @@
 """flame's trainer: ``torchrun ... -m flame.train [--section.field value ...]`` (train.sh does this).
 
 ``Trainer.train`` is the loop: a step (``TrainStep``, flame/train/step.py) on ``accumulation`` micro-batches,
-its metrics, then a checkpoint, validation and text samples when due, until training.steps or the hard stop
+its metrics, then a checkpoint, validation, text samples and lm-eval's tasks (flame/train/evaluator.py) when due, until training.steps or the hard stop
 training.stop_at_step. ``Trainer.__init__`` assembles the parts, one call each.
 """
 
@@ -36,6 +36,7 @@ from flame.models.common.args import ModelArgs
 from flame.models.custom import import_custom_modules
 from flame.optim.nonfinite import NonFiniteSteps
 from flame.samples import SampleGenerator
+from flame.train.evaluator import Evaluator
 from flame.train.model_parts import Topology, build_model_parts
 from flame.train.objective import DPOObjective, build_objective
 from flame.train.step import build_train_step
@@ -145,7 +146,7 @@ class Trainer(Stateful):
         # An async checkpoint must finish copying the weights before the optimizer changes them.
         self.train_step_fn.before_update = self.checkpointer.maybe_wait_for_staging
 
-        # Metrics, and the optional work between steps: validation loss and text samples.
+        # Metrics, and the optional work between steps: validation loss, text samples and evaluation.
         self.metrics = MetricsLogger(
             job_config, self.device, torch.distributed.get_rank(), self.model.flops_per_token, self.last_step
         )
@@ -158,6 +159,11 @@ class Trainer(Stateful):
             else None
         )
         self.sampler = SampleGenerator(job_config, self.tokenizer) if job_config.inference.interval else None
+        self.evaluator = (
+            Evaluator(job_config, self.model_args, self._tokenizer_source())
+            if job_config.eval.interval
+            else None
+        )
         if job_config.profiling.enable_memory_snapshot and self.device.type != "cuda":
             raise FlameError("profiling.enable_memory_snapshot records CUDA memory; it needs a GPU")
         stop = f", stopping at step {self.last_step}" if self.last_step < training.steps else ""
@@ -166,9 +172,13 @@ class Trainer(Stateful):
             f"device, {self.dp_degree} data-parallel ranks, {self.accumulation} accumulation step(s)"
         )
 
+    def _tokenizer_source(self) -> str:
+        """The tokenizer as checkpoints and exports record it: an absolute folder, or a hub name."""
+        path = self.job_config.model.tokenizer_path
+        return os.path.abspath(path) if os.path.isdir(path) else path
+
     def _build_checkpointer(self) -> CheckpointManager:
         job_config = self.job_config
-        tokenizer_path = job_config.model.tokenizer_path
         states = {"train_state": self, "rng": RNGState()}
         if self.reference is not None:  # a resumed DPO run keeps comparing against its starting weights
             states["reference_model"] = ModelWrapper(self.reference.parts)
@@ -182,7 +192,7 @@ class Trainer(Stateful):
             sd_adapter=None,
             base_folder=job_config.job.dump_folder,
             model_config=self.model_args.to_dict(),
-            tokenizer=os.path.abspath(tokenizer_path) if os.path.isdir(tokenizer_path) else tokenizer_path,
+            tokenizer=self._tokenizer_source(),
             verify_checksums=job_config.checkpoint.verify_checksums,
             hub_uploader=self.hub_uploader,
         )
@@ -250,6 +260,13 @@ class Trainer(Stateful):
         self.metrics.window_other_time += time.perf_counter() - start
         self.metrics.log_samples(self.step, samples)
 
+    def evaluate(self) -> None:
+        start = time.perf_counter()
+        results = self.evaluator.evaluate(self.model_parts[0], self.step)
+        seconds = time.perf_counter() - start
+        self.metrics.window_other_time += seconds
+        self.metrics.log_eval(self.step, results, seconds)
+
     def train(self) -> None:
         job_config = self.job_config
         self.checkpointer.load(step=job_config.checkpoint.load_step)
@@ -281,6 +298,8 @@ class Trainer(Stateful):
                     self.validate()
                 if self.sampler and self.sampler.should_sample(self.step):
                     self.sample()
+                if self.evaluator and self.evaluator.should_evaluate(self.step, self.last_step):
+                    self.evaluate()
                 if torch_profiler:
                     torch_profiler.step()
                 if memory_profiler:
