@@ -25,7 +25,7 @@ from flame.optim import build_lr_schedulers, build_optimizers
 from flame.optim.nonfinite import clip_grad_norm_
 from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
 from flame.train.model_parts import ModelParts, Topology, autocast_context
-from flame.train.objective import LanguageModelObjective
+from flame.train.objective import LanguageModelObjective, fuses_linear_cross_entropy
 
 Batch = tuple[
     dict[str, torch.Tensor], torch.Tensor
@@ -66,7 +66,9 @@ class TrainStep:
         self.amp = amp
         self.max_norm = job_config.training.max_norm
         self.skip_nan_inf = job_config.training.skip_nan_inf
-        self.objective = objective or LanguageModelObjective(job_config)
+        self.objective = objective or LanguageModelObjective(
+            job_config, fused=fuses_linear_cross_entropy(model.parts[0])
+        )
         self.before_update = before_update  # e.g. wait for an async checkpoint to finish copying the weights
 
     def __call__(self, batches: list[Batch]) -> StepResult:
@@ -119,14 +121,18 @@ class TrainStep:
             sequence_sharded(self.topology.cp_group, row_cu_seqlens),
             loss_parallel() if self.model.loss_parallel else contextlib.nullcontext(),
         ):
+            model = self.model.parts[0]
+            # A fused objective takes the final hidden states and applies lm_head itself.
+            fused = {"return_hidden": True} if self.objective.fused else {}
             with self.amp:
-                logits = self.model.parts[0](
+                output = model(
                     inputs["input"],
                     position_ids=inputs.get("position_ids"),
                     cu_seqlens=inputs.get("cu_seqlens"),
+                    **fused,
                 )
-                loss, metrics = self.objective(logits, labels, inputs)
-            del logits  # free before backward
+                loss, metrics = self.objective(output, labels, inputs, model.lm_head if fused else None)
+            del output  # free before backward
             (loss / global_count).backward()
         return {name: value.detach() / global_count for name, value in metrics.items()}
 

@@ -1,7 +1,8 @@
 """Model arguments read from an HF-style config JSON whose fields match FLA's config classes.
 
 Each family subclasses :class:`ModelArgs` with its own fields; ``from_dict`` keeps the fields the family knows,
-ignores HF bookkeeping and FLA's kernel-fusion switches (flame picks kernels per device), and reports the rest.
+ignores HF bookkeeping and FLA's kernel-fusion switches (flame picks kernels per device) except
+``fuse_linear_cross_entropy``, which flame's families honour, and reports the rest.
 """
 
 import dataclasses
@@ -15,7 +16,7 @@ from flame.errors import ModelConfigError
 # Keys that HF/FLA write into config files and that do not change the architecture flame builds.
 IGNORED_KEYS = {
     "model_type", "architectures", "torch_dtype", "dtype", "transformers_version", "use_cache", "pad_token_id",
-    "fuse_norm", "fuse_swiglu", "fuse_cross_entropy", "fuse_linear_cross_entropy", "use_l2warp", "hidden_act",
+    "fuse_norm", "fuse_swiglu", "fuse_cross_entropy", "use_l2warp", "hidden_act",
     "elementwise_affine", "keys_to_ignore_at_inference", "output_attentions", "output_hidden_states",
     "return_dict", "auto_map", "attnres_block_size", "norm_first",
     # FLA config keys that leave the architecture alone: "attn_mode" (a kernel choice; flame trains the chunked
@@ -41,6 +42,9 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
+    # Training computes the loss from the final hidden states and lm_head's weight chunk by chunk, never holding
+    # the whole batch's logits (flame/ops/linear_cross_entropy.py); FLA's key of the same meaning.
+    fuse_linear_cross_entropy: bool = False
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> tuple["ModelArgs", list[str]]:
@@ -59,6 +63,10 @@ class ModelArgs:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.fuse_linear_cross_entropy, bool):
+            raise ModelConfigError(
+                f"fuse_linear_cross_entropy must be true or false, got {self.fuse_linear_cross_entropy!r}"
+            )
 
     def layer_flops_per_token(self, seq_len: int) -> int:
         """Sequence-mixing FLOPs per token (forward + backward) that parameters do not account for."""
