@@ -98,3 +98,21 @@ def test_default_chunk_size_and_dispatch_entry():
     assert default_chunk_size(37, 101, 24) == 8  # 5 chunks of ceil(37 / 5) = 8
     assert default_chunk_size(3, 10, 1024) == 4
     assert dispatch.backend_names("linear_cross_entropy") == ("torch", "fla")
+
+
+def test_bench_smoke_on_cpu_writes_its_section(tmp_path, monkeypatch):
+    """bench/linear_cross_entropy.py (a GPU benchmark) runs on the CPU at a tiny size and writes its table."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "linear_cross_entropy.py"
+    monkeypatch.syspath_prepend(str(path.parent))
+    spec = importlib.util.spec_from_file_location("bench_linear_cross_entropy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    doc = tmp_path / "performance.md"
+    assert bench.main(["--device", "cpu", "--tiny", "--doc", str(doc)]) == 0
+    section = doc.read_text().split("<!-- bench_linear_cross_entropy -->")[1]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| 96 x 300 x 32")]
+    assert [row[1] for row in rows] == ["unfused (logits + loss_sums)", "flame fused (PyTorch, chunked)"]
+    assert rows[0][-1] == rows[1][-1]  # the same loss per token, to 4 decimals
