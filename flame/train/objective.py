@@ -33,7 +33,7 @@ class LanguageModelObjective:
     def __init__(self, job_config, fused: bool = False):
         self.z_loss = job_config.training.z_loss
         self.fused = fused
-        self.loss_fn = maybe_compile_loss(loss_sums, job_config.compile)
+        self.loss_fn = loss_sums if fused else maybe_compile_loss(loss_sums, job_config.compile)
 
     def count(self, labels: torch.Tensor) -> torch.Tensor:
         return labelled_tokens(labels)

@@ -6,7 +6,8 @@ same step.
    data-parallel and cp rank: each micro-batch's summed loss is divided by that count, so accumulation and
    sharding give the gradient of one big batch.
 3. Forward + backward of each micro-batch with the objective (flame/train/objective.py; through the pipeline
-   schedule when there are stages).
+   schedule when there are stages). A model with fuse_linear_cross_entropy returns its final hidden states, and
+   the objective computes the loss from them through lm_head without the logits.
 4. Clip the gradient norm (the norm before clipping is what the step reports).
 5. Step the optimizer, unless the norm is not finite and training.skip_nan_inf says to skip; step the schedule.
 """
