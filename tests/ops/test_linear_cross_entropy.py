@@ -116,3 +116,41 @@ def test_bench_smoke_on_cpu_writes_its_section(tmp_path, monkeypatch):
     rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| 96 x 300 x 32")]
     assert [row[1] for row in rows] == ["unfused (logits + loss_sums)", "flame fused (PyTorch, chunked)"]
     assert rows[0][-1] == rows[1][-1]  # the same loss per token, to 4 decimals
+
+
+def test_cuda_calls_pinned_to_fla_reach_its_kernel_with_arguments_it_accepts(monkeypatch):
+    """Without a GPU: CPU tensors that claim is_cuda walk the fla backend down to FLA 0.6.0's
+    fused_linear_cross_entropy_loss, replaced by a recorder bound to its signature; with z-loss (which FLA lacks)
+    the backend runs the PyTorch implementation instead."""
+    import inspect
+
+    import fla.modules.fused_linear_cross_entropy as fla_module
+
+    from tests.ops.test_dispatch import PretendCuda
+
+    signature = inspect.signature(fla_module.fused_linear_cross_entropy_loss)
+    calls = []
+
+    def recorder(*args, **kwargs):
+        calls.append(signature.bind(*args, **kwargs).arguments)
+        return torch.tensor(5.0)
+
+    monkeypatch.setattr(fla_module, "fused_linear_cross_entropy_loss", recorder)
+    hidden, weight, labels = inputs(torch.float32, seed=4)
+    dispatch.pin("linear_cross_entropy", "fla")
+    try:
+        pretend = hidden.as_subclass(PretendCuda)
+        loss, cross_entropy, z_term = linear_cross_entropy(pretend, weight, labels, chunk_size=8)
+        (arguments,) = calls
+        assert arguments["reduction"] == "sum" and arguments["ignore_index"] == IGNORE_INDEX
+        assert arguments["num_chunks"] == 5  # ceil(37 / 8)
+        assert arguments["x"].shape == (TOKENS, HIDDEN) and arguments["weight"].shape == (VOCAB, HIDDEN)
+        assert torch.equal(arguments["target"], labels)
+        assert (loss.item(), cross_entropy.item(), z_term.item()) == (5.0, 5.0, 0.0)
+        with_z = linear_cross_entropy(pretend, weight, labels, z_loss=1e-2, chunk_size=8)
+    finally:
+        dispatch.pin("linear_cross_entropy", None)
+    assert len(calls) == 1
+    expected = linear_cross_entropy(hidden, weight, labels, z_loss=1e-2, chunk_size=8)
+    for actual, value in zip(with_z, expected):
+        torch.testing.assert_close(actual.as_subclass(torch.Tensor), value, rtol=0, atol=0)
