@@ -10,18 +10,11 @@ accumulation and data parallelism give the gradient and the means of one big bat
 import contextlib
 
 import torch
-from torch import nn
 
 from flame.loss import IGNORE_INDEX, dpo_losses, labelled_tokens, loss_sums, sequence_logprobs
 from flame.models.common.args import ModelArgs
-from flame.models.common.decoder import LMHead
 from flame.parallelize.compile import maybe_compile_loss
 from flame.train.model_parts import ModelParts, Topology, autocast_context, build_model_parts
-
-
-def fuses_linear_cross_entropy(model: nn.Module) -> bool:
-    """The model is one of flame's families, built with fuse_linear_cross_entropy."""
-    return isinstance(getattr(model, "lm_head", None), LMHead) and model.args.fuse_linear_cross_entropy
 
 
 class LanguageModelObjective:

@@ -21,12 +21,13 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from flame.models.common.decoder import fuses_linear_cross_entropy
 from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
 from flame.optim.nonfinite import clip_grad_norm_
 from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
 from flame.train.model_parts import ModelParts, Topology, autocast_context
-from flame.train.objective import LanguageModelObjective, fuses_linear_cross_entropy
+from flame.train.objective import LanguageModelObjective
 
 Batch = tuple[
     dict[str, torch.Tensor], torch.Tensor

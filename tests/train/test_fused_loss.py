@@ -1,7 +1,7 @@
 """fuse_linear_cross_entropy in the model config: the objective gets the final hidden states and lm_head computes the
 loss chunk by chunk. Per family (tied transformer, Gated DeltaNet hybrid, DeltaNet) the loss and every parameter's
 gradient equal the unfused objective's in float64 (rtol = atol = 1e-10: the same sums in another order); the
-Trainer trains the same curves of loss, z-loss and gradient norm fused and unfused in float32 (rtol 1e-5), with
+Trainer validates alike and trains the same curves of loss, z-loss and gradient norm fused and unfused in float32 (rtol 1e-5), with
 z-loss and ignored tokens."""
 
 import json
@@ -12,7 +12,8 @@ import torch
 
 from flame.config import parse_args
 from flame.loss import IGNORE_INDEX
-from flame.train.objective import LanguageModelObjective, fuses_linear_cross_entropy
+from flame.models.common.decoder import fuses_linear_cross_entropy
+from flame.train.objective import LanguageModelObjective
 from tests.models.helpers import tiny_model
 
 ASSETS = Path(__file__).resolve().parents[2] / "flame" / "assets"

@@ -75,6 +75,12 @@ class LMHead(nn.Linear):
         return linear_cross_entropy(hidden, self.weight, labels, ignore_index, z_loss, chunk_size)
 
 
+def fuses_linear_cross_entropy(model: nn.Module) -> bool:
+    """The model is one of flame's families, built with fuse_linear_cross_entropy: its loss comes from
+    ``model(..., return_hidden=True)`` and ``model.lm_head(hidden, labels)``."""
+    return isinstance(getattr(model, "lm_head", None), LMHead) and model.args.fuse_linear_cross_entropy
+
+
 class DecoderLM(nn.Module):
     """Causal LM over a list of blocks. Families subclass it and implement ``build_block``."""
 
