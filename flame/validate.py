@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from flame.data import build_dataloader
 from flame.errors import FlameError
-from flame.loss import labelled_tokens, loss_sums
+from flame.loss import IGNORE_INDEX, labelled_tokens, loss_sums
+from flame.models.common.decoder import fuses_linear_cross_entropy
 
 
 def validation_job_config(job_config):
@@ -65,13 +66,18 @@ class Validator:
             if not self._all_ranks_have(batch is not None, device):
                 break
             inputs, labels = ({k: v.to(device) for k, v in batch[0].items()}, batch[1].to(device))
+            fused = fuses_linear_cross_entropy(model)  # then without the logits, as in training
             with amp:
-                logits = model(
+                output = model(
                     inputs["input"],
                     position_ids=inputs.get("position_ids"),
                     cu_seqlens=inputs.get("cu_seqlens"),
+                    **({"return_hidden": True} if fused else {}),
                 )
-            loss_sum += loss_sums(logits, labels, z_loss=False)[0]
+                if fused:
+                    loss_sum += model.lm_head(output, labels, ignore_index=IGNORE_INDEX)[1]
+            if not fused:
+                loss_sum += loss_sums(output, labels, z_loss=False)[0]
             tokens += labelled_tokens(labels)
         model.train()
         if self.batch_mesh is not None:

@@ -9,7 +9,8 @@ DDP combined with tensor or pipeline parallelism; unknown compile components; he
 sequence length not divisible by the tensor-parallel degree; a q/k norm over all heads (``qk_norm_scope`` full)
 under tensor parallelism, which splits the heads; more pipeline stages than layers; micro-batch counts the
 pipeline schedule cannot run (1F1B and DualPipeV need one per stage); CPU offload without FSDP;
-activation-checkpointing and converter options that cannot work. train.sh's pre-flight (flame.launch) calls it
+activation-checkpointing and converter options that cannot work; the fused linear cross-entropy
+(``fuse_linear_cross_entropy``) with tensor or pipeline parallelism, DPO, or float8 on lm_head. train.sh's pre-flight (flame.launch) calls it
 with NGPU x NNODE, and parallelize_model calls it again on the ranks. It imports no torchtitan module, so the
 pre-flight stays fast.
 """
@@ -23,7 +24,7 @@ from flame.models.layers.attention import Attention
 from flame.models.layers.delta_net import DeltaNet
 from flame.models.layers.gated_deltanet import GatedDeltaNet
 from flame.parallelize.context_parallel import check_context_parallel
-from flame.parallelize.float8 import check_converters
+from flame.parallelize.float8 import check_converters, float8_enabled
 
 SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 COMPILE_COMPONENTS = ("model", "loss")
@@ -223,6 +224,36 @@ def check_compile(compile_config) -> None:
         )
 
 
+def check_fused_loss(job_config, model_args, degrees: dict[str, int]) -> None:
+    """``fuse_linear_cross_entropy`` applies the whole lm_head weight to this rank's hidden states and returns one
+    summed loss (flame/ops/linear_cross_entropy.py)."""
+    if not model_args.fuse_linear_cross_entropy:
+        return
+    off = "or set fuse_linear_cross_entropy false in the model config"
+    if degrees["tp"] > 1:
+        raise ConfigError(
+            "fuse_linear_cross_entropy needs the whole lm_head on each rank and tensor parallelism shards it over "
+            f"the vocabulary: use tensor_parallel_degree 1 {off}"
+        )
+    if degrees["pp"] > 1:
+        raise ConfigError(
+            "fuse_linear_cross_entropy does not work with pipeline parallelism yet (the schedule's loss takes "
+            f"logits): use pipeline_parallel_degree 1 {off}"
+        )
+    if job_config.job.task == "dpo":
+        raise ConfigError(
+            "DPO needs per-sequence log-probabilities, which fuse_linear_cross_entropy does not produce: set "
+            "fuse_linear_cross_entropy false in the model config for job.task dpo"
+        )
+    if float8_enabled(job_config) and not any(
+        name in "lm_head" for name in job_config.quantize.linear.float8.filter_fqns
+    ):
+        raise ConfigError(
+            "fuse_linear_cross_entropy computes lm_head's matmuls itself, which float8 would replace: add lm_head "
+            f"to --quantize.linear.float8.filter_fqns {off}"
+        )
+
+
 def check_parallelism(job_config, model_args, world_size: int, model=None) -> dict[str, int]:
     """Raise ConfigError (one line) if the job's parallelism cannot run on ``world_size`` ranks with this model;
     return the resolved degrees. ``model``: the model built on the meta device, if the caller has it."""
@@ -243,6 +274,7 @@ def check_parallelism(job_config, model_args, world_size: int, model=None) -> di
             "training.enable_cpu_offload works through FSDP; set data_parallel_shard_degree > 1"
         )
     check_family_support(job_config, model_args, degrees)
+    check_fused_loss(job_config, model_args, degrees)
     check_activation_checkpoint(job_config)
     check_compile(job_config.compile)
     check_converters(job_config, on_gpu=True)  # the GPU is checked on the ranks

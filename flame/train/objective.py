@@ -1,4 +1,6 @@
-"""What a training step minimises, given a micro-batch's logits.
+"""What a training step minimises, given a micro-batch's logits (or, for a model with
+``fuse_linear_cross_entropy``, its final hidden states and lm_head, which computes the loss from them chunk by
+chunk).
 
 An objective returns the micro-batch's summed loss and summed metrics; the step divides both by the step's
 ``count`` over every rank (labelled tokens for language modelling, preference pairs for DPO), so that
@@ -9,7 +11,7 @@ import contextlib
 
 import torch
 
-from flame.loss import dpo_losses, labelled_tokens, loss_sums, sequence_logprobs
+from flame.loss import IGNORE_INDEX, dpo_losses, labelled_tokens, loss_sums, sequence_logprobs
 from flame.models.common.args import ModelArgs
 from flame.parallelize.compile import maybe_compile_loss
 from flame.train.model_parts import ModelParts, Topology, autocast_context, build_model_parts
@@ -17,27 +19,39 @@ from flame.train.model_parts import ModelParts, Topology, autocast_context, buil
 
 class LanguageModelObjective:
     """Next-token cross-entropy over the labelled tokens, plus training.z_loss x logsumexp(logits)^2
-    (job.task pretrain and sft: sft data labels the assistant's tokens only)."""
+    (job.task pretrain and sft: sft data labels the assistant's tokens only). ``fused``: the step passes the final
+    hidden states instead of the logits, and lm_head computes the same sums from them without the logits
+    (compile.components' loss does not apply: the fused loss is its matmuls, run eagerly)."""
 
-    def __init__(self, job_config):
+    def __init__(self, job_config, fused: bool = False):
         self.z_loss = job_config.training.z_loss
-        self.loss_fn = maybe_compile_loss(loss_sums, job_config.compile)
+        self.fused = fused
+        self.loss_fn = loss_sums if fused else maybe_compile_loss(loss_sums, job_config.compile)
 
     def count(self, labels: torch.Tensor) -> torch.Tensor:
         return labelled_tokens(labels)
 
-    def __call__(self, logits, labels, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        cross_entropy, z_term = self.loss_fn(logits, labels, z_loss=self.z_loss > 0)
+    def __call__(self, output, labels, inputs, lm_head=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.fused:
+            loss, cross_entropy, z_term = lm_head(
+                output, labels, ignore_index=IGNORE_INDEX, z_loss=self.z_loss
+            )
+        else:
+            cross_entropy, z_term = self.loss_fn(output, labels, z_loss=self.z_loss > 0)
+            loss = cross_entropy + self.z_loss * z_term
         metrics = {"loss": cross_entropy}
         if self.z_loss > 0:
             metrics["z_loss"] = self.z_loss * z_term
-        return cross_entropy + self.z_loss * z_term, metrics
+        return loss, metrics
 
 
 class DPOObjective:
     """Direct preference optimisation (job.task dpo): rows are the micro-batch's chosen replies, then its
     rejected ones (flame/data/packing.py's collate_pairs); the reference model is the frozen starting weights,
-    run on the same rows without gradients."""
+    run on the same rows without gradients. Its per-sequence log-probabilities need the logits
+    (flame/parallelize/checks.py refuses fuse_linear_cross_entropy with DPO)."""
+
+    fused = False
 
     def __init__(self, job_config, reference: ModelParts, amp: contextlib.AbstractContextManager):
         self.beta = job_config.dpo.beta
@@ -48,7 +62,7 @@ class DPOObjective:
     def count(self, labels: torch.Tensor) -> torch.Tensor:
         return torch.tensor(labels.shape[0] // 2, device=labels.device)  # pairs
 
-    def __call__(self, logits, labels, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(self, logits, labels, inputs, lm_head=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         with torch.no_grad(), self.amp:
             reference_logits = self.reference.parts[0](
                 inputs["input"], position_ids=inputs.get("position_ids"), cu_seqlens=inputs.get("cu_seqlens")
@@ -73,7 +87,7 @@ def build_objective(
     """job.task's objective. DPO's reference model is built and sharded like the policy, frozen, in eval mode; it
     holds random weights until the caller copies the starting weights in (or loads them from a checkpoint)."""
     if job_config.job.task != "dpo":
-        return LanguageModelObjective(job_config)
+        return LanguageModelObjective(job_config, fused=model_args.fuse_linear_cross_entropy)
     reference = build_model_parts(model_args, topology, job_config)
     for part in reference.parts:
         part.eval()

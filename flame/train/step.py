@@ -6,7 +6,8 @@ same step.
    data-parallel and cp rank: each micro-batch's summed loss is divided by that count, so accumulation and
    sharding give the gradient of one big batch.
 3. Forward + backward of each micro-batch with the objective (flame/train/objective.py; through the pipeline
-   schedule when there are stages).
+   schedule when there are stages). A model with fuse_linear_cross_entropy returns its final hidden states, and
+   the objective computes the loss from them through lm_head without the logits.
 4. Clip the gradient norm (the norm before clipping is what the step reports).
 5. Step the optimizer, unless the norm is not finite and training.skip_nan_inf says to skip; step the schedule.
 """
@@ -20,6 +21,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from flame.models.common.decoder import fuses_linear_cross_entropy
 from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
 from flame.optim.nonfinite import clip_grad_norm_
@@ -66,7 +68,9 @@ class TrainStep:
         self.amp = amp
         self.max_norm = job_config.training.max_norm
         self.skip_nan_inf = job_config.training.skip_nan_inf
-        self.objective = objective or LanguageModelObjective(job_config)
+        self.objective = objective or LanguageModelObjective(
+            job_config, fused=fuses_linear_cross_entropy(model.parts[0])
+        )
         self.before_update = before_update  # e.g. wait for an async checkpoint to finish copying the weights
 
     def __call__(self, batches: list[Batch]) -> StepResult:
@@ -119,14 +123,18 @@ class TrainStep:
             sequence_sharded(self.topology.cp_group, row_cu_seqlens),
             loss_parallel() if self.model.loss_parallel else contextlib.nullcontext(),
         ):
+            model = self.model.parts[0]
+            # A fused objective takes the final hidden states and applies lm_head itself.
+            fused = {"return_hidden": True} if self.objective.fused else {}
             with self.amp:
-                logits = self.model.parts[0](
+                output = model(
                     inputs["input"],
                     position_ids=inputs.get("position_ids"),
                     cu_seqlens=inputs.get("cu_seqlens"),
+                    **fused,
                 )
-                loss, metrics = self.objective(logits, labels, inputs)
-            del logits  # free before backward
+                loss, metrics = self.objective(output, labels, inputs, model.lm_head if fused else None)
+            del output  # free before backward
             (loss / global_count).backward()
         return {name: value.detach() / global_count for name, value in metrics.items()}
 

@@ -87,7 +87,7 @@ def test_dry_run_refuses_a_key_flame_would_drop(tmp_path, capsys, monkeypatch, c
 def test_accepted_values_build_the_model_without_them():
     base = {"model_type": "gated_deltanet", **SHAPES["gated_deltanet"]}
     accepted = {"hidden_act": "silu", "attnres_block_size": None, "use_l2warp": False, "elementwise_affine": True,
-                "fuse_norm": False, "fuse_swiglu": False, "fuse_cross_entropy": True, "fuse_linear_cross_entropy": True,
+                "fuse_norm": False, "fuse_swiglu": False, "fuse_cross_entropy": True,
                 "attn_mode": "fused_recurrent", "pad_token_id": 0, "torch_dtype": "bfloat16", "use_cache": False}  # fmt: skip
     assert model_args_from_dict({**base, **accepted})[0] == model_args_from_dict(base)[0]
     with pytest.raises(ModelConfigError, match='hidden_act "relu"'):

@@ -51,6 +51,22 @@ FAMILIES: dict[str, dict] = {
         "attn_impl": "parallel_softpick_attn",
         "window_size": 12,
     },
+    # The loss from the hidden states through lm_head, chunk by chunk (flame/ops/linear_cross_entropy.py): tied
+    # (lm_head in the root's FSDP group) and untied (its own group with the final norm).
+    "transformer_fused": {
+        "model_type": "transformer",
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "tie_word_embeddings": True,
+        "fuse_linear_cross_entropy": True,
+    },
+    "hybrid_fused": {
+        "model_type": "gated_deltanet",
+        "head_dim": 16,
+        "num_heads": 2,
+        "attn": {"layers": [1], "num_heads": 4},
+        "fuse_linear_cross_entropy": True,
+    },
     # Four layers (attention at 1 and 3): room for two pipeline stages per rank (interleaved schedules).
     "hybrid_4_layers": {
         "model_type": "gated_deltanet",

@@ -353,3 +353,22 @@ def test_context_parallel_settings_it_cannot_run_are_one_line(tmp_path):
         ' "head_dim": 64, "attn": {"layers": [1], "num_heads": 4}}'
     )
     assert check(2, *varlen, config=str(hybrid))["cp"] == 2
+
+
+def test_fused_linear_cross_entropy_refuses_what_it_cannot_run_in_one_line(tmp_path):
+    config = tmp_path / "fused.json"
+    config.write_text('{"model_type": "transformer", "hidden_size": 64, "num_hidden_layers": 4, "num_heads": 2,'
+                      ' "fuse_linear_cross_entropy": true}')  # fmt: skip
+    assert check(4, "--parallelism.context_parallel_degree", "2", config=str(config))["cp"] == 2
+    assert refused(2, "--parallelism.tensor_parallel_degree", "2", config=str(config)).startswith(
+        "fuse_linear_cross_entropy needs the whole lm_head on each rank"
+    )
+    assert "pipeline_parallel_degree 1" in refused(2, "--parallelism.pipeline_parallel_degree", "2",
+                                                   config=str(config))  # fmt: skip
+    assert refused(1, "--job.task", "dpo", config=str(config)).startswith(
+        "DPO needs per-sequence log-probabilities"
+    )
+    float8 = ["--model.converters", "quantize.linear.float8"]
+    assert "filter_fqns" in refused(1, *float8, config=str(config))
+    assert "filter_fqns" not in refused(1, *float8, "--quantize.linear.float8.filter_fqns", "lm_head",
+                                        config=str(config))  # fmt: skip

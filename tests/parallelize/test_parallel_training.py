@@ -39,9 +39,10 @@ PACKED = ("gated_deltanet", "delta_net", "hybrid")
 AC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 COMPILED = ["--compile.enable", "--compile.backend", "aot_eager"]
 AC_LAYER = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "1"]
+FUSED = ("transformer_fused", "hybrid_fused")
 TWO_RANKS = [
-    (Setting("fsdp2", dp_shard=2), ALL),
-    (Setting("ddp2", dp_replicate=2), ("transformer", "gated_deltanet")),
+    (Setting("fsdp2", dp_shard=2), (*ALL, *FUSED)),
+    (Setting("ddp2", dp_replicate=2), ("transformer", "gated_deltanet", *FUSED)),
     (Setting("tp2", tp=2), ALL),
     (Setting("tp2_no_sequence_parallel", tp=2, sequence_parallel=False), ("hybrid",)),
     (Setting("tp2_loss_parallel", tp=2, loss_parallel=True), ("transformer", "hybrid")),
@@ -53,7 +54,7 @@ TWO_RANKS = [
     (Setting("tp2_layer_sac", tp=2, flags=AC_LAYER), ("transformer",)),
     (Setting("fsdp2_cpu_offload", dp_shard=2, flags=["--training.enable_cpu_offload"]), ("transformer",)),
     (Setting("pp2_1f1b", pp=2), ("gated_deltanet", "hybrid")),
-    (Setting("cp2", cp=2), (*ALL, "softpick_window")),
+    (Setting("cp2", cp=2), (*ALL, "softpick_window", *FUSED)),
     (Setting("cp2_full_ac", cp=2, flags=["--activation_checkpoint.mode", "full"]), ("hybrid",)),
     (Setting("cp2_op_sac", cp=2, flags=AC_OP), ("hybrid",)),
     (Setting("cp2_compiled", cp=2, flags=COMPILED), ("hybrid",)),

@@ -1,6 +1,7 @@
 """Model arguments read from an HF-style config JSON whose fields match FLA's config classes.
 
-Each family subclasses :class:`ModelArgs` with its own fields. No key of a config is silently dropped: ``from_dict``
+Each family subclasses :class:`ModelArgs` with its own fields (``fuse_linear_cross_entropy``, common to all, selects
+the fused linear cross-entropy). No key of a config is silently dropped: ``from_dict``
 takes the family's fields, passes the keys that do not change the model flame builds (IRRELEVANT_KEYS, each with
 its reason), checks the values of the keys flame honours only for some settings (RESTRICTED_KEYS) and refuses
 everything else, in one line naming the key and what to do.
@@ -47,10 +48,8 @@ IRRELEVANT_KEYS = {
     "fuse_swiglu": "a kernel choice: FLA's fused and unfused SwiGLU compute the same function; flame picks its "
     "kernels per device",
     "attn_mode": "a kernel choice (chunk, fused_recurrent: the same function); flame trains the chunked form",
-    # The loss's kernels, not the model's: accepted here without a check while flame's fused cross-entropy is being
-    # wired to these keys on the loss side (issue 20); that work decides what they do.
-    "fuse_cross_entropy": "the loss's kernel, not the model's",
-    "fuse_linear_cross_entropy": "the loss's kernel, not the model's",
+    "fuse_cross_entropy": "a kernel choice: FLA's fused and unfused cross-entropy compute the same loss "
+    "(fuse_linear_cross_entropy, a field, selects flame's fused linear cross-entropy)",
 }
 
 
@@ -114,6 +113,9 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
+    # Training computes the loss from the final hidden states and lm_head's weight chunk by chunk, never holding
+    # the whole batch's logits (flame/ops/linear_cross_entropy.py); FLA's key of the same meaning.
+    fuse_linear_cross_entropy: bool = False
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> tuple["ModelArgs", list[str]]:
@@ -144,6 +146,10 @@ class ModelArgs:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.fuse_linear_cross_entropy, bool):
+            raise ModelConfigError(
+                f"fuse_linear_cross_entropy must be true or false, got {self.fuse_linear_cross_entropy!r}"
+            )
 
     def layer_flops_per_token(self, seq_len: int) -> int:
         """Sequence-mixing FLOPs per token (forward + backward) that parameters do not account for."""

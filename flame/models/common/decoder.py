@@ -6,11 +6,13 @@ the layer index, as in torchtitan, so pipeline stages keep the original names.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flame.models.common.args import ModelArgs
 from flame.models.layers.mlp import GatedMLP, swiglu_intermediate_size
 from flame.models.layers.norm import RMSNorm
+from flame.ops.linear_cross_entropy import linear_cross_entropy
 
 # Where a block's two RMSNorms sit on the residual branches: "pre" normalises the branch input
 # (x + f(norm(x)), FLA's and Llama's blocks), "post" the branch output (x + norm(f(x)), OLMo 2/3's "reordered
@@ -50,6 +52,35 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class LMHead(nn.Linear):
+    """The output projection (no bias). ``lm_head(hidden)`` gives the logits; ``lm_head(hidden, labels, ...)`` the
+    summed loss straight from the hidden states, chunk by chunk, without the logits of the whole batch
+    (flame/ops/linear_cross_entropy.py: returns loss, cross_entropy, z_term). Either way the call goes through the
+    module, so FSDP gathers the weight for it and reduces its gradient as for the logits."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        ignore_index: int = -100,
+        z_loss: float = 0.0,
+        chunk_size: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if labels is None:
+            return F.linear(hidden, self.weight)
+        return linear_cross_entropy(hidden, self.weight, labels, ignore_index, z_loss, chunk_size)
+
+
+def fuses_linear_cross_entropy(model: nn.Module) -> bool:
+    """The model is one of flame's families, built with fuse_linear_cross_entropy: its loss comes from
+    ``model(..., return_hidden=True)`` and ``model.lm_head(hidden, labels)``."""
+    return isinstance(getattr(model, "lm_head", None), LMHead) and model.args.fuse_linear_cross_entropy
+
+
 class DecoderLM(nn.Module):
     """Causal LM over a list of blocks. Families subclass it and implement ``build_block``."""
 
@@ -59,7 +90,7 @@ class DecoderLM(nn.Module):
         self.embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.num_hidden_layers)})
         self.norm = RMSNorm(args.hidden_size, eps=args.norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = LMHead(args.hidden_size, args.vocab_size)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embeddings.weight
 
@@ -71,9 +102,12 @@ class DecoderLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
-        """Logits [B, T, vocab]. ``cu_seqlens`` (with batch 1) marks packed documents; ``position_ids`` then
-        restart per document. Stages of a pipeline may lack embeddings or lm_head (set to None)."""
+        """Logits [B, T, vocab]; with ``return_hidden`` the final hidden states [B, T, hidden] (after the norm),
+        for a loss that applies ``lm_head`` itself (``fuse_linear_cross_entropy``). ``cu_seqlens`` (with batch 1)
+        marks packed documents; ``position_ids`` then restart per document. Stages of a pipeline may lack
+        embeddings or lm_head (set to None)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(
                 input_ids.shape[0], -1
@@ -82,7 +116,7 @@ class DecoderLM(nn.Module):
         for block in self.layers.values():
             h = block(h, position_ids, cu_seqlens)
         h = self.norm(h) if self.norm is not None else h
-        return self.lm_head(h) if self.lm_head is not None else h
+        return h if return_hidden or self.lm_head is None else self.lm_head(h)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
