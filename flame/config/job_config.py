@@ -159,6 +159,15 @@ class Optimizer:
     fused: bool | None = None
     """Older flame's switch: true sets optimizer.implementation fused (the default), false foreach"""
 
+    muon_momentum: float = 0.95
+    """optimizer.name Muon: momentum of the blocks' matrices (Nesterov)"""
+
+    muon_ns_steps: int = 5
+    """optimizer.name Muon: Newton-Schulz iterations per orthogonalisation"""
+
+    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """optimizer.name Muon: dtype of the Newton-Schulz iteration"""
+
 
 @dataclass
 class LRScheduler:
