@@ -263,6 +263,14 @@ class ActivationCheckpoint:
 
 
 @dataclass
+class ActivationOffload:
+    mode: Literal["none", "full"] = "none"
+    """full: keep what each block saves for backward in pinned host memory, copied on a side CUDA stream while
+    the GPU computes (upstream flame's option; with activation_checkpoint.mode full it offloads the blocks'
+    inputs)"""
+
+
+@dataclass
 class Experimental:
     custom_model_path: str = ""
     """Your model's module, imported before the model is built: a package folder, a .py file or a dotted module
@@ -292,6 +300,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    activation_offload: ActivationOffload = field(default_factory=ActivationOffload)
     validation: Validation = field(default_factory=Validation)
     inference: Inference = field(default_factory=Inference)
     debug: Debug = field(default_factory=Debug)
@@ -450,12 +459,6 @@ class UpstreamMemoryEstimation:
 
 
 @dataclass
-class UpstreamActivationOffload:
-    mode: Literal["none", "full"] = "none"
-    """Upstream's activation offloading (no effect in flame: use activation_checkpoint.mode)"""
-
-
-@dataclass
 class UpstreamJobConfig:
     job: UpstreamJob = field(default_factory=UpstreamJob)
     model: UpstreamModel = field(default_factory=UpstreamModel)
@@ -465,7 +468,6 @@ class UpstreamJobConfig:
     experimental: UpstreamExperimental = field(default_factory=UpstreamExperimental)
     float8: UpstreamFloat8 = field(default_factory=UpstreamFloat8)
     memory_estimation: UpstreamMemoryEstimation = field(default_factory=UpstreamMemoryEstimation)
-    activation_offload: UpstreamActivationOffload = field(default_factory=UpstreamActivationOffload)
 
 
 ALIASES.update(
@@ -503,7 +505,6 @@ NO_EFFECT: dict[str, str] = {
     "model.print_after_conversion": "flame logs the model's size, not its definition",
     "fault_tolerance.enable": "flame does not run TorchFT",
     "memory_estimation.disable_fake_mode": "flame has no FSDP memory estimator",
-    "activation_offload.mode": "flame does not offload activations; use --activation_checkpoint.mode",
     "training.enable_l2wrap": "L2Wrap is not implemented; --training.z_loss is flame's regularizer of the logits",
     "training.l2wrap_factor": "L2Wrap is not implemented; --training.z_loss is flame's regularizer of the logits",
     "checkpoint.hf_upload_enabled": "hub upload is not implemented; checkpoints stay in <dump_folder>/checkpoint",
