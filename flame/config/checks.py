@@ -93,7 +93,8 @@ def _check_optimizer(optimizer) -> None:
         f"optimizer.muon_momentum must be in [0, 1), got {optimizer.muon_momentum}",
     )
     _require(
-        optimizer.muon_ns_steps >= 1, f"optimizer.muon_ns_steps must be >= 1, got {optimizer.muon_ns_steps}"
+        optimizer.muon_ns_iterations >= 1,
+        f"optimizer.muon_ns_iterations must be >= 1, got {optimizer.muon_ns_iterations}",
     )
     _require(
         math.isfinite(optimizer.lr) and optimizer.lr > 0, f"optimizer.lr must be > 0, got {optimizer.lr}"

@@ -162,7 +162,7 @@ class Optimizer:
     muon_momentum: float = 0.95
     """optimizer.name Muon: momentum of the blocks' matrices (Nesterov)"""
 
-    muon_ns_steps: int = 5
+    muon_ns_iterations: int = 5
     """optimizer.name Muon: Newton-Schulz iterations per orthogonalisation"""
 
     muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"

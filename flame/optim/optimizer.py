@@ -8,9 +8,9 @@ implementation (fused, foreach or for-loop; fused runs on CUDA and, since torch 
 
 ``--optimizer.name Muon`` (flame.optim.muon) splits each model part's parameters in two, as OLMo-core and
 torchtitan do: Muon takes the 2-D weights of the blocks (attention and linear-attention projections, MLPs), with
-optimizer.lr, optimizer.weight_decay, optimizer.muon_momentum, muon_ns_steps and muon_ns_dtype; AdamW takes every
-other parameter (embeddings, lm_head, norm scales, biases, short-convolution kernels, A_log, dt_bias ...) with the
-settings ``--optimizer.name AdamW`` would give it (the same lr, betas, eps, implementation and decay groups).
+optimizer.lr, optimizer.weight_decay, optimizer.muon_momentum, muon_ns_iterations and muon_ns_dtype; AdamW takes
+every other parameter (embeddings, lm_head, norm scales, biases, short-convolution kernels, A_log, dt_bias ...) with
+the settings ``--optimizer.name AdamW`` would give it (the same lr, betas, eps, implementation and decay groups).
 Muon's updates are scaled to AdamW's RMS, so one learning rate serves both. Both follow the same LR schedule.
 """
 
@@ -131,7 +131,7 @@ def build_optimizers(model_parts: list[nn.Module], job_config) -> OptimizersCont
             "lr": config.lr,
             "momentum": config.muon_momentum,
             "weight_decay": config.weight_decay,
-            "ns_steps": config.muon_ns_steps,
+            "ns_steps": config.muon_ns_iterations,
             "ns_dtype": config.muon_ns_dtype,
         }
         optimizers = MuonOptimizersContainer(model_parts, muon_kwargs, kwargs, config.decay_embeddings)
@@ -144,9 +144,11 @@ def build_optimizers(model_parts: list[nn.Module], job_config) -> OptimizersCont
     skipped = sum(p.numel() for g in groups if g["weight_decay"] == 0 for p in g["params"])
     muon = ""
     if config.name == "Muon":
-        matrices = sum(p.numel() for o in optimizers if isinstance(o, Muon) for g in o.param_groups for p in g["params"])  # fmt: skip
+        matrices = sum(
+            p.numel() for o in optimizers if isinstance(o, Muon) for g in o.param_groups for p in g["params"]
+        )
         muon = (
-            f"; Muon (momentum {config.muon_momentum}, {config.muon_ns_steps} Newton-Schulz steps in "
+            f"; Muon (momentum {config.muon_momentum}, {config.muon_ns_iterations} Newton-Schulz steps in "
             f"{config.muon_ns_dtype}) on the blocks' {matrices:,} matrix parameters, AdamW on the rest"
         )
     logger.info(

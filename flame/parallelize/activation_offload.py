@@ -6,7 +6,8 @@ pinned host memory on a side CUDA stream while the forward goes on (the caching 
 until the copy has run, then frees it once autograd drops it); the backward copies a block's tensors back on the
 same stream when it first needs one of them, and at once starts copying the block before it (the next in backward
 order), so that the copies of one block overlap the computation of another and about two blocks' activations are on
-the device at a time. Small tensors (below ``min_bytes``) and the storage of the block's parameters (FSDP2's
+the device at a time. The host waits when it runs more than BLOCKS_AHEAD blocks ahead of the copies in forward or
+of the GPU in backward: memory freed behind a pending copy or fetched ahead of the GPU is still allocated. Small tensors (below ``min_bytes``) and the storage of the block's parameters (FSDP2's
 gathered weights, which it frees and gathers again itself) stay where they are; a tensor saved by several ops of a
 block is copied once.
 
@@ -20,6 +21,7 @@ Without a GPU a saved tensor is cloned in host memory: the same round trip, noth
 identity.
 """
 
+import collections
 import weakref
 
 import torch
@@ -30,6 +32,10 @@ from flame.models import model_spec
 
 # Below this a copy costs more in launches than it saves in memory (norm statistics, gates of one scalar per head).
 MIN_OFFLOAD_BYTES = 1 << 16
+# How many blocks the host may run ahead of the copies (forward) or of the GPU's backward: memory that waits for a
+# copy, or a fetched copy, counts as allocated until the GPU gets there, so an unbounded lead would keep every
+# block's activations on the device after all.
+BLOCKS_AHEAD = 2
 
 
 class _Stash:
@@ -56,6 +62,7 @@ class _BlockForward:
         # ends, so that its memory cannot go to a new tensor with the same key in the meantime.
         self.by_key: dict[tuple, tuple[torch.Tensor, _Stash]] = {}
         self.fetched = False
+        self.in_backward = False  # backward has asked for one of its tensors
         self.copied_back: torch.cuda.Event | None = None  # recorded on the side stream after the copies back
 
     def fetch(self) -> None:
@@ -85,12 +92,17 @@ class ActivationOffload:
         self.min_bytes = min_bytes
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.last: _BlockForward | None = None  # the block forward that ran last
+        # CUDA events: copies of the last blocks' forwards done; the GPU reached the last blocks' backwards.
+        self.copied = collections.deque(maxlen=BLOCKS_AHEAD)
+        self.reached = collections.deque(maxlen=BLOCKS_AHEAD)
         self.current: _BlockForward | None = None
         self.parameter_storages: set[int] = set()
         self.offloaded_bytes = 0  # copied to the host so far
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def enter(self, block: nn.Module, index: int) -> None:
+        if len(self.copied) == BLOCKS_AHEAD:
+            self.copied[0].synchronize()
         previous = self.last if self.last is not None and self.last.index == index - 1 else None
         self.current = _BlockForward(self, index, previous)
         # Read at each forward: FSDP2 swaps in gathered parameters before the block runs.
@@ -99,6 +111,8 @@ class ActivationOffload:
 
     def exit(self) -> None:
         self.hooks.__exit__(None, None, None)
+        if self.stream is not None and self.current.stashes:
+            self.copied.append(self.stream.record_event())
         self.current.by_key.clear()
         self.last, self.current = self.current, None
 
@@ -141,6 +155,12 @@ class ActivationOffload:
         if not isinstance(packed, _Stash):
             return packed
         group = packed.group
+        if not group.in_backward:
+            group.in_backward = True
+            if self.stream is not None:
+                if len(self.reached) == BLOCKS_AHEAD:
+                    self.reached[0].synchronize()
+                self.reached.append(torch.cuda.current_stream(self.device).record_event())
         group.fetch()
         if group.previous is not None and (previous := group.previous()) is not None:
             previous.fetch()  # overlaps with this block's backward

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
         (["--optimizer.weight_decay", "-1"], "optimizer.weight_decay must be >= 0"),
         (["--optimizer.name", "SGD"], "optimizer.name must be AdamW, Adam or Muon, got 'SGD'"),
         (["--optimizer.name", "Muon", "--optimizer.muon_momentum", "1"], "optimizer.muon_momentum must be in [0, 1)"),
-        (["--optimizer.muon_ns_steps", "0"], "optimizer.muon_ns_steps must be >= 1, got 0"),
+        (["--optimizer.muon_ns_iterations", "0"], "optimizer.muon_ns_iterations must be >= 1, got 0"),
         (["--optimizer.early_step_in_backward"], "optimizer.early_step_in_backward is not supported"),
         (["--training.steps", "10"], "lr_scheduler.warmup_steps (20) is longer than the schedule (10 steps)"),
         (["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps must be >= 0"),

@@ -1,5 +1,10 @@
 """Activation offloading on the GPU (pinned host memory, copies on a side stream): the gradients equal those
-without it bit for bit (eager, and under full activation checkpointing), and the peak memory of a step falls."""
+without it (eager, and under full activation checkpointing) and the peak memory of a step falls.
+
+The copies are exact, but two runs of the same step on the GPU differ by the backward kernels' summation order
+(atomics): on an H100 a 12-block model measured 3.8e-6 at most between two plain runs, the same as between a plain
+and an offloaded run. The limit is 1e-4 of each gradient's largest entry; a stale or wrong tensor would be off by
+the size of the gradient itself."""
 
 import pytest
 import torch
@@ -50,5 +55,5 @@ def test_offload_keeps_the_gradients_and_lowers_the_peak(checkpointing):
     got, offload_peak = step(offloaded)
     assert offload.offloaded_bytes > 0
     for name in want:
-        assert torch.equal(got[name], want[name]), name
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-4 * want[name].abs().max().item())
     assert offload_peak < peak, (offload_peak, peak)
