@@ -119,8 +119,7 @@ class ActivationOffload:
     def pack(self, tensor: torch.Tensor):
         group = self.current
         if (
-            group is None  # saved outside a block's own forward (cannot happen while the hooks are entered)
-            or tensor.numel() * tensor.element_size() < self.min_bytes
+            tensor.numel() * tensor.element_size() < self.min_bytes
             or tensor.untyped_storage().data_ptr() in self.parameter_storages
             or tensor.device.type != self.device.type
         ):
