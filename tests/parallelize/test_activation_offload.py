@@ -86,9 +86,21 @@ def test_a_tensor_saved_twice_is_copied_once_and_parameters_and_small_tensors_st
     assert torch.equal(x.grad, want_x) and torch.equal(linear.weight.grad, want_w)
 
 
-def test_training_with_offload_repeats_the_run_without(make_trainer, tmp_path):
+def test_training_with_offload_repeats_the_run_without(make_trainer, tmp_path, monkeypatch):
+    from flame.parallelize import parallelize
+
+    applied = []
+
+    def recorded(*args, **kwargs):
+        applied.append(apply_activation_offload(*args, **kwargs))
+        return applied[-1]
+
+    monkeypatch.setattr(parallelize, "apply_activation_offload", recorded)
     flags = ["--training.steps", "2"]
     make_trainer(*flags, dump=tmp_path / "plain").train()
+    assert applied == []
     make_trainer(*flags, "--activation_offload.mode", "full", dump=tmp_path / "offload").train()
+    # The default tiny model's hidden states (2 x 64 x 256 float32) are above MIN_OFFLOAD_BYTES.
+    assert len(applied) == 1 and applied[0].offloaded_bytes > 0
     plain, offloaded = (tensorboard_scalars(tmp_path / name, "loss/train") for name in ("plain", "offload"))
     assert sorted(plain) == [1, 2] and offloaded == plain
