@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 4 bench/train_throughput.py [--quick]     # FSDP over 4 GPUs (per-GPU batch unchanged)
     torchrun --nproc_per_node 4 bench/train_throughput.py --cp 2 ...   # context parallel 2 x FSDP 2
     python bench/train_throughput.py --device cpu --tiny                # smoke test of the script itself
+    python bench/train_throughput.py --activations none,full,offload,full+offload --optimizers AdamW,Muon
 
 Each case runs the trainer's own model builder and training step (``build_model_parts`` and ``TrainStep`` in
 flame/train/): the model built on the meta device and parallelized with the job's plan (per-block torch.compile in
@@ -16,7 +17,9 @@ over the N ranks of a context-parallel group by the step, as in training: a grou
 seq_len rows, so every GPU still holds ``--tokens_per_gpu`` tokens, and FSDP shards over the data-parallel x cp
 ranks.
 
-Cases: every model in ``--models`` x ``--seq_lens`` x ``--modes`` (eager, compiled). The models are the 340M
+Cases: every model in ``--models`` x ``--seq_lens`` x ``--modes`` (eager, compiled) x ``--activations`` (what
+the blocks keep for backward: none, activation checkpointing full or selective, offload to host memory, or full
+checkpointing with the checkpoints offloaded: full+offload) x ``--optimizers`` (AdamW, Muon). The models are the 340M
 configs transformer_340M, the softpick recipes (softpick, rectified, scaled softpick), gated_deltanet_340M, and a
 hybrid: gated_deltanet_340M with attention (16 heads, QK-norm) at every fourth layer (3, 7, 11, 15, 19), the OLMo-3
 hybrid pattern.
@@ -29,6 +32,7 @@ otherwise. Rank 0 prints a markdown table and writes it into docs/performance.md
 
 import argparse
 import gc
+import itertools
 import os
 import re
 import sys
@@ -55,6 +59,7 @@ from flame.train.step import build_train_step  # noqa: E402
 
 PERFORMANCE_DOC = REPO / "docs" / "performance.md"
 H100_BF16_PEAK_TFLOPS = 989.0  # dense bf16, H100 SXM and H200 alike
+ACTIVATIONS = ("none", "full", "selective", "offload", "full+offload")
 HYBRID_ATTN = {"every": 4, "offset": 3, "num_heads": 16, "qk_norm": True}
 MODELS = {
     "transformer": ("configs/transformer_340M.json", {}),
@@ -83,6 +88,8 @@ class Result:
     seq_len: int
     batch: int
     mode: str
+    activations: str
+    optimizer: str
     step_s: float = float("nan")
     tokens_per_s: float = float("nan")
     tflops: float = float("nan")
@@ -103,11 +110,22 @@ def model_args(name: str, tiny: bool):
     return args
 
 
-def job_config(seq_len: int, compiled: bool, world_size: int, args):
+def activation_flags(activations: str) -> list[str]:
+    """none, full, selective, offload or full+offload as job flags."""
+    checkpoint, _, offload = activations.partition("+")
+    if checkpoint == "offload":
+        checkpoint, offload = "none", "offload"
+    return ["--activation_checkpoint.mode", checkpoint,
+            "--activation_offload.mode", "full" if offload else "none"]  # fmt: skip
+
+
+def job_config(
+    seq_len: int, compiled: bool, world_size: int, args, activations: str = "none", optimizer: str = "AdamW"
+):
     flags = ["--training.seq_len", str(seq_len),
              "--parallelism.data_parallel_shard_degree", str(world_size // args.cp),
              "--parallelism.context_parallel_degree", str(args.cp),
-             "--activation_checkpoint.mode", args.ac, "--optimizer.lr", "3e-4",
+             *activation_flags(activations), "--optimizer.name", optimizer, "--optimizer.lr", "3e-4",
              "--model.attention_backend", args.attention_backend,
              "--parallelism.fsdp_reshard_after_forward", args.fsdp_reshard_after_forward]  # fmt: skip
     if compiled:
@@ -121,15 +139,15 @@ def rows_per_step(args, seq_len: int) -> int:
     return max(1, args.tokens_per_gpu * args.cp // seq_len)
 
 
-def run_case(name, seq_len, mode, args, device, parallel_dims) -> Result:
+def run_case(name, seq_len, mode, activations, optimizer, args, device, parallel_dims) -> Result:
     """One case through the trainer's own builder and step (build_model_parts, TrainStep) on random tokens."""
     world_size = parallel_dims.world_size
     margs = model_args(name, args.tiny)
     batch = rows_per_step(args, seq_len)
-    config = job_config(seq_len, mode == "compiled", world_size, args)
+    config = job_config(seq_len, mode == "compiled", world_size, args, activations, optimizer)
     topology = Topology.of(parallel_dims, device)
     model = build_model_parts(margs, topology, config)
-    result = Result(name, model.nparams, seq_len, batch, mode)
+    result = Result(name, model.nparams, seq_len, batch, mode, activations, optimizer)
     train_step = build_train_step(model, topology, config)
     # The ranks of a cp group draw the same rows (seeded by their data-parallel rank); the step slices them.
     generator = torch.Generator(device=device).manual_seed(topology.dp_rank)
@@ -245,19 +263,20 @@ def table(results: list[Result], world_size: int, cp: int = 1) -> str:
     which each GPU holds a 1/cp slice."""
     gpus = f"{world_size} (cp {cp})" if cp > 1 else str(world_size)
     lines = [
-        "| model | params | GPUs | seq | batch/GPU | mode | step s | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| model | params | GPUs | seq | batch/GPU | mode | activations | optimizer | step s | tokens/s/GPU "
+        "| TFLOP/s/GPU | MFU | peak GiB |",
+        "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if r.error:
             lines.append(f"| {r.model} | {millions(r.params)} | {gpus} | {r.seq_len} | {r.batch} | {r.mode} | "
-                         f"failed: {r.error} | | | | |")  # fmt: skip
+                         f"{r.activations} | {r.optimizer} | failed: {r.error} | | | | |")  # fmt: skip
             continue
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu == r.mfu else "n/a"
         peak = f"{r.peak_gib:.1f}" if r.peak_gib == r.peak_gib else "n/a"
         lines.append(
             f"| {r.model} | {millions(r.params)} | {gpus} | {r.seq_len} | {r.batch} | {r.mode} | "
-            f"{r.step_s:.3f} | {r.tokens_per_s:,.0f} | {r.tflops:.1f} | {mfu} | {peak} |"
+            f"{r.activations} | {r.optimizer} | {r.step_s:.3f} | {r.tokens_per_s:,.0f} | {r.tflops:.1f} | {mfu} | {peak} |"
         )
     return "\n".join(lines)
 
@@ -313,8 +332,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "one all-gather per block and step instead of two)",
     )
     parser.add_argument(
-        "--ac", default="none", choices=["none", "full", "selective"], help="activation checkpointing"
+        "--activations",
+        default="none",
+        help="comma separated, what the blocks keep for backward: none, full or selective (activation "
+        "checkpointing), offload (to pinned host memory), full+offload",
     )
+    parser.add_argument("--optimizers", default="AdamW", help="comma separated: AdamW, Muon")
     parser.add_argument("--quick", action="store_true", help="seq 2048 only, 2 warm-up + 5 timed steps")
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
@@ -348,6 +371,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.models.split(","):
         if name not in MODELS:
             parser.error(f"unknown model {name}; choose from {', '.join(MODELS)}")
+    for activations in args.activations.split(","):
+        if activations not in ACTIVATIONS:
+            parser.error(f"unknown --activations {activations}; choose from {', '.join(ACTIVATIONS)}")
+    for optimizer in args.optimizers.split(","):
+        if optimizer not in ("AdamW", "Muon"):
+            parser.error(f"unknown --optimizers {optimizer}; choose from AdamW, Muon")
     return args
 
 
@@ -393,10 +422,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for name in args.models.split(","):
         for seq_len in (int(s) for s in args.seq_lens.split(",")):
-            for mode in args.modes.split(","):
+            for mode, activations, optimizer in itertools.product(
+                args.modes.split(","), args.activations.split(","), args.optimizers.split(",")
+            ):
                 case_start = time.perf_counter()
                 try:
-                    result = run_case(name, seq_len, mode, args, device, parallel_dims)
+                    result = run_case(
+                        name, seq_len, mode, activations, optimizer, args, device, parallel_dims
+                    )
                 except Exception as e:  # e.g. out of memory: report it and go on
                     if rank == 0:
                         traceback.print_exc()
@@ -407,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
                         seq_len,
                         rows_per_step(args, seq_len),
                         mode,
+                        activations,
+                        optimizer,
                         error=message,
                     )
                 cleanup(device)
@@ -417,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
                     if result.profile:
                         timelines = "\n".join(f"rank {r}: {line}" for r, line in enumerate(result.timelines))
                         print(
-                            f"profile of {name} seq {seq_len} {mode}:\n{result.profile}\n{timelines}",
+                            f"profile of {name} seq {seq_len} {mode} {activations} {optimizer}:\n"
+                            f"{result.profile}\n{timelines}",
                             flush=True,
                         )
     if rank == 0:
@@ -447,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (f", context parallel {args.cp}" if args.cp > 1 else ""),
                 f"Command: `{command}` on {world_size} x {device_name(device)}, torch {torch.__version__} "
                 f"({time.strftime('%Y-%m-%d')}); {parallelism}, random tokens, {args.tokens_per_gpu:,} tokens "
-                f"per GPU per step, activation checkpointing {args.ac}, AdamW, {args.warmup} warm-up then "
+                f"per GPU per step, {args.warmup} warm-up then "
                 f"{args.steps} timed steps. MFU against {args.peak_tflops or 'n/a'} TFLOP/s; FLOPs per token "
                 "from get_nparams_and_flops. Total run time "
                 f"{time.perf_counter() - started:.0f} s.",

@@ -119,8 +119,16 @@ def _check_model(model) -> None:
 
 def _check_optimizer(optimizer) -> None:
     _require(
-        optimizer.name in ("Adam", "AdamW"),
-        f"optimizer.name must be AdamW or Adam, got '{optimizer.name}'",
+        optimizer.name in ("Adam", "AdamW", "Muon"),
+        f"optimizer.name must be AdamW, Adam or Muon, got '{optimizer.name}'",
+    )
+    _require(
+        0 <= optimizer.muon_momentum < 1,
+        f"optimizer.muon_momentum must be in [0, 1), got {optimizer.muon_momentum}",
+    )
+    _require(
+        optimizer.muon_ns_iterations >= 1,
+        f"optimizer.muon_ns_iterations must be >= 1, got {optimizer.muon_ns_iterations}",
     )
     _require(
         math.isfinite(optimizer.lr) and optimizer.lr > 0, f"optimizer.lr must be > 0, got {optimizer.lr}"

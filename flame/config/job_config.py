@@ -164,6 +164,15 @@ class Optimizer:
     fused: bool | None = None
     """Older flame's switch: true sets optimizer.implementation fused (the default), false foreach"""
 
+    muon_momentum: float = 0.95
+    """optimizer.name Muon: momentum of the blocks' matrices (Nesterov)"""
+
+    muon_ns_iterations: int = 5
+    """optimizer.name Muon: Newton-Schulz iterations per orthogonalisation"""
+
+    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """optimizer.name Muon: dtype of the Newton-Schulz iteration"""
+
 
 @dataclass
 class LRScheduler:
@@ -297,6 +306,14 @@ class ActivationCheckpoint:
 
 
 @dataclass
+class ActivationOffload:
+    mode: Literal["none", "full"] = "none"
+    """full: keep what each block saves for backward in pinned host memory, copied on a side CUDA stream while
+    the GPU computes (upstream flame's option; with activation_checkpoint.mode full it offloads the blocks'
+    inputs)"""
+
+
+@dataclass
 class Experimental:
     custom_model_path: str = ""
     """Your model's module, imported before the model is built: a package folder, a .py file or a dotted module
@@ -326,6 +343,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    activation_offload: ActivationOffload = field(default_factory=ActivationOffload)
     validation: Validation = field(default_factory=Validation)
     inference: Inference = field(default_factory=Inference)
     eval: Eval = field(default_factory=Eval)
@@ -476,12 +494,6 @@ class UpstreamMemoryEstimation:
 
 
 @dataclass
-class UpstreamActivationOffload:
-    mode: Literal["none", "full"] = "none"
-    """Upstream's activation offloading (no effect in flame: use activation_checkpoint.mode)"""
-
-
-@dataclass
 class UpstreamJobConfig:
     job: UpstreamJob = field(default_factory=UpstreamJob)
     model: UpstreamModel = field(default_factory=UpstreamModel)
@@ -491,7 +503,6 @@ class UpstreamJobConfig:
     experimental: UpstreamExperimental = field(default_factory=UpstreamExperimental)
     float8: UpstreamFloat8 = field(default_factory=UpstreamFloat8)
     memory_estimation: UpstreamMemoryEstimation = field(default_factory=UpstreamMemoryEstimation)
-    activation_offload: UpstreamActivationOffload = field(default_factory=UpstreamActivationOffload)
 
 
 ALIASES.update(
@@ -529,7 +540,6 @@ NO_EFFECT: dict[str, str] = {
     "model.print_after_conversion": "flame logs the model's size, not its definition",
     "fault_tolerance.enable": "flame does not run TorchFT",
     "memory_estimation.disable_fake_mode": "flame has no FSDP memory estimator",
-    "activation_offload.mode": "flame does not offload activations; use --activation_checkpoint.mode",
     "training.enable_l2wrap": "L2Wrap is not implemented; --training.z_loss is flame's regularizer of the logits",
     "training.l2wrap_factor": "L2Wrap is not implemented; --training.z_loss is flame's regularizer of the logits",
 }

@@ -11,12 +11,32 @@ Per step (0-indexed s, total T = lr_scheduler.total_steps or training.steps, W =
 Older flame's ``--optimizer.scheduler {cosine,linear,wsd}`` maps onto these fields (flame.config.manager).
 """
 
+import copy
+
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.lr_scheduler import build_lr_schedulers as build_torchtitan_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
 from flame.config.checks import schedule_steps
+
+
+class LRSchedulers(LRSchedulersContainer):
+    """torchtitan's container, whose checkpoint is the first scheduler's state, loaded into every scheduler. With
+    Muon a model part has two optimizers with different numbers of parameter groups, so the saved per-group lists
+    are resized to each scheduler's groups; every group of every optimizer starts from optimizer.lr, so their
+    entries are equal."""
+
+    def __init__(self, built: LRSchedulersContainer):
+        self.schedulers = built.schedulers
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for scheduler in self.schedulers:
+            state = copy.deepcopy(state_dict)
+            groups = len(scheduler.optimizer.param_groups)
+            for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+                state[key] = state[key][:1] * groups
+            scheduler.load_state_dict(state)
 
 
 def schedule_phases(job_config) -> tuple[int, int, int]:
@@ -34,4 +54,4 @@ def build_lr_schedulers(optimizers: OptimizersContainer, job_config) -> LRSchedu
         f"LR schedule: {warmup} warmup steps, {stable} stable, {decay} {config.decay_type} decay to "
         f"{config.min_lr_factor:g} x lr"
     )
-    return build_torchtitan_lr_schedulers(optimizers, config, schedule_steps(job_config))
+    return LRSchedulers(build_torchtitan_lr_schedulers(optimizers, config, schedule_steps(job_config)))

@@ -1,5 +1,6 @@
 """The parallelization plan of flame's models, in torchtitan's order: float8 conversion, tensor parallelism,
-activation checkpointing, per-block torch.compile, then FSDP2/HSDP per block + root, or DDP."""
+activation checkpointing, per-block torch.compile, activation offloading around each (compiled) block, then
+FSDP2/HSDP per block + root, or DDP."""
 
 import torch
 from torch import nn
@@ -8,6 +9,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from flame.parallelize.activation_checkpoint import apply_activation_checkpointing
+from flame.parallelize.activation_offload import apply_activation_offload
 from flame.parallelize.checks import check_parallelism
 from flame.parallelize.compile import compile_blocks
 from flame.parallelize.float8 import apply_float8
@@ -49,6 +51,9 @@ def parallelize_model(
         apply_activation_checkpointing(model, job_config)
     if job_config.compile.enable and "model" in job_config.compile.components:
         compile_blocks(model, job_config.compile.backend)
+    if job_config.activation_offload.mode == "full":
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        apply_activation_offload(model, device)
 
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

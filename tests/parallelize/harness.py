@@ -42,6 +42,14 @@ FAMILIES: dict[str, dict] = {
         "expand_v": 2.0,
         "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "qk_norm": True},
     },
+    # The hybrid with 97 MLP rows: FSDP shards the gate and up projections unevenly (Muon gathers them).
+    "hybrid_uneven": {
+        "model_type": "gated_deltanet",
+        "head_dim": 16,
+        "num_heads": 2,
+        "intermediate_size": 97,
+        "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "qk_norm": True},
+    },
     "delta_net": {"model_type": "delta_net", "num_heads": 2, "use_gate": True},
     # Softpick attention with a sliding window shorter than the sequence (context parallelism's key ranges).
     "softpick_window": {
@@ -95,6 +103,8 @@ class Setting:
     sequence_parallel: bool = True
     # cu_seqlens of one packed row of SEQ_LEN tokens (training.varlen), None for the 4-row batch.
     documents: tuple[int, ...] | None = None
+    # Flags of ``flags`` that the one-process reference takes too (another optimizer).
+    reference_flags: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -196,9 +206,11 @@ def train(
     return history
 
 
-def reference_run(family: str, documents: tuple[int, ...] | None = None) -> list[tuple[float, float]]:
+def reference_run(
+    family: str, documents: tuple[int, ...] | None = None, flags: tuple[str, ...] = ()
+) -> list[tuple[float, float]]:
     """One process, no parallelism: the numbers every setting must reproduce (on one packed row with
-    ``documents``)."""
+    ``documents``; with the job ``flags``)."""
     from torchtitan.distributed import ParallelDims
 
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
@@ -207,7 +219,7 @@ def reference_run(family: str, documents: tuple[int, ...] | None = None) -> list
         inputs = {"input": inputs}
     else:
         inputs, labels = packed_batch(documents)
-    return train(family, dims, job_config([]), inputs, labels)
+    return train(family, dims, job_config(list(flags)), inputs, labels)
 
 
 def parallel_run(setting: Setting, family: str) -> list[tuple[float, float]]:

@@ -1,6 +1,7 @@
 """bench/train_throughput.py (a GPU benchmark) runs end to end on the CPU with tiny models: one process (eager and
-compiled with the eager backend), two processes with FSDP and two with context parallelism under torchrun; it
-writes its own section of the performance document and keeps the others."""
+compiled with the eager backend), two processes with FSDP (Muon, without and with offloaded checkpoints) and two
+with context parallelism under torchrun; it writes its own section of the performance document and keeps the
+others."""
 
 import os
 import subprocess
@@ -39,7 +40,8 @@ def test_bench_smoke_on_cpu_writes_its_sections(tmp_path):
     run([sys.executable, str(BENCH), *tiny, "--models", "transformer,hybrid", "--modes", "eager,compiled",
          "--compile_backend", "eager"])  # fmt: skip
     two_ranks = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(BENCH),
-                     *tiny, "--models", "gated_deltanet", "--modes", "eager", "--profile", "1"])  # fmt: skip
+                     *tiny, "--models", "gated_deltanet", "--modes", "eager", "--profile", "1",
+                     "--activations", "none,full+offload", "--optimizers", "Muon"])  # fmt: skip
     # --profile prints every rank's timeline (no GPU kernels on a CPU), gathered by rank 0.
     assert "rank 0: no GPU kernels recorded\nrank 1: no GPU kernels recorded" in two_ranks.stdout
 
@@ -59,8 +61,11 @@ def test_bench_smoke_on_cpu_writes_its_sections(tmp_path):
         ("hybrid", "compiled"),
     ]
     for row in table + rows(two):
-        assert float(row[6]) > 0 and float(row[7].replace(",", "")) > 0, row  # step time, tokens/s
-    assert [(r[0], r[2]) for r in rows(two)] == [("gated_deltanet", "2")]
+        assert float(row[8]) > 0 and float(row[9].replace(",", "")) > 0, row  # step time, tokens/s
+    assert [(r[0], r[2], r[6], r[7]) for r in rows(two)] == [
+        ("gated_deltanet", "2", "none", "Muon"),
+        ("gated_deltanet", "2", "full+offload", "Muon"),
+    ]
     assert "FSDP" in two
 
 
@@ -84,7 +89,7 @@ def test_bench_context_parallel_on_cpu_writes_a_section_of_its_own(tmp_path):
         ("hybrid", "2 (cp 2)", "4"),
     ]
     for row in rows(section):
-        assert float(row[6]) > 0 and float(row[7].replace(",", "")) > 0, row
+        assert float(row[8]) > 0 and float(row[9].replace(",", "")) > 0, row
 
 
 def test_gpu_timeline_splits_a_step_into_compute_exposed_communication_and_idle(monkeypatch):

@@ -1,0 +1,192 @@
+"""Activation offloading per block (``--activation_offload.mode full``, upstream flame's option): what a block's
+forward saves for backward waits in host memory instead of on the GPU.
+
+Each block's forward runs inside ``torch.autograd.graph.saved_tensors_hooks``. A saved tensor is copied into
+pinned host memory on a side CUDA stream while the forward goes on (the caching allocator keeps its device memory
+until the copy has run, then frees it once autograd drops it); the backward copies a block's tensors back on the
+same stream when it first needs one of them, and at once starts copying the block before it (the next in backward
+order), so that the copies of one block overlap the computation of another and about two blocks' activations are on
+the device at a time. The host waits when it runs more than BLOCKS_AHEAD blocks ahead of the copies in forward or
+of the GPU in backward: memory freed behind a pending copy or fetched ahead of the GPU is still allocated. Small tensors (below ``min_bytes``) and the storage of the block's parameters (FSDP2's
+gathered weights, which it frees and gathers again itself) stay where they are; a tensor saved by several ops of a
+block is copied once.
+
+Composition: the hooks wrap the outermost module of each block, so with activation checkpointing they see what
+the checkpoint saves, which is the block's input (full AC: the input is offloaded, the recomputation in backward
+runs on the device; per-op selective AC: the ops' outputs it keeps stay on the device, as the checkpoint stores them
+itself), and with per-block torch.compile they run outside the compiled graph, around it (the graph's saved tensors
+are offloaded). FSDP2's hooks run before them in forward and backward (the gather before the block's hooks).
+
+Without a GPU a saved tensor is cloned in host memory: the same round trip, nothing saved, numerically the
+identity.
+"""
+
+import collections
+import weakref
+
+import torch
+from torch import nn
+from torchtitan.tools.logging import logger
+
+from flame.models import model_spec
+
+# Below this a copy costs more in launches than it saves in memory (norm statistics, gates of one scalar per head).
+MIN_OFFLOAD_BYTES = 1 << 16
+# How many blocks the host may run ahead of the copies (forward) or of the GPU's backward: memory that waits for a
+# copy, or a fetched copy, counts as allocated until the GPU gets there, so an unbounded lead would keep every
+# block's activations on the device after all.
+BLOCKS_AHEAD = 2
+
+
+class _Stash:
+    """One saved tensor in host memory, and its copy back on the device once fetched."""
+
+    __slots__ = ("group", "host", "device", "__weakref__")
+
+    def __init__(self, group: "_BlockForward", host: torch.Tensor):
+        self.group = group
+        self.host = host
+        self.device: torch.Tensor | None = None
+
+
+class _BlockForward:
+    """The tensors one forward of one block offloaded (weakly: autograd's saved variables own them), and the block
+    whose forward ran just before it in the same pass (the next one backward needs)."""
+
+    def __init__(self, offload: "ActivationOffload", index: int, previous: "_BlockForward | None"):
+        self.offload = offload
+        self.index = index
+        self.previous = weakref.ref(previous) if previous is not None else None
+        self.stashes: list[weakref.ref[_Stash]] = []
+        # During forward: one copy of a tensor saved by several ops. The tensor is held until the block's forward
+        # ends, so that its memory cannot go to a new tensor with the same key in the meantime.
+        self.by_key: dict[tuple, tuple[torch.Tensor, _Stash]] = {}
+        self.fetched = False
+        self.in_backward = False  # backward has asked for one of its tensors
+        self.copied_back: torch.cuda.Event | None = None  # recorded on the side stream after the copies back
+
+    def fetch(self) -> None:
+        """Start copying every live stash back to the device (on the side stream; the host copy itself without
+        a GPU)."""
+        if self.fetched:
+            return
+        self.fetched = True
+        live = [stash for ref in self.stashes if (stash := ref()) is not None]
+        stream = self.offload.stream
+        if stream is None:
+            for stash in live:
+                stash.device = stash.host
+            return
+        with torch.cuda.stream(stream):
+            for stash in live:
+                stash.device = stash.host.to(self.offload.device, non_blocking=True)
+            self.copied_back = torch.cuda.Event()
+            self.copied_back.record(stream)
+
+
+class ActivationOffload:
+    """The pack/unpack hooks of every block of a model (one instance per model)."""
+
+    def __init__(self, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES):
+        self.device = device
+        self.min_bytes = min_bytes
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.last: _BlockForward | None = None  # the block forward that ran last
+        # CUDA events: copies of the last blocks' forwards done; the GPU reached the last blocks' backwards.
+        self.copied = collections.deque(maxlen=BLOCKS_AHEAD)
+        self.reached = collections.deque(maxlen=BLOCKS_AHEAD)
+        self.current: _BlockForward | None = None
+        self.parameter_storages: set[int] = set()
+        self.offloaded_bytes = 0  # copied to the host so far
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def enter(self, block: nn.Module, index: int) -> None:
+        if len(self.copied) == BLOCKS_AHEAD:
+            self.copied[0].synchronize()
+        previous = self.last if self.last is not None and self.last.index == index - 1 else None
+        self.current = _BlockForward(self, index, previous)
+        # Read at each forward: FSDP2 swaps in gathered parameters before the block runs.
+        self.parameter_storages = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        self.hooks.__enter__()
+
+    def exit(self) -> None:
+        self.hooks.__exit__(None, None, None)
+        if self.stream is not None and self.current.stashes:
+            self.copied.append(self.stream.record_event())
+        self.current.by_key.clear()
+        self.last, self.current = self.current, None
+
+    def pack(self, tensor: torch.Tensor):
+        group = self.current
+        if (
+            tensor.numel() * tensor.element_size() < self.min_bytes
+            or tensor.untyped_storage().data_ptr() in self.parameter_storages
+            or tensor.device.type != self.device.type
+        ):
+            return tensor
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tensor.stride(),
+            tensor.dtype,
+            tensor._version,
+        )
+        if (seen := group.by_key.get(key)) is not None:
+            return seen[1]
+        host = torch.empty_like(tensor, device="cpu", pin_memory=self.stream is not None)
+        if host.stride() != tensor.stride():
+            return tensor  # not dense (an expanded view): a copy would not have its strides
+        if self.stream is None:
+            host.copy_(tensor)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(self.stream)  # its memory is not reused before the copy has read it
+        self.offloaded_bytes += host.numel() * host.element_size()
+        stash = _Stash(group, host)
+        group.stashes.append(weakref.ref(stash))
+        group.by_key[key] = (tensor, stash)
+        return stash
+
+    def unpack(self, packed):
+        if not isinstance(packed, _Stash):
+            return packed
+        group = packed.group
+        if not group.in_backward:
+            group.in_backward = True
+            if self.stream is not None:
+                if len(self.reached) == BLOCKS_AHEAD:
+                    self.reached[0].synchronize()
+                self.reached.append(torch.cuda.current_stream(self.device).record_event())
+        group.fetch()
+        if group.previous is not None and (previous := group.previous()) is not None:
+            previous.fetch()  # overlaps with this block's backward
+        if self.stream is None:
+            return packed.device
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(group.copied_back)
+        packed.device.record_stream(compute)  # allocated on the side stream, used and freed on this one
+        return packed.device
+
+
+def apply_activation_offload(
+    model: nn.Module, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES
+) -> ActivationOffload:
+    """Offload the saved tensors of each block of ``model`` (its outermost module: after activation checkpointing
+    and compile wrapped it, before FSDP shards it)."""
+    offload = ActivationOffload(device, min_bytes)
+    index = 0
+    for stack in model_spec(model.args).blocks(model):
+        for block in stack.children():
+            block.register_forward_pre_hook(lambda module, args, i=index: offload.enter(module, i))
+            block.register_forward_hook(lambda module, args, output: offload.exit(), always_call=True)
+            index += 1
+    if device.type == "cuda":
+        logger.info("Offloading the activations of %d blocks to pinned host memory", index)
+    else:
+        logger.info(
+            "activation_offload.mode full without a GPU: saved tensors are copied in host memory (no gain)"
+        )
+    return offload

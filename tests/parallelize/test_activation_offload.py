@@ -1,0 +1,106 @@
+"""Activation offloading (flame.parallelize.activation_offload) on the CPU, where a saved tensor's round trip is a
+copy in host memory: the gradients equal those without it bit for bit (eager, under full activation checkpointing,
+compiled blocks), what is copied (once per tensor, not the parameters, not small tensors), and a training run
+with the flag. The GPU path (pinned memory, side stream): tests/gpu/test_activation_offload.py."""
+
+import pytest
+import torch
+from torch import nn
+
+from flame.config import parse_args
+from flame.parallelize.activation_checkpoint import apply_activation_checkpointing
+from flame.parallelize.activation_offload import ActivationOffload, apply_activation_offload
+from flame.parallelize.compile import compile_blocks
+from tests.models.helpers import tiny_model
+from tests.trainer_helpers import tensorboard_scalars
+
+CPU = torch.device("cpu")
+FAMILIES = {
+    "transformer": {"num_heads": 4},
+    "hybrid": {"head_dim": 8, "num_heads": 2, "attn": {"layers": [1], "num_heads": 4}},
+}
+
+
+def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, 64, (2, 37), generator=torch.Generator().manual_seed(1))
+    model(tokens).logsumexp(-1).square().mean().backward()
+    # Compiled and checkpointed blocks name their parameters through their wrappers.
+    names = {
+        name: name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
+        for name, _ in model.named_parameters()
+    }
+    return {names[name]: p.grad for name, p in model.named_parameters()}
+
+
+def with_offload(family: str, prepare=None) -> tuple[dict, ActivationOffload]:
+    model = tiny_model(family.replace("hybrid", "gated_deltanet"), **FAMILIES[family])
+    if prepare is not None:
+        prepare(model)
+    offload = apply_activation_offload(model, CPU, min_bytes=0)
+    return gradients(model), offload
+
+
+def assert_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradients_equal_without_offload(family):
+    want = gradients(tiny_model(family.replace("hybrid", "gated_deltanet"), **FAMILIES[family]))
+    got, offload = with_offload(family)
+    assert offload.offloaded_bytes > 100_000  # the blocks' activations went through the copies
+    assert_equal(got, want)
+
+
+def test_full_checkpointing_offloads_the_blocks_inputs():
+    config = parse_args(["--activation_checkpoint.mode", "full"])
+    want = gradients(tiny_model("transformer", **FAMILIES["transformer"]))
+    got, offload = with_offload("transformer", lambda model: apply_activation_checkpointing(model, config))
+    assert_equal(got, want)
+    # What the checkpoint keeps of each of the 2 blocks: its input, [2, 37, 32] float32 (the rotary tables are
+    # the model's buffers, shared by the blocks: copied once per block).
+    hidden = 2 * 37 * 32 * 4
+    assert hidden * 2 <= offload.offloaded_bytes < hidden * 4
+
+
+def test_compiled_blocks_offload_their_graphs_saved_tensors():
+    want = gradients(tiny_model("transformer", **FAMILIES["transformer"]))
+    got, offload = with_offload("transformer", lambda model: compile_blocks(model, "aot_eager"))
+    assert offload.offloaded_bytes > 100_000
+    assert_equal(got, want)
+
+
+def test_a_tensor_saved_twice_is_copied_once_and_parameters_and_small_tensors_stay():
+    linear = nn.Linear(40, 24)  # saves its input and its weight
+    x = torch.randn(7, 40, requires_grad=True)
+    offload = ActivationOffload(CPU, min_bytes=7 * 40 * 4)
+    offload.enter(linear, 0)
+    y = linear(x) * x[:, :24].sin().sum()  # sin saves a view of x; the product saves small and large tensors
+    offload.exit()
+    # x once (a view with its own shape is another tensor: sin's input x[:, :24] is below min_bytes).
+    assert offload.offloaded_bytes == 7 * 40 * 4
+    y.sum().backward()
+    want_x, want_w = torch.autograd.grad((linear(x) * x[:, :24].sin().sum()).sum(), (x, linear.weight))
+    assert torch.equal(x.grad, want_x) and torch.equal(linear.weight.grad, want_w)
+
+
+def test_training_with_offload_repeats_the_run_without(make_trainer, tmp_path, monkeypatch):
+    from flame.parallelize import parallelize
+
+    applied = []
+
+    def recorded(*args, **kwargs):
+        applied.append(apply_activation_offload(*args, **kwargs))
+        return applied[-1]
+
+    monkeypatch.setattr(parallelize, "apply_activation_offload", recorded)
+    flags = ["--training.steps", "2"]
+    make_trainer(*flags, dump=tmp_path / "plain").train()
+    assert applied == []
+    make_trainer(*flags, "--activation_offload.mode", "full", dump=tmp_path / "offload").train()
+    # The default tiny model's hidden states (2 x 64 x 256 float32) are above MIN_OFFLOAD_BYTES.
+    assert len(applied) == 1 and applied[0].offloaded_bytes > 0
+    plain, offloaded = (tensorboard_scalars(tmp_path / name, "loss/train") for name in ("plain", "offload"))
+    assert sorted(plain) == [1, 2] and offloaded == plain
