@@ -184,7 +184,12 @@ def decode_state(text: str) -> dict:
 
 
 class FlameDataLoader(ParallelAwareDataloader):
-    """torchtitan's data-parallel-aware StatefulDataLoader over a :class:`PackedTextDataset`."""
+    """torchtitan's data-parallel-aware StatefulDataLoader over a :class:`PackedTextDataset`. ``workers_chosen``:
+    the number of workers was not given but chosen for the machine, so a resumed run takes the checkpoint's."""
+
+    def __init__(self, dataset, dp_rank: int, dp_world_size: int, workers_chosen: bool = False, **kwargs):
+        super().__init__(dataset, dp_rank, dp_world_size, **kwargs)
+        self.workers_chosen = workers_chosen
 
     def loader_state(self) -> dict:
         """The StatefulDataLoader's own state as of the last batch received: a new object every call, which the
@@ -214,10 +219,20 @@ class FlameDataLoader(ParallelAwareDataloader):
         state = decode_state(state_dict[self._rank_id])
         saved_workers = _workers_in(state)
         if saved_workers != self.num_workers:
-            raise DataConfigError(
-                f"the checkpoint's dataloader state is for {saved_workers} dataloader workers per rank, this run has "
-                f"{self.num_workers}: resume with --training.num_workers {saved_workers}"
+            if not self.workers_chosen:
+                raise DataConfigError(
+                    f"the checkpoint's dataloader state is for {saved_workers} dataloader workers per rank, this run "
+                    f"has {self.num_workers}: resume with --training.num_workers {saved_workers}"
+                )
+            # Exact resume needs the same data shards: the run goes on with the workers it was written with.
+            logger.info(
+                f"Resuming with the checkpoint's {saved_workers} dataloader workers per rank (training.num_workers "
+                f"is unset; {self.num_workers} would be chosen on this machine)"
             )
+            self.num_workers = saved_workers
+            if saved_workers > 0:
+                self.prefetch_factor = self.prefetch_factor or 2  # torch's default with workers
+                _before_forking_workers()
         super(ParallelAwareDataloader, self).load_state_dict(state)
 
     def data_stats(self) -> dict[str, int]:
@@ -228,6 +243,11 @@ class FlameDataLoader(ParallelAwareDataloader):
             for key, value in pipeline_state["stats"].items():
                 totals[key] = totals.get(key, 0) + value
         return totals
+
+
+def _before_forking_workers() -> None:
+    # The tokenizer's own threads cannot be used after the workers fork; say so once instead of per worker.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _workers_in(state: dict) -> int:
@@ -297,15 +317,15 @@ def build_dataloader(
                 f"({dp_world_size} data-parallel ranks x {max(num_workers, 1)} dataloader workers)"
             )
     if num_workers > 0:
-        # The tokenizer's own threads cannot be used after the workers fork; say so once instead of per worker.
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        _before_forking_workers()
     dataset = PackedTextDataset(spec, sources, tokenizer, dp_rank, dp_world_size)
     if spec.task != "pretrain":
         for source in sources:
             check_first_row(source, dataset.encoder)
+    pinned = ", pinned" if options["pin_memory"] else ""
     logger.info(
         f"data: {' + '.join(s.description for s in sources)}; rank {dp_rank}/{dp_world_size}, "
-        f"{num_workers} workers{', pinned' if options['pin_memory'] else ''}, batch {spec.batch_size} x {spec.seq_len}{' varlen' if spec.varlen else ''}"
+        f"{num_workers} workers{pinned}, batch {spec.batch_size} x {spec.seq_len}{' varlen' if spec.varlen else ''}"
     )
     return FlameDataLoader(
         dataset,
@@ -313,5 +333,6 @@ def build_dataloader(
         dp_world_size=dp_world_size,
         batch_size=spec.batch_size,
         collate_fn=collate_pairs if spec.task == "dpo" else collate,
+        workers_chosen=job_config.training.dataloader.num_workers is None,
         **options,
     )
