@@ -221,8 +221,8 @@ class FlameDataLoader(ParallelAwareDataloader):
         if saved_workers != self.num_workers:
             if not self.workers_chosen:
                 raise DataConfigError(
-                    f"the checkpoint's dataloader state is for {saved_workers} dataloader workers per rank, this run "
-                    f"has {self.num_workers}: resume with --training.num_workers {saved_workers}"
+                    f"the checkpoint's dataloader state was written with training.num_workers {saved_workers}, this "
+                    f"run has {self.num_workers}: resume with --training.num_workers {saved_workers}"
                 )
             # Exact resume needs the same data shards: the run goes on with the workers it was written with.
             logger.info(
