@@ -11,7 +11,11 @@ flame/train/): the model built on the meta device and parallelized with the job'
 the compiled mode; FSDP with bf16 parameters and float32 gradient reduction when several processes run, bf16
 autocast on one GPU), flame's optimizer and LR schedule, the summed cross-entropy (compiled in the compiled mode
 unless ``--compile_components`` leaves "loss" out) over the step's global labelled-token count, gradient clipping.
-Batches are random tokens (no dataset), ``--tokens_per_gpu`` per step (batch = tokens // seq_len). Each case runs
+Batches are random tokens (no dataset), ``--tokens_per_gpu`` per step (batch = tokens // seq_len), or with ``--data
+real`` come through flame's data path as train.sh feeds the trainer: the dataloader on ``--dataset`` (default: the
+shipped corpus and tokenizer; the model's vocabulary grows to the tokenizer's if smaller), its workers (the trainer's
+choice unless ``--num_workers``) and the device prefetcher, the next step's batch fetched and copied while a step
+runs; the "data wait" column is the share of the timed steps spent waiting for the loader. Each case runs
 ``--warmup`` steps (compilation, allocator warm-up), then ``--steps`` timed steps. With ``--cp N`` each row is split
 over the N ranks of a context-parallel group by the step, as in training: a group reads batch = tokens x N //
 seq_len rows, so every GPU still holds ``--tokens_per_gpu`` tokens, and FSDP shards over the data-parallel x cp
@@ -52,12 +56,16 @@ import torchtitan  # noqa: E402,F401  (the real package before flame.config: see
 
 from flame import compat  # noqa: E402
 from flame.config import parse_args  # noqa: E402
+from flame.data import build_dataloader, build_tokenizer  # noqa: E402
+from flame.data.prefetch import DevicePrefetcher  # noqa: E402
 from flame.models import get_model_spec, read_model_config  # noqa: E402
 from flame.ops.attention import ATTENTION_BACKENDS  # noqa: E402
 from flame.train.model_parts import Topology, build_model_parts  # noqa: E402
 from flame.train.step import build_train_step  # noqa: E402
 
 PERFORMANCE_DOC = REPO / "docs" / "performance.md"
+DEFAULT_DATASET = REPO / "flame" / "assets" / "corpus"  # the embedded default job's data and tokenizer
+DEFAULT_TOKENIZER = REPO / "flame" / "assets" / "tokenizer"
 H100_BF16_PEAK_TFLOPS = 989.0  # dense bf16, H100 SXM and H200 alike
 ACTIVATIONS = ("none", "full", "selective", "offload", "full+offload")
 HYBRID_ATTN = {"every": 4, "offset": 3, "num_heads": 16, "qk_norm": True}
@@ -95,6 +103,7 @@ class Result:
     tflops: float = float("nan")
     mfu: float = float("nan")
     peak_gib: float = float("nan")
+    data_wait: float = float("nan")  # --data real: share of the timed steps spent waiting for the loader
     error: str = ""
     profile: str = ""  # rank 0's top kernels
     # Every rank's GPU timeline: the rank the others wait for is the one whose NCCL kernels wait least.
@@ -122,12 +131,15 @@ def activation_flags(activations: str) -> list[str]:
 def job_config(
     seq_len: int, compiled: bool, world_size: int, args, activations: str = "none", optimizer: str = "AdamW"
 ):
-    flags = ["--training.seq_len", str(seq_len),
+    flags = ["--training.seq_len", str(seq_len), "--training.local_batch_size", str(rows_per_step(args, seq_len)),
+             "--training.dataset", args.dataset, "--model.tokenizer_path", args.tokenizer,
              "--parallelism.data_parallel_shard_degree", str(world_size // args.cp),
              "--parallelism.context_parallel_degree", str(args.cp),
              *activation_flags(activations), "--optimizer.name", optimizer, "--optimizer.lr", "3e-4",
              "--model.attention_backend", args.attention_backend,
              "--parallelism.fsdp_reshard_after_forward", args.fsdp_reshard_after_forward]  # fmt: skip
+    if args.num_workers is not None:
+        flags += ["--training.num_workers", str(args.num_workers)]
     if compiled:
         flags += ["--compile.enable", "--compile.backend", args.compile_backend,
                   "--compile.components", args.compile_components]  # fmt: skip
@@ -140,34 +152,53 @@ def rows_per_step(args, seq_len: int) -> int:
 
 
 def run_case(name, seq_len, mode, activations, optimizer, args, device, parallel_dims) -> Result:
-    """One case through the trainer's own builder and step (build_model_parts, TrainStep) on random tokens."""
+    """One case through the trainer's own builder and step (build_model_parts, TrainStep) on random tokens, or
+    on the trainer's data path (--data real)."""
     world_size = parallel_dims.world_size
     margs = model_args(name, args.tiny)
     batch = rows_per_step(args, seq_len)
     config = job_config(seq_len, mode == "compiled", world_size, args, activations, optimizer)
     topology = Topology.of(parallel_dims, device)
+    data = None
+    if args.data == "real":
+        tokenizer = build_tokenizer(config)
+        margs.vocab_size = max(margs.vocab_size, len(tokenizer))
+        # The trainer's loader and prefetcher: the ranks of a cp group read the same rows, which the step slices.
+        loader = build_dataloader(
+            config, tokenizer, topology.dp_rank, topology.dp_degree, device_type=device.type
+        )
+        data = DevicePrefetcher(loader, device if topology.cp_group is None else None, ahead=1)
+        iter(data)
     model = build_model_parts(margs, topology, config)
     result = Result(name, model.nparams, seq_len, batch, mode, activations, optimizer)
     train_step = build_train_step(model, topology, config)
     # The ranks of a cp group draw the same rows (seeded by their data-parallel rank); the step slices them.
     generator = torch.Generator(device=device).manual_seed(topology.dp_rank)
     tokens = torch.randint(0, margs.vocab_size, (batch, seq_len + 1), device=device, generator=generator)
-    batches = [({"input": tokens[:, :-1]}, tokens[:, 1:])]
+    random_batches = [({"input": tokens[:, :-1]}, tokens[:, 1:])]
     flops_per_token = model.flops_per_token
     local_tokens = batch * seq_len // args.cp  # this GPU's tokens per step
 
     def step():
-        train_step(batches)
+        if data is None:
+            train_step(random_batches)
+        else:  # as the trainer does: this step's batch, then the next one's while this one runs
+            train_step([next(data)])
+            data.prefetch()
 
     synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     for _ in range(args.warmup):
         step()
     synchronize()
+    if data is not None:
+        data.wait_seconds = 0.0
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
     synchronize()
     result.step_s = (time.perf_counter() - start) / args.steps
+    if data is not None:
+        result.data_wait = data.wait_seconds / (result.step_s * args.steps)
     result.tokens_per_s = local_tokens / result.step_s
     result.tflops = flops_per_token * result.tokens_per_s / 1e12
     if args.peak_tflops:
@@ -264,19 +295,21 @@ def table(results: list[Result], world_size: int, cp: int = 1) -> str:
     gpus = f"{world_size} (cp {cp})" if cp > 1 else str(world_size)
     lines = [
         "| model | params | GPUs | seq | batch/GPU | mode | activations | optimizer | step s | tokens/s/GPU "
-        "| TFLOP/s/GPU | MFU | peak GiB |",
-        "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|",
+        "| TFLOP/s/GPU | MFU | peak GiB | data wait |",
+        "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if r.error:
             lines.append(f"| {r.model} | {millions(r.params)} | {gpus} | {r.seq_len} | {r.batch} | {r.mode} | "
-                         f"{r.activations} | {r.optimizer} | failed: {r.error} | | | | |")  # fmt: skip
+                         f"{r.activations} | {r.optimizer} | failed: {r.error} | | | | | |")  # fmt: skip
             continue
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu == r.mfu else "n/a"
         peak = f"{r.peak_gib:.1f}" if r.peak_gib == r.peak_gib else "n/a"
+        wait = f"{100 * r.data_wait:.2f}%" if r.data_wait == r.data_wait else "random tokens"
         lines.append(
             f"| {r.model} | {millions(r.params)} | {gpus} | {r.seq_len} | {r.batch} | {r.mode} | "
-            f"{r.activations} | {r.optimizer} | {r.step_s:.3f} | {r.tokens_per_s:,.0f} | {r.tflops:.1f} | {mfu} | {peak} |"
+            f"{r.activations} | {r.optimizer} | {r.step_s:.3f} | {r.tokens_per_s:,.0f} | {r.tflops:.1f} | {mfu} | "
+            f"{peak} | {wait} |"
         )
     return "\n".join(lines)
 
@@ -294,6 +327,16 @@ def write_section(doc: Path, marker: str, title: str, description: str, table_te
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text.rstrip("\n") + "\n")
     print(f"\nwrote the {marker} section of {doc}")
+
+
+def data_description(args) -> str:
+    if args.data == "random":
+        return "random tokens"
+    workers = "the trainer's choice of" if args.num_workers is None else str(args.num_workers)
+    return (
+        f"batches of {Path(args.dataset).name} (tokenizer {Path(args.tokenizer).name}) through flame's dataloader "
+        f"({workers} workers) and device prefetcher"
+    )
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -338,6 +381,26 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "checkpointing), offload (to pinned host memory), full+offload",
     )
     parser.add_argument("--optimizers", default="AdamW", help="comma separated: AdamW, Muon")
+    parser.add_argument(
+        "--data",
+        choices=("random", "real"),
+        default="random",
+        help="random tokens on the device, or batches through flame's dataloader and device prefetcher",
+    )
+    parser.add_argument(
+        "--dataset", default=str(DEFAULT_DATASET), help="--data real: the dataset (training.dataset)"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=str(DEFAULT_TOKENIZER),
+        help="--data real: the tokenizer (model.tokenizer_path)",
+    )
+    parser.add_argument(
+        "--num_workers",
+        type=int,
+        default=None,
+        help="--data real: dataloader workers per rank (default: the trainer's choice for the device)",
+    )
     parser.add_argument("--quick", action="store_true", help="seq 2048 only, 2 warm-up + 5 timed steps")
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
@@ -460,7 +523,11 @@ def main(argv: list[str] | None = None) -> int:
         text = table(results, world_size, args.cp)
         print("\n" + text)
         if not args.no_write:
-            marker = f"bench_train_throughput_{world_size}gpu" + (f"_cp{args.cp}" if args.cp > 1 else "")
+            marker = (
+                f"bench_train_throughput_{world_size}gpu"
+                + (f"_cp{args.cp}" if args.cp > 1 else "")
+                + ("_real_data" if args.data == "real" else "")
+            )
             command = " ".join(
                 (["torchrun --nproc_per_node", str(world_size)] if world_size > 1 else ["python"])
                 + ["bench/train_throughput.py", *(sys.argv[1:] if argv is None else argv)]
@@ -480,10 +547,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.doc,
                 marker,
                 f"Training throughput, {world_size} {device.type.upper()}{'s' * (world_size > 1)}"
-                + (f", context parallel {args.cp}" if args.cp > 1 else ""),
+                + (f", context parallel {args.cp}" if args.cp > 1 else "")
+                + (", flame's data path" if args.data == "real" else ""),
                 f"Command: `{command}` on {world_size} x {device_name(device)}, torch {torch.__version__} "
-                f"({time.strftime('%Y-%m-%d')}); {parallelism}, random tokens, {args.tokens_per_gpu:,} tokens "
-                f"per GPU per step, {args.warmup} warm-up then "
+                f"({time.strftime('%Y-%m-%d')}); {parallelism}, {data_description(args)}, "
+                f"{args.tokens_per_gpu:,} tokens per GPU per step, {args.warmup} warm-up then "
                 f"{args.steps} timed steps. MFU against {args.peak_tflops or 'n/a'} TFLOP/s; FLOPs per token "
                 "from get_nparams_and_flops. Total run time "
                 f"{time.perf_counter() - started:.0f} s.",

@@ -181,5 +181,5 @@ def test_the_trainer_hands_each_ranks_own_mean_loss(make_trainer):
     original = trainer.metrics.log
     trainer.metrics.log = lambda step, metrics: (logged.append(dict(metrics)), original(step, metrics))
     trainer.step = 1
-    trainer.train_step(iter([next(iter(trainer.dataloader))]))
+    trainer.train_step(iter(trainer.batches))
     assert logged[0][RANK_LOSS] == pytest.approx(logged[0]["loss/train"], rel=1e-6)

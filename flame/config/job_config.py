@@ -62,7 +62,18 @@ class Model:
 
 
 @dataclass
+class TrainingDataLoader:
+    num_workers: int | None = None
+    """Dataloader worker processes per rank; unset: min(4, CPUs per rank - 1) (at least 1) on a GPU, 0 on the CPU"""
+
+    pin_memory: bool | None = None
+    """Hand out batches in pinned host memory, so that their copies to the GPU overlap the step; unset: on a GPU"""
+
+
+@dataclass
 class Training:
+    dataloader: TrainingDataLoader = field(default_factory=TrainingDataLoader)
+
     dataset: str = str(ASSETS / "corpus")
     """Dataset(s): hub name, local directory or file type (json, parquet, text, arrow); comma separated for a mix"""
 

@@ -4,6 +4,10 @@
 fail at once (:class:`DataConfigError`). Reading, tokenizing and packing happen in the dataloader workers
 (``training.dataloader.num_workers``), or on the training thread when there are none.
 
+Unset, the number of workers and pinned memory are chosen for the device (:func:`loader_options`): on a GPU a few
+workers per rank and pinned batches, so that neither tokenizing nor the copy to the GPU holds up a step; on the CPU
+none (the workers would take the cores the step runs on).
+
 The loader is torchtitan's ``ParallelAwareDataloader`` (a torchdata ``StatefulDataLoader``): its
 ``state_dict()`` holds, under ``dp_rank_<r>``, the state of every worker's pipeline as of the last batch the
 trainer received (prefetched batches do not count), so a run resumed from a checkpoint gets exactly the
@@ -180,11 +184,24 @@ def decode_state(text: str) -> dict:
 
 
 class FlameDataLoader(ParallelAwareDataloader):
-    """torchtitan's data-parallel-aware StatefulDataLoader over a :class:`PackedTextDataset`."""
+    """torchtitan's data-parallel-aware StatefulDataLoader over a :class:`PackedTextDataset`. ``workers_chosen``:
+    the number of workers was not given but chosen for the machine, so a resumed run takes the checkpoint's."""
+
+    def __init__(self, dataset, dp_rank: int, dp_world_size: int, workers_chosen: bool = False, **kwargs):
+        super().__init__(dataset, dp_rank, dp_world_size, **kwargs)
+        self.workers_chosen = workers_chosen
+
+    def loader_state(self) -> dict:
+        """The StatefulDataLoader's own state as of the last batch received: a new object every call, which the
+        loader does not change afterwards (a device prefetcher keeps one per batch it holds)."""
+        return super(ParallelAwareDataloader, self).state_dict()
+
+    def checkpoint_state(self, loader_state: dict) -> dict:
+        """What a checkpoint stores of ``loader_state``: JSON text under this rank's key."""
+        return {self._rank_id: encode_state(loader_state), "world_size": self.dp_world_size}
 
     def state_dict(self) -> dict:
-        return {self._rank_id: encode_state(super(ParallelAwareDataloader, self).state_dict()),
-                "world_size": self.dp_world_size}  # fmt: skip
+        return self.checkpoint_state(self.loader_state())
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not state_dict:
@@ -199,7 +216,24 @@ class FlameDataLoader(ParallelAwareDataloader):
                 f"the checkpoint's dataloader state is for {state_dict['world_size']} data-parallel ranks, this run "
                 f"has {self.dp_world_size}: resume with the same data-parallel degree"
             )
-        super(ParallelAwareDataloader, self).load_state_dict(decode_state(state_dict[self._rank_id]))
+        state = decode_state(state_dict[self._rank_id])
+        saved_workers = _workers_in(state)
+        if saved_workers != self.num_workers:
+            if not self.workers_chosen:
+                raise DataConfigError(
+                    f"the checkpoint's dataloader state was written with training.num_workers {saved_workers}, this "
+                    f"run has {self.num_workers}: resume with --training.num_workers {saved_workers}"
+                )
+            # Exact resume needs the same data shards: the run goes on with the workers it was written with.
+            logger.info(
+                f"Resuming with the checkpoint's {saved_workers} dataloader workers per rank (training.num_workers "
+                f"is unset; {self.num_workers} would be chosen on this machine)"
+            )
+            self.num_workers = saved_workers
+            if saved_workers > 0:
+                self.prefetch_factor = self.prefetch_factor or 2  # torch's default with workers
+                _before_forking_workers()
+        super(ParallelAwareDataloader, self).load_state_dict(state)
 
     def data_stats(self) -> dict[str, int]:
         """Counts of skipped or repaired documents (and documents split in varlen mode) summed over this rank's
@@ -209,6 +243,17 @@ class FlameDataLoader(ParallelAwareDataloader):
             for key, value in pipeline_state["stats"].items():
                 totals[key] = totals.get(key, 0) + value
         return totals
+
+
+def _before_forking_workers() -> None:
+    # The tokenizer's own threads cannot be used after the workers fork; say so once instead of per worker.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _workers_in(state: dict) -> int:
+    """Worker processes of the loader that saved a StatefulDataLoader state (0: the pipeline ran in the training
+    process; the multi-process loader's state holds one snapshot per worker)."""
+    return len(state["_snapshot"]["_worker_snapshots"]) if "_snapshot" in state else 0
 
 
 def _pipeline_states(state):
@@ -221,8 +266,35 @@ def _pipeline_states(state):
                 yield from _pipeline_states(value)
 
 
+MAX_AUTO_WORKERS = 4  # one worker packs ~6x what a GPU trains on (docs/performance.md); the rest is headroom
+
+
+def cpus_per_rank() -> int:
+    """The CPUs this process may run on, shared by the ranks torchrun started on this node."""
+    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def loader_options(options, device_type: str) -> dict:
+    """StatefulDataLoader arguments from ``training.dataloader``. Unset (None) ``num_workers`` and ``pin_memory``
+    are chosen for the device: on a GPU, min(4, CPUs per rank - 1) workers (at least one; a core stays with the
+    training process) and pinned batches, whose copies to the GPU need not wait for the step before them; on the
+    CPU, no workers and no pinning."""
+    chosen = asdict(options)
+    on_gpu = device_type == "cuda"
+    if chosen["num_workers"] is None:
+        chosen["num_workers"] = min(MAX_AUTO_WORKERS, max(1, cpus_per_rank() - 1)) if on_gpu else 0
+    if chosen["pin_memory"] is None:
+        chosen["pin_memory"] = on_gpu
+    return chosen
+
+
 def build_dataloader(
-    job_config, tokenizer, dp_rank: int = 0, dp_world_size: int = 1, split: str = TRAIN
+    job_config,
+    tokenizer,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+    split: str = TRAIN,
+    device_type: str = "cpu",
 ) -> FlameDataLoader:
     """The dataloader of one data-parallel rank.
 
@@ -230,28 +302,30 @@ def build_dataloader(
     the dict also holds ``cu_seqlens`` (int32 [documents + 1]) and ``position_ids`` (LongTensor[1, L]).
 
     ``split="train"`` reads ``training.dataset_split``, shuffled and looped forever; another split name (e.g.
-    ``"validation"``) reads that split of every dataset once, in order, and then stops.
+    ``"validation"``) reads that split of every dataset once, in order, and then stops. ``device_type`` is where
+    the batches go (:func:`loader_options`).
     """
     spec = data_spec(job_config, split)
     sources = [open_source(source_spec, tokenizer) for source_spec in spec.sources]
-    options = job_config.training.dataloader
-    num_shards = dp_world_size * max(options.num_workers, 1)
+    options = loader_options(job_config.training.dataloader, device_type)
+    num_workers = options["num_workers"]
+    num_shards = dp_world_size * max(num_workers, 1)
     for source in sources:
         if not isinstance(source, StreamedTextSource) and len(source) < num_shards:
             raise DataConfigError(
                 f"{source.description} has {len(source)} documents, fewer than its {num_shards} data shards "
-                f"({dp_world_size} data-parallel ranks x {max(options.num_workers, 1)} dataloader workers)"
+                f"({dp_world_size} data-parallel ranks x {max(num_workers, 1)} dataloader workers)"
             )
-    if options.num_workers > 0:
-        # The tokenizer's own threads cannot be used after the workers fork; say so once instead of per worker.
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if num_workers > 0:
+        _before_forking_workers()
     dataset = PackedTextDataset(spec, sources, tokenizer, dp_rank, dp_world_size)
     if spec.task != "pretrain":
         for source in sources:
             check_first_row(source, dataset.encoder)
+    pinned = ", pinned" if options["pin_memory"] else ""
     logger.info(
         f"data: {' + '.join(s.description for s in sources)}; rank {dp_rank}/{dp_world_size}, "
-        f"{options.num_workers} workers, batch {spec.batch_size} x {spec.seq_len}{' varlen' if spec.varlen else ''}"
+        f"{num_workers} workers{pinned}, batch {spec.batch_size} x {spec.seq_len}{' varlen' if spec.varlen else ''}"
     )
     return FlameDataLoader(
         dataset,
@@ -259,5 +333,6 @@ def build_dataloader(
         dp_world_size=dp_world_size,
         batch_size=spec.batch_size,
         collate_fn=collate_pairs if spec.task == "dpo" else collate,
-        **asdict(options),
+        workers_chosen=job_config.training.dataloader.num_workers is None,
+        **options,
     )

@@ -60,7 +60,8 @@ class DPOObjective:
         self.amp = amp
 
     def count(self, labels: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(labels.shape[0] // 2, device=labels.device)  # pairs
+        # A fill on the device: torch.tensor(n, device=...) would copy from the host and wait for the device.
+        return torch.full((), labels.shape[0] // 2, device=labels.device)  # pairs
 
     def __call__(self, logits, labels, inputs, lm_head=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         with torch.no_grad(), self.amp:

@@ -78,11 +78,10 @@ class TrainStep:
         self.optimizers.zero_grad()
         if topology.cp_group is not None:
             batches = [shard_batch(inputs, labels, topology.cp_group) for inputs, labels in batches]
-        local_count = sum(self.objective.count(labels) for _, labels in batches).to(
-            topology.device, torch.float32
-        )
-        # A device tensor, never read on the host: .item() here would make every step wait for the last one's
-        # kernels before launching its own (torchtitan's dist_sum does that).
+        batches = [on_device(inputs, labels, topology.device) for inputs, labels in batches]
+        local_count = sum(self.objective.count(labels) for _, labels in batches).float()
+        # A device tensor, never read on the host: .item() here (torchtitan's dist_sum), or a count made on the
+        # host and copied over, would make every step wait for the last one's kernels before launching its own.
         global_count = (
             funcol.all_reduce(local_count, "sum", group=topology.loss_mesh)
             if topology.loss_mesh is not None
@@ -109,13 +108,10 @@ class TrainStep:
     def forward_backward(
         self, input_dict: dict, labels: torch.Tensor, global_count: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """Forward + backward of one micro-batch; returns its shares of the step's mean loss and metrics."""
-        device = self.topology.device
-        # A packed row's whole boundaries (context parallelism) stay on the host: the exchanges read them in
-        # Python, and a device copy would cost a sync every micro-batch.
+        """Forward + backward of one micro-batch (on the device); returns its shares of the step's mean loss and
+        metrics."""
         row_cu_seqlens = input_dict.get(ROW_CU_SEQLENS)
-        inputs = {k: v.to(device) for k, v in input_dict.items() if k != ROW_CU_SEQLENS}
-        labels = labels.to(device)
+        inputs = {k: v for k, v in input_dict.items() if k != ROW_CU_SEQLENS}
         if self.model.schedule is not None:
             return self._forward_backward_pipelined(inputs, labels, global_count, row_cu_seqlens)
         # The backward exchanges between cp ranks too; loss parallel's backward needs its context as well.
@@ -173,6 +169,15 @@ class TrainStep:
         if self.model.schedule is not None:  # only the last stage has the loss
             torch.distributed.all_reduce(totals, group=self.topology.pp_mesh.get_group())
         return dict(zip(names, totals.tolist()))
+
+
+def on_device(inputs: dict, labels: torch.Tensor, device: torch.device) -> Batch:
+    """A micro-batch on ``device`` (already there: unchanged). Copies from the host do not wait for the device's
+    queued work (from the loader's pinned memory they run in the background). A packed row's whole boundaries
+    (context parallelism) stay on the host: the exchanges read them in Python, and a device copy would cost a sync
+    every micro-batch."""
+    moved = {k: v if k == ROW_CU_SEQLENS else v.to(device, non_blocking=True) for k, v in inputs.items()}
+    return moved, labels.to(device, non_blocking=True)
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from flame.checkpoint.rng import RNGState
 from flame.config import parse_args
 from flame.config.checks import last_step, validate_job
 from flame.data import build_dataloader, build_tokenizer
+from flame.data.prefetch import DevicePrefetcher
 from flame.errors import FlameError
 from flame.metrics import RANK_LOSS, MetricsLogger
 from flame.models import load_model_args
@@ -117,7 +118,11 @@ class Trainer(Stateful):
             )
         fit_vocab_to_tokenizer(self.model_args, self.tokenizer, job_config.model.resize_vocab)
         self.dataloader = build_dataloader(
-            job_config, self.tokenizer, dp_rank=self.dp_rank, dp_world_size=self.dp_degree
+            job_config,
+            self.tokenizer,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_degree,
+            device_type=self.device.type,
         )
 
         # Model and optimization; DPO also runs a frozen copy of the starting weights (the reference).
@@ -126,6 +131,13 @@ class Trainer(Stateful):
         objective = build_objective(self.model_args, self.topology, job_config)
         self.reference = objective.reference if isinstance(objective, DPOObjective) else None
         self.accumulation = accumulation_steps(training, self.dp_degree)
+        # The next step's micro-batches are fetched and copied while this step runs; checkpoints save the loader's
+        # place as of the batches trained on. Context parallelism slices the rows on the host first.
+        self.batches = DevicePrefetcher(
+            self.dataloader,
+            self.device if self.topology.cp_group is None else None,
+            ahead=self.accumulation,
+        )
         self.nonfinite_steps = NonFiniteSteps(training.skip_nan_inf_limit)
         self.train_step_fn = build_train_step(self.model, self.topology, job_config, objective=objective)
         self.optimizers = self.train_step_fn.optimizers
@@ -183,7 +195,7 @@ class Trainer(Stateful):
         if self.reference is not None:  # a resumed DPO run keeps comparing against its starting weights
             states["reference_model"] = ModelWrapper(self.reference.parts)
         return CheckpointManager(
-            dataloader=self.dataloader,
+            dataloader=self.batches,
             model_parts=self.model_parts,
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
@@ -211,17 +223,15 @@ class Trainer(Stateful):
             export_dtype=checkpoint.export_dtype,
         )
 
-    def next_batches(self, data_iterator) -> list[tuple[dict, torch.Tensor]]:
-        start = time.perf_counter()
-        batches = [next(data_iterator) for _ in range(self.accumulation)]
-        self.metrics.window_data_time += time.perf_counter() - start
-        return batches
-
-    def train_step(self, data_iterator) -> None:
+    def train_step(self, data: DevicePrefetcher) -> None:
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
-        batches = self.next_batches(data_iterator)
+        batches = [next(data) for _ in range(self.accumulation)]
         self.ntokens_seen += sum(labels.numel() for _, labels in batches)
         result = self.train_step_fn(batches)
+        # The step's kernels are queued: the next step's batches load and copy while they run.
+        data.prefetch()
+        self.metrics.window_data_time += self.batches.wait_seconds
+        self.batches.wait_seconds = 0.0
         self.metrics.window_tokens += result.tokens
         if result.skipped:
             self.skipped_steps += 1
@@ -279,7 +289,7 @@ class Trainer(Stateful):
         # Creating the iterator draws from torch's generator (the workers' base seed): kept out of the run's random
         # stream, so that a resumed run, which creates it at another step, draws what the uninterrupted run draws.
         with torch.random.fork_rng(devices=[]):
-            data_iterator = iter(self.dataloader)
+            iter(self.batches)
         # The profiler (--profiling.enable_profiling) and the CUDA memory recorder (--profiling.enable_memory_snapshot)
         # write under <dump_folder>/<their folders> every profiling.profile_freq steps; off, they are None.
         profiling, dump, step = job_config.profiling, job_config.job.dump_folder, self.step
@@ -290,7 +300,7 @@ class Trainer(Stateful):
             while self.step < self.last_step:
                 self.step += 1
                 self.gc_handler.run(self.step)
-                self.train_step(data_iterator)
+                self.train_step(self.batches)
                 self.checkpointer.save(self.step, last_step=self.step == self.last_step)
                 if self.step < self.last_step and self.preemption.requested():
                     self.preemption.save_and_stop(self.checkpointer, self.step)  # raises Preempted

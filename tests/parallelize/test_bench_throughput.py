@@ -121,3 +121,19 @@ def test_gpu_timeline_splits_a_step_into_compute_exposed_communication_and_idle(
     )
     gap = [event("gemm", 0, 1000), event("gemm", 3000, 4000)]
     assert gpu_timeline(gap, steps=1).endswith("0.0 ms of it with no compute kernel running; idle 2.0 ms")
+
+
+def test_bench_on_flames_data_path_reports_the_wait_for_data(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    from train_throughput import main
+
+    doc = tmp_path / "performance.md"
+    assert main(["--device", "cpu", "--tiny", "--doc", str(doc), "--models", "transformer", "--modes", "eager",
+                 "--data", "real", "--num_workers", "1"]) == 0  # fmt: skip
+    section = doc.read_text().split("<!-- bench_train_throughput_1gpu_real_data -->")[1]
+    assert "## Training throughput, 1 CPU, flame's data path" in section
+    assert "batches of corpus (tokenizer tokenizer) through flame's dataloader (1 workers)" in section
+    (row,) = rows(section.split("<!-- /bench_train_throughput_1gpu_real_data -->")[0])
+    assert row[0] == "transformer" and row[6:8] == ["none", "AdamW"] and float(row[9].replace(",", "")) > 0
+    assert 0 <= float(row[13].rstrip("%")) < 100  # the share of the timed steps spent waiting for batches

@@ -24,9 +24,22 @@ def captured_metrics(trainer) -> list[dict]:
     return logged
 
 
+class GivenBatches:
+    """Micro-batches given by a test, in place of the trainer's prefetcher."""
+
+    def __init__(self, batches: list):
+        self._batches = iter(batches)
+
+    def __next__(self):
+        return next(self._batches)
+
+    def prefetch(self) -> None:
+        pass
+
+
 def run_step(trainer, batches, step: int = 1) -> None:
     trainer.step = step
-    trainer.train_step(iter(batches))
+    trainer.train_step(GivenBatches(batches))
 
 
 def first_rows(trainer, rows: int) -> tuple[dict, torch.Tensor]:
@@ -72,11 +85,11 @@ def test_non_finite_gradient_skips_the_step_and_training_goes_on(make_trainer, m
 
     monkeypatch.setattr(trainer.train_step_fn, "forward_backward", nan_at_step_2)
     logged = captured_metrics(trainer)
-    data = iter(trainer.dataloader)
+    iter(trainer.batches)
     for step in range(1, 5):
         before = [p.detach().clone() for p in trainer.model_parts[0].parameters()]
         trainer.step = step
-        trainer.train_step(data)
+        trainer.train_step(trainer.batches)
         after = list(trainer.model_parts[0].parameters())
         changed = any(not torch.equal(a, b) for a, b in zip(before, after))
         assert changed == (step != 2), step
@@ -165,3 +178,35 @@ def test_debug_mode_blocks_cuda_launches_and_detects_anomalies(monkeypatch, tmp_
     assert "export CUDA_LAUNCH_BLOCKING=1" in env_file.read_text().splitlines()
     assert preflight(["--job.dump_folder", str(tmp_path / "run")]) == 0
     assert "CUDA_LAUNCH_BLOCKING" not in env_file.read_text()
+
+
+class DeviceValue(torch.Tensor):
+    """A step result that must stay on the device: reading it on the host (a sync on a GPU) fails."""
+
+    def _read(self, *args):
+        raise AssertionError("a step result was read on the host")
+
+    item = tolist = __float__ = __int__ = __bool__ = __format__ = _read
+
+
+def test_steps_that_log_nothing_read_no_step_result_on_the_host(make_trainer, monkeypatch):
+    trainer = make_trainer("--metrics.log_freq", "3", "--training.steps", "6")
+    step_type = type(trainer.train_step_fn)
+    step = step_type.__call__
+
+    def results_kept_on_the_device(self, batches):
+        result = step(self, batches)
+        values = [result.local_share, result.grad_norm, *result.metrics.values()]
+        assert all(type(value) is torch.Tensor for value in values)  # tensors, not floats
+        result.local_share, result.grad_norm = (v.as_subclass(DeviceValue) for v in values[:2])
+        result.metrics = {name: v.as_subclass(DeviceValue) for name, v in result.metrics.items()}
+        return result
+
+    monkeypatch.setattr(step_type, "__call__", results_kept_on_the_device)
+    monkeypatch.setattr(step_type, "global_metrics", DeviceValue._read)  # a collective that reads the loss
+    iter(trainer.batches)
+    for trainer.step in (2, 4, 5):  # not log steps (1, every 3rd, the last)
+        trainer.train_step(trainer.batches)
+    trainer.step = 3
+    with pytest.raises(AssertionError, match="read on the host"):  # a log step reads them
+        trainer.train_step(trainer.batches)
