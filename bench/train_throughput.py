@@ -523,10 +523,13 @@ def main(argv: list[str] | None = None) -> int:
         text = table(results, world_size, args.cp)
         print("\n" + text)
         if not args.no_write:
+            # Runs over activation modes or optimizers get their own section beside the plain throughput table.
+            memory_study = args.activations != "none" or args.optimizers != "AdamW"
             marker = (
                 f"bench_train_throughput_{world_size}gpu"
                 + (f"_cp{args.cp}" if args.cp > 1 else "")
                 + ("_real_data" if args.data == "real" else "")
+                + ("_memory" if memory_study else "")
             )
             command = " ".join(
                 (["torchrun --nproc_per_node", str(world_size)] if world_size > 1 else ["python"])
@@ -548,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
                 marker,
                 f"Training throughput, {world_size} {device.type.upper()}{'s' * (world_size > 1)}"
                 + (f", context parallel {args.cp}" if args.cp > 1 else "")
-                + (", flame's data path" if args.data == "real" else ""),
+                + (", flame's data path" if args.data == "real" else "")
+                + (": activation memory and optimizers" if memory_study else ""),
                 f"Command: `{command}` on {world_size} x {device_name(device)}, torch {torch.__version__} "
                 f"({time.strftime('%Y-%m-%d')}); {parallelism}, {data_description(args)}, "
                 f"{args.tokens_per_gpu:,} tokens per GPU per step, {args.warmup} warm-up then "

@@ -5,7 +5,8 @@ Right padding without a mask, as lm-eval batches loglikelihood requests: within 
 tokens go through the same kernels on the same chunk grid as alone). Left padding with a mask
 (flame/models/layers/decoding.py: gates computed outside FLA's kernel) shifts every row's chunk grid, so bfloat16
 rounds differently: there the difference must stay within twice the model's own bfloat16 error (batch of 1, bfloat16
-against float32) and within 1e-3 of the loglikelihood's magnitude; a padding bug moves scores by whole nats."""
+on the GPU against float32 PyTorch on the CPU) and within 1e-3 of the loglikelihood's magnitude; a padding bug moves
+scores by whole nats."""
 
 import pytest
 import torch
@@ -31,28 +32,32 @@ def loglikelihoods(logits: torch.Tensor, ids: torch.Tensor, ends: list[int]) -> 
 
 
 def one_at_a_time(model, rows: list[torch.Tensor]) -> torch.Tensor:
+    device = next(model.parameters()).device
     return torch.stack(
-        [loglikelihoods(model(row[None].cuda()).logits, row[None].cuda(), [len(row)])[0] for row in rows]
+        [
+            loglikelihoods(model(row[None].to(device)).logits, row[None].to(device), [len(row)])[0].cpu()
+            for row in rows
+        ]
     )
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_batch_of_16_scores_like_batch_of_1(case, side):
-    model = flame_hf_model("gated_deltanet", **CASES[case]).to("cuda")
+    model = flame_hf_model("gated_deltanet", **CASES[case])
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(20, 300, (16,), generator=generator).tolist()
     rows = [torch.randint(0, 4096, (n,), generator=generator) for n in lengths]
     ids, mask = padded(rows, side)
     ids, mask = ids.cuda(), mask.cuda()
     with torch.no_grad():
-        exact = one_at_a_time(model, rows)
-        model.to(torch.bfloat16)
+        exact = one_at_a_time(model, rows)  # float32, flame's PyTorch ops on the CPU
+        model.to("cuda", torch.bfloat16)
         alone = one_at_a_time(model, rows)
         # lm-eval sends right-padded loglikelihood batches without a mask (a causal model never reads them).
         logits = model(ids, attention_mask=mask if side == "left" else None).logits
     ends = [ids.shape[1] if side == "left" else n for n in lengths]
-    batch = loglikelihoods(logits, ids, ends)
+    batch = loglikelihoods(logits, ids, ends).cpu()
     difference = (batch - alone).abs().max().item()
     bf16_error = (alone - exact).abs().max().item()
     print(
