@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 4 bench/train_throughput.py --cp 2 ...   # context parallel 2 x FSDP 2
     python bench/train_throughput.py --device cpu --tiny                # smoke test of the script itself
     python bench/train_throughput.py --activations none,full,offload,full+offload --optimizers AdamW,Muon
+    python bench/train_throughput.py --anchor --models transformer --seq_lens 2048   # beside the naive HF loop
 
 Each case runs the trainer's own model builder and training step (``build_model_parts`` and ``TrainStep`` in
 flame/train/): the model built on the meta device and parallelized with the job's plan (per-block torch.compile in
@@ -26,7 +27,9 @@ the blocks keep for backward: none, activation checkpointing full or selective, 
 checkpointing with the checkpoints offloaded: full+offload) x ``--optimizers`` (AdamW, Muon). The models are the 340M
 configs transformer_340M, the softpick recipes (softpick, rectified, scaled softpick), gated_deltanet_340M, and a
 hybrid: gated_deltanet_340M with attention (16 heads, QK-norm) at every fourth layer (3, 7, 11, 15, 19), the OLMo-3
-hybrid pattern.
+hybrid pattern. ``--anchor`` (one GPU) first times each model and length in the naive loop a user writes without
+flame (the class of the model's HF export, eager, bf16 autocast, fused AdamW, the class's own loss on the same
+random tokens) and gives every row its ratio to that loop.
 
 MFU = FLOPs per token (the model args' get_nparams_and_flops: 6 x non-embedding parameters + attention terms, as
 torchtitan counts) x tokens/s per GPU / peak; peak is 989 TFLOP/s (H100/H200 dense bf16), ``--peak_tflops``
@@ -186,25 +189,13 @@ def run_case(name, seq_len, mode, activations, optimizer, args, device, parallel
             train_step([next(data)])
             data.prefetch()
 
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    for _ in range(args.warmup):
-        step()
-    synchronize()
-    if data is not None:
-        data.wait_seconds = 0.0
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    synchronize()
-    result.step_s = (time.perf_counter() - start) / args.steps
+    def warmed_up():
+        if data is not None:
+            data.wait_seconds = 0.0
+
+    measure(result, step, local_tokens, flops_per_token, args, device, warmed_up)
     if data is not None:
         result.data_wait = data.wait_seconds / (result.step_s * args.steps)
-    result.tokens_per_s = local_tokens / result.step_s
-    result.tflops = flops_per_token * result.tokens_per_s / 1e12
-    if args.peak_tflops:
-        result.mfu = result.tflops / args.peak_tflops
-    if device.type == "cuda":
-        result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
     if args.profile:
         result.profile, timeline = profile_steps(step, args.profile, device)
         result.timelines = (timeline,)
@@ -212,6 +203,74 @@ def run_case(name, seq_len, mode, activations, optimizer, args, device, parallel
             timelines = [None] * world_size
             dist.all_gather_object(timelines, timeline)
             result.timelines = tuple(timelines)
+    return result
+
+
+def measure(
+    result: Result, step, tokens: int, flops_per_token: int, args, device, warmed_up=lambda: None
+) -> None:
+    """Time ``args.steps`` steps after ``args.warmup`` untimed ones; fill the result's time, throughput and peak."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    for _ in range(args.warmup):
+        step()
+    synchronize()
+    warmed_up()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    synchronize()
+    result.step_s = (time.perf_counter() - start) / args.steps
+    result.tokens_per_s = tokens / result.step_s
+    result.tflops = flops_per_token * result.tokens_per_s / 1e12
+    if args.peak_tflops:
+        result.mfu = result.tflops / args.peak_tflops
+    if device.type == "cuda":
+        result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+
+
+NAIVE = "naive HF loop"
+
+
+def run_naive_hf_loop(name: str, seq_len: int, args, device) -> Result:
+    """The anchor: the same model, shape and tokens in the loop a user writes without flame, over the class of its
+    HF export (transformers' Llama for the transformer, FLA's class for GatedDeltaNet and the hybrid, flame's own
+    HF class for the softpick family): eager, bf16 autocast on a GPU, AdamW (fused on a GPU), the class's own loss
+    from ``labels``. One GPU only."""
+    import flame.hf
+    from flame.hf.formats import export_adapter
+    from flame.models import build_model
+
+    margs = model_args(name, args.tiny)
+    hf_config = export_adapter(margs, "auto")[0].hf_config()
+    flame.hf.register()
+    if hf_config["model_type"] in ("transformer", "gated_deltanet", "delta_net"):
+        import fla  # noqa: F401  (FLA's classes)
+
+        if device.type == "cuda":  # FLA's gated backward on Hopper (flame.compat's fla_hopper_dqkwg)
+            from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
+
+            serve_where_fla_refuses()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**hf_config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(device).train()
+    with torch.device("meta"):
+        _, flops_per_token = margs.get_nparams_and_flops(build_model(margs), seq_len)
+    batch = rows_per_step(args, seq_len)
+    result = Result(name, sum(p.numel() for p in model.parameters()), seq_len, batch, NAIVE, "none", "AdamW")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, margs.vocab_size, (batch, seq_len), device=device, generator=generator)
+
+    def step():
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    measure(result, step, batch * seq_len, flops_per_token, args, device)
     return result
 
 
@@ -295,21 +354,24 @@ def table(results: list[Result], world_size: int, cp: int = 1) -> str:
     gpus = f"{world_size} (cp {cp})" if cp > 1 else str(world_size)
     lines = [
         "| model | params | GPUs | seq | batch/GPU | mode | activations | optimizer | step s | tokens/s/GPU "
-        "| TFLOP/s/GPU | MFU | peak GiB | data wait |",
-        "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| TFLOP/s/GPU | MFU | peak GiB | data wait | vs naive HF loop |",
+        "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    anchors = {(r.model, r.seq_len): r.tokens_per_s for r in results if r.mode == NAIVE and not r.error}
     for r in results:
         if r.error:
             lines.append(f"| {r.model} | {millions(r.params)} | {gpus} | {r.seq_len} | {r.batch} | {r.mode} | "
-                         f"{r.activations} | {r.optimizer} | failed: {r.error} | | | | | |")  # fmt: skip
+                         f"{r.activations} | {r.optimizer} | failed: {r.error} | | | | | | |")  # fmt: skip
             continue
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu == r.mfu else "n/a"
         peak = f"{r.peak_gib:.1f}" if r.peak_gib == r.peak_gib else "n/a"
         wait = f"{100 * r.data_wait:.2f}%" if r.data_wait == r.data_wait else "random tokens"
+        anchor = anchors.get((r.model, r.seq_len))
+        ratio = f"{r.tokens_per_s / anchor:.2f}x" if anchor else "n/a"
         lines.append(
             f"| {r.model} | {millions(r.params)} | {gpus} | {r.seq_len} | {r.batch} | {r.mode} | "
             f"{r.activations} | {r.optimizer} | {r.step_s:.3f} | {r.tokens_per_s:,.0f} | {r.tflops:.1f} | {mfu} | "
-            f"{peak} | {wait} |"
+            f"{peak} | {wait} | {ratio} |"
         )
     return "\n".join(lines)
 
@@ -401,6 +463,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="--data real: dataloader workers per rank (default: the trainer's choice for the device)",
     )
+    parser.add_argument(
+        "--anchor",
+        action="store_true",
+        help="also time each model and length in the naive HF training loop (one GPU); rows show the ratio",
+    )
     parser.add_argument("--quick", action="store_true", help="seq 2048 only, 2 warm-up + 5 timed steps")
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
@@ -485,14 +552,22 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for name in args.models.split(","):
         for seq_len in (int(s) for s in args.seq_lens.split(",")):
-            for mode, activations, optimizer in itertools.product(
-                args.modes.split(","), args.activations.split(","), args.optimizers.split(",")
-            ):
+            cases = list(
+                itertools.product(
+                    args.modes.split(","), args.activations.split(","), args.optimizers.split(",")
+                )
+            )
+            if args.anchor:
+                cases.insert(0, (NAIVE, "none", "AdamW"))
+            for mode, activations, optimizer in cases:
                 case_start = time.perf_counter()
                 try:
-                    result = run_case(
-                        name, seq_len, mode, activations, optimizer, args, device, parallel_dims
-                    )
+                    if mode == NAIVE:
+                        result = run_naive_hf_loop(name, seq_len, args, device)
+                    else:
+                        result = run_case(
+                            name, seq_len, mode, activations, optimizer, args, device, parallel_dims
+                        )
                 except Exception as e:  # e.g. out of memory: report it and go on
                     if rank == 0:
                         traceback.print_exc()

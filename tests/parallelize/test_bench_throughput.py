@@ -138,3 +138,18 @@ def test_bench_on_flames_data_path_reports_the_wait_for_data(tmp_path, monkeypat
     (row,) = rows(section.split("<!-- /bench_train_throughput_1gpu_real_data -->")[0])
     assert row[0] == "transformer" and row[6:8] == ["none", "AdamW"] and float(row[9].replace(",", "")) > 0
     assert 0 <= float(row[13].rstrip("%")) < 100  # the share of the timed steps spent waiting for batches
+
+
+def test_bench_anchor_is_the_naive_hf_loop_of_the_same_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    from train_throughput import main
+
+    assert main(["--device", "cpu", "--tiny", "--no_write", "--models", "transformer", "--modes", "eager",
+                 "--anchor"]) == 0  # fmt: skip
+    table = capsys.readouterr().out.split("\n\n| model |")[-1]
+    naive, flame = rows("| model |" + table)
+    assert naive[5] == "naive HF loop" and naive[-1] == "1.00x"
+    assert flame[5] == "eager" and naive[1] == flame[1]  # the same parameter count
+    tokens_per_s = [float(r[9].replace(",", "")) for r in (naive, flame)]
+    assert abs(float(flame[-1].rstrip("x")) - tokens_per_s[1] / tokens_per_s[0]) <= 0.01  # from rounded tokens/s
