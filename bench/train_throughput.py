@@ -605,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (f"_cp{args.cp}" if args.cp > 1 else "")
                 + ("_real_data" if args.data == "real" else "")
                 + ("_memory" if memory_study else "")
+                + ("_anchor" if args.anchor else "")
             )
             command = " ".join(
                 (["torchrun --nproc_per_node", str(world_size)] if world_size > 1 else ["python"])
@@ -624,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
             write_section(
                 args.doc,
                 marker,
-                f"Training throughput, {world_size} {device.type.upper()}{'s' * (world_size > 1)}"
+                f"Training throughput{' beside the naive HF loop' if args.anchor else ''}, {world_size} {device.type.upper()}{'s' * (world_size > 1)}"
                 + (f", context parallel {args.cp}" if args.cp > 1 else "")
                 + (", flame's data path" if args.data == "real" else "")
                 + (": activation memory and optimizers" if memory_study else ""),
