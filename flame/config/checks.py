@@ -159,11 +159,6 @@ def _check_lr_scheduler(job_config) -> None:
         f"lr_scheduler.warmup_steps must be >= 0, got {scheduler.warmup_steps}",
     )
     _require(
-        scheduler.warmup_steps <= total,
-        f"lr_scheduler.warmup_steps ({scheduler.warmup_steps}) is longer than the schedule ({total} steps); "
-        "lower --lr_scheduler.warmup_steps or raise --training.steps",
-    )
-    _require(
         0 <= scheduler.min_lr_factor <= 1,
         f"lr_scheduler.min_lr_factor (lr_min) is a fraction of the peak LR in [0, 1], got {scheduler.min_lr_factor}",
     )
@@ -174,7 +169,7 @@ def _check_lr_scheduler(job_config) -> None:
         )
         decay_steps = round(total * scheduler.decay_ratio)
         _require(
-            scheduler.warmup_steps + decay_steps <= total,
+            min(scheduler.warmup_steps, total) + decay_steps <= total,
             f"lr_scheduler.warmup_steps ({scheduler.warmup_steps}) + decay steps ({decay_steps} = "
             f"decay_ratio x {total}) exceed the schedule ({total} steps)",
         )

@@ -40,9 +40,10 @@ class LRSchedulers(LRSchedulersContainer):
 
 
 def schedule_phases(job_config) -> tuple[int, int, int]:
-    """(warmup, stable, decay) steps of the schedule."""
+    """(warmup, stable, decay) steps of the schedule. A warmup longer than the schedule is cut to it, as torchtitan's
+    builder does (upstream flame's commands keep their warmup when a short trial run lowers training.steps)."""
     config, total = job_config.lr_scheduler, schedule_steps(job_config)
-    warmup = config.warmup_steps
+    warmup = min(config.warmup_steps, total)
     decay = total - warmup if config.decay_ratio is None else round(total * config.decay_ratio)
     return warmup, total - warmup - decay, decay
 
@@ -50,8 +51,13 @@ def schedule_phases(job_config) -> tuple[int, int, int]:
 def build_lr_schedulers(optimizers: OptimizersContainer, job_config) -> LRSchedulersContainer:
     config = job_config.lr_scheduler
     warmup, stable, decay = schedule_phases(job_config)
+    cut = (
+        f" (lr_scheduler.warmup_steps {config.warmup_steps} cut to the schedule)"
+        if warmup < config.warmup_steps
+        else ""
+    )
     logger.info(
-        f"LR schedule: {warmup} warmup steps, {stable} stable, {decay} {config.decay_type} decay to "
+        f"LR schedule: {warmup} warmup steps{cut}, {stable} stable, {decay} {config.decay_type} decay to "
         f"{config.min_lr_factor:g} x lr"
     )
     return LRSchedulers(build_torchtitan_lr_schedulers(optimizers, config, schedule_steps(job_config)))

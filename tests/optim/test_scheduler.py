@@ -32,6 +32,13 @@ def test_warmup_then_cosine_to_lr_min():
     assert min(values) > 0.1
 
 
+def test_a_warmup_longer_than_the_schedule_is_cut_to_it_as_torchtitan_does():
+    # Upstream flame's commands carry --lr_scheduler.warmup_steps 1000; a short trial lowers only training.steps.
+    config = parse_args(["--training.steps", "10", "--lr_scheduler.warmup_steps", "1000"])
+    assert schedule_phases(config) == (10, 0, 0)
+    assert lrs("--lr_scheduler.warmup_steps", "1000") == pytest.approx([(s + 1) / 10 for s in range(10)])
+
+
 def test_linear_decay_and_the_older_scheduler_name():
     values = lrs(
         "--lr_scheduler.warmup_steps", "0", "--optimizer.scheduler", "linear", "--lr_scheduler.lr_min", "0"

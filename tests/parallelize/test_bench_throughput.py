@@ -152,4 +152,6 @@ def test_bench_anchor_is_the_naive_hf_loop_of_the_same_model(tmp_path, monkeypat
     assert naive[5] == "naive HF loop" and naive[-1] == "1.00x"
     assert flame[5] == "eager" and naive[1] == flame[1]  # the same parameter count
     tokens_per_s = [float(r[9].replace(",", "")) for r in (naive, flame)]
-    assert abs(float(flame[-1].rstrip("x")) - tokens_per_s[1] / tokens_per_s[0]) <= 0.01  # from rounded tokens/s
+    assert (
+        abs(float(flame[-1].rstrip("x")) - tokens_per_s[1] / tokens_per_s[0]) <= 0.01
+    )  # from rounded tokens/s
