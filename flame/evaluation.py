@@ -11,8 +11,10 @@ YAML, so a task with local data runs anywhere without network. Results go into a
 (lm-eval's results, configs and versions) and ``results.md`` (its table).
 """
 
+import contextlib
 import importlib.util
 import json
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +152,23 @@ def language_model(model: str, device: str, dtype: str, batch_size: int):
     return HFLM(pretrained=model, device=device, dtype=dtype, batch_size=batch_size, backend="causal")
 
 
+@contextlib.contextmanager
+def bootstrap_in_this_process():
+    """lm-eval bootstraps some standard errors (perplexity's) in a pool of fork()ed processes unless
+    DISABLE_MULTIPROC is set (the same resamples, in one process). Forked from a process with a SIGTERM handler (the
+    trainer's preemption handler, or any process that ran a trainer), the workers ignore the pool's closing SIGTERM
+    and the pool waits for them forever."""
+    before = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["DISABLE_MULTIPROC"]
+        else:
+            os.environ["DISABLE_MULTIPROC"] = before
+
+
 def evaluate(
     target: EvalTarget,
     tasks: list[str],
@@ -168,7 +187,7 @@ def evaluate(
 
     device = device or default_device()
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    with tempfile.TemporaryDirectory(prefix="flame-eval-tasks-") as folder:
+    with tempfile.TemporaryDirectory(prefix="flame-eval-tasks-") as folder, bootstrap_in_this_process():
         manager = task_manager(tasks, include_paths, Path(folder))
         try:
             results = lm_eval.simple_evaluate(

@@ -10,8 +10,6 @@ can take longer than the training timeout of the collectives). Training stands s
 left out of the throughput.
 """
 
-import contextlib
-import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -28,22 +26,6 @@ from flame.models.common.args import ModelArgs
 # How long the other ranks wait for rank 0's evaluation: its length is unknown in advance (tasks, limit, model
 # size), and if rank 0 fails, torchrun stops the others anyway.
 WAIT_FOR_EVALUATION = timedelta(days=1)
-
-
-@contextlib.contextmanager
-def bootstrap_in_this_process():
-    """lm-eval bootstraps some standard errors (perplexity's) in a pool of fork()ed processes unless
-    DISABLE_MULTIPROC is set (the same resamples, in one process). Forked from a trainer, the workers inherit its
-    preemption handler, which ignores the pool's closing SIGTERM, and the pool waits for them forever."""
-    before = os.environ.get("DISABLE_MULTIPROC")
-    os.environ["DISABLE_MULTIPROC"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["DISABLE_MULTIPROC"]
-        else:
-            os.environ["DISABLE_MULTIPROC"] = before
 
 
 def eval_metrics(results: dict) -> dict[str, float]:
@@ -92,14 +74,13 @@ class Evaluator:
             # A full copy of the weights per evaluation is deleted after it (python -m flame.eval <dump> --step N
             # exports a checkpoint again).
             try:
-                with bootstrap_in_this_process():
-                    scores = evaluate(
-                        EvalTarget(str(export), results),
-                        self.tasks,
-                        include_paths=self.include_paths,
-                        batch_size=self.batch_size,
-                        limit=self.limit,
-                    )
+                scores = evaluate(
+                    EvalTarget(str(export), results),
+                    self.tasks,
+                    include_paths=self.include_paths,
+                    batch_size=self.batch_size,
+                    limit=self.limit,
+                )
             finally:
                 shutil.rmtree(export, ignore_errors=True)
             metrics = [eval_metrics(scores)]
