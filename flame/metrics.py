@@ -36,6 +36,9 @@ class TensorBoardWriter:
     def scalars(self, metrics: dict[str, float], step: int) -> None:
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, step)
+        # On disk at once (SummaryWriter would wait up to two minutes): a live TensorBoard, and a reader right
+        # after training, see every logged step.
+        self.writer.flush()
 
     def text(self, tag: str, text: str, step: int) -> None:
         self.writer.add_text(tag, text, step)
