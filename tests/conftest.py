@@ -19,6 +19,18 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     collect_ignore.append("ops/interpreted")
 
 
+@pytest.fixture(autouse=True)
+def titan_logger_without_stale_streams():
+    """A test running flame's main() in-process leaves torchtitan's logger writing to that test's captured stdout,
+    which pytest closes; later tests' log lines would then end in "Logging error: I/O operation on closed file"."""
+    yield
+    from torchtitan.tools.logging import logger
+
+    for handler in list(logger.handlers):
+        if getattr(getattr(handler, "stream", None), "closed", False):
+            logger.removeHandler(handler)
+
+
 @pytest.fixture
 def offline_cache(tmp_path, monkeypatch) -> Path:
     """An empty HF cache that this process and its children use, offline."""

@@ -189,8 +189,9 @@ def check_family_support(job_config, model_args, degrees: dict[str, int]) -> Non
         "cp": degrees["cp"] > 1,
         "varlen": job_config.training.varlen,
     }
+    supported = model_spec(model_args).supported(model_args)
     for name, on in asked.items():
-        if on and name not in model_spec(model_args).parallelisms:
+        if on and name not in supported:
             raise ConfigError(
                 f"{model_args.model_type} models do not support {MODEL_PARALLELISMS[name]}; train them with data "
                 "parallelism (FSDP/HSDP/DDP) and without it"

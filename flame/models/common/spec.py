@@ -8,6 +8,8 @@
   torch.compile (flame's families keep them in ``layers``; others elsewhere, or in several stacks).
 - ``parallelisms``: what the family supports beyond data parallelism (FSDP/HSDP/DDP work for every family):
   any of :data:`MODEL_PARALLELISMS`; the others are refused before launch.
+- ``config_parallelisms``: those that only some models of the family support, read from the model's args (the
+  generic family: varlen for the transformers classes that keep packed documents apart).
 """
 
 from collections.abc import Callable
@@ -37,3 +39,9 @@ class ModelSpec:
     model_cls: Callable[[ModelArgs], nn.Module]
     blocks: Callable[[nn.Module], list[nn.Module]] = decoder_blocks
     parallelisms: frozenset[str] = frozenset(MODEL_PARALLELISMS)
+    config_parallelisms: Callable[[ModelArgs], frozenset[str]] | None = None
+
+    def supported(self, args: ModelArgs) -> frozenset[str]:
+        """What a model of these args supports beyond data parallelism."""
+        extra = self.config_parallelisms(args) if self.config_parallelisms else frozenset()
+        return self.parallelisms | extra

@@ -1,10 +1,10 @@
 """The generic family: any model_type flame does not implement itself, built from the causal-LM class that
 transformers' Auto classes hold for it (transformers' own models, FLA's after ``import fla``, a user's registered
-class). Trains data-parallel only (FSDP/HSDP/DDP); tensor, pipeline and context parallelism and varlen need
-flame's own families."""
+class). Trains data-parallel only (FSDP/HSDP/DDP), with varlen for transformers' attention-only decoders; tensor,
+pipeline and context parallelism need flame's own families."""
 
 from flame.models.common.spec import ModelSpec
-from flame.models.generic.args import GenericArgs
+from flame.models.generic.args import GenericArgs, config_parallelisms
 from flame.models.generic.model import build_generic_model, generic_blocks
 
 SPEC = ModelSpec(
@@ -12,4 +12,5 @@ SPEC = ModelSpec(
     model_cls=build_generic_model,
     blocks=generic_blocks,
     parallelisms=frozenset(),
+    config_parallelisms=config_parallelisms,
 )

@@ -92,6 +92,24 @@ def config_class(model_type: str, impl: str = "auto") -> type:
     return cls
 
 
+# transformers' attention-only decoders, for which --training.varlen keeps packed documents apart: given position_ids
+# that restart at each document and no attention mask, transformers' masking_utils (find_packed_sequence_indices)
+# makes the causal mask block-diagonal. tests/models/generic/test_varlen.py checks each against its documents run
+# alone. Classes with recurrent or convolutional mixers (Qwen3-Next, OLMo-hybrid, LFM2, Mamba) would carry their
+# state from one document into the next, so they are not listed.
+PACKED_DOCUMENT_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "olmo2", "olmo3", "gemma3_text", "phi3", "granite"}
+)
+
+
+def config_parallelisms(args: "GenericArgs") -> frozenset[str]:
+    """Varlen for transformers' own classes of PACKED_DOCUMENT_MODEL_TYPES (FLA's and users' classes: none)."""
+    own_class = config_class(args.model_type, args.impl).__module__.startswith("transformers.models.")
+    return (
+        frozenset({"varlen"}) if args.model_type in PACKED_DOCUMENT_MODEL_TYPES and own_class else frozenset()
+    )
+
+
 def accepted_keys(cls: type) -> set[str]:
     """Every key a config class's constructor takes, its own and its bases' (transformers passes **kwargs up)."""
     keys = set()

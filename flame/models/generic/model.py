@@ -20,7 +20,8 @@ class FlameCausalLM:
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cu_seqlens=None
     ) -> torch.Tensor:
-        # cu_seqlens is always None here: the generic family refuses --training.varlen before launch.
+        # With --training.varlen, position_ids restarting at each document are what keeps the documents apart
+        # (PACKED_DOCUMENT_MODEL_TYPES); cu_seqlens says the same and these classes do not take it.
         positions = {} if position_ids is None else {"position_ids": position_ids}
         return super().forward(input_ids=input_ids, **positions).logits
 

@@ -93,10 +93,9 @@ def test_unknown_model_type_is_one_line(tmp_path):
         (["--parallelism.tensor_parallel_degree", "2"], "tensor parallelism"),
         (["--parallelism.pipeline_parallel_degree", "2"], "pipeline parallelism"),
         (["--parallelism.context_parallel_degree", "2"], "context parallelism"),
-        (["--training.varlen"], "--training.varlen"),
     ],
 )
-def test_model_parallelism_and_varlen_are_refused(tmp_path, flags, refused):
+def test_model_parallelism_is_refused(tmp_path, flags, refused):
     from flame.config import parse_args
     from flame.parallelize.checks import check_parallelism
 
