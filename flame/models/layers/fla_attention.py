@@ -24,6 +24,7 @@ What they reproduce of FLA's layer (each a property of FLA's code, not a choice 
 import torch
 from torch import nn
 
+from flame.errors import ModelConfigError
 from flame.models.layers.rotary import apply_rotary, rotary_cos_sin
 from flame.ops.attention import attention, reference_attention
 from flame.ops.norm import rms_norm
@@ -69,14 +70,15 @@ class FLAAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            raise ModelConfigError(
+                f"attention num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
         self.num_kv_groups = num_heads // self.num_kv_heads
         self.head_dim = hidden_size // num_heads
         if self.head_dim % 2:
-            raise ValueError(
-                f"RoPE needs an even head_dim, got hidden_size {hidden_size} // num_heads {num_heads} = {self.head_dim}"
+            raise ModelConfigError(
+                f"attention head_dim = hidden_size // num_heads = {hidden_size} // {num_heads} = {self.head_dim} is "
+                "odd and RoPE rotates pairs of channels; choose num_heads that gives an even head_dim"
             )
         self.kv_dim = self.num_kv_heads * self.head_dim
         self.qkv_bias = qkv_bias
@@ -96,10 +98,13 @@ class FLAAttention(nn.Module):
         self.v_proj = nn.Linear(self.hidden_size, self.kv_dim, bias=self.qkv_bias)
         self.o_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=False)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE of x [B, T, H, D] at positions [B, T] (or [1, T]); the tables in x's dtype as FLA caches them."""
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of q and k [B, T, H, D] at positions [B, T] (or [1, T]); the tables in q's dtype as FLA caches them."""
         cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
-        return apply_rotary(x, cos.to(x.dtype), sin.to(x.dtype))
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def forward(
         self,
@@ -136,7 +141,7 @@ class FLAAttention(nn.Module):
             positions = torch.as_tensor(offset, device=q.device).reshape(-1, 1) + torch.arange(
                 q_len, device=q.device
             )
-        q, k = self.rotate(q, positions), self.rotate(k, positions)
+        q, k = self.rotate(q, k, positions)
 
         if past_key_values is not None:
             k, v = self.read_cache(past_key_values, k, v, cached_len, q_len, cu_seqlens, attention_mask)

@@ -111,3 +111,15 @@ def test_attention_layers_on_flame_have_the_state_dict_of_fla_classes(name):
         return {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()}
 
     assert layout(model) == layout(reference)
+
+
+def test_fla_layers_are_fla_own_where_flash_attn_imports(monkeypatch):
+    import fla.layers.attn
+
+    monkeypatch.setattr(
+        fla.layers.attn, "flash_attn_func", object()
+    )  # what FLA's import sets where it exists
+    args, _ = model_args_from_dict(ATTENTION_CONFIGS["gla"], impl="fla")
+    with torch.device("meta"):
+        model = build_model(args)
+    assert type(model.model.layers[1].attn) is fla.layers.attn.Attention
