@@ -258,8 +258,9 @@ def fla_attention_on_flame(replacements: dict[str, type]) -> Iterator[None]:
     try:
         for qualified_name, replacement in replacements.items():
             module_name, class_name = qualified_name.rsplit(".", 1)
-            layer_module = sys.modules.get(module_name) or importlib.import_module(module_name)
-            if getattr(layer_module, "flash_attn_func", None) is not None:
+            layer_module = sys.modules.get(module_name)
+            # Not imported: no FLA model class is registered that could build it (fla.models imports every layer).
+            if layer_module is None or getattr(layer_module, "flash_attn_func", None) is not None:
                 continue
             fla_class = getattr(layer_module, class_name)
             for name, module in list(sys.modules.items()):
