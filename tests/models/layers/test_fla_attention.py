@@ -136,3 +136,16 @@ def test_decoding_with_fla_cache_equals_full_forward(window_size):
 def test_refuses_a_full_attention_mask():
     with pytest.raises(ValueError, match=r"attention_mask must be \[batch_size, seq_len\]"):
         layer()(torch.randn(1, 4, HIDDEN, dtype=torch.float64), attention_mask=torch.ones(1, 4, 4))
+
+
+@pytest.mark.parametrize("kwargs", VARIANTS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
+def test_flame_transformer_attention_computes_the_same_from_the_same_state_dict(kwargs):
+    # flame's own transformer family reads FLA's checkpoints: its layer under FLA's names gives FLA's layer's output.
+    from flame.models.layers.attention import Attention
+
+    module = layer(**kwargs)
+    flame_kwargs = {k: v for k, v in kwargs.items() if k != "rope_theta"}
+    own = Attention(HIDDEN, HEADS, rope_theta=module.rope_theta, norm_eps=1e-5, **flame_kwargs).double()
+    own.load_state_dict(module.state_dict(), strict=True)
+    x = torch.randn(2, 13, HIDDEN, dtype=torch.float64)
+    torch.testing.assert_close(own(x, torch.arange(13).expand(2, 13)), module(x)[0], rtol=0, atol=1e-12)
