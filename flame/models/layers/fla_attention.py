@@ -147,9 +147,9 @@ class FLAAttention(nn.Module):
             k, v = self.read_cache(past_key_values, k, v, cached_len, q_len, cu_seqlens, attention_mask)
 
         if cu_seqlens is None and attention_mask is not None:
-            if q_len == 1 and self.window_size is not None:
-                attention_mask = attention_mask[:, -self.window_size :]
-            real = attention_mask.bool()
+            real = (
+                attention_mask.bool()
+            )  # keys: its last k.shape[1] columns (the cache may hold only a window)
             o = reference_attention(
                 q, k, v, impl="softmax", window_size=self.window_size, key_mask=real[:, -k.shape[1] :]
             )

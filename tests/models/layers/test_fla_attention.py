@@ -149,3 +149,22 @@ def test_flame_transformer_attention_computes_the_same_from_the_same_state_dict(
     own.load_state_dict(module.state_dict(), strict=True)
     x = torch.randn(2, 13, HIDDEN, dtype=torch.float64)
     torch.testing.assert_close(own(x, torch.arange(13).expand(2, 13)), module(x)[0], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("window_size", [None, 3])
+def test_left_padded_decoding_with_fla_cache_equals_each_row_alone(window_size):
+    # With a cache, FLA numbers a left-padded row's tokens from its first real one (generation of a padded batch).
+    from fla.models.cache_utils import Cache
+
+    module = layer(num_kv_heads=1, window_size=window_size)
+    x = torch.randn(2, 10, HIDDEN, dtype=torch.float64)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    cache = Cache()
+    pieces = [module(x[:, :8], attention_mask=mask[:, :8], past_key_values=cache)[0]]
+    for t in (8, 9):
+        pieces.append(module(x[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache)[0])
+    out = torch.cat(pieces, dim=1)
+    torch.testing.assert_close(out[0, 3:], module(x[:1, 3:])[0][0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(out[0, :3], torch.zeros(3, HIDDEN, dtype=torch.float64), rtol=0, atol=0)
+    torch.testing.assert_close(out[1], module(x[1:])[0][0], rtol=0, atol=1e-10)
