@@ -11,10 +11,11 @@ loss normalised by the global token count: torchtitan#2972), that is flame's des
 Call :func:`apply` once per process, after importing torch and before building meshes or models.
 """
 
+import contextlib
 import importlib.util
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -246,6 +247,48 @@ def _fla_ops_disable_compile() -> bool:
     return getattr(chunk_gated_delta_rule, "_torchdynamo_disable", False)
 
 
+@contextlib.contextmanager
+def fla_attention_on_flame(replacements: dict[str, type]) -> Iterator[None]:
+    """While FLA's model classes are built inside this context, the FLA layers named in ``replacements``
+    ("module.Class") whose module found no flash-attn are built as the given class instead (the generic family passes
+    flame's layers of the same parameters, flame.models.layers.fla_attention); where flash-attn imports, FLA's own
+    layers are built. Every ``fla.models`` module that holds the layer class under any name sees the replacement until
+    the context exits, so FLA's classes built outside it (an export loaded by transformers) are FLA's own."""
+    swapped = []
+    try:
+        for qualified_name, replacement in replacements.items():
+            module_name, class_name = qualified_name.rsplit(".", 1)
+            layer_module = sys.modules.get(module_name)
+            # Not imported: no FLA model class is registered that could build it (fla.models imports every layer).
+            if layer_module is None or getattr(layer_module, "flash_attn_func", None) is not None:
+                continue
+            fla_class = getattr(layer_module, class_name)
+            for name, module in list(sys.modules.items()):
+                if not name.startswith("fla.models") or module is None:
+                    continue
+                for attribute, value in list(vars(module).items()):
+                    if value is fla_class:
+                        setattr(module, attribute, replacement)
+                        swapped.append((module, attribute, fla_class))
+        yield
+    finally:
+        for module, attribute, fla_class in swapped:
+            setattr(module, attribute, fla_class)
+
+
+# FLA 0.6.0's layer modules that call flash-attn: each refuses to build or run when it is not importable.
+FLA_FLASH_ATTN_MODULES = ("fla.layers.attn", "fla.layers.bitattn")
+
+
+def _fla_attention_needs_flash_attn() -> bool:
+    for module_name in FLA_FLASH_ATTN_MODULES:
+        with open(importlib.util.find_spec(module_name).origin) as source:
+            text = source.read()
+        if "from flash_attn import" not in text or "Please install Flash Attention" not in text:
+            return False
+    return True
+
+
 SHIMS = (
     Shim(
         name="fake_process_group",
@@ -302,5 +345,13 @@ SHIMS = (
         fixed_in=None,
         workaround="flame.ops.fla_library (FLA's gated delta rule as torch.library custom ops)",
         reproduces=_fla_ops_disable_compile,
+    ),
+    Shim(
+        name="fla_attention_flash_attn",
+        applies=_always,
+        upstream="not filed: FLA 0.6.0's Attention and BitAttention run only on flash-attn (no SDPA path)",
+        fixed_in=None,
+        workaround="fla_attention_on_flame",
+        reproduces=_fla_attention_needs_flash_attn,
     ),
 )

@@ -7,7 +7,7 @@
 ``--backend flame`` (default) builds flame's own model from any checkpoint flame reads (flame.hf.load.load: DCP, or
 an export in FLA's, flame's or llama's format), which runs on CPU and GPU alike; ``--backend transformers`` loads an
 export with ``AutoModelForCausalLM.from_pretrained`` (after ``import flame``, and ``import fla`` for FLA's model
-types). Sampling recomputes the whole sequence at each new token (no cache): meant for short samples.
+types; FLA's attention layers are flame's where flash-attn does not import, as in training). Sampling recomputes the whole sequence at each new token (no cache): meant for short samples.
 """
 
 import argparse

@@ -1,28 +1,27 @@
 """flame's HF exports on the GPU: FLA's own classes (Triton kernels) load the ``fla`` format and compute the logits
-of flame's training model; flame's types, Llama and OLMo-hybrid exports do too. Reference: flame's model on the CPU (PyTorch
+of flame's training model (their attention layers flame's where flash-attn does not import, as the generic family
+builds them); flame's types, Llama and OLMo-hybrid exports do too. Reference: flame's model on the CPU (PyTorch
 path, float32); candidates run on the GPU under bf16 autocast, limit as in test_model_parity.py."""
 
-import importlib.util
 import json
 
 import pytest
 import torch
 
 from flame.cli import convert_dcp_to_hf
+from flame.compat import fla_attention_on_flame
+from flame.models.generic.model import FLA_ATTENTION_REPLACEMENTS
 from tests.utils.helpers import save_checkpoint, tiny_model, tokens
 
 LIMIT = 0.02
-HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
-NEEDS_FLASH_ATTN = pytest.mark.skipif(not HAS_FLASH_ATTN, reason="FLA's Attention needs flash_attn")
 GDN = {"hidden_size": 128, "num_heads": 2, "head_dim": 64}
 CASES = {
     "gated_deltanet": ("gated_deltanet", GDN, "fla"),
     "gated_deltanet++": ("gated_deltanet", {**GDN, "allow_neg_eigval": True}, "fla"),
     "gated_deltanet-gva": ("gated_deltanet", {**GDN, "num_v_heads": 4, "expand_v": 1}, "fla"),
     "delta_net": ("delta_net", {"hidden_size": 128, "num_heads": 2}, "fla"),
-    "transformer": pytest.param("transformer", {"hidden_size": 128}, "fla", marks=NEEDS_FLASH_ATTN),
-    "gdn-hybrid": pytest.param("gated_deltanet", {**GDN, "attn": {"layers": [1], "num_heads": 4}}, "fla",
-                               marks=NEEDS_FLASH_ATTN),
+    "transformer": ("transformer", {"hidden_size": 128}, "fla"),
+    "gdn-hybrid": ("gated_deltanet", {**GDN, "attn": {"layers": [1], "num_heads": 4}}, "fla"),
     "flame-softpick": ("transformer", {"hidden_size": 128, "attn_impl": "parallel_softpick_attn"}, "flame"),
     "flame-gdn-hybrid-qk-norm": ("gated_deltanet", {**GDN, "attn": {"layers": [1], "num_heads": 4,
                                                                      "qk_norm": True}}, "flame"),
@@ -54,7 +53,8 @@ def test_exported_model_on_gpu_matches_flame(tmp_path, model_type, overrides, fm
     x = tokens(length=100)  # past one 64-token chunk
     with torch.no_grad():
         reference = model(x)
-        hf = AutoModelForCausalLM.from_pretrained(out).cuda().eval()
+        with fla_attention_on_flame(FLA_ATTENTION_REPLACEMENTS):
+            hf = AutoModelForCausalLM.from_pretrained(out).cuda().eval()
         assert (
             type(hf).__module__.split(".")[0]
             == {"fla": "fla", "flame": "flame", "llama": "transformers", "olmo_hybrid": "transformers"}[fmt]

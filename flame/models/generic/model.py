@@ -6,8 +6,16 @@ import functools
 import torch
 from torch import nn
 
+from flame.compat import fla_attention_on_flame
 from flame.errors import ModelConfigError
-from flame.models.generic.args import GenericArgs
+from flame.models.generic.args import GenericArgs, is_fla_class
+from flame.models.layers.fla_attention import FLAAttention, FLABitAttention
+
+# FLA's attention layers that flame builds in their place while flash-attn is not importable (same parameters).
+FLA_ATTENTION_REPLACEMENTS = {
+    "fla.layers.attn.Attention": FLAAttention,
+    "fla.layers.bitattn.BitAttention": FLABitAttention,
+}
 
 
 class FlameCausalLM:
@@ -71,10 +79,42 @@ def find_blocks(model: nn.Module) -> list[str]:
     return found
 
 
+def refusing_layer(error: ImportError) -> str:
+    """The class of the innermost FLA layer whose constructor raised ``error`` (the frame's ``self``)."""
+    name = "an attention layer"
+    frame = error.__traceback__
+    while frame is not None:
+        owner = frame.tb_frame.f_locals.get("self")
+        if owner is not None and type(owner).__module__.startswith("fla.layers"):
+            name = f"{type(owner).__module__}.{type(owner).__name__}"
+        frame = frame.tb_next
+    return name
+
+
+def instantiate(lm_class: type, config) -> nn.Module:
+    """flame's class over ``lm_class``, built; FLA's classes build their flash-attn attention layers as flame's
+    (FLA_ATTENTION_REPLACEMENTS) where flash-attn is not importable, and a layer flame has no replacement for stops
+    with one line naming it."""
+    cls = flame_class(lm_class)
+    if not is_fla_class(lm_class):
+        return cls(config)
+    try:
+        with fla_attention_on_flame(FLA_ATTENTION_REPLACEMENTS):
+            return cls(config)
+    except ImportError as e:
+        if "flash" not in str(e).lower():
+            raise
+        raise ModelConfigError(
+            f"model_type '{config.model_type}' needs flash-attn, which is not installed: FLA's {refusing_layer(e)} "
+            "runs only on it (flame runs FLA's Attention and BitAttention on its own attention, not this layer); "
+            "install flash-attn or choose another model_type"
+        ) from e
+
+
 def build_generic_model(args: GenericArgs) -> nn.Module:
     config = args.hf_config()
     config.use_cache = False  # training: no key/value cache
-    model = flame_class(causal_lm_class(config))(config)
+    model = instantiate(causal_lm_class(config), config)
     model.args = args
     model.flame_blocks = find_blocks(model)
     return model

@@ -19,7 +19,8 @@ def rotary_cos_sin(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, H, D] by the angles in cos/sin [B, T, 1, D] (computed in float32)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
+    """Rotate x [B, T, H, D] by the angles in cos/sin [B, T, 1, D] (computed in float32, float64 for float64 x)."""
+    x_f = x.to(torch.promote_types(x.dtype, torch.float32))
+    x1, x2 = x_f.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+    return (x_f * cos + rotated * sin).to(x.dtype)

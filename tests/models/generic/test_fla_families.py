@@ -6,7 +6,9 @@ import warnings
 import pytest
 import torch
 
+from flame.errors import ModelConfigError
 from flame.models import FAMILIES, build_model, model_args_from_dict
+from flame.models.layers.fla_attention import FLAAttention
 
 TINY = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2}
 # FLA's defaults that do not fit a 64-wide model: heads of expand_ratio (128) channels leave no head at all.
@@ -14,9 +16,11 @@ OVERRIDES = {
     "hgrn2": {"expand_ratio": 16},
     "lightnet": {"expand_ratio": 16},
     "rodimus": {"ska_attn": {"num_heads": 4}},  # the rodimus_plus block's attention, required
+    "samba": {"attn": {"layers": [1], "num_heads": 4}},  # the default 18 heads leave an odd head_dim for RoPE
 }
-# FLA's layers for these import flash_attn when they are built, which flame does not install.
-NEEDS_FLASH_ATTN = {"mla", "samba"}
+# FLA's layers for these import flash_attn when they are built, which flame does not install and has no replacement
+# for (flame.models.layers.fla_attention replaces FLA's Attention and BitAttention).
+NEEDS_FLASH_ATTN = {"mla"}
 
 
 def fla_model_types() -> list[str]:
@@ -27,13 +31,20 @@ def fla_model_types() -> list[str]:
     return sorted(getattr(fla.models, n).model_type for n in dir(fla.models) if n.endswith("Config"))
 
 
-def fla_params(config: dict) -> int:
+def fla_model(config: dict) -> torch.nn.Module:
+    """FLA's own class for the config on the meta device, as it is built where flash-attn imports (FLA's attention
+    layer only checks that the name flash_attn_func is bound)."""
+    import fla.layers.attn
     from transformers import AutoConfig, AutoModelForCausalLM
 
     values = {k: v for k, v in config.items() if k != "model_type"}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **values))
-    return sum(p.numel() for p in model.parameters())
+    with torch.device("meta"), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fla.layers.attn, "flash_attn_func", object())
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **values))
+
+
+def fla_params(config: dict) -> int:
+    return sum(p.numel() for p in fla_model(config).parameters())
 
 
 def test_every_fla_family_builds_with_fla_parameter_count():
@@ -66,5 +77,49 @@ def test_flame_builds_its_own_families_and_flash_attn_families_say_so():
         assert not args.generic
     for model_type in sorted(NEEDS_FLASH_ATTN):
         args, _ = model_args_from_dict({"model_type": model_type, **TINY})
-        with torch.device("meta"), pytest.raises(ImportError, match="[Ff]lash"):
+        with (
+            torch.device("meta"),
+            pytest.raises(ModelConfigError, match=f"'{model_type}' needs flash-attn") as e,
+        ):
             build_model(args)
+        assert "fla.layers.mla.MultiheadLatentAttention" in str(e.value)
+
+
+ATTENTION_CONFIGS = {
+    "transformer": {"model_type": "transformer", **TINY, "num_heads": 4, "num_kv_heads": 2, "qk_norm": True,
+                    "qkv_bias": True, "window_size": 16},
+    "samba": {"model_type": "samba", **TINY, **OVERRIDES["samba"]},
+    "gla": {"model_type": "gla", **TINY, "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "qkv_bias": True,
+                                                    "window_size": 8}},
+    "bitnet": {"model_type": "bitnet", **TINY},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ATTENTION_CONFIGS)
+def test_attention_layers_on_flame_have_the_state_dict_of_fla_classes(name):
+    config = ATTENTION_CONFIGS[name]
+    args, unknown = model_args_from_dict(config, impl="fla")
+    assert unknown == []
+    with torch.device("meta"):
+        model = build_model(args)
+    assert any(isinstance(m, FLAAttention) for m in model.modules())
+    reference = fla_model(config)
+    assert not any(isinstance(m, FLAAttention) for m in reference.modules())
+    assert any(type(m).__module__ in ("fla.layers.attn", "fla.layers.bitattn") for m in reference.modules())
+
+    def layout(m):
+        return {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()}
+
+    assert layout(model) == layout(reference)
+
+
+def test_fla_layers_are_fla_own_where_flash_attn_imports(monkeypatch):
+    import fla.layers.attn
+
+    monkeypatch.setattr(
+        fla.layers.attn, "flash_attn_func", object()
+    )  # what FLA's import sets where it exists
+    args, _ = model_args_from_dict(ATTENTION_CONFIGS["gla"], impl="fla")
+    with torch.device("meta"):
+        model = build_model(args)
+    assert type(model.model.layers[1].attn) is fla.layers.attn.Attention

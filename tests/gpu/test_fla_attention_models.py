@@ -1,0 +1,82 @@
+"""FLA's transformer (--model.impl fla) and samba built by flame's generic family run their attention layers on
+flame's attention where flash-attn is not importable: a bf16 forward and backward of the whole model on the GPU
+(FLA's Triton norms, MLPs and Mamba around flame's layer), and the attention layer's output inside it against the
+float64 attention of tests/models/layers/test_fla_attention.py on the same inputs and weights."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from flame.models import build_model, model_args_from_dict
+from flame.models.layers.fla_attention import FLAAttention
+from tests.models.layers.test_fla_attention import naive
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("flash_attn") is not None, reason="flash-attn imports: FLA's own layers run"
+    ),
+]
+
+# Relative error (norm of the difference over the norm of the reference) of the bf16 layer, as in
+# test_model_parity.py: bf16 rounds q, k, v, the rotary tables and the output (~0.4% each); a wrong mask, rotation
+# or head mapping gives errors of order one. float32 layers agree to ~1e-6 (no TF32 in matmuls by default).
+BF16_LIMIT = 0.02
+FP32_LIMIT = 1e-4
+TINY = {"vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 2}
+MODELS = {
+    "transformer": {"model_type": "transformer", **TINY, "num_heads": 4, "num_kv_heads": 2, "qk_norm": True,
+                    "window_size": 48},
+    "samba": {"model_type": "samba", **TINY, "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 1,
+                                                      "window_size": 2048}},
+}  # fmt: skip
+
+
+def err_ratio(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return ((ref - out).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fla_model_trains_in_bf16_with_attention_on_flame(name):
+    args, _ = model_args_from_dict(MODELS[name], impl="fla")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = build_model(args)
+    model = model.to(torch.bfloat16).train()
+    layers = [m for m in model.modules() if isinstance(m, FLAAttention)]
+    assert layers
+    seen = {}
+
+    def keep(module, inputs, kwargs, output):
+        seen["x"], seen["out"] = kwargs.get("hidden_states", inputs[0] if inputs else None), output[0]
+
+    handle = layers[0].register_forward_hook(keep, with_kwargs=True)
+    input_ids = torch.randint(0, TINY["vocab_size"], (2, 100), device="cuda")
+    logits = model(input_ids)
+    handle.remove()
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+    loss.backward()
+    assert torch.isfinite(loss)
+    for param in layers[0].parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all() and param.grad.abs().sum() > 0
+
+    reference = torch.stack([naive(layers[0].cpu(), row) for row in seen["x"].detach().cpu()])
+    assert err_ratio(reference, seen["out"].detach().cpu()) < BF16_LIMIT
+
+
+def test_fla_attention_layer_float32_on_gpu():
+    torch.manual_seed(0)
+    layer = FLAAttention(
+        hidden_size=96, num_heads=6, num_kv_heads=2, qk_norm=True, qkv_bias=True, window_size=37
+    )
+    x = torch.randn(2, 101, 96)
+    reference = torch.stack([naive(layer, row) for row in x])
+    out, _, _ = layer.cuda()(x.cuda())
+    assert err_ratio(reference, out.cpu()) < FP32_LIMIT
+    packed, _, _ = layer(
+        x[:1].cuda(), cu_seqlens=torch.tensor([0, 40, 101], device="cuda", dtype=torch.int32)
+    )
+    alone = torch.cat([layer(x[:1, :40].cuda())[0], layer(x[:1, 40:].cuda())[0]], dim=1)
+    assert err_ratio(alone.cpu(), packed.cpu()) < FP32_LIMIT

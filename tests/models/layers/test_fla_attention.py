@@ -1,0 +1,170 @@
+"""flame's replacement of FLA 0.6.0's ``fla.layers.attn.Attention`` against a float64 attention written out here with
+FLA's conventions: per-head RMSNorm (eps 1e-5) before RoPE, rotate-half RoPE on the whole head with float32 angles,
+GQA, a window of the query's own position and the window_size - 1 keys before it, scale 1/sqrt(head_dim)."""
+
+import math
+
+import pytest
+import torch
+
+from flame.models.layers.fla_attention import FLAAttention
+
+HIDDEN, HEADS = 24, 3  # head_dim 8
+
+
+def layer(dtype=torch.float64, seed=0, **kwargs) -> FLAAttention:
+    """An FLAAttention with random weights everywhere (biases and norm weights too, so that each one counts)."""
+    torch.manual_seed(seed)
+    module = FLAAttention(hidden_size=HIDDEN, num_heads=HEADS, layer_idx=0, **kwargs)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn_like(param) * 0.5)
+    return module.to(dtype)
+
+
+def naive(module: FLAAttention, x: torch.Tensor, documents=None, positions=None, real=None) -> torch.Tensor:
+    """float64 attention of one row x [T, C] with module's weights: documents [(start, end)] packed in the row,
+    positions [T] (default: the index in the document), real [T] bool (padding: keys hidden, queries output 0)."""
+    x = x.double()
+    weights = {name: p.detach().double() for name, p in module.named_parameters()}
+    seq_len, heads, kv_heads, dim = x.shape[0], module.num_heads, module.num_kv_heads, module.head_dim
+    documents = documents or [(0, seq_len)]
+    if positions is None:
+        positions = torch.cat([torch.arange(end - start) for start, end in documents])
+    real = torch.ones(seq_len, dtype=torch.bool) if real is None else real
+
+    def project(name):
+        y = x @ weights[f"{name}.weight"].T
+        return y + weights[f"{name}.bias"] if f"{name}.bias" in weights else y
+
+    q = project("q_proj").view(seq_len, heads, dim)
+    k = project("k_proj").view(seq_len, kv_heads, dim)
+    v = project("v_proj").view(seq_len, kv_heads, dim)
+    if module.qk_norm:
+        q = q / torch.sqrt(q.pow(2).mean(-1, keepdim=True) + 1e-5) * weights["q_norm.weight"]
+        k = k / torch.sqrt(k.pow(2).mean(-1, keepdim=True) + 1e-5) * weights["k_norm.weight"]
+    # FLA's tables: inverse frequencies, positions and angles in float32, cos/sin then cast to the activations' dtype.
+    inv_freq = 1.0 / (module.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = torch.outer(positions.float(), inv_freq)
+    cos, sin = angles.cos().double(), angles.sin().double()
+    half = dim // 2
+
+    def rope(t):
+        out = torch.empty_like(t)
+        for i in range(half):  # pairs (i, i + half): the rotate-half layout
+            c, s = cos[:, None, i], sin[:, None, i]
+            out[..., i] = t[..., i] * c - t[..., i + half] * s
+            out[..., i + half] = t[..., i + half] * c + t[..., i] * s
+        return out
+
+    q, k = rope(q), rope(k)
+    out = torch.zeros(seq_len, heads, dim, dtype=torch.float64)
+    window = module.window_size or seq_len
+    for start, end in documents:
+        for t in range(start, end):
+            if not real[t]:
+                continue
+            keys = [j for j in range(max(start, t - window + 1), t + 1) if real[j]]
+            for h in range(heads):
+                g = h // (heads // kv_heads)
+                scores = torch.stack([q[t, h] @ k[j, g] for j in keys]) / math.sqrt(dim)
+                p = torch.softmax(scores, 0)
+                out[t, h] = sum(p[n] * v[j, g] for n, j in enumerate(keys))
+    return out.reshape(seq_len, heads * dim) @ weights["o_proj.weight"].T
+
+
+VARIANTS = [
+    {"num_kv_heads": 1},
+    {"num_kv_heads": 1, "window_size": 4},
+    {"num_kv_heads": 3, "qk_norm": True, "qkv_bias": True},
+    {"num_kv_heads": 1, "qk_norm": True, "qkv_bias": True, "window_size": 5, "rope_theta": 500.0},
+]
+
+
+@pytest.mark.parametrize("kwargs", VARIANTS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
+def test_forward_equals_naive_attention(kwargs):
+    module = layer(**kwargs)
+    x = torch.randn(2, 13, HIDDEN, dtype=torch.float64)
+    out, attentions, cache = module(x)
+    assert attentions is None and cache is None
+    expected = torch.stack([naive(module, row) for row in x])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    out32, _, _ = layer(torch.float32, **kwargs)(x.float())
+    torch.testing.assert_close(out32.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window_size", [None, 3])
+def test_packed_documents_equal_each_document_alone(window_size):
+    module = layer(num_kv_heads=1, qk_norm=True, window_size=window_size)
+    bounds = [0, 5, 13, 20]
+    x = torch.randn(1, 20, HIDDEN, dtype=torch.float64)
+    packed, _, _ = module(x, cu_seqlens=torch.tensor(bounds, dtype=torch.int32))
+    alone = torch.cat([module(x[:, s:e])[0] for s, e in zip(bounds, bounds[1:])], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-10)
+    documents = list(zip(bounds, bounds[1:]))
+    torch.testing.assert_close(packed[0], naive(module, x[0], documents), rtol=0, atol=1e-10)
+
+
+def test_padded_rows_hide_padding_and_keep_row_positions():
+    # FLA's layer without a cache: positions are the row's indices (padding included), padded keys are hidden and
+    # padded queries output 0.
+    module = layer(num_kv_heads=1, window_size=4)
+    x = torch.randn(2, 11, HIDDEN, dtype=torch.float64)
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    mask[1, 8:] = 0  # right padding
+    out, _, _ = module(x, attention_mask=mask)
+    for row in range(2):
+        expected = naive(module, x[row], positions=torch.arange(11), real=mask[row].bool())
+        torch.testing.assert_close(out[row], expected, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("window_size", [None, 4])
+def test_decoding_with_fla_cache_equals_full_forward(window_size):
+    from fla.models.cache_utils import Cache
+
+    module = layer(num_kv_heads=1, qk_norm=True, window_size=window_size)
+    x = torch.randn(2, 12, HIDDEN, dtype=torch.float64)
+    full, _, _ = module(x)
+    cache = Cache()
+    pieces = [
+        module(x[:, a:b], past_key_values=cache)[0] for a, b in [(0, 6), (6, 7), (7, 10), (10, 11), (11, 12)]
+    ]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-10)
+
+
+def test_refuses_a_full_attention_mask():
+    with pytest.raises(ValueError, match=r"attention_mask must be \[batch_size, seq_len\]"):
+        layer()(torch.randn(1, 4, HIDDEN, dtype=torch.float64), attention_mask=torch.ones(1, 4, 4))
+
+
+@pytest.mark.parametrize("kwargs", VARIANTS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
+def test_flame_transformer_attention_computes_the_same_from_the_same_state_dict(kwargs):
+    # flame's own transformer family reads FLA's checkpoints: its layer under FLA's names gives FLA's layer's output.
+    from flame.models.layers.attention import Attention
+
+    module = layer(**kwargs)
+    flame_kwargs = {k: v for k, v in kwargs.items() if k != "rope_theta"}
+    own = Attention(HIDDEN, HEADS, rope_theta=module.rope_theta, norm_eps=1e-5, **flame_kwargs).double()
+    own.load_state_dict(module.state_dict(), strict=True)
+    x = torch.randn(2, 13, HIDDEN, dtype=torch.float64)
+    torch.testing.assert_close(own(x, torch.arange(13).expand(2, 13)), module(x)[0], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("window_size", [None, 3])
+def test_left_padded_decoding_with_fla_cache_equals_each_row_alone(window_size):
+    # With a cache, FLA numbers a left-padded row's tokens from its first real one (generation of a padded batch).
+    from fla.models.cache_utils import Cache
+
+    module = layer(num_kv_heads=1, window_size=window_size)
+    x = torch.randn(2, 10, HIDDEN, dtype=torch.float64)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    cache = Cache()
+    pieces = [module(x[:, :8], attention_mask=mask[:, :8], past_key_values=cache)[0]]
+    for t in (8, 9):
+        pieces.append(module(x[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache)[0])
+    out = torch.cat(pieces, dim=1)
+    torch.testing.assert_close(out[0, 3:], module(x[:1, 3:])[0][0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(out[0, :3], torch.zeros(3, HIDDEN, dtype=torch.float64), rtol=0, atol=0)
+    torch.testing.assert_close(out[1], module(x[1:])[0][0], rtol=0, atol=1e-10)
