@@ -7,7 +7,8 @@ it is the attribute an FLA class stores a parameter under (FLA_ATTRIBUTE_KEYS), 
 parameter (FLA_RENAMED_KEYS, read as the new name), what FLA 0.6.0 does anyway (FLA_SETTLED_KEYS), or an attribute
 the class derives from the other keys and the config's value equals the derived one; anything else is refused in
 one line naming the key, the class and what to do (docs/models.md#config-keys). The keys of FLA's ``attn`` spec
-(the hybrid layers' softmax attention) are checked the same way.
+(the hybrid layers' softmax attention) are checked the same way. A user's class that declares no parameters of its
+own is passed every key: its model reads them as attributes.
 """
 
 import difflib
@@ -109,6 +110,16 @@ def accepted_keys(cls: type) -> set[str]:
     return keys
 
 
+def declares_no_keys(cls: type) -> bool:
+    """A user's config class with no parameters of its own beyond PreTrainedConfig's: transformers keeps every key
+    given as an attribute, which its model may read, so which keys matter is the model's secret."""
+    from transformers import PretrainedConfig
+
+    if cls.__module__.partition(".")[0] in ("fla", "transformers"):
+        return False
+    return accepted_keys(cls) <= accepted_keys(PretrainedConfig)
+
+
 def describe(cls: type) -> str:
     owner = {"fla": "FLA's ", "transformers": "transformers' "}.get(cls.__module__.partition(".")[0], "")
     return f"{owner}{cls.__name__}"
@@ -135,6 +146,8 @@ def settle_keys(cls: type, model_type: str, values: dict[str, Any]) -> tuple[dic
     """The config values for ``cls`` (older FLA names read as FLA 0.6.0's) and a notice per renamed key;
     ModelConfigError for a key ``cls`` would drop."""
     taken = accepted_keys(cls)
+    if declares_no_keys(cls):
+        return dict(values), []
     fla = cls.__module__.startswith("fla.")
     renamed = FLA_RENAMED_KEYS.get(model_type, {}) if fla else {}
     aliases = FLA_ATTRIBUTE_KEYS.get(model_type, {}) if fla else {}
