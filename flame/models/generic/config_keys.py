@@ -198,7 +198,7 @@ def check_derived(cls: type, values: dict[str, Any], keys: list[str], taken: set
     try:
         built = cls(**{k: v for k, v in values.items() if k not in keys})
     except (TypeError, ValueError):
-        built = None  # the class refuses the rest of the config; its own message follows when it is built
+        built = None  # the class refuses the rest of the config: nothing is derived, every key is unknown
     for key in keys:
         value = values[key]
         if built is not None and key in vars(built) and not key.startswith("_"):

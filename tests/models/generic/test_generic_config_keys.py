@@ -11,8 +11,17 @@ import torch
 from flame.errors import ModelConfigError
 from flame.launch import EXIT_DONE, main
 from flame.models import FAMILIES, model_args_from_dict
+from flame.models.generic.args import config_class
+from flame.models.generic.config_keys import (
+    FLA_ATTRIBUTE_KEYS,
+    FLA_RENAMED_KEYS,
+    FLA_SETTLED_KEYS,
+    FLA_UNREAD_ATTN_KEYS,
+    accepted_keys,
+)
 from tests.models.generic.helpers import dry_run_params
 from tests.models.generic.test_fla_families import OVERRIDES, TINY, fla_model_types, fla_params
+from tests.utils.helpers import REPO
 
 SMALL = {
     "vocab_size": 4096,
@@ -253,3 +262,28 @@ def test_accepted_values_build_what_fla_builds():
 
         shapes = [p.shape for p in build_model(args).parameters()]
         assert shapes == [p.shape for p in build_model(plain).parameters()]
+
+
+def test_fla_tables_match_fla_classes_and_the_docs():
+    """Each table entry names a key FLA 0.6.0's class does not take (else the class reads it itself) and, for
+    renames and attributes, the parameter it does take; docs/models.md names every key."""
+    doc = (REPO / "docs" / "models.md").read_text()
+    named = []
+    for model_type, renames in FLA_RENAMED_KEYS.items():
+        taken = accepted_keys(config_class(model_type, "fla"))
+        for old, (new, _) in renames.items():
+            assert old not in taken and new in taken, (model_type, old, new)
+            named += [old, new]
+    for model_type, attributes in FLA_ATTRIBUTE_KEYS.items():
+        cls = config_class(model_type, "fla")
+        for attribute, parameter in attributes.items():
+            assert attribute not in accepted_keys(cls) and parameter in accepted_keys(cls)
+            assert getattr(cls(**{parameter: 0.25}), attribute) == 0.25
+            named += [attribute]
+    for model_type, settled in FLA_SETTLED_KEYS.items():
+        if model_type != "*":
+            assert not set(settled) & accepted_keys(config_class(model_type, "fla")), model_type
+        named += list(settled)
+    for model_type in FLA_UNREAD_ATTN_KEYS:
+        assert "attn" in accepted_keys(config_class(model_type, "fla"))
+    assert [key for key in named if f"`{key}`" not in doc] == []
