@@ -93,6 +93,11 @@ FLA_SETTLED_KEYS: dict[str, dict[str, SettledKey]] = {
         ),
     },
 }
+# Nested specs other than ``attn``, per model_type: the keys FLA's model reads from them.
+FLA_NESTED_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
+    # fla/models/rodimus/modeling_rodimus.py builds its shared-key attention from these
+    "rodimus": {"ska_attn": ("num_heads", "qkv_bias", "qk_norm", "window_size", "rope_theta")},
+}
 # Keys of an AttentionSpec that a family's blocks do not pass to their attention layers (fla/models/<type>/
 # modeling_<type>.py), which then take Attention's default (fla/layers/attn.py).
 FLA_UNREAD_ATTN_KEYS: dict[str, dict[str, Any]] = {
@@ -186,7 +191,14 @@ def settle_keys(cls: type, model_type: str, values: dict[str, Any]) -> tuple[dic
         else:
             derived.append(key)
     if "attn" in taken and fla:
-        check_attention_spec(cls, model_type, values.get("attn"))
+        from fla.models.configuration_utils import AttentionSpec
+
+        known = tuple(AttentionSpec.__annotations__)
+        check_nested(
+            cls, "attn", values.get("attn"), known, FLA_UNREAD_ATTN_KEYS.get(model_type, {}), model_type
+        )
+    for name, known in (FLA_NESTED_KEYS.get(model_type, {}) if fla else {}).items():
+        check_nested(cls, name, values.get(name), known, {}, model_type)
     if derived:
         check_derived(cls, values, derived, taken)
     return values, notices
@@ -217,27 +229,25 @@ def check_derived(cls: type, values: dict[str, Any], keys: list[str], taken: set
         )
 
 
-def check_attention_spec(cls: type, model_type: str, attn: Any) -> None:
-    """Every key of FLA's ``attn`` spec is one FLA's attention layers read (fla/models/configuration_utils.py's
-    AttentionSpec; FLA validates the values and keeps unknown keys)."""
-    from fla.models.configuration_utils import AttentionSpec
-
-    known = list(AttentionSpec.__annotations__)
-    unread = FLA_UNREAD_ATTN_KEYS.get(model_type, {})
-    for spec in attn if isinstance(attn, list) else [attn] if isinstance(attn, dict) else []:
+def check_nested(
+    cls: type, name: str, value: Any, known: tuple[str, ...], unread: dict[str, Any], model_type: str
+) -> None:
+    """Every key of a nested spec (FLA's ``attn``: fla/models/configuration_utils.py's AttentionSpec, which FLA
+    validates while keeping unknown keys) is one the model reads; ``unread``: keys its blocks leave at a default."""
+    for spec in value if isinstance(value, list) else [value] if isinstance(value, dict) else []:
         if not isinstance(spec, dict):
             continue  # FLA's own check refuses it
-        for key, value in spec.items():
+        for key, item in spec.items():
             if key not in known:
                 near = difflib.get_close_matches(key, known, n=1)
                 hint = f" (did you mean {near[0]}?)" if near else ""
                 raise ModelConfigError(
-                    f"attn.{key} is not a key of {describe(cls)}'s attention spec{hint} (it reads "
+                    f"{name}.{key} is not a key of {describe(cls)}'s {name} spec{hint} (it reads "
                     f"{', '.join(known)}); remove it or correct its name"
                 )
-            if key in unread and not same(value, unread[key]):
+            if key in unread and not same(item, unread[key]):
                 raise ModelConfigError(
-                    f"attn.{key} {json.dumps(value)}: {describe(cls)}'s blocks build their attention without "
+                    f"{name}.{key} {json.dumps(item)}: {describe(cls)}'s blocks build their attention without "
                     f"{key} (fla/models/{model_type}/modeling_{model_type}.py), which is then "
                     f"{json.dumps(unread[key])}; remove it or set it to {json.dumps(unread[key])}"
                 )

@@ -14,6 +14,7 @@ from flame.models import FAMILIES, model_args_from_dict
 from flame.models.generic.args import config_class
 from flame.models.generic.config_keys import (
     FLA_ATTRIBUTE_KEYS,
+    FLA_NESTED_KEYS,
     FLA_RENAMED_KEYS,
     FLA_SETTLED_KEYS,
     FLA_UNREAD_ATTN_KEYS,
@@ -227,9 +228,12 @@ REFUSED = {
                 "num_heads 3: FLA's Mamba2Config derives 2 from the config's other keys and does not take num_heads;"
                 " remove it or set it to 2"),
     "nested": ({"model_type": "gla", **SMALL, "attn": {**SAMBA_ATTN, "num_head": 4}},
-               "attn.num_head is not a key of FLA's GLAConfig's attention spec (did you mean num_heads?)"),
+               "attn.num_head is not a key of FLA's GLAConfig's attn spec (did you mean num_heads?)"),
     "nested-list": ({"model_type": "gla", **SMALL, "attn": [SAMBA_ATTN, {"layers": [0], "num_heads": 4,
-                     "sliding_window": 64}]}, "attn.sliding_window is not a key of FLA's GLAConfig's attention spec"),
+                     "sliding_window": 64}]}, "attn.sliding_window is not a key of FLA's GLAConfig's attn spec"),
+    "nested-other": ({"model_type": "rodimus", **SMALL, "block_type": "rodimus_plus",
+                      "ska_attn": {"num_heads": 4, "qk_norms": True}},
+                     "ska_attn.qk_norms is not a key of FLA's RodimusConfig's ska_attn spec (did you mean qk_norm?)"),
     "nested-unread": ({"model_type": "lightnet", **SMALL, "attn": {**SAMBA_ATTN, "rope_theta": 500000.0}},
                       "attn.rope_theta 500000.0: FLA's LightNetConfig's blocks build their attention without "
                       "rope_theta (fla/models/lightnet/modeling_lightnet.py)"),
@@ -286,4 +290,7 @@ def test_fla_tables_match_fla_classes_and_the_docs():
         named += list(settled)
     for model_type in FLA_UNREAD_ATTN_KEYS:
         assert "attn" in accepted_keys(config_class(model_type, "fla"))
+    for model_type, nested in FLA_NESTED_KEYS.items():
+        assert set(nested) <= accepted_keys(config_class(model_type, "fla"))
+        named += list(nested)
     assert [key for key in named if f"`{key}`" not in doc] == []
