@@ -102,7 +102,9 @@ def preflight(argv: list[str]) -> int:
 
     validate_job(job_config)
     import_custom_modules(job_config.experimental)
-    model_args, _ = load_model_args(job_config.model.config, job_config.model.impl)
+    model_args, notices = load_model_args(job_config.model.config, job_config.model.impl)
+    for notice in notices:
+        print(f"notice: {job_config.model.config}: {notice}", file=sys.stderr)
     vocab = tokenizer_vocab_size(job_config.model.tokenizer_path)
     if vocab is not None and vocab > model_args.vocab_size:
         if not job_config.model.resize_vocab:

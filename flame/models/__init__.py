@@ -86,7 +86,8 @@ def chosen_impl(config: dict, impl: str) -> str:
 
 def model_args_from_dict(config: dict, impl: str = "auto") -> tuple[ModelArgs, list[str]]:
     """Args of the model a config dict describes, built by ``impl`` (--model.impl; the config's ``flame_impl``
-    when auto), and the keys the chosen class does not take (the generic path's; flame's families refuse them)."""
+    when auto), and a notice per key read under its newer name (the generic path's older FLA names). A key the
+    model would ignore is refused (ModelConfigError) on every path."""
     impl = chosen_impl(config, impl)
     model_type = config["model_type"]
     if impl == "flame" and model_type not in FAMILIES:
@@ -101,8 +102,8 @@ def model_args_from_dict(config: dict, impl: str = "auto") -> tuple[ModelArgs, l
 
 
 def load_model_args(path: str | Path, impl: str = "auto") -> tuple[ModelArgs, list[str]]:
-    """Args of the model described by a config JSON or HF model folder, built by ``impl`` (--model.impl), and the
-    keys the chosen class does not take."""
+    """Args of the model described by a config JSON or HF model folder, built by ``impl`` (--model.impl), and a
+    notice per key read under its newer name."""
     config = read_model_config(path)
     try:
         return model_args_from_dict(config, impl)

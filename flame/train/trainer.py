@@ -111,11 +111,9 @@ class Trainer(Stateful):
         # Tokenizer, model config and data.
         self.tokenizer = build_tokenizer(job_config)
         import_custom_modules(job_config.experimental)
-        self.model_args, unknown_keys = load_model_args(job_config.model.config, job_config.model.impl)
-        if unknown_keys:
-            logger.warning(
-                f"Model config keys the class's config does not take (it ignores them): {', '.join(unknown_keys)}"
-            )
+        self.model_args, notices = load_model_args(job_config.model.config, job_config.model.impl)
+        for notice in notices:
+            logger.warning(f"{job_config.model.config}: {notice}")
         fit_vocab_to_tokenizer(self.model_args, self.tokenizer, job_config.model.resize_vocab)
         self.dataloader = build_dataloader(
             job_config,

@@ -4,7 +4,6 @@ implementation (--model.impl: FLA's, transformers' own or a user's registered cl
 import functools
 import importlib
 import importlib.util
-import inspect
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -15,7 +14,8 @@ from torch import nn
 
 from flame.errors import ModelConfigError
 from flame.models import IMPL_KEY, custom
-from flame.models.common.args import HF_BOOKKEEPING, ModelArgs
+from flame.models.common.args import ModelArgs
+from flame.models.generic.config_keys import settle_keys
 
 # Written by flame into a generic model's config (flame.json, model_config.json), never into an HF export: the
 # user modules that register its classes, imported again wherever the config is read (the HF converter after a run).
@@ -110,15 +110,6 @@ def config_parallelisms(args: "GenericArgs") -> frozenset[str]:
     )
 
 
-def accepted_keys(cls: type) -> set[str]:
-    """Every key a config class's constructor takes, its own and its bases' (transformers passes **kwargs up)."""
-    keys = set()
-    for klass in cls.__mro__:
-        if "__init__" in vars(klass):
-            keys |= set(inspect.signature(klass.__init__).parameters) - {"self", "kwargs"}
-    return keys
-
-
 @dataclass
 class GenericArgs(ModelArgs):
     generic: ClassVar[bool] = True
@@ -132,18 +123,19 @@ class GenericArgs(ModelArgs):
 
     @classmethod
     def from_dict(cls, config: dict[str, Any], impl: str = "auto") -> tuple["GenericArgs", list[str]]:
+        """Args of the config read through ``impl``'s config class, and a notice per key read under a newer name
+        (an older FLA release's); ModelConfigError for a key the class would ignore (config_keys.settle_keys)."""
         imports = list(config.get(CUSTOM_IMPORTS_KEY, []))
         custom.import_targets(imports)
         model_type = config["model_type"]
         config_cls = config_class(model_type, impl)
         values = {k: v for k, v in config.items() if k not in ("model_type", CUSTOM_IMPORTS_KEY, IMPL_KEY)}
+        values, notices = settle_keys(config_cls, model_type, values)
         try:
             hf_config = config_cls(**values)
         except (TypeError, ValueError) as e:
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelConfigError(f"{config_cls.__name__} refuses this config: {first_line}") from e
-        known = accepted_keys(config_cls) | set(HF_BOOKKEEPING)
-        unknown = sorted(k for k in values if k not in known)
         args = cls(
             vocab_size=getattr(hf_config, "vocab_size", None),
             hidden_size=getattr(hf_config, "hidden_size", 0),
@@ -157,7 +149,7 @@ class GenericArgs(ModelArgs):
             impl=impl,
         )
         args.validate()
-        return args, unknown
+        return args, notices
 
     def validate(self) -> None:
         if not isinstance(self.vocab_size, int) or self.vocab_size <= 0:

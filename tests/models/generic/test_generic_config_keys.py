@@ -1,0 +1,296 @@
+"""No key of a generic-path config is silently dropped (flame/models/generic/config_keys.py): upstream flame's
+FLA configs dry-run with the values FLA uses, hub configs of transformers' models keep their RoPE keys, and every
+other key the class would ignore stops the dry run in one line naming the key, the class and what to do."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from flame.errors import ModelConfigError
+from flame.launch import EXIT_DONE, main
+from flame.models import FAMILIES, model_args_from_dict
+from flame.models.generic.args import config_class
+from flame.models.generic.config_keys import (
+    FLA_ATTRIBUTE_KEYS,
+    FLA_NESTED_KEYS,
+    FLA_RENAMED_KEYS,
+    FLA_SETTLED_KEYS,
+    FLA_UNREAD_ATTN_KEYS,
+    accepted_keys,
+)
+from tests.models.generic.helpers import dry_run_params
+from tests.models.generic.test_fla_families import OVERRIDES, TINY, fla_model_types, fla_params
+from tests.utils.helpers import REPO
+
+SMALL = {
+    "vocab_size": 4096,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+}  # flame's default tokenizer: 4096 tokens
+# The keys of upstream flame's configs/ (fla-org/flame) that FLA 0.6.0's classes do not take, with upstream's
+# values, on a small shape; each maps to the FLA 0.6.0 config that builds the same model.
+UPSTREAM = {
+    "gsa_340M": (
+        {"model_type": "gsa", **SMALL, "num_heads": 4, "num_slots": 16, "expand_k": 0.5, "expand_v": 1,
+         "share_conv_kernel": True, "use_rope": False, "use_short_conv": False, "elementwise_affine": False},
+        {"exapnd_k": 0.5, "exapnd_v": 1},
+    ),
+    "mamba_340M": (
+        {"model_type": "mamba", **SMALL, "time_step_rank": 8, "time_step_scale": 0.5, "time_step_min": 0.002,
+         "time_step_max": 0.2, "time_step_init_scheme": "constant", "time_step_floor": 0.0002},
+        {"dt_rank": 8, "dt_scale": 0.5, "dt_min": 0.002, "dt_max": 0.2, "dt_init_scheme": "constant",
+         "dt_init_floor": 0.0002},
+    ),
+    "mamba2_340M": (
+        {"model_type": "mamba2", **SMALL, "head_dim": 16, "rms_norm": True, "time_step_rank": 128,
+         "time_step_min": 0.002, "time_step_max": 0.2, "time_step_floor": 0.0002},
+        {"dt_min": 0.002, "dt_max": 0.2, "dt_init_floor": 0.0002},
+    ),
+}  # fmt: skip
+UPSTREAM_DROPPED = {
+    "gsa_340M": ["expand_k", "expand_v", "share_conv_kernel", "use_rope"],
+    "mamba_340M": ["time_step_rank", "time_step_scale", "time_step_min", "time_step_max", "time_step_init_scheme",
+                   "time_step_floor"],
+    "mamba2_340M": ["rms_norm", "time_step_rank", "time_step_min", "time_step_max", "time_step_floor"],
+}  # fmt: skip
+
+
+def fla_config(model_type: str, **values):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import fla.models  # noqa: F401
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(model_type, **values)
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM))
+def test_upstream_configs_dry_run_with_the_values_fla_uses(tmp_path, capsys, name):
+    config, fla_names = UPSTREAM[name]
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    expected = {k: v for k, v in config.items() if k not in UPSTREAM_DROPPED[name]} | fla_names
+    assert dry_run_params(capsys, "--model.config", str(path), "--model.impl", "fla") == fla_params(expected)
+    args, _ = model_args_from_dict(config, impl="fla")
+    built, reference = args.hf_config(), fla_config(**expected)
+    for key in fla_names:  # stored where FLA's model reads them (GSA's exapnd_k as expand_k)
+        attribute = key.replace("exapnd", "expand")
+        assert (
+            getattr(built, attribute)
+            == getattr(reference, attribute)
+            == config.get(attribute, fla_names[key])
+        )
+
+
+def test_renamed_keys_are_noticed_and_recorded_under_fla_names():
+    config, _ = UPSTREAM["mamba_340M"]
+    args, notices = model_args_from_dict(config)
+    assert sorted(notices) == sorted(
+        f"{old} is read as {old.replace('time_step_floor', 'dt_init_floor').replace('time_step', 'dt')} "
+        "(FLA's MambaConfig's name for it since FLA 0.5.0, PR 782)"
+        for old in UPSTREAM_DROPPED["mamba_340M"]
+    )
+    # The recorded config holds FLA 0.6.0's names: read again (a checkpoint's flame.json, the HF export), it
+    # gives the same args with nothing to notice.
+    again, renotices = model_args_from_dict(args.to_dict())
+    assert again == args and renotices == []
+    exported, renotices = model_args_from_dict(args.hf_config().to_dict())
+    assert renotices == [] and exported.hf_config().dt_rank == 8
+
+
+def test_preflight_prints_each_rename_as_a_notice(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "mamba2.json"
+    path.write_text(json.dumps({"model_type": "mamba2", **SMALL, "head_dim": 16, "time_step_min": 0.002}))
+    monkeypatch.setattr("sys.argv", ["flame.launch", "--model.config", str(path), "--job.dry_run"])
+    assert main() == EXIT_DONE
+    (notice,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")]
+    assert notice == f"notice: {path}: time_step_min is read as dt_min (FLA's Mamba2Config's name for it since FLA 0.5.0, PR 782)"  # fmt: skip
+
+
+def test_upstream_fla_transformer_config_takes_attention_bias_false():
+    # transformer_7B's key under --model.impl fla; building FLA's transformer needs flash-attn, so its args are
+    # checked, not dry-run.
+    config = {
+        "model_type": "transformer",
+        **SMALL,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "attention_bias": False,
+    }
+    args, notices = model_args_from_dict(config, impl="fla")
+    assert args.generic and notices == []
+
+
+def test_samba_intermediate_size_is_accepted_as_fla_derives_it():
+    # samba_1B's keys; building Samba needs flash-attn, so its args are checked, not dry-run.
+    attn = {"layers": [1], "num_heads": 4, "num_kv_heads": 4, "qkv_bias": False, "rope_theta": 10000.0,
+            "window_size": 2048}  # fmt: skip
+    config = {"model_type": "samba", **SMALL, "expand": 2, "intermediate_size": 128, "attn": attn}
+    args, notices = model_args_from_dict(config)
+    assert notices == [] and args.hf_config().intermediate_size == 128
+    with pytest.raises(ModelConfigError, match="intermediate_size 100: FLA's SambaConfig derives 128 "):
+        model_args_from_dict({**config, "intermediate_size": 100})
+
+
+def test_fla_config_files_are_accepted_as_fla_writes_them():
+    """FLA's own config.json (its to_dict, derived attributes and transformers' bookkeeping included) of every
+    family flame builds through the generic path reads back with nothing to refuse or notice."""
+    for model_type in fla_model_types():
+        if model_type in FAMILIES:
+            continue
+        written = fla_config(model_type, **TINY, **OVERRIDES.get(model_type, {})).to_dict()
+        args, notices = model_args_from_dict(written)
+        assert args.generic and notices == [], model_type
+
+
+# Hub config.json files of transformers' models as published (shapes shrunk): rope_theta, rope_scaling and
+# partial_rotary_factor are consumed by transformers' RoPE standardisation, not by the constructors.
+HUB = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+              "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 8, "hidden_act": "silu",
+              "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
+              "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+              "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "pretraining_tp": 1,
+              "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+              "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "rope_theta": 500000.0,
+              "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.45.0.dev0",
+              "use_cache": True, "vocab_size": 4096},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+              "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 8, "hidden_act": "silu", "hidden_size": 32,
+              "initializer_range": 0.02, "intermediate_size": 64, "max_position_embeddings": 40960,
+              "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 4, "num_hidden_layers": 2,
+              "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+              "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+              "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 4096},
+    "olmo2": {"architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+              "eos_token_id": 100257, "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02,
+              "intermediate_size": 64, "max_position_embeddings": 4096, "model_type": "olmo2",
+              "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4, "pad_token_id": 100277,
+              "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 500000, "tie_word_embeddings": False,
+              "torch_dtype": "float32", "transformers_version": "4.48.0", "use_cache": True, "vocab_size": 4096},
+    "mistral": {"architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+                "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
+                "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 4,
+                "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5, "sliding_window": 4096, "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": True,
+                "vocab_size": 4096, "max_length": 4096, "temperature": 0.6},  # sampling settings: generation's
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(HUB))
+def test_hub_configs_keep_their_rope_keys(name):
+    config = HUB[name]
+    args, notices = model_args_from_dict(config)
+    assert args.generic and notices == []
+    rope = args.hf_config().rope_parameters
+    assert rope["rope_theta"] == config["rope_theta"]
+    assert rope.get("partial_rotary_factor") == config.get("partial_rotary_factor")
+    assert rope["rope_type"] == (config.get("rope_scaling") or {}).get("rope_type", "default")
+
+
+def test_a_hub_config_dry_runs_with_the_class_parameter_count(tmp_path, capsys):
+    from tests.models.generic.helpers import upstream_params
+
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(HUB["llama"]))
+    assert dry_run_params(capsys, "--model.config", str(folder)) == upstream_params(HUB["llama"])
+
+
+SAMBA_ATTN = {"layers": [1], "num_heads": 4}
+REFUSED = {
+    "typo": ({"model_type": "llama", **SMALL, "num_attention_heads": 4, "num_attention_head": 4},
+             "num_attention_head is not a key of transformers' LlamaConfig (did you mean num_attention_heads?): "
+             "the class would ignore it; remove it or correct its name"),
+    "foreign": ({"model_type": "llama", **SMALL, "num_attention_heads": 4, "attnres_block_size": 4},
+                "attnres_block_size is not a key of transformers' LlamaConfig"),
+    "rope-without-rope": ({"model_type": "gla", **SMALL, "rope_theta": 10000.0},
+                          "rope_theta is not a key of FLA's GLAConfig"),
+    "use_rope": ({"model_type": "gsa", **SMALL, "use_rope": True},
+                 'use_rope true: FLA\'s GSAConfig does not take it (FLA\'s GSA has no rotary embedding'),
+    "share_conv_kernel": ({"model_type": "gsa", **SMALL, "use_short_conv": True, "share_conv_kernel": True},
+                          "share_conv_kernel true: FLA's GSAConfig does not take it"),
+    "rms_norm": ({"model_type": "mamba2", **SMALL, "rms_norm": False},
+                 "rms_norm false: FLA's Mamba2Config does not take it (FLA before 0.5.0 applied Mamba2's gated "
+                 "RMSNorm whatever rms_norm said; FLA 0.6.0's rmsnorm (default true) is the switch); remove it or "
+                 "set it to true"),
+    "attention_bias": ({"model_type": "gla", **SMALL, "attention_bias": True},
+                       "attention_bias true: FLA's GLAConfig does not take it"),
+    "renamed-twice": ({"model_type": "mamba", **SMALL, "time_step_rank": 8, "dt_rank": 4},
+                      "time_step_rank 8 and dt_rank 4 disagree: time_step_rank is FLA's MambaConfig's dt_rank under "
+                      "its name before FLA 0.5.0, PR 782; remove time_step_rank"),
+    "alias-twice": ({"model_type": "gsa", **SMALL, "expand_k": 0.5, "exapnd_k": 1},
+                    "expand_k 0.5 and exapnd_k 1 disagree: FLA's GSAConfig stores exapnd_k as expand_k"),
+    "derived": ({"model_type": "mamba2", **SMALL, "num_heads": 3},
+                "num_heads 3: FLA's Mamba2Config derives 2 from the config's other keys and does not take num_heads;"
+                " remove it or set it to 2"),
+    "nested": ({"model_type": "gla", **SMALL, "attn": {**SAMBA_ATTN, "num_head": 4}},
+               "attn.num_head is not a key of FLA's GLAConfig's attn spec (did you mean num_heads?)"),
+    "nested-list": ({"model_type": "gla", **SMALL, "attn": [SAMBA_ATTN, {"layers": [0], "num_heads": 4,
+                     "sliding_window": 64}]}, "attn.sliding_window is not a key of FLA's GLAConfig's attn spec"),
+    "nested-other": ({"model_type": "rodimus", **SMALL, "block_type": "rodimus_plus",
+                      "ska_attn": {"num_heads": 4, "qk_norms": True}},
+                     "ska_attn.qk_norms is not a key of FLA's RodimusConfig's ska_attn spec (did you mean qk_norm?)"),
+    "nested-unread": ({"model_type": "lightnet", **SMALL, "attn": {**SAMBA_ATTN, "rope_theta": 500000.0}},
+                      "attn.rope_theta 500000.0: FLA's LightNetConfig's blocks build their attention without "
+                      "rope_theta (fla/models/lightnet/modeling_lightnet.py)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_dry_run_refuses_a_key_the_class_would_drop(tmp_path, capsys, monkeypatch, case):
+    config, message = REFUSED[case]
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(config))
+    monkeypatch.setattr("sys.argv", ["flame.launch", "--model.config", str(path), "--job.dry_run"])
+    assert main() == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {path}: {message}"), line
+
+
+def test_accepted_values_build_what_fla_builds():
+    """Keys FLA does not take pass only with the values that describe what FLA builds: the same model."""
+    base = {"model_type": "gsa", **SMALL, "num_heads": 4}
+    accepted = {
+        "use_rope": False,
+        "share_conv_kernel": True,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+    }
+    args, plain = model_args_from_dict({**base, **accepted})[0], model_args_from_dict(base)[0]
+    with torch.device("meta"):
+        from flame.models import build_model
+
+        shapes = [p.shape for p in build_model(args).parameters()]
+        assert shapes == [p.shape for p in build_model(plain).parameters()]
+
+
+def test_fla_tables_match_fla_classes_and_the_docs():
+    """Each table entry names a key FLA 0.6.0's class does not take (else the class reads it itself) and, for
+    renames and attributes, the parameter it does take; docs/models.md names every key."""
+    doc = (REPO / "docs" / "models.md").read_text()
+    named = []
+    for model_type, renames in FLA_RENAMED_KEYS.items():
+        taken = accepted_keys(config_class(model_type, "fla"))
+        for old, (new, _) in renames.items():
+            assert old not in taken and new in taken, (model_type, old, new)
+            named += [old, new]
+    for model_type, attributes in FLA_ATTRIBUTE_KEYS.items():
+        cls = config_class(model_type, "fla")
+        for attribute, parameter in attributes.items():
+            assert attribute not in accepted_keys(cls) and parameter in accepted_keys(cls)
+            assert getattr(cls(**{parameter: 0.25}), attribute) == 0.25
+            named += [attribute]
+    for model_type, settled in FLA_SETTLED_KEYS.items():
+        if model_type != "*":
+            assert not set(settled) & accepted_keys(config_class(model_type, "fla")), model_type
+        named += list(settled)
+    for model_type in FLA_UNREAD_ATTN_KEYS:
+        assert "attn" in accepted_keys(config_class(model_type, "fla"))
+    for model_type, nested in FLA_NESTED_KEYS.items():
+        assert set(nested) <= accepted_keys(config_class(model_type, "fla"))
+        named += list(nested)
+    assert [key for key in named if f"`{key}`" not in doc] == []
