@@ -8,14 +8,29 @@ from torch import nn
 
 from flame.errors import ModelConfigError
 from flame.models.generic.args import GenericArgs
+from flame.models.generic.initialization import check_initialized, initialize_as_constructed
 
 
 class FlameCausalLM:
     """Mixed in front of a transformers causal-LM class: ``forward`` returns the logits of every position (flame's
     data holds the labels already shifted, and flame's loss reads the logits, so the class never sees labels).
-    The trainer's ``init_weights()`` after ``to_empty`` is transformers' own: the class's ``_init_weights`` over
-    every module, then the weights tied as the class declares (its post_init calls it too, on the meta device,
-    where transformers only ties)."""
+    The trainer's ``init_weights()`` after ``to_empty`` gives the values ``from_config`` gives on a real device: the
+    constructor's own (``initialization.py``), then transformers' ``init_weights`` (the class's ``_init_weights``
+    over every module its constructor did not mark initialised, then the ties as the class declares). The class's
+    post_init calls ``init_weights`` too, inside the constructor: transformers' own there (on the meta device it
+    only ties)."""
+
+    def __init__(self, config, *args, **kwargs):
+        self.flame_constructed = False
+        super().__init__(config, *args, **kwargs)
+        self.flame_constructed = True
+
+    def init_weights(self) -> None:
+        if not self.flame_constructed:
+            return super().init_weights()
+        left = initialize_as_constructed(self)
+        super().init_weights()
+        check_initialized(self, left)
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cu_seqlens=None

@@ -1,0 +1,171 @@
+"""The generic family's initialisation after ``to_empty``: the values ``AutoModelForCausalLM.from_config`` gives on a
+real device, for a model built on the meta device.
+
+A class's initial values come from two places: its constructor (FLA's layers set decay curves, token-shift mixes and
+constants there, some through their own ``_initialize_weights``, which also sets ``_is_hf_initialized`` so that the
+model's ``_init_weights`` later leaves those modules alone) and transformers' ``init_weights`` (the class's
+``_init_weights`` over every module not so marked, then the ties). On the meta device the constructor's values are
+lost. So the constructor is run again on the meta device with the tensors it creates of at most
+``CONSTRUCTED_NUMEL`` elements made for real on the CPU (per-channel and per-head vectors, small tables: everything
+a constructor fills by itself), and their values and its ``_is_hf_initialized`` marks are copied into the model; a
+constructor's ``_initialize_weights`` pass is run again on the model itself where it marked modules whose tensors
+were too large to make for real; then transformers' ``init_weights``. A floating-point tensor that no step wrote is
+refused (it would train from uninitialised memory)."""
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+
+from flame.errors import ModelConfigError
+
+# Tensors a constructor creates with at most this many elements are made for real when it runs again (4 MiB in
+# float32): every per-channel or per-layer table of FLA 0.6.0's classes, while a large model's projections and
+# embeddings stay on the meta device.
+CONSTRUCTED_NUMEL = 1 << 20
+
+INITIALIZED = "_is_hf_initialized"  # transformers' mark: initialised, skip
+
+
+class SmallTensorsOnCPU(TorchFunctionMode):
+    """Inside ``torch.device("meta")``: a factory call (torch.ones, torch.empty, ...) that names no device and makes
+    a tensor of 1 to ``CONSTRUCTED_NUMEL`` elements makes it on the CPU instead. Empty tensors stay on the meta
+    device: transformers finds the device context by making one (``torch.tensor([])``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if (
+            func in _device_constructors()
+            and kwargs.get("device") is None
+            and isinstance(result, torch.Tensor)
+            and result.is_meta
+            and 0 < result.numel() <= CONSTRUCTED_NUMEL
+        ):
+            result = func(*args, **{**kwargs, "device": "cpu"})
+        return result
+
+
+def construct_small_tensors(model: nn.Module) -> nn.Module:
+    """The model's class built again from its config, on the meta device but for its small tensors."""
+    with torch.device("meta"), SmallTensorsOnCPU():
+        return type(model)(model.config)
+
+
+def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        **dict(module.named_parameters(recurse=False)),
+        **{name: b for name, b in module.named_buffers(recurse=False) if b is not None},
+    }
+
+
+@torch.no_grad()
+def set_full_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a full value into a parameter or buffer; a DTensor (FSDP) takes its own block of it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    value = value.to(device=tensor.device, dtype=tensor.dtype)
+    if isinstance(tensor, DTensor):
+        value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None)
+    tensor.copy_(value)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def joined(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def enclosing(name: str) -> list[str]:
+    """The module's name and its ancestors' names, innermost first ("" is the model)."""
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def own_initializer(module: nn.Module) -> bool:
+    """Whether the module's class has a layer's ``_initialize_weights`` (not transformers' model-level one), the
+    pass FLA's layer constructors run over their submodules with ``self.apply``."""
+    from transformers import PreTrainedModel
+
+    return not isinstance(module, PreTrainedModel) and callable(getattr(module, "_initialize_weights", None))
+
+
+# Layers whose constructor runs their own ``_initialize_weights`` pass but marks no module with it, so the mark cannot
+# show that it ran (class -> where).
+UNMARKED_PASSES = {
+    "fla.models.rwkv7.modeling_rwkv7.RWKV7FeedForward": "fla/models/rwkv7/modeling_rwkv7.py, RWKV7FeedForward",
+}
+
+
+def ran_own_pass(constructed: nn.Module) -> bool:
+    """Whether the layer's constructor ran its ``_initialize_weights`` pass: FLA's passes mark each module they
+    visit, the layer last; a few mark nothing (UNMARKED_PASSES)."""
+    cls = type(constructed)
+    return (
+        getattr(constructed, INITIALIZED, False) or f"{cls.__module__}.{cls.__qualname__}" in UNMARKED_PASSES
+    )
+
+
+@torch.no_grad()
+def initialize_as_constructed(model: nn.Module) -> list[str]:
+    """Give the materialised ``model`` its constructor's values and marks, for ``init_weights`` to follow; returns
+    the names of the floating-point tensors left to later steps (filled with NaN until they write them)."""
+    constructed = dict(construct_small_tensors(model).named_modules())
+    unbuilt: dict[str, list[str]] = {}  # module name -> its tensors the constructor left on the meta device
+    left = []
+    for name, module in model.named_modules():
+        twin = constructed[name]
+        module.__dict__.pop(INITIALIZED, None)
+        if getattr(twin, INITIALIZED, False):
+            module._is_hf_initialized = True
+        twins = tensors(twin)
+        for tensor_name, tensor in tensors(module).items():
+            tensor.__dict__.pop(INITIALIZED, None)
+            value = twins[tensor_name]
+            if getattr(value, INITIALIZED, False):
+                setattr(tensor, INITIALIZED, True)
+            if value.is_meta:
+                unbuilt.setdefault(name, []).append(tensor_name)
+                if tensor.is_floating_point():
+                    # check_initialized refuses it unless a later step writes it
+                    local(tensor).fill_(float("nan"))
+                    left.append(f"{name}.{tensor_name}" if name else tensor_name)
+            else:
+                set_full_value(tensor, value)
+    modules = dict(model.named_modules())
+    for name in unbuilt:  # torch's convention: a module's constructor calls its reset_parameters
+        if callable(getattr(modules[name], "reset_parameters", None)):
+            modules[name].reset_parameters()
+    # Large tensors of a layer whose constructor ran its own pass (``self.apply(self._initialize_weights)``) take
+    # that pass again, innermost layers first with every mark under them cleared, as in the constructor: an
+    # inner layer's pass marks its modules, and an outer one's pass leaves marked modules alone.
+    rerun = set()
+    for name in unbuilt:
+        owner = next((o for o in enclosing(name) if own_initializer(modules[o])), None)
+        if owner is not None and ran_own_pass(constructed[owner]):
+            rerun |= {joined(owner, n) for n, m in modules[owner].named_modules() if own_initializer(m)}
+    for owner in rerun:
+        for module in modules[owner].modules():
+            module.__dict__.pop(INITIALIZED, None)
+    order = list(modules)  # the model's order, the same in every process (a set's is not)
+    for owner in sorted(rerun, key=lambda n: (-len(enclosing(n)), order.index(n))):
+        modules[owner].apply(modules[owner]._initialize_weights)
+    return left
+
+
+@torch.no_grad()
+def check_initialized(model: nn.Module, names: list[str]) -> None:
+    """Refuse a tensor of ``names`` that still holds the NaN initialize_as_constructed left in it."""
+    named = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
+    for name in names:
+        if local(named[name]).isnan().any():
+            raise ModelConfigError(
+                f"{type(model).__name__}: nothing initialises {name} after the model is built on the meta device "
+                "(its constructor fills it and it is too large to make again); initialise it in the class's "
+                "_init_weights"
+            )
