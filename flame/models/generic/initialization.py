@@ -74,6 +74,19 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+# Attributes by which torch.compile and activation checkpointing wrap a block: not part of the class's names.
+WRAPPED = ("_orig_mod", "_checkpoint_wrapped_module")
+
+
+def class_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's modules by the class's own names: a wrapped block's name is the block's, its module the one
+    inside the wrappers."""
+    found = {}
+    for name, module in model.named_modules():  # a wrapper comes before what it wraps
+        found[".".join(part for part in name.split(".") if part not in WRAPPED)] = module
+    return found
+
+
 def joined(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
@@ -109,13 +122,40 @@ def ran_own_pass(constructed: nn.Module) -> bool:
 
 
 @torch.no_grad()
+def rerun_own_pass(layer: nn.Module) -> None:
+    """Make the constructed layer's meta tensors real on the CPU (NaN until written), then run what its
+    constructor ran: each module's reset_parameters, then the own passes, innermost layers first with every mark
+    under the layer cleared (an inner layer's pass marks its modules; an outer one's leaves marked modules
+    alone)."""
+    for module in layer.modules():
+        module.__dict__.pop(INITIALIZED, None)
+        made = False
+        for name, tensor in tensors(module).items():
+            if tensor.is_meta:
+                value = torch.full_like(
+                    tensor, float("nan") if tensor.is_floating_point() else 0, device="cpu"
+                )
+                if isinstance(tensor, nn.Parameter):
+                    setattr(module, name, nn.Parameter(value, requires_grad=tensor.requires_grad))
+                else:
+                    module._buffers[name] = value
+                made = True
+        if made and callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+    passes = [(name, m) for name, m in layer.named_modules() if own_initializer(m)]
+    for _, module in sorted(passes, key=lambda p: -len(enclosing(p[0]))):  # stable: the layer's order
+        module.apply(module._initialize_weights)
+
+
+@torch.no_grad()
 def initialize_as_constructed(model: nn.Module) -> list[str]:
     """Give the materialised ``model`` its constructor's values and marks, for ``init_weights`` to follow; returns
     the names of the floating-point tensors left to later steps (filled with NaN until they write them)."""
     constructed = dict(construct_small_tensors(model).named_modules())
     unbuilt: dict[str, list[str]] = {}  # module name -> its tensors the constructor left on the meta device
     left = []
-    for name, module in model.named_modules():
+    modules = class_modules(model)
+    for name, module in modules.items():
         twin = constructed[name]
         module.__dict__.pop(INITIALIZED, None)
         if getattr(twin, INITIALIZED, False):
@@ -134,24 +174,29 @@ def initialize_as_constructed(model: nn.Module) -> list[str]:
                     left.append(f"{name}.{tensor_name}" if name else tensor_name)
             else:
                 set_full_value(tensor, value)
-    modules = dict(model.named_modules())
-    for name in unbuilt:  # torch's convention: a module's constructor calls its reset_parameters
-        if callable(getattr(modules[name], "reset_parameters", None)):
-            modules[name].reset_parameters()
     # Large tensors of a layer whose constructor ran its own pass (``self.apply(self._initialize_weights)``) take
-    # that pass again, innermost layers first with every mark under them cleared, as in the constructor: an
-    # inner layer's pass marks its modules, and an outer one's pass leaves marked modules alone.
-    rerun = set()
+    # that pass again. It runs on the layer's twin, made whole on the CPU (the pass writes through ``.data`` and
+    # runs ops a sharded DTensor lacks), and the twin's tensors and marks are then copied into the layer.
+    owners = set()
     for name in unbuilt:
         owner = next((o for o in enclosing(name) if own_initializer(modules[o])), None)
         if owner is not None and ran_own_pass(constructed[owner]):
-            rerun |= {joined(owner, n) for n, m in modules[owner].named_modules() if own_initializer(m)}
-    for owner in rerun:
-        for module in modules[owner].modules():
+            owners.add(owner)
+    outermost = [o for o in modules if o in owners and not any(e in owners for e in enclosing(o)[1:])]
+    for owner in outermost:
+        rerun_own_pass(constructed[owner])
+        for name, twin in constructed[owner].named_modules():  # a layer's insides are not wrapped
+            module = modules[joined(owner, name)]
             module.__dict__.pop(INITIALIZED, None)
-    order = list(modules)  # the model's order, the same in every process (a set's is not)
-    for owner in sorted(rerun, key=lambda n: (-len(enclosing(n)), order.index(n))):
-        modules[owner].apply(modules[owner]._initialize_weights)
+            if getattr(twin, INITIALIZED, False):
+                module._is_hf_initialized = True
+            twins = tensors(twin)
+            for tensor_name, tensor in tensors(module).items():
+                set_full_value(tensor, twins[tensor_name])
+    rerun = {joined(o, n) for o in outermost for n in class_modules(modules[o])}
+    for name in unbuilt:  # torch's convention: a module's constructor calls its reset_parameters
+        if name not in rerun and callable(getattr(modules[name], "reset_parameters", None)):
+            modules[name].reset_parameters()
     return left
 
 
@@ -159,8 +204,7 @@ def initialize_as_constructed(model: nn.Module) -> list[str]:
 def check_initialized(model: nn.Module, names: list[str]) -> None:
     """Refuse a tensor of ``names`` that still holds the NaN initialize_as_constructed left in it."""
     named = {
-        **dict(model.named_parameters(remove_duplicate=False)),
-        **dict(model.named_buffers(remove_duplicate=False)),
+        joined(m, t): v for m, module in class_modules(model).items() for t, v in tensors(module).items()
     }
     for name in names:
         if local(named[name]).isnan().any():
