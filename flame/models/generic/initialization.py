@@ -2,15 +2,21 @@
 real device, for a model built on the meta device.
 
 A class's initial values come from two places: its constructor (FLA's layers set decay curves, token-shift mixes and
-constants there, some through their own ``_initialize_weights``, which also sets ``_is_hf_initialized`` so that the
-model's ``_init_weights`` later leaves those modules alone) and transformers' ``init_weights`` (the class's
-``_init_weights`` over every module not so marked, then the ties). On the meta device the constructor's values are
-lost. So the constructor is run again on the meta device with the tensors it creates of at most
-``CONSTRUCTED_NUMEL`` elements made for real on the CPU (per-channel and per-head vectors, small tables: everything
-a constructor fills by itself), and their values and its ``_is_hf_initialized`` marks are copied into the model; a
-constructor's ``_initialize_weights`` pass is run again on the model itself where it marked modules whose tensors
-were too large to make for real; then transformers' ``init_weights``. A floating-point tensor that no step wrote is
-refused (it would train from uninitialised memory)."""
+constants there, some through their own ``_initialize_weights`` pass, which also marks modules
+``_is_hf_initialized`` so that the model's ``_init_weights`` leaves them alone) and transformers' ``init_weights``
+(the class's ``_init_weights`` over every unmarked module, then the ties). On the meta device the constructor's
+values are lost, so before ``init_weights``:
+
+1. the constructor runs again on the meta device with the tensors it makes of at most ``CONSTRUCTED_NUMEL``
+   elements made for real on the CPU (per-channel and per-head vectors, small tables), and their values and its
+   marks are copied into the model (a DTensor takes its own block);
+2. a layer whose constructor ran its own pass and holds larger tensors is made whole on the CPU, its modules'
+   ``reset_parameters`` and its passes run there, and it is copied in;
+3. other modules holding larger tensors run their ``reset_parameters`` (torch's constructors do), and
+   ``init_weights`` gives the rest the class's initialisation.
+
+Every draw happens at this point, from the random state here (the meta build draws nothing), in the same order in
+every process. A floating-point tensor that no step wrote is refused: it would train from uninitialised memory."""
 
 import torch
 from torch import nn
