@@ -106,14 +106,22 @@ def build_model_parts(
         built = ModelParts([model], nparams, flops_per_token, loss_parallel and parallel_dims.tp_enabled)
     device = "cpu" if job_config.training.enable_cpu_offload else topology.device
     for part in built.parts:
-        part.to_empty(device=device)
-        tie_embeddings(part)  # to_empty unties a shared plain Parameter
-        if initialize is None:
-            part.init_weights()
-        else:
-            initialize(part)
+        materialize(part, device, initialize)
         part.train()
     return built
+
+
+def materialize(
+    part: nn.Module, device: torch.device | str, initialize: Callable[[nn.Module], None] | None = None
+) -> None:
+    """Give a model (part) built on the meta device its memory on ``device`` and its initial values:
+    ``init_weights`` (drawn from the random state at this point) unless ``initialize`` says otherwise."""
+    part.to_empty(device=device)
+    tie_embeddings(part)  # to_empty unties a shared plain Parameter
+    if initialize is None:
+        part.init_weights()
+    else:
+        initialize(part)
 
 
 def autocast_context(topology: Topology, job_config) -> contextlib.AbstractContextManager:

@@ -9,6 +9,7 @@ from torch import nn
 from flame.compat import fla_attention_on_flame
 from flame.errors import ModelConfigError
 from flame.models.generic.args import GenericArgs, is_fla_class
+from flame.models.generic.initialization import check_initialized, initialize_as_constructed
 from flame.models.layers.fla_attention import FLAAttention, FLABitAttention
 
 # FLA's attention layers that flame builds in their place while flash-attn is not importable (same parameters).
@@ -21,9 +22,27 @@ FLA_ATTENTION_REPLACEMENTS = {
 class FlameCausalLM:
     """Mixed in front of a transformers causal-LM class: ``forward`` returns the logits of every position (flame's
     data holds the labels already shifted, and flame's loss reads the logits, so the class never sees labels).
-    The trainer's ``init_weights()`` after ``to_empty`` is transformers' own: the class's ``_init_weights`` over
-    every module, then the weights tied as the class declares (its post_init calls it too, on the meta device,
-    where transformers only ties)."""
+    The trainer's ``init_weights()`` after ``to_empty`` gives the values ``from_config`` gives on a real device: the
+    constructor's own (``initialization.py``), then transformers' ``init_weights`` (the class's ``_init_weights``
+    over every module its constructor did not mark initialised, then the ties as the class declares). The class's
+    post_init calls ``init_weights`` too, inside the constructor: transformers' own there (on the meta device it
+    only ties)."""
+
+    def __init__(self, config, *args, **kwargs):
+        self.flame_constructed = False
+        super().__init__(config, *args, **kwargs)
+        self.flame_constructed = True
+
+    def built_again(self) -> nn.Module:
+        """The model built from its config again, as build_generic_model built it (FLA's attention included)."""
+        return instantiate(self.flame_lm_class, self.config)
+
+    def init_weights(self) -> None:
+        if not self.flame_constructed:
+            return super().init_weights()
+        left = initialize_as_constructed(self)
+        super().init_weights()
+        check_initialized(self, left)
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cu_seqlens=None
@@ -39,7 +58,7 @@ def flame_class(causal_lm_class: type) -> type:
     return type(
         causal_lm_class.__name__,
         (FlameCausalLM, causal_lm_class),
-        {"__module__": __name__, "__qualname__": causal_lm_class.__name__},
+        {"__module__": __name__, "__qualname__": causal_lm_class.__name__, "flame_lm_class": causal_lm_class},
     )
 
 
