@@ -5,9 +5,10 @@ What one token costs in training (forward + backward = 3 x forward, 2 FLOPs per 
 
 - matmuls: 6 x the weights of the nn.Linear modules it goes through (FLA's models hold every projection in one,
   BitLinear included, and apply its fused norm/activation-linear functions to those modules' weights) and of
-  transformers' Conv1D (GPT-2's projections). The lm head is a matmul, tied or not; an embedding is a lookup and
-  costs nothing. Biases, norm scales, decay and gate vectors, RWKV's lerp vectors and Mamba's A_log/D act
-  elementwise and are not counted. Of a MoM layer's memories, only the routed ``topk`` of ``num_memories`` count.
+  transformers' Conv1D (GPT-2's projections), routers and stacked experts. The lm head is a matmul, tied or not;
+  an embedding is a lookup and costs nothing. Biases, norm scales, decay and gate vectors, RWKV's lerp vectors and
+  Mamba's A_log/D act elementwise and are not counted. Routed weights count for the share a token uses: top_k of
+  num_experts experts, a MoM layer's topk of num_memories memories.
 - convolutions (short convolutions of the linear-attention layers, Mamba's conv1d): a kernel of weight W costs
   2 x W per output position, so 6 x W per token (2 x kernel x channels forward for a depthwise one).
 - the sequence mixers' products between activations, which have no weights (:func:`mixer_flops_per_token`).
@@ -134,19 +135,29 @@ def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
 def transformers_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
     """Training FLOPs per token of one of transformers' attention or Gated DeltaNet layers; None for others."""
     name = type(module).__name__
-    if name.endswith("Attention") and hasattr(module, "head_dim"):
+    # Causal self-attention only: the linear-attention classes (MiniMax's lightning attention, Kimi's delta
+    # attention, ...) and cross-attention do not set is_causal.
+    if (
+        name.endswith("Attention")
+        and getattr(module, "is_causal", False) is True
+        and hasattr(module, "head_dim")
+    ):
         config = module.config
         q_proj = getattr(module, "q_proj", None)
         if isinstance(q_proj, nn.Linear):
             heads = q_proj.out_features // module.head_dim
         else:
             heads = getattr(module, "num_heads", None) or config.num_attention_heads
-        # Per layer where the class says (sliding_attention layers), else the config's window for every layer.
-        window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
-        return softmax_attention_flops_per_token(heads, module.head_dim, seq_len, window)
+        return softmax_attention_flops_per_token(heads, module.head_dim, seq_len, attention_window(module))
     if name.endswith("GatedDeltaNet"):
         return module.num_v_heads * chunked_delta_rule_flops_per_token(module.head_k_dim, module.head_v_dim)
     return None
+
+
+def attention_window(module: nn.Module) -> int | None:
+    """The sliding window of one of transformers' attention layers: the layer's own where the class sets it (None
+    for the full-attention layers of layer_types), else the config's for every layer (Mistral)."""
+    return getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
 
 
 def mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
@@ -181,7 +192,7 @@ def matmul_weights(module: nn.Module) -> int:
     a router's weight (transformers' *Router modules apply it with F.linear) and stacked experts' 3-D weights."""
     if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
         return module.weight.numel()
-    if type(module).__name__.endswith("Router"):
+    if type(module).__name__.endswith("Router") and isinstance(getattr(module, "weight", None), nn.Parameter):
         return module.weight.numel()
     return sum(p.numel() for p in stacked_experts(module))
 

@@ -103,6 +103,34 @@ def test_mixture_of_experts_counts_the_routed_experts_only():
     assert count.matmul_params == 2 * (2 * d * d + 2 * d * 16 + 4 * d + experts) + 4096 * d  # router 4 x d
 
 
+def test_gpt2_counts_its_conv1d_projections():
+    count, _ = counted({"model_type": "gpt2", "vocab_size": 4096, "n_embd": 32, "n_layer": 2, "n_head": 4})
+    d = 32
+    assert count.matmul_params == 2 * (d * 3 * d + d * d + 2 * d * 4 * d) + 4096 * d  # qkv, o, MLP; tied head
+    assert count.mixer_flops == 2 * 12 * 4 * 8 * SEQ_LEN
+
+
+@pytest.mark.parametrize(
+    ("config", "contexts"),
+    [
+        ({"model_type": "mistral", "sliding_window": 40}, [40, 40]),  # the config's window, every layer
+        ({"model_type": "qwen2", "sliding_window": 40, "use_sliding_window": True, "max_window_layers": 1},
+         [SEQ_LEN, 40]),  # layer_types: full, then sliding
+    ],
+)  # fmt: skip
+def test_transformers_sliding_windows_count_per_layer(config, contexts):
+    count, _ = counted({**LLAMA, **config})
+    assert count.mixer_flops == sum(12 * 4 * 8 * context for context in contexts)
+
+
+def test_transformers_linear_attention_is_not_counted_as_softmax_attention():
+    config = {**LLAMA, "model_type": "minimax", "num_local_experts": 2, "num_experts_per_tok": 1,
+              "layer_types": ["full_attention", "linear_attention"]}  # fmt: skip
+    count, _ = counted(config)
+    assert count.mixer_flops == 12 * 4 * 8 * SEQ_LEN  # the full-attention layer
+    assert count.uncounted == ["transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention"]
+
+
 def vector_params(model: torch.nn.Module) -> int:
     """Norm scales, decay parameters and biases: what flame's families count as 6 FLOPs each and the module count
     does not."""
@@ -144,3 +172,21 @@ def test_layers_without_a_mixer_term_are_named_in_a_warning(caplog):
     assert count.uncounted == ["fla.layers.mamba.Mamba"] and count.mixer_flops == 0
     assert total == 6 * count.matmul_params + count.conv_flops
     assert caplog.records[-1].getMessage().endswith("(MFU reads low): fla.layers.mamba.Mamba")
+
+
+def test_flame_hybrid_and_its_transformers_olmo_hybrid_export_count_the_same():
+    """transformers' Gated DeltaNet and attention layers, as flame's --format olmo_hybrid export describes them."""
+    from flame.models.gated_deltanet.state_dict_adapter import OlmoHybridAdapter
+
+    config = {**FLA_BASE, "model_type": "gated_deltanet", "num_hidden_layers": 4, "num_heads": 4, "head_dim": 16,
+              "expand_v": 2, "allow_neg_eigval": True, "output_norm_eps": 1e-5,
+              "attn": {"layers": [3], "num_heads": 4, "qk_norm": True, "qk_norm_scope": "full",
+                       "norm_order": "post"}}  # fmt: skip
+    args, _ = model_args_from_dict(config)
+    with torch.device("meta"):
+        flame_model = build_model(args)
+    _, flame_total = args.get_nparams_and_flops(flame_model, SEQ_LEN)
+    export = {k: v for k, v in OlmoHybridAdapter(args).hf_config().items() if k != "architectures"}
+    count, olmo_total = counted(export)
+    assert count.mixer_flops == args.layer_flops_per_token(SEQ_LEN) and count.uncounted == []
+    assert olmo_total == flame_total - 6 * vector_params(flame_model)
