@@ -31,8 +31,8 @@ hybrid pattern. ``--anchor`` (one GPU) first times each model and length in the 
 flame (the class of the model's HF export, eager, bf16 autocast, fused AdamW, the class's own loss on the same
 random tokens) and gives every row its ratio to that loop.
 
-MFU = FLOPs per token (the model args' get_nparams_and_flops: 6 x non-embedding parameters + attention terms, as
-torchtitan counts) x tokens/s per GPU / peak; peak is 989 TFLOP/s (H100/H200 dense bf16), ``--peak_tflops``
+MFU = FLOPs per token (the model args' get_nparams_and_flops, docs/metrics.md: weights, attention and
+linear-attention terms, attention counted as torchtitan does) x tokens/s per GPU / peak; peak is 989 TFLOP/s (H100/H200 dense bf16), ``--peak_tflops``
 otherwise. Rank 0 prints a markdown table and writes it into docs/performance.md between
 ``<!-- bench_train_throughput_<N>gpu -->`` markers (N = number of GPUs; other sections are kept).
 """

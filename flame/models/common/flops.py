@@ -8,6 +8,9 @@ and the lm head; the mixer terms cover the products between activations, which h
   (QK^T and the weighted sum of V, 2 FLOPs per multiply-add, over the full square as torchtitan counts it; x3 for
   forward + backward; context = min(seq_len, window)).
 - Chunked (gated) delta rule (DeltaNet and Gated DeltaNet layers): :func:`chunked_delta_rule_flops_per_token`.
+
+The generic families (FLA's and transformers' classes) are counted from their modules with the same terms:
+flame.models.common.module_flops.
 """
 
 # Chunk size of the chunked delta-rule kernels (FLA's and flame.ops').

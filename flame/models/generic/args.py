@@ -4,6 +4,7 @@ implementation (--model.impl: FLA's, transformers' own or a user's registered cl
 import functools
 import importlib
 import importlib.util
+import logging
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -15,11 +16,14 @@ from torch import nn
 from flame.errors import ModelConfigError
 from flame.models import IMPL_KEY, custom
 from flame.models.common.args import ModelArgs
+from flame.models.common.module_flops import module_flops
 from flame.models.generic.config_keys import settle_keys
 
 # Written by flame into a generic model's config (flame.json, model_config.json), never into an HF export: the
 # user modules that register its classes, imported again wherever the config is read (the HF converter after a run).
 CUSTOM_IMPORTS_KEY = "flame_custom_imports"
+
+logger = logging.getLogger(__name__)
 
 
 def import_fla_models() -> None:
@@ -171,9 +175,14 @@ class GenericArgs(ModelArgs):
         return {**self.hf_dict(), **record}
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        """6 x non-embedding parameters per token; the sequence mixers' own terms (softmax attention, recurrent
-        states) are not counted for generic families, so MFU reads low for long sequences."""
+        """Parameter count and training FLOPs per token counted from the model's modules
+        (flame.models.common.module_flops): matmul weights, convolutions and the sequence mixers' own terms."""
         nparams = sum(p.numel() for p in model.parameters())
-        embeddings = model.get_input_embeddings().weight.numel()
-        dense = nparams if self.tie_word_embeddings else nparams - embeddings
-        return nparams, 6 * dense
+        blocks = [block for name in model.flame_blocks for block in model.get_submodule(name)]
+        count = module_flops(model, blocks, seq_len)
+        if count.uncounted:
+            logger.warning(
+                f"FLOPs per token count only the weights of these layers, not their own sequence-mixing terms "
+                f"(MFU reads low): {', '.join(count.uncounted)}"
+            )
+        return nparams, count.total

@@ -1,5 +1,6 @@
 """Every model type FLA 0.6.0 registers with transformers builds through the generic family on the meta device
-with the parameter count of FLA's own class (FLA's kernels need a GPU; building needs none)."""
+with the parameter count of FLA's own class (FLA's kernels need a GPU; building needs none), and a FLOPs count
+between its weights' and a bound."""
 
 import warnings
 
@@ -8,6 +9,7 @@ import torch
 
 from flame.errors import ModelConfigError
 from flame.models import FAMILIES, build_model, model_args_from_dict
+from flame.models.common.module_flops import module_flops
 from flame.models.layers.fla_attention import FLAAttention
 
 TINY = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2}
@@ -21,6 +23,25 @@ OVERRIDES = {
 # FLA's layers for these import flash_attn when they are built, which flame does not install and has no replacement
 # for (flame.models.layers.fla_attention replaces FLA's Attention and BitAttention).
 NEEDS_FLASH_ATTN = {"mla"}
+# Families whose mixer has no term in flame's FLOPs count (docs/metrics.md): elementwise scans, sparse or modified
+# attention, other recurrences; their count is their weights' and convolutions'.
+MATMULS_ONLY = {
+    "cat": "fla.models.cat.modeling_cat.CATDecoderAttention",
+    "cyclic_flow_attention": "fla.layers.cyfa.CyclicFlowAttention",
+    "deltaformer": "fla.layers.deltaformer.DeltaFormerAttention",
+    "hgrn": "fla.layers.hgrn.HGRNAttention",
+    "log_linear_mamba2": "fla.layers.log_linear_mamba2.LogLinearMamba2",
+    "mamba": "fla.layers.mamba.Mamba",
+    "mamba3": "fla.layers.mamba3.Mamba3",
+    "mesa_net": "fla.layers.mesa_net.MesaNet",
+    "moba": "fla.layers.moba.MoBA",
+    "nsa": "fla.layers.nsa.NativeSparseAttention",
+    "parallax": "fla.layers.parallax.Parallax",
+    "path_attn": "fla.layers.path_attn.PaTHAttention",
+    "raven": "fla.layers.raven.Raven",
+    "rodimus": "fla.layers.rodimus.RodimusAttention",  # its sliding-window attention is counted
+    "samba": "fla.layers.mamba.Mamba",  # its attention is counted
+}
 
 
 def fla_model_types() -> list[str]:
@@ -59,8 +80,16 @@ def test_every_fla_family_builds_with_fla_parameter_count():
         assert args.generic and unknown == [], (model_type, unknown)
         with torch.device("meta"):
             model = build_model(args)
-        nparams, _ = args.get_nparams_and_flops(model, 64)
+        nparams, flops = args.get_nparams_and_flops(model, 64)
         counts[model_type] = nparams
+        # FLOPs per token: at least the weights' (each used once), at most 5 x 6N at 64 tokens (the widest
+        # default heads, Gated DeltaNet's 6 x 256 x 512 in a 64-wide model, cost 4.5 x 6N with their state terms).
+        count = module_flops(model, [b for name in model.flame_blocks for b in model.get_submodule(name)], 64)
+        assert count.total == flops and count.matmul_params <= nparams, model_type
+        assert 6 * count.matmul_params <= flops <= 5 * 6 * nparams, model_type
+        expected = [MATMULS_ONLY[model_type]] if model_type in MATMULS_ONLY else []
+        assert count.uncounted == expected, model_type
+        assert (count.mixer_flops > 0) == (not expected or model_type in ("rodimus", "samba")), model_type
         blocks[model_type] = model.flame_blocks
         if nparams != fla_params(config):
             failed[model_type] = (nparams, fla_params(config))
