@@ -32,8 +32,9 @@ family's row with its reason (the last line of its output, and the upstream issu
    column is flame's tokens/s over it.
 
 The table is printed; on a GPU (or with ``--write_doc``) it is written into docs/models.md between
-``<!-- bench_families -->`` markers with the command, device and date. ``--write_doc`` off by default on a CPU
-keeps smoke runs' numbers out of the doc. The script exits 0 whatever the families do; 2 on bad options.
+``<!-- bench_families -->`` markers with the command, device and date. A run of some families replaces their
+rows and keeps the others', each run listed with the families it measured, so the table can be built a few families
+at a time. ``--write_doc`` off by default on a CPU keeps smoke runs' numbers out of the doc. The script exits 0 whatever the families do; 2 on bad options.
 """
 
 import argparse
@@ -391,24 +392,46 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def description(args, command: str, seconds: float) -> str:
-    device = torch.device(args.device)
-    resume_rule = (f"equal within a relative {GPU_RESUME_RTOL:g} (compiled kernels need not repeat bit for bit)"
-                   if args.device == "cuda" else "equal bit for bit")  # fmt: skip
+def legend(args) -> str:
+    resume_rule = (f"equal within a relative {GPU_RESUME_RTOL:g} on a GPU (compiled kernels need not repeat bit "
+                   "for bit), bit for bit on a CPU")  # fmt: skip
     return (
-        f"Command: `{command}` on {device_name(device)}, torch {torch.__version__} ({time.strftime('%Y-%m-%d')}); "
-        f"`NGPU=1 bash train.sh`, {args.steps} steps of {args.batch_size} x {args.seq_len} tokens of the shipped "
-        f"corpus (`flame/assets/corpus`, 4096-token tokenizer){', compiled' * (args.device == 'cuda')}, "
-        f"checkpoints at steps {args.steps // 2} and {args.steps}. First step s: the first step's time with "
-        f"compilation and FLA's autotuning; tokens/s, MFU (against {H100_BF16_PEAK_TFLOPS} TFLOP/s on CUDA) and "
-        f"peak GiB (allocated): the medians over the steps after the {FIRST_STEPS}th and the peak; the loss falls "
-        f"when the mean of the last {FIRST_STEPS} steps is below that of the first {FIRST_STEPS}. Resume: from the "
-        f"step-{args.steps // 2} checkpoint to the end, losses {resume_rule}. Export: the HF folder loaded by "
-        f"transformers against flame's model from the DCP checkpoint, float32 logits, pass within "
-        f"{EXPORT_RTOL[args.device]:g} of the largest logit. Anchor: `run_naive_hf_loop` of "
-        f"bench/train_throughput.py (the export's class, eager, bf16 autocast, fused AdamW, random tokens, same "
-        f"tokens per step); ratio: flame's tokens/s over it. Total run time {seconds:.0f} s."
+        "`NGPU=1 bash train.sh` on the shipped corpus (`flame/assets/corpus`, 4096-token tokenizer), compiled on a "
+        "GPU, a checkpoint half-way and at the end. First step s: the first step's time with compilation and "
+        f"FLA's autotuning; tokens/s, MFU (against {H100_BF16_PEAK_TFLOPS} TFLOP/s) and peak GiB (allocated): "
+        f"the medians over the steps after the {FIRST_STEPS}th and the peak; the loss falls when the mean of the "
+        f"last {FIRST_STEPS} steps is below that of the first {FIRST_STEPS}. Resume: from the half-way checkpoint "
+        f"to the end, the losses {resume_rule}. Export: the HF folder loaded by transformers against flame's model "
+        f"from the DCP checkpoint, float32 logits, pass within {EXPORT_RTOL['cuda']:g} (GPU: Triton kernels "
+        f"multiply in TF32) or {EXPORT_RTOL['cpu']:g} (CPU) of the largest logit. Anchor: `run_naive_hf_loop` of "
+        "bench/train_throughput.py (the export's class, eager, bf16 autocast, fused AdamW, random tokens, the "
+        "same tokens per step); ratio: flame's tokens/s over it. Each row comes from the run below that names its "
+        "family (a run of some families keeps the other rows)."
     )
+
+
+RUN_LINE = re.compile(r"^- run: .*: (?P<families>[^:]*)$")
+
+
+def merged_section(doc: Path, rows: list[Row], run_line: str, args) -> tuple[str, str]:
+    """(description, table) of the section: this run's rows over those of earlier runs in ``doc``'s section (the
+    families this run did not measure keep theirs), the run lines of the runs whose rows remain, this one's last."""
+    text = doc.read_text() if doc.exists() else ""
+    start, end = f"<!-- {MARKER} -->", f"<!-- /{MARKER} -->"
+    previous = text.split(start, 1)[1].split(end, 1)[0] if start in text and end in text else ""
+    lines = table(rows).splitlines()
+    new = {r.family: line for r, line in zip(rows, lines[2:])}
+    old = {}
+    for line in previous.splitlines():
+        if line.startswith("| ") and not line.startswith("| family |"):
+            old[line.split("|")[1].strip()] = line
+    kept = {family: line for family, line in old.items() if family not in new}
+    order = all_families() + sorted((set(new) | set(kept)) - set(all_families()))
+    body = [new.get(f) or kept.get(f) for f in order if f in new or f in kept]
+    runs = [line for line in previous.splitlines() if (m := RUN_LINE.match(line))
+            and set(m["families"].split(", ")) & set(kept)]  # fmt: skip
+    description = "\n".join([legend(args), "", *runs, run_line])
+    return description, "\n".join(lines[:2] + body)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -472,8 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     if args.write_doc:
         command = " ".join(["python bench/families.py", *(sys.argv[1:] if argv is None else argv)])
-        write_section(args.doc, MARKER, "The family table", description(args, command, time.perf_counter() - started),
-                      text)  # fmt: skip
+        run_line = (f"- run: `{command}` on {device_name(torch.device(args.device))}, torch {torch.__version__}, "
+                    f"{time.strftime('%Y-%m-%d')}, {time.perf_counter() - started:.0f} s: "
+                    + ", ".join(r.family for r in rows))  # fmt: skip
+        write_section(args.doc, MARKER, "The family table", *merged_section(args.doc, rows, run_line, args))
     return 0
 
 
