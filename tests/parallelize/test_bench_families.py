@@ -57,7 +57,8 @@ def in_process(monkeypatch, capsys):
 def test_a_tiny_llama_trains_resumes_exports_and_runs_its_anchor(tmp_path, in_process, capsys):
     doc = tmp_path / "models.md"
     doc.write_text("# Models\n")
-    assert families.main([*TINY, "--families", "llama", "--work", str(tmp_path), "--doc", str(doc)]) == 0
+    argv = [*TINY, "--families", "llama", "--work", str(tmp_path), "--doc", str(doc), "--keep_runs"]
+    assert families.main(argv) == 0
     printed = capsys.readouterr().out
     assert [c[1].rsplit("/", 1)[-1] if c[0] == "bash" else c[2] for c in in_process] == [
         "train.sh", "train.sh", "flame.cli.convert_dcp_to_hf", "--compare_export", "--anchor_of"]  # fmt: skip
@@ -122,3 +123,27 @@ def test_known_reasons_and_verdicts():
     assert families.resume_verdict({1: 2.0, 2: 1.0}, {2: 1.0005}, "cuda").startswith("equal (max rel 5.0e-04")
     assert families.export_verdict(1e-3, 10.0, "cuda").startswith("pass")
     assert families.export_verdict(1e-3, 10.0, "cpu").startswith("fail")
+    assert (
+        families.resume_verdict({1: 2.0, 2: 1.0, 3: 1.0, 4: 1.0}, {4: 1.0}, "cpu")
+        == "failed: resumed steps [4]"
+    )
+
+
+def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path):
+    import os
+    import time
+
+    command = [
+        "bash",
+        "-c",
+        "sleep 30 & echo $!; wait",
+    ]  # a child that outlives its parent unless its group dies
+    status, stdout, stderr = families.run_command(command, tmp_path / "step.log", 1, {})
+    assert status == 124 and stderr.endswith("timed out after 1 s")
+    for _ in range(50):  # until init has reaped it
+        try:
+            os.kill(int(stdout), 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail("the step's child outlived the timeout")
