@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -373,6 +374,9 @@ def run_family(family: str, args) -> Row:
         row.anchor_tokens_per_s = float(output.strip().splitlines()[-1])
     except StepFailed as e:
         row.note = str(e)
+    except Exception as e:  # reading a step's results failed: this row says so, the other families still run
+        traceback.print_exc()
+        row.note = f"reading the results: {type(e).__name__}: {e}"
     finally:
         if (
             not args.keep_runs
