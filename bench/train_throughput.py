@@ -231,19 +231,21 @@ def measure(
 NAIVE = "naive HF loop"
 
 
-def run_naive_hf_loop(name: str, seq_len: int, args, device) -> Result:
+def run_naive_hf_loop(name: str, seq_len: int, args, device, margs=None) -> Result:
     """The anchor: the same model, shape and tokens in the loop a user writes without flame, over the class of its
     HF export (transformers' Llama for the transformer, FLA's class for GatedDeltaNet and the hybrid, flame's own
-    HF class for the softpick family): eager, bf16 autocast on a GPU, AdamW (fused on a GPU), the class's own loss
-    from ``labels``. One GPU only."""
+    HF class for the softpick family, the class itself for a generic-family model): eager, bf16 autocast on a GPU,
+    AdamW (fused on a GPU), the class's own loss from ``labels``. ``margs``: any model's args (default: the bench
+    model ``name``'s). One GPU only."""
     import flame.hf
     from flame.hf.formats import export_adapter
     from flame.models import build_model
+    from flame.models.generic.args import fla_model_types
 
-    margs = model_args(name, args.tiny)
+    margs = model_args(name, args.tiny) if margs is None else margs
     hf_config = export_adapter(margs, "auto")[0].hf_config()
     flame.hf.register()
-    if hf_config["model_type"] in ("transformer", "gated_deltanet", "delta_net"):
+    if hf_config["model_type"] in fla_model_types():
         import fla  # noqa: F401  (FLA's classes)
 
         if device.type == "cuda":  # FLA's gated backward on Hopper (flame.compat's fla_hopper_dqkwg)

@@ -73,7 +73,11 @@ def load_dcp(step_path: Path, config: str | None, device: str, dtype: torch.dtyp
     args = checkpoint_model_args(step_path, config, sidecar)
     with torch.device("meta"):
         model = build_model(args)
-    model.to_empty(device="cpu")  # flame's models hold no buffers: every tensor is read from the checkpoint
+    model.to_empty(device="cpu")
+    if args.generic:
+        # transformers' classes keep buffers that checkpoints do not hold (rotary frequencies) and tie their
+        # weights in init_weights, as the trainer runs it; flame's own models read every tensor from the checkpoint.
+        model.init_weights()
     load_model_tensors(step_path, model.state_dict())
     return model.to(device=device, dtype=dtype).eval(), (sidecar or {}).get("tokenizer")
 

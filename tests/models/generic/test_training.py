@@ -11,6 +11,7 @@ import torch
 
 from flame.checkpoint.dcp_io import load_model_tensors
 from flame.cli import convert_dcp_to_hf, convert_hf_to_dcp
+from flame.hf.load import load
 from flame.models import build_model, load_model_args
 from tests.checkpoint.helpers import output
 from tests.models.generic.helpers import train_sh, write_config
@@ -47,6 +48,8 @@ def check_export(dump, config, name):
     tokens = torch.randint(0, 4096, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(exported(tokens).logits, flame_model(tokens), rtol=1e-5, atol=1e-5)
+        # flame.hf.load (evaluation, generation, diagnostics) reads the same model from the checkpoint.
+        assert torch.equal(load(dump, step=4).model(tokens), flame_model(tokens))
     return flame_model
 
 

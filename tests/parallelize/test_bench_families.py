@@ -1,0 +1,149 @@
+"""bench/families.py (a GPU benchmark) on the CPU: a tiny Llama goes through all four steps (train, resume,
+export, anchor) and its row says the resume repeats the run bit for bit and the export computes flame's logits; a
+family that cannot be built gets a row with its reason while the others still run. Every step's command runs in
+this process (train.sh's ranks as flame.train's main, the converter's and the script's own main), so the test
+takes seconds where four train.sh launches would take minutes; the commands are the ones the script launches."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.trainer_helpers import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+import families  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--size", "tiny", "--steps", "4", "--seq_len", "32", "--batch_size", "2", "--anchor_steps", "1",
+        "--device", "cpu"]  # fmt: skip
+
+
+@pytest.fixture
+def in_process(monkeypatch, capsys):
+    """families.run_command running each command in this process; the commands it saw, in order."""
+    from flame import compat
+    from flame.cli import convert_dcp_to_hf
+    from flame.train.trainer import main as train_main
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "localhost"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    compat.apply()
+    commands = []
+
+    def run_command(command, log, timeout_s, env):
+        commands.append(command)
+        capsys.readouterr()
+        if command[0] == "bash":
+            assert command[1].endswith("train.sh") and env["NGPU"] == "1"
+            monkeypatch.setenv("MASTER_PORT", str(free_port()))
+            status = train_main(command[2:])
+        elif command[1:3] == ["-m", "flame.cli.convert_dcp_to_hf"]:
+            status = convert_dcp_to_hf.main(command[3:])
+        else:
+            assert command[1] == str(REPO / "bench" / "families.py")
+            status = families.main(command[2:])
+        out = capsys.readouterr()
+        return status, out.out, out.err
+
+    monkeypatch.setattr(families, "run_command", run_command)
+    return commands
+
+
+def test_a_tiny_llama_trains_resumes_exports_and_runs_its_anchor(tmp_path, in_process, capsys):
+    doc = tmp_path / "models.md"
+    doc.write_text("# Models\n")
+    argv = [*TINY, "--families", "llama", "--work", str(tmp_path), "--doc", str(doc), "--keep_runs"]
+    assert families.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert [c[1].rsplit("/", 1)[-1] if c[0] == "bash" else c[2] for c in in_process] == [
+        "train.sh", "train.sh", "flame.cli.convert_dcp_to_hf", "--compare_export", "--anchor_of"]  # fmt: skip
+    (row,) = [line for line in printed.splitlines()[-3:] if line.startswith("| llama ")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "0.6M", cells  # LlamaForCausalLM at the tiny shape
+    assert cells[7].startswith("equal (max rel 0.0e+00)"), cells
+    assert cells[8].startswith("pass ("), cells
+    assert float(cells[3].replace(",", "")) > 0 and float(cells[9].replace(",", "")) > 0, cells
+    assert cells[11] == "", cells
+    # The resumed run started from the half-way checkpoint, and no CPU table lands in the doc by default.
+    assert sorted(p.name for p in (tmp_path / "llama" / "resumed" / "checkpoint").iterdir()) == [
+        "step-2",
+        "step-4",
+    ]
+    assert doc.read_text() == "# Models\n"
+
+
+def test_families_that_cannot_be_built_get_their_reason(tmp_path, in_process, capsys):
+    doc = tmp_path / "models.md"
+    argv = [
+        *TINY,
+        "--families",
+        "samba,no_such_model",
+        "--work",
+        str(tmp_path),
+        "--doc",
+        str(doc),
+        "--write_doc",
+    ]
+    assert families.main(argv) == 0
+    assert in_process == []  # refused while building on the meta device, before any process
+    section = doc.read_text().split("<!-- bench_families -->")[1]
+    assert "- run: `python bench/families.py --size tiny" in section
+    rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| ")}
+    assert "build: needs flash-attn, which flame does not install" in rows["samba"]
+    assert "build: " in rows["no_such_model"] and "no_such_model" in rows["no_such_model"].split("|")[-2]
+    # A run of some families replaces their rows and keeps the others', with the runs they came from.
+    argv[argv.index("--families") + 1] = "no_such_model,mla"
+    assert families.main(argv) == 0
+    section = doc.read_text().split("<!-- bench_families -->")[1]
+    rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ")]
+    assert rows == ["family", "mla", "samba", "no_such_model"]  # FLA's families first, in order
+    runs = [line for line in section.splitlines() if line.startswith("- run: ")]
+    assert (
+        len(runs) == 2
+        and runs[0].endswith(": samba, no_such_model")
+        and runs[1].endswith(": no_such_model, mla")
+    )
+
+
+def test_known_reasons_and_verdicts():
+    hopper = "Traceback ...\n[rank0]:RuntimeError: Triton >= 3.4.0 ... gated chunk_bwd_dqkwg (see #640). Please upgrade"
+    assert families.reason_of(hopper).startswith(
+        "FLA's Hopper guard on its gated backward (fla-org/flash-linear"
+    )
+    assert families.reason_of("a\n\n[rank0]:error: last words\n") == "error: last words"
+    assert families.resume_verdict({1: 2.0, 2: 1.0}, {2: 1.0}, "cpu") == "equal (max rel 0.0e+00)"
+    assert families.resume_verdict({1: 2.0, 2: 1.0}, {2: 1.0005}, "cpu").startswith(
+        "differs (max rel 5.0e-04"
+    )
+    assert families.resume_verdict({1: 2.0, 2: 1.0}, {2: 1.0005}, "cuda").startswith("equal (max rel 5.0e-04")
+    assert families.export_verdict(1e-3, 10.0, "cuda").startswith("pass")
+    assert families.export_verdict(1e-3, 10.0, "cpu").startswith("fail")
+    assert (
+        families.resume_verdict({1: 2.0, 2: 1.0, 3: 1.0, 4: 1.0}, {4: 1.0}, "cpu")
+        == "failed: resumed steps [4]"
+    )
+
+
+def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path):
+    import os
+    import time
+
+    command = [
+        "bash",
+        "-c",
+        "sleep 30 & echo $!; wait",
+    ]  # a child that outlives its parent unless its group dies
+    status, stdout, stderr = families.run_command(command, tmp_path / "step.log", 1, {})
+    assert status == 124 and stderr.endswith("timed out after 1 s")
+    for _ in range(50):  # until init has reaped it
+        try:
+            os.kill(int(stdout), 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail("the step's child outlived the timeout")
