@@ -90,7 +90,7 @@ HF_SHAPE = {
               "num_attention_heads": 12, "num_key_value_heads": 4},
 }  # fmt: skip
 # Fields a family needs at these widths, beyond the shape: FLA's defaults sized for wider models (heads of
-# expand_ratio channels), required sub-configs, Mamba's depth, head widths that are not hidden / heads, Qwen3-Next's
+# expand_ratio channels), required sub-configs, Samba's attention heads, Mamba's depth, head widths that are not hidden / heads, Qwen3-Next's
 # 512 experts, and special token ids past the 4096-token vocabulary (which would be nn.Embedding's padding_idx).
 FIELDS = {
     "tiny": {
@@ -100,6 +100,7 @@ FIELDS = {
         "hgrn2": {"expand_ratio": 16},
         "lightnet": {"expand_ratio": 16},
         "rodimus": {"ska_attn": {"num_heads": 4}},
+        "samba": {"attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 4, "window_size": 2048}},
         "qwen3": {"head_dim": 16},
         "gemma3_text": {"head_dim": 16},
         "qwen3_next": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
@@ -109,6 +110,8 @@ FIELDS = {
     },
     "small": {
         "rodimus": {"ska_attn": {"num_heads": 12}},
+        # Samba's default attention has 18 heads (its 1B model's 2304 / 128): 12 of 64 here, every other layer.
+        "samba": {"attn": {"layers": [1, 3, 5, 7, 9, 11], "num_heads": 12, "num_kv_heads": 12, "window_size": 2048}},
         # Mamba's blocks have no MLP: 24 of them, as Mamba's 130M model has.
         "mamba": {"num_hidden_layers": 24},
         "mamba2": {"num_hidden_layers": 24},
