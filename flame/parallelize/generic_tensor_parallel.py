@@ -6,6 +6,8 @@ transformers' styles (transformers/integrations/tensor_parallel.py) map to torch
 - ``colwise``: ColwiseParallel (weight and bias split over output features, the output left split: each rank
   holds its heads, which the attention's ``view(..., -1, head_dim)`` reads as its local head count);
 - ``rowwise``: RowwiseParallel (weight split over input features, output summed over the ranks);
+- ``colwise_gather_output`` / ``rowwise_split_input`` (OLMo2's attention): the same with the colwise output
+  gathered whole on every rank and the rowwise input split again (each rank then attends with all heads);
 - ``replicated_with_grad_allreduce`` (Qwen3's per-head q/k norms): the weight replicated, run on this rank's
   heads, its gradient summed over the ranks (:class:`ReplicatedOnShards`).
 
@@ -68,6 +70,14 @@ def style_of(name: str) -> ParallelStyle | None:
         return ColwiseParallel()
     if name == "rowwise":
         return RowwiseParallel()
+    if (
+        name == "colwise_gather_output"
+    ):  # OLMo2's q/k/v, whose q/k norms span all heads: every rank gets them all
+        return ColwiseParallel(output_layouts=Replicate())
+    if (
+        name == "rowwise_split_input"
+    ):  # OLMo2's o_proj after the gathered attention: each rank takes its slice
+        return RowwiseParallel(input_layouts=Replicate())
     if name == "replicated_with_grad_allreduce":
         return ReplicatedOnShards(shard_dim=-2)  # (batch, seq, heads, head_dim): split over the heads
     return None
@@ -88,7 +98,8 @@ def block_plan(config) -> dict[str, ParallelStyle]:
         if not key.startswith(BLOCK_PREFIX) or style is None:
             raise ConfigError(
                 f"{type(config).__name__}'s tensor-parallel plan has {key}: {name}, which flame does not apply "
-                "(it maps colwise, rowwise and replicated_with_grad_allreduce on the blocks); use "
+                "(it maps colwise, rowwise, their gather/split variants and replicated_with_grad_allreduce on the "
+                "blocks); use "
                 "tensor_parallel_degree 1"
             )
         plan[key.removeprefix(BLOCK_PREFIX)] = style

@@ -83,8 +83,12 @@ FAMILIES: dict[str, dict] = {
         "num_heads": 2,
         "attn": {"every": 2, "offset": 1, "num_heads": 4, "num_kv_heads": 2},
     },
-    # transformers' own classes on the generic path: GQA; qwen3 with its per-head q/k norms and tied embeddings.
+    # transformers' own classes on the generic path, all with GQA: qwen2 with q/k/v biases, qwen3 with per-head q/k
+    # norms and tied embeddings, olmo2 with q/k norms over all heads.
     "llama": {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2},
+    "mistral": {"model_type": "mistral", "num_attention_heads": 4, "num_key_value_heads": 2},
+    "qwen2": {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2},
+    "olmo2": {"model_type": "olmo2", "num_attention_heads": 4, "num_key_value_heads": 2},
     "qwen3": {
         "model_type": "qwen3",
         "num_attention_heads": 4,

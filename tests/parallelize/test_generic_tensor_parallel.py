@@ -1,8 +1,9 @@
-"""Tensor parallelism on the generic path: transformers' own llama and qwen3 classes (GQA; qwen3's per-head q/k
-norms replicated with their gradients summed, tied embeddings) train on 2 gloo ranks with tensor_parallel_degree 2
-as in one process, 1e-5 relative on the loss and 1e-4 on the gradient norm (float32 summation order) at each of 3
-steps; the pre-flight refuses head counts or MLP widths the degree does not divide, FLA's classes, and the model
-types whose plans flame has not verified."""
+"""Tensor parallelism on the generic path: transformers' own llama, mistral, qwen2 (q/k/v biases), qwen3 (per-head
+q/k norms replicated with their gradients summed, tied embeddings) and olmo2 (q/k/v gathered for its norms over all
+heads) classes, all with GQA, train on 2 gloo ranks with tensor_parallel_degree 2 as in one process: 1e-5
+relative on the loss and 1e-4 on the gradient norm (float32 summation order) at each of 3 steps. The pre-flight
+refuses head counts or MLP widths the degree does not divide, FLA's classes, and the model types whose plans flame
+has not verified."""
 
 import re
 
@@ -15,7 +16,7 @@ from flame.parallelize.checks import check_parallelism
 from tests.parallelize.harness import TINY, Setting, job_config, reference_run, run_world
 
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 
 
@@ -67,7 +68,7 @@ def test_indivisible_widths_are_refused(config, named):
     ("config", "impl"),
     [
         ({"model_type": "gated_deltanet", "num_heads": 4, "head_dim": 16}, "fla"),  # FLA's class
-        ({"model_type": "olmo2", "num_attention_heads": 4}, "auto"),  # a plan flame has not verified
+        ({"model_type": "granite", "num_attention_heads": 4}, "auto"),  # a plan flame has not verified
     ],
 )
 def test_unsupported_classes_are_refused(config, impl):

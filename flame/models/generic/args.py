@@ -107,9 +107,9 @@ PACKED_DOCUMENT_MODEL_TYPES = frozenset(
 
 
 # transformers' classes whose declared tensor-parallel plan (``base_model_tp_plan``) flame applies
-# (flame/parallelize/generic_tensor_parallel.py); tests/parallelize/test_generic_tensor_parallel.py trains llama and
-# qwen3 with it against one process.
-TENSOR_PARALLEL_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# (flame/parallelize/generic_tensor_parallel.py); tests/parallelize/test_generic_tensor_parallel.py trains each
+# with it against one process.
+TENSOR_PARALLEL_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "olmo2"})
 
 
 def config_parallelisms(args: "GenericArgs") -> frozenset[str]:
