@@ -3,15 +3,18 @@ q/k norms replicated with their gradients summed, tied embeddings) and olmo2 (q/
 heads) classes, all with GQA, train on 2 gloo ranks with tensor_parallel_degree 2 as in one process: 1e-5
 relative on the loss and 1e-4 on the gradient norm (float32 summation order) at each of 3 steps. The pre-flight
 refuses head counts or MLP widths the degree does not divide, FLA's classes, and the model types whose plans flame
-has not verified."""
+has not verified, and so does a caller asking for loss parallelism."""
 
 import re
 
 import pytest
+import torch
+from torchtitan.distributed import ParallelDims
 
 from flame.errors import ConfigError
-from flame.models import model_args_from_dict
+from flame.models import build_model, model_args_from_dict
 from flame.models.generic.args import TENSOR_PARALLEL_MODEL_TYPES
+from flame.parallelize import parallelize_model
 from flame.parallelize.checks import check_parallelism
 from tests.parallelize.harness import TINY, Setting, job_config, reference_run, run_world
 
@@ -75,3 +78,12 @@ def test_unsupported_classes_are_refused(config, impl):
     with pytest.raises(ConfigError, match="models do not support tensor parallelism") as refused:
         preflight(config, impl)
     assert "\n" not in str(refused.value)
+
+
+def test_loss_parallel_is_refused():
+    args, _ = model_args_from_dict({**TINY, "model_type": "llama", "num_attention_heads": 4})
+    with torch.device("meta"):
+        model = build_model(args)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, etp=1, world_size=2)
+    with pytest.raises(ConfigError, match="llama models \\(generic path\\) do not support loss parallelism"):
+        parallelize_model(model, dims, job_config(TP2), loss_parallel=True)
