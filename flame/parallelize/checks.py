@@ -6,7 +6,8 @@ that splits the backward, a sequence length indivisible by cp (x tp with sequenc
 softmax attention (context_parallel.py);
 a parallelism (or varlen) the model's family does not declare in its spec;
 DDP combined with tensor or pipeline parallelism; unknown compile components; head counts, MLP widths or the
-sequence length not divisible by the tensor-parallel degree; a q/k norm over all heads (``qk_norm_scope`` full)
+sequence length not divisible by the tensor-parallel degree (a generic-path model: its head counts and
+intermediate_size, and a declared plan flame cannot apply); a q/k norm over all heads (``qk_norm_scope`` full)
 under tensor parallelism, which splits the heads; more pipeline stages than layers; micro-batch counts the
 pipeline schedule cannot run (1F1B and DualPipeV need one per stage); CPU offload without FSDP;
 activation-checkpointing and converter options that cannot work; the fused linear cross-entropy
@@ -25,6 +26,7 @@ from flame.models.layers.delta_net import DeltaNet
 from flame.models.layers.gated_deltanet import GatedDeltaNet
 from flame.parallelize.context_parallel import check_context_parallel
 from flame.parallelize.float8 import check_converters, float8_enabled
+from flame.parallelize.generic_tensor_parallel import block_plan
 
 SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 COMPILE_COMPONENTS = ("model", "loss")
@@ -113,6 +115,24 @@ def check_tensor_parallel(model, tp: int, seq_len: int) -> None:
             f"training.seq_len {seq_len} is not divisible by tensor_parallel_degree {tp} (sequence parallelism "
             "splits the sequence across the tensor-parallel ranks)"
         )
+
+
+def check_generic_tensor_parallel(model_args, tp: int) -> None:
+    """A generic-path model's declared plan splits the attention heads and the MLP width over the TP ranks."""
+    config = model_args.hf_config()
+    block_plan(config)  # a style flame does not map stops here
+    heads = config.num_attention_heads
+    widths = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    for name, count in widths.items():
+        if count % tp:
+            raise ConfigError(
+                f"tensor_parallel_degree {tp} does not divide the model's {name} ({count}); pick a degree that "
+                "divides it"
+            )
 
 
 def pipeline_stages(parallelism, num_layers: int) -> int:
@@ -279,7 +299,9 @@ def check_parallelism(job_config, model_args, world_size: int, model=None) -> di
     check_activation_checkpoint(job_config)
     check_compile(job_config.compile)
     check_converters(job_config, on_gpu=True)  # the GPU is checked on the ranks
-    if degrees["tp"] > 1:
+    if degrees["tp"] > 1 and model_args.generic:
+        check_generic_tensor_parallel(model_args, degrees["tp"])
+    elif degrees["tp"] > 1:
         if model is None:
             with torch.device("meta"):
                 model = build_model(model_args)

@@ -8,12 +8,15 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
+from flame.errors import ConfigError
+from flame.models import model_spec
 from flame.parallelize.activation_checkpoint import apply_activation_checkpointing
 from flame.parallelize.activation_offload import apply_activation_offload
 from flame.parallelize.checks import check_parallelism
 from flame.parallelize.compile import compile_blocks
 from flame.parallelize.float8 import apply_float8
 from flame.parallelize.fsdp import apply_ddp, apply_fsdp
+from flame.parallelize.generic_tensor_parallel import apply_generic_tp
 from flame.parallelize.tensor_parallel import apply_tp, reduce_partial_grads
 
 
@@ -29,7 +32,8 @@ def parallelize_model(
 
     ``loss_parallel``: with tensor parallelism, leave the logits sharded over the vocabulary (a DTensor); the
     caller must then compute the loss and run backward under ``torch.distributed.tensor.parallel.loss_parallel()``.
-    Off by default: the logits are gathered to a plain tensor and any loss code works.
+    Off by default: the logits are gathered to a plain tensor and any loss code works. Generic-path models take
+    tensor parallelism without sequence or loss parallelism (flame.parallelize.generic_tensor_parallel).
     """
     check_parallelism(job_config, model.args, parallel_dims.world_size, model=model)
     on_gpu = torch.cuda.is_available()
@@ -37,7 +41,16 @@ def parallelize_model(
     if float8 is not None:
         model.float8_converter = float8  # the trainer calls its post_optimizer_hook after each step
 
-    if parallel_dims.tp_enabled:
+    if parallel_dims.tp_enabled and model.args.generic:
+        if loss_parallel:
+            raise ConfigError(
+                f"{model.args.model_type} models (generic path) do not support loss parallelism; compute the loss "
+                "on the whole logits"
+            )
+        apply_generic_tp(model, parallel_dims.get_mesh("tp"), model_spec(model.args).blocks(model))
+        if not parallel_dims.fsdp_enabled:
+            reduce_partial_grads(model)
+    elif parallel_dims.tp_enabled:
         apply_tp(
             model,
             parallel_dims.get_mesh("tp"),

@@ -83,6 +83,19 @@ FAMILIES: dict[str, dict] = {
         "num_heads": 2,
         "attn": {"every": 2, "offset": 1, "num_heads": 4, "num_kv_heads": 2},
     },
+    # transformers' own classes on the generic path, all with GQA: qwen2 with q/k/v biases, qwen3 with per-head q/k
+    # norms and tied embeddings, olmo2 with q/k norms over all heads.
+    "llama": {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2},
+    "mistral": {"model_type": "mistral", "num_attention_heads": 4, "num_key_value_heads": 2},
+    "qwen2": {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2},
+    "olmo2": {"model_type": "olmo2", "num_attention_heads": 4, "num_key_value_heads": 2},
+    "qwen3": {
+        "model_type": "qwen3",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "tie_word_embeddings": True,
+    },
 }
 TINY = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 96}
 SEQ_LEN, GLOBAL_BATCH, STEPS, LR, MAX_NORM = 32, 4, 3, 1e-2, 1.0
@@ -112,10 +125,9 @@ class Setting:
 
 
 def model_args(family: str):
-    from flame.models import get_model_spec
+    from flame.models import model_args_from_dict
 
-    config = {**TINY, **FAMILIES[family]}
-    args, unknown = get_model_spec(config["model_type"]).args_cls.from_dict(config)
+    args, unknown = model_args_from_dict({**TINY, **FAMILIES[family]})
     assert unknown == [], unknown
     return args
 

@@ -1,7 +1,8 @@
 """The generic family: any model_type flame does not implement itself, built from the causal-LM class that
 transformers' Auto classes hold for it (transformers' own models, FLA's after ``import fla``, a user's registered
-class). Trains data-parallel only (FSDP/HSDP/DDP), with varlen for transformers' attention-only decoders; tensor,
-pipeline and context parallelism need flame's own families."""
+class). Trains data-parallel (FSDP/HSDP/DDP), with varlen for transformers' attention-only decoders and tensor
+parallelism (the class's declared plan, on its blocks) for a verified few of them; pipeline and context parallelism
+need flame's own families."""
 
 from flame.models.common.spec import ModelSpec
 from flame.models.generic.args import GenericArgs, config_parallelisms

@@ -106,11 +106,21 @@ PACKED_DOCUMENT_MODEL_TYPES = frozenset(
 )
 
 
+# transformers' classes whose declared tensor-parallel plan (``base_model_tp_plan``) flame applies
+# (flame/parallelize/generic_tensor_parallel.py); tests/parallelize/test_generic_tensor_parallel.py trains each
+# with it against one process.
+TENSOR_PARALLEL_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "olmo2"})
+
+
 def config_parallelisms(args: "GenericArgs") -> frozenset[str]:
-    """Varlen for transformers' own classes of PACKED_DOCUMENT_MODEL_TYPES (FLA's and users' classes: none)."""
-    own_class = config_class(args.model_type, args.impl).__module__.startswith("transformers.models.")
-    return (
-        frozenset({"varlen"}) if args.model_type in PACKED_DOCUMENT_MODEL_TYPES and own_class else frozenset()
+    """Varlen for transformers' own classes of PACKED_DOCUMENT_MODEL_TYPES, tensor parallelism for those of
+    TENSOR_PARALLEL_MODEL_TYPES (FLA's and users' classes: none)."""
+    if not config_class(args.model_type, args.impl).__module__.startswith("transformers.models."):
+        return frozenset()
+    return frozenset(
+        name
+        for name, types in (("varlen", PACKED_DOCUMENT_MODEL_TYPES), ("tp", TENSOR_PARALLEL_MODEL_TYPES))
+        if args.model_type in types
     )
 
 
