@@ -12,8 +12,8 @@ transformers' styles (transformers/integrations/tensor_parallel.py) map to torch
   heads, its gradient summed over the ranks (:class:`ReplicatedOnShards`).
 
 Every parameter the plan does not name (the blocks' norms, embeddings, final norm, lm_head) is replicated: every
-rank computes it whole (:class:`ReplicatedOnShards` over replicated inputs). Sequence parallelism and loss parallelism are not applied:
-the residual stream and the logits are whole on every rank.
+rank computes it whole (:class:`ReplicatedOnShards` over replicated inputs). Sequence parallelism and loss
+parallelism are not applied: the residual stream and the logits are whole on every rank.
 """
 
 import logging
@@ -70,13 +70,11 @@ def style_of(name: str) -> ParallelStyle | None:
         return ColwiseParallel()
     if name == "rowwise":
         return RowwiseParallel()
-    if (
-        name == "colwise_gather_output"
-    ):  # OLMo2's q/k/v, whose q/k norms span all heads: every rank gets them all
+    # OLMo2's q/k/v, whose q/k norms span all heads: every rank gets them all
+    if name == "colwise_gather_output":
         return ColwiseParallel(output_layouts=Replicate())
-    if (
-        name == "rowwise_split_input"
-    ):  # OLMo2's o_proj after the gathered attention: each rank takes its slice
+    # OLMo2's o_proj after the gathered attention: each rank takes its slice
+    if name == "rowwise_split_input":
         return RowwiseParallel(input_layouts=Replicate())
     if name == "replicated_with_grad_allreduce":
         return ReplicatedOnShards(shard_dim=-2)  # (batch, seq, heads, head_dim): split over the heads
@@ -99,8 +97,7 @@ def block_plan(config) -> dict[str, ParallelStyle]:
             raise ConfigError(
                 f"{type(config).__name__}'s tensor-parallel plan has {key}: {name}, which flame does not apply "
                 "(it maps colwise, rowwise, their gather/split variants and replicated_with_grad_allreduce on the "
-                "blocks); use "
-                "tensor_parallel_degree 1"
+                "blocks); use tensor_parallel_degree 1"
             )
         plan[key.removeprefix(BLOCK_PREFIX)] = style
     return plan
