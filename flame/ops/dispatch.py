@@ -1,47 +1,111 @@
 """Which implementation serves a call of an op: one table for every op that has more than one.
 
-Each op registers, once, its PyTorch implementation (CPU tensors; also the reference every kernel is tested
-against) and its CUDA backends by name, fastest first. A call on CUDA tensors runs the backend the job pinned
-(``pin``; for attention, ``--model.attention_backend``), else the op's first backend; a call on any other device
-runs the PyTorch implementation. An op marked ``eager_only`` runs its PyTorch code under torch.compile too, where
-inductor fuses it with the code around it (a kernel call would split the compiled graph).
+Each op registers, once, its PyTorch implementation (any device; the reference every kernel is tested against) and
+its CUDA backends by name, fastest first. A backend may declare what it needs installed (``requires``: modules that
+must import) and which calls it does not take (``refuses``: given the call's arguments, the reason it cannot serve
+them, or None), where the PyTorch implementation takes them: a dtype its kernel rejects, a width past its limit, a
+flag it lacks.
+
+A call on CUDA tensors runs the backend the job pinned (``pin``; for attention, ``--model.attention_backend``),
+else the first backend that is installed and takes the call; when none does, the PyTorch implementation runs on the
+same device. Each such step down is logged once per op, backend and reason. A call on any other device runs the
+PyTorch implementation. An op marked ``eager_only`` runs its PyTorch code under torch.compile too, where inductor
+fuses it with the code around it (a kernel call would split the compiled graph).
 
 Adding a backend is one entry in its op's ``register_op`` call.
 """
 
+import importlib.util
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A CUDA implementation of an op, called with the op's arguments."""
+
+    run: Callable
+    refuses: Callable[..., str | None] | None = None
+    """Called with the op's arguments: why this backend cannot serve the call (one phrase), or None when it can"""
+    requires: tuple[str, ...] = ()
+    """Top-level modules that must be importable for the backend to run at all"""
 
 
 @dataclass
 class Op:
     name: str
     torch_impl: Callable
-    cuda_backends: Mapping[str, Callable]  # fastest first
+    cuda_backends: Mapping[str, Backend]  # fastest first
     eager_only: bool = False
+    missing: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per backend, the required modules this process cannot import (looked up once, at registration)"""
     pinned: str | None = field(default=None, init=False)
+    _logged: set[tuple[str, str]] = field(default_factory=set, init=False, repr=False)
 
-    def implementation(self, x: torch.Tensor) -> Callable:
-        """What serves a call whose main input is ``x``."""
+    def __call__(self, x: torch.Tensor, *args, **kwargs):
+        """Run the call ``(x, *args, **kwargs)`` on what serves it; the main input ``x`` decides the device."""
+        return self.implementation(x, *args, **kwargs)(x, *args, **kwargs)
+
+    def implementation(self, x: torch.Tensor, *args, **kwargs) -> Callable:
+        """What serves a call whose main input is ``x`` (and whose other arguments are ``args``/``kwargs``, which
+        the backends' ``refuses`` read)."""
         if not x.is_cuda or (self.eager_only and torch.compiler.is_compiling()):
             return self.torch_impl
-        return self.cuda_backends[self.pinned or next(iter(self.cuda_backends))]
+        passed_over = []
+        for name in [self.pinned] if self.pinned else self.cuda_backends:
+            backend = self.cuda_backends[name]
+            if self.missing.get(name):
+                passed_over.append((name, f"needs {', '.join(self.missing[name])}, which is not installed"))
+            elif backend.refuses is None or (reason := backend.refuses(x, *args, **kwargs)) is None:
+                if passed_over:
+                    self._log_passed_over(passed_over, name)
+                return backend.run
+            else:
+                passed_over.append((name, reason))
+        self._log_passed_over(passed_over, "pytorch")
+        return self.torch_impl
+
+    @torch.compiler.disable
+    def _log_passed_over(self, passed_over: list[tuple[str, str]], server: str) -> None:
+        # Outside the compiled graph: a once-per-process log line must not be traced into every compiled call.
+        for backend, reason in passed_over:
+            if (backend, reason) not in self._logged:
+                self._logged.add((backend, reason))
+                logger.warning(
+                    f"{self.name}: the {backend} backend {reason}; the {server} implementation serves it"
+                )
 
 
 _TABLE: dict[str, Op] = {}
 
 
 def register_op(
-    name: str, torch_impl: Callable, cuda_backends: Mapping[str, Callable], *, eager_only: bool = False
+    name: str,
+    torch_impl: Callable,
+    cuda_backends: Mapping[str, Callable | Backend],
+    *,
+    eager_only: bool = False,
 ) -> Op:
-    """Enter an op in the table (at the import of the module that defines it); returns its entry."""
+    """Enter an op in the table (at the import of the module that defines it); returns its entry. A backend given as
+    a plain function takes every call and needs nothing installed."""
     if name in _TABLE:
         raise ValueError(f"op {name!r} is registered already")
     if not cuda_backends:
         raise ValueError(f"op {name!r} needs at least one CUDA backend")
-    _TABLE[name] = Op(name, torch_impl, dict(cuda_backends), eager_only)
+    backends = {
+        key: value if isinstance(value, Backend) else Backend(value) for key, value in cuda_backends.items()
+    }
+    missing = {
+        key: missing
+        for key, backend in backends.items()
+        if (missing := tuple(m for m in backend.requires if importlib.util.find_spec(m) is None))
+    }
+    _TABLE[name] = Op(name, torch_impl, backends, eager_only, missing)
     return _TABLE[name]
 
 
@@ -50,7 +114,8 @@ def backend_names(op: str) -> tuple[str, ...]:
 
 
 def pin(op: str, backend: str | None) -> None:
-    """Serve ``op``'s CUDA calls with ``backend`` from now on in this process; None restores the default."""
+    """Serve ``op``'s CUDA calls with ``backend`` from now on in this process (the PyTorch implementation where it
+    refuses a call); None restores the default."""
     entry = _lookup(op)
     if backend is not None and backend not in entry.cuda_backends:
         raise ValueError(f"{op} backend must be one of {backend_names(op)}, got {backend!r}")
@@ -58,7 +123,7 @@ def pin(op: str, backend: str | None) -> None:
 
 
 def pinned(op: str) -> str:
-    """The backend that serves ``op``'s CUDA calls now."""
+    """The backend that serves ``op``'s CUDA calls now (the first one, unless pinned)."""
     entry = _lookup(op)
     return entry.pinned or next(iter(entry.cuda_backends))
 

@@ -22,8 +22,8 @@ weight-sized, float32 for the weight) wait for backward instead.
 On CUDA tensors the dispatch table (flame/ops/dispatch.py) serves the call with this implementation by default or
 with FLA 0.6.0's ``fused_linear_cross_entropy_loss`` (``fla.modules.FusedLinearCrossEntropyLoss``; Triton, the same
 Liger-style forward) when pinned to ``fla``: with reduction "sum" and no label smoothing, logit scale or softcapping
-it computes the same summed cross-entropy; it has no z-loss, so a call with z_loss > 0 runs the PyTorch
-implementation.
+it computes the same summed cross-entropy; it has no z-loss, so it refuses a call with z_loss > 0, which the PyTorch
+implementation then serves.
 """
 
 import math
@@ -136,10 +136,7 @@ def fla_linear_cross_entropy(
     z_loss: float,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FLA 0.6.0's Triton fused linear cross-entropy (summed), imported on first use; with z_loss > 0 (which FLA
-    does not have) the PyTorch implementation."""
-    if z_loss > 0:
-        return linear_cross_entropy_torch(hidden, weight, labels, ignore_index, z_loss, chunk_size)
+    """FLA 0.6.0's Triton fused linear cross-entropy (summed), imported on first use."""
     from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
 
     # FLA takes a chunk count (and rounds the chunk size up to a power of two).
@@ -154,10 +151,17 @@ def fla_linear_cross_entropy(
     return loss, loss.detach(), torch.zeros_like(loss.detach())
 
 
+def fla_refuses(hidden, weight, labels, ignore_index, z_loss, chunk_size) -> str | None:
+    return "has no z-loss" if z_loss > 0 else None
+
+
 LINEAR_CROSS_ENTROPY = dispatch.register_op(
     "linear_cross_entropy",
     linear_cross_entropy_torch,
-    {"torch": linear_cross_entropy_torch, "fla": fla_linear_cross_entropy},
+    {
+        "torch": linear_cross_entropy_torch,
+        "fla": dispatch.Backend(fla_linear_cross_entropy, refuses=fla_refuses, requires=("fla",)),
+    },
 )
 
 
@@ -189,6 +193,4 @@ def linear_cross_entropy(
         dtype = torch.promote_types(hidden.dtype, weight.dtype)
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        return LINEAR_CROSS_ENTROPY.implementation(hidden)(
-            hidden, weight, labels, ignore_index, z_loss, chunk_size
-        )
+        return LINEAR_CROSS_ENTROPY(hidden, weight, labels, ignore_index, z_loss, chunk_size)

@@ -83,7 +83,7 @@ GATED_RMS_NORM = dispatch.register_op(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension: FLA's kernel on CUDA in eager, `rms_norm_torch` elsewhere and under
     torch.compile."""
-    return RMS_NORM.implementation(x)(x, weight, eps)
+    return RMS_NORM(x, weight, eps)
 
 
 def gated_rms_norm(
@@ -91,4 +91,4 @@ def gated_rms_norm(
 ) -> torch.Tensor:
     """RMSNorm(x) * weight * act(gate): FLA's kernel on CUDA in eager, PyTorch elsewhere and under
     torch.compile."""
-    return GATED_RMS_NORM.implementation(x)(x, gate, weight, eps, activation)
+    return GATED_RMS_NORM(x, gate, weight, eps, activation)

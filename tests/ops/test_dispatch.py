@@ -41,8 +41,8 @@ class PretendCuda(torch.Tensor):
         return True
 
 
-def tensor(*shape):
-    return torch.randn(*shape).as_subclass(PretendCuda)
+def tensor(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype).as_subclass(PretendCuda)
 
 
 SENTINEL = object()
@@ -76,8 +76,9 @@ CASES = {
         "chunk_delta_rule",
         SENTINEL,
         lambda: chunk_delta_rule(
-            tensor(1, 8, 2, 4), tensor(1, 8, 2, 4), tensor(1, 8, 2, 4), tensor(1, 8, 2), chunk_size=16
-        ),
+            *(tensor(*shape, dtype=torch.bfloat16) for shape in [(1, 8, 2, 4)] * 3 + [(1, 8, 2)]),
+            chunk_size=16,
+        ),  # FLA's chunk kernel takes half precision only (test_dispatch_table.py: float32 runs the PyTorch code)
         {"chunk_size": 16},
     ),
     "fused_recurrent_delta_rule": (

@@ -69,9 +69,8 @@ def test_eager_only_ops_run_the_pytorch_code_under_compile(monkeypatch):
     assert dispatch._TABLE["rms_norm"].implementation(cuda) is not rms_norm_torch
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert dispatch._TABLE["rms_norm"].implementation(cuda) is rms_norm_torch
-    assert (
-        dispatch._TABLE["short_conv"].implementation(cuda).__name__ == "triton_short_conv"
-    )  # not eager-only
+    conv = dispatch._TABLE["short_conv"].implementation(cuda, torch.randn(4, 3), None, "silu", None)
+    assert conv.__name__ == "triton_short_conv"  # not eager-only
 
 
 def test_dispatch_compiles_into_one_graph():
@@ -89,3 +88,87 @@ def test_dispatch_compiles_into_one_graph():
     args = (torch.randn(2, 7, 8), torch.randn(8), torch.randn(8, 4), torch.randn(2, 7, 8))
     compiled = torch.compile(block, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(*args), block(*args), rtol=0, atol=0)
+
+
+@pytest.fixture
+def picky_op():
+    """A throwaway op whose first backend refuses odd widths and whose second needs a module that is not there."""
+    name = "picky_op"
+    entry = dispatch.register_op(
+        name,
+        lambda x: "torch",
+        {
+            "even": dispatch.Backend(
+                lambda x: "even", refuses=lambda x: "takes even widths" if x.shape[-1] % 2 else None
+            ),
+            "absent": dispatch.Backend(lambda x: "absent", requires=("flame_no_such_module",)),
+            "any": lambda x: "any",
+        },
+    )
+    yield entry
+    del dispatch._TABLE[name]
+
+
+def test_a_call_a_backend_refuses_goes_to_the_next_one_with_one_log_line(picky_op, caplog):
+    even, odd = torch.zeros(4).as_subclass(PretendCuda), torch.zeros(3).as_subclass(PretendCuda)
+    assert picky_op(even) == "even"
+    assert caplog.records == []
+    with caplog.at_level("WARNING", logger="flame.ops.dispatch"):
+        assert [picky_op(odd) for _ in range(3)] == ["any"] * 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "picky_op: the even backend takes even widths; the any implementation serves it",
+        "picky_op: the absent backend needs flame_no_such_module, which is not installed; "
+        "the any implementation serves it",
+    ]  # once each, for all three calls
+    assert picky_op(torch.zeros(3)) == "torch"  # not CUDA: no backend is asked
+
+
+def test_a_pinned_backend_that_refuses_a_call_leaves_it_to_the_pytorch_code(picky_op, caplog):
+    dispatch.pin("picky_op", "even")
+    try:
+        with caplog.at_level("WARNING", logger="flame.ops.dispatch"):
+            assert picky_op(torch.zeros(3).as_subclass(PretendCuda)) == "torch"
+        assert [r.getMessage() for r in caplog.records] == [
+            "picky_op: the even backend takes even widths; the pytorch implementation serves it"
+        ]
+        dispatch.pin("picky_op", "absent")
+        assert picky_op(torch.zeros(4).as_subclass(PretendCuda)) == "torch"
+    finally:
+        dispatch.pin("picky_op", None)
+
+
+def test_fla_refuses_float_delta_rule_chunks_and_the_pytorch_code_serves_them_on_the_device(
+    monkeypatch, caplog
+):
+    """FLA's chunk kernel asserts half precision (upstream flame issue 30): a float32 call on CUDA runs flame's
+    PyTorch chunk code there instead; a bfloat16 one still reaches FLA (test_dispatch.py)."""
+    import fla.ops.delta_rule
+
+    from flame.ops import chunk_delta_rule
+
+    monkeypatch.setattr(
+        fla.ops.delta_rule, "chunk_delta_rule", lambda *a, **k: pytest.fail("FLA must not run")
+    )
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 37, 2, 8, generator=generator) for _ in range(3))
+    beta = torch.rand(1, 37, 2, generator=generator)
+    expected, _ = chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True)
+    with caplog.at_level("WARNING", logger="flame.ops.dispatch"):
+        actual, _ = chunk_delta_rule(
+            *(x.as_subclass(PretendCuda) for x in (q, k, v, beta)), use_qk_l2norm_in_kernel=True
+        )
+    torch.testing.assert_close(actual.as_subclass(torch.Tensor), expected, rtol=0, atol=0)
+    assert "chunk_delta_rule: the fla backend takes bfloat16 and float16 inputs, not float32" in caplog.text
+
+
+def test_short_convolutions_wider_than_the_kernel_run_the_pytorch_code(monkeypatch):
+    from flame.ops.short_conv import triton_kernel
+
+    monkeypatch.setattr(
+        triton_kernel, "short_conv_triton", lambda *a, **k: pytest.fail("the kernel must not run")
+    )
+    x, weight = torch.randn(2, 11, 6), torch.randn(6, triton_kernel.MAX_WIDTH + 1)
+    actual = short_conv(x.as_subclass(PretendCuda), weight, activation="silu")
+    torch.testing.assert_close(
+        actual.as_subclass(torch.Tensor), short_conv(x, weight, activation="silu"), rtol=0, atol=0
+    )

@@ -121,7 +121,7 @@ def test_bench_smoke_on_cpu_writes_its_section(tmp_path, monkeypatch):
 def test_cuda_calls_pinned_to_fla_reach_its_kernel_with_arguments_it_accepts(monkeypatch):
     """Without a GPU: CPU tensors that claim is_cuda walk the fla backend down to FLA 0.6.0's
     fused_linear_cross_entropy_loss, replaced by a recorder bound to its signature; with z-loss (which FLA lacks)
-    the backend runs the PyTorch implementation instead."""
+    the backend refuses the call and the PyTorch implementation serves it."""
     import inspect
 
     import fla.modules.fused_linear_cross_entropy as fla_module

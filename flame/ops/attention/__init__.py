@@ -173,9 +173,7 @@ def attention(
         q, k, impl=impl, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
     )
     if causal:
-        return ATTENTION.implementation(q)(
-            q, k, v, impl=impl, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
-        )
+        return ATTENTION(q, k, v, impl=impl, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale)
     return reference_attention(
         q, k, v, impl=impl, causal=False, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
     )

@@ -8,8 +8,9 @@ float64 inputs); o in q's dtype.
 FLA's DeltaNet layer calls `fused_recurrent_delta_rule` for sequences of at most 64 tokens (training included) and
 `chunk_delta_rule` otherwise; both dispatchers keep FLA's signatures. CUDA tensors go to FLA's Triton ops, others
 to the shared PyTorch code (flame/ops/dispatch.py).
-Differences that stay FLA's: its chunk kernel refuses float32 inputs, and its fused-recurrent kernel also accepts a
-per-channel beta [B, T, H, V], which the PyTorch path rejects (FLA's DeltaNet layer never passes one).
+FLA's chunk kernel takes only half-precision inputs: a float32 or float64 chunk call on CUDA runs the PyTorch code
+there (one log line). Its fused-recurrent kernel also accepts a per-channel beta [B, T, H, V], which the PyTorch
+path rejects (FLA's DeltaNet layer never passes one).
 """
 
 import torch
@@ -73,7 +74,18 @@ def pytorch_delta_rule(
     )
 
 
-CHUNK_DELTA_RULE = dispatch.register_op("chunk_delta_rule", pytorch_delta_rule, {"fla": fla_chunk_delta_rule})
+def fla_chunk_refuses(q, *args, **kwargs) -> str | None:
+    # FLA's ChunkDeltaRuleFunction asserts half-precision inputs (upstream flame issue 30: DeltaNet in float32).
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"takes bfloat16 and float16 inputs, not {str(q.dtype).removeprefix('torch.')}"
+    return None
+
+
+CHUNK_DELTA_RULE = dispatch.register_op(
+    "chunk_delta_rule",
+    pytorch_delta_rule,
+    {"fla": dispatch.Backend(fla_chunk_delta_rule, refuses=fla_chunk_refuses, requires=("fla",))},
+)
 FUSED_RECURRENT_DELTA_RULE = dispatch.register_op(
     "fused_recurrent_delta_rule", pytorch_delta_rule, {"fla": fla_fused_recurrent_delta_rule}
 )
@@ -94,11 +106,11 @@ def chunk_delta_rule(
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Delta rule, FLA's chunked op on CUDA. Returns (o [B, T, H, V], final state [N, H, K, V] or None)."""
-    return CHUNK_DELTA_RULE.implementation(q)(
-        q=q,
-        k=k,
-        v=v,
-        beta=beta,
+    return CHUNK_DELTA_RULE(
+        q,
+        k,
+        v,
+        beta,
         scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,
@@ -121,11 +133,11 @@ def fused_recurrent_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Delta rule, FLA's fused recurrent op on CUDA; beta=None means beta = 1. Same results as `chunk_delta_rule`."""
-    return FUSED_RECURRENT_DELTA_RULE.implementation(q)(
-        q=q,
-        k=k,
-        v=v,
-        beta=beta,
+    return FUSED_RECURRENT_DELTA_RULE(
+        q,
+        k,
+        v,
+        beta,
         scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,

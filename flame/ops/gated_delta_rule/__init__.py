@@ -144,12 +144,12 @@ def chunk_gated_delta_rule(
 
     Returns (o [B, T, HV, V], final state [N, HV, K, V] (or [N, HV, V, K] with state_v_first) or None).
     """
-    return GATED_DELTA_RULE.implementation(q)(
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
+    return GATED_DELTA_RULE(
+        q,
+        k,
+        v,
+        g,
+        beta,
         scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,
