@@ -8,7 +8,8 @@ flag it lacks.
 
 A call on CUDA tensors runs the backend the job pinned (``pin``; for attention, ``--model.attention_backend``),
 else the first backend that is installed and takes the call; when none does, the PyTorch implementation runs on the
-same device. Each such step down is logged once per op, backend and reason. A call on any other device runs the
+same device. Each refusal is logged once per op, backend and reason (a backend that is not installed only where it
+is pinned). A call on any other device runs the
 PyTorch implementation. An op marked ``eager_only`` runs its PyTorch code under torch.compile too, where inductor
 fuses it with the code around it (a kernel call would split the compiled graph).
 
@@ -59,8 +60,12 @@ class Op:
         passed_over = []
         for name in [self.pinned] if self.pinned else self.cuda_backends:
             backend = self.cuda_backends[name]
-            if self.missing.get(name):
-                passed_over.append((name, f"needs {', '.join(self.missing[name])}, which is not installed"))
+            if name in self.missing:
+                # An optional package left out is no news, unless the job asked for its backend.
+                if self.pinned:
+                    passed_over.append(
+                        (name, f"needs {', '.join(self.missing[name])}, which is not installed")
+                    )
             elif backend.refuses is None or (reason := backend.refuses(x, *args, **kwargs)) is None:
                 if passed_over:
                     self._log_passed_over(passed_over, name)

@@ -1,8 +1,9 @@
 """Gated delta rule (Gated DeltaNet's sequence mixer) with the semantics of FLA 0.6.0's `chunk_gated_delta_rule`.
 
 `chunk_gated_delta_rule` takes FLA's arguments in FLA's order and dispatches on the device of q (flame/ops/dispatch.py):
-CUDA tensors go to FLA's Triton kernel, anything else to `pytorch_chunk_gated_delta_rule`, which applies in PyTorch
-what FLA fuses into its kernel and runs the chunked code in `chunk.py`:
+CUDA tensors go to FlashQLA where it is installed and takes the call (flash_qla.py: K = V = 128 on Hopper and
+datacenter Blackwell), else to FLA's Triton kernel; anything else goes to `pytorch_chunk_gated_delta_rule`, which
+applies in PyTorch what FLA fuses into its kernel and runs the chunked code in `chunk.py`:
 
 - use_qk_l2norm_in_kernel: q, k <- x * rsqrt(sum(x^2) + 1e-6) (flame.ops.norm.l2norm);
 - use_beta_sigmoid_in_kernel: beta <- sigmoid(beta), times 2 if allow_neg_eigval (which requires the former);
@@ -22,6 +23,7 @@ import torch
 from flame.ops import dispatch
 from flame.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_torch
 from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
+from flame.ops.gated_delta_rule.flash_qla import flash_qla_chunk_gated_delta_rule, flash_qla_refuses
 from flame.ops.gated_delta_rule.gate import gdn_gate
 from flame.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 from flame.ops.norm import l2norm
@@ -113,7 +115,14 @@ def pytorch_chunk_gated_delta_rule(
 
 
 GATED_DELTA_RULE = dispatch.register_op(
-    "chunk_gated_delta_rule", pytorch_chunk_gated_delta_rule, {"fla": fla_chunk_gated_delta_rule}
+    "chunk_gated_delta_rule",
+    pytorch_chunk_gated_delta_rule,
+    {
+        "flash_qla": dispatch.Backend(
+            flash_qla_chunk_gated_delta_rule, refuses=flash_qla_refuses, requires=("flash_qla", "tilelang")
+        ),
+        "fla": fla_chunk_gated_delta_rule,
+    },
 )
 
 

@@ -1,0 +1,103 @@
+"""FlashQLA (`flash-qla`, the Qwen team's fused TileLang forward and backward of the gated delta rule) as a CUDA
+backend of `chunk_gated_delta_rule`, for the calls it takes.
+
+On one H100 it ran a Gated DeltaNet op with 16 heads of K = V = 128 in 1.61 ms against 2.85 ms for FLA's Triton
+path (forward + backward, bf16, 8 x 2048 tokens, through FLA 0.6.0's own FlashQLA dispatch, 2026-11-24). Its
+limits, which `refuses` states per call (FLA 0.6.0's own FlashQLA backend checks the same): Hopper or datacenter
+Blackwell (SM90, SM100, SM103; SM120 has a forward only), bfloat16 or float16 q/k/v of one dtype, K = V = 128, no
+negative eigenvalues and no context parallelism across GPUs. The decay gate and the sigmoid of beta, which FLA's
+Triton kernel can fuse (`use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`), are computed here before the call, as
+FLA's layers did before 0.6.0. FlashQLA is not traced by torch.compile: a compiled block breaks its graph around the call.
+"""
+
+import torch
+
+from flame.ops.gated_delta_rule.gate import gdn_gate
+
+# Compute capabilities whose FlashQLA kernels run forward and backward.
+CAPABILITIES = ((9, 0), (10, 0), (10, 3))
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def flash_qla_refuses(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    cp_context=None,
+    **kwargs,
+) -> str | None:
+    """Why FlashQLA cannot serve this call of `chunk_gated_delta_rule`, or None."""
+    if device_capability(q.device) not in CAPABILITIES:
+        return "runs on SM90, SM100 and SM103 GPUs only"
+    if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype:
+        return "takes bfloat16 or float16 q, k and v of one dtype"
+    if q.shape[-1] != 128 or v.shape[-1] != 128:
+        return f"takes K = V = 128 only, not K = {q.shape[-1]}, V = {v.shape[-1]}"
+    if allow_neg_eigval:
+        return "has no negative eigenvalues (allow_neg_eigval)"
+    if cp_context is not None:
+        return "has no context parallelism across GPUs"
+    return None
+
+
+@torch.compiler.disable
+def flash_qla_chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    cp_context=None,
+    *,
+    chunk_size: int = 64,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """FlashQLA's op with FLA's arguments (its own chunk size; `cu_seqlens_cpu` and `chunk_indices` only save FLA
+    work)."""
+    import flash_qla
+
+    if use_gate_in_kernel:
+        g = gdn_gate(g, A_log, dt_bias)
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid().to(beta.dtype)
+    return flash_qla.chunk_gated_delta_rule(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens,
+        state_v_first=state_v_first,
+        auto_cp=True,
+    )

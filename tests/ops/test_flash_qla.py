@@ -1,0 +1,136 @@
+"""flame/ops/gated_delta_rule/flash_qla.py without a GPU: which CUDA calls of `chunk_gated_delta_rule` FlashQLA
+serves (CPU tensors that claim is_cuda, FlashQLA's package replaced by a recorder with its signature), and what it
+receives: the gate and beta computed before the call exactly as flame's PyTorch path computes them. Its numbers
+against the PyTorch reference are tests/gpu/test_flash_qla.py's."""
+
+import inspect
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flame.ops import chunk_gated_delta_rule
+from flame.ops.gated_delta_rule import GATED_DELTA_RULE, flash_qla, gdn_gate
+from tests.ops.test_dispatch import PretendCuda
+
+SENTINEL = object()
+
+
+def flash_qla_signature(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, cu_seqlens=None, head_first=False, state_v_first=False,
+                        auto_cp=True, enable_fwd_cp_cache=True, cp_context=None, force_intra_cp=False):  # fmt: skip
+    """flash-qla 0.1.3's `chunk_gated_delta_rule` signature."""
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """FlashQLA 'installed' on an SM90 GPU: its package is a recorder, FLA's op must not run. Yields the calls."""
+    calls = []
+    signature = inspect.signature(flash_qla_signature)
+
+    def recorder(*args, **kwargs):
+        calls.append(signature.bind(*args, **kwargs).arguments)
+        return SENTINEL
+
+    monkeypatch.setitem(sys.modules, "flash_qla", types.SimpleNamespace(chunk_gated_delta_rule=recorder))
+    monkeypatch.setattr(GATED_DELTA_RULE, "missing", {})
+    monkeypatch.setattr(flash_qla, "device_capability", lambda device: (9, 0))
+    return calls
+
+
+def inputs(head_dim=128, value_dim=128, dtype=torch.bfloat16):
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 13, 2, head_dim, generator=generator, dtype=dtype) for _ in range(2))
+    v = torch.randn(1, 13, 4, value_dim, generator=generator, dtype=dtype)
+    a, b = (torch.randn(1, 13, 4, generator=generator, dtype=dtype) for _ in range(2))
+    return [x.as_subclass(PretendCuda) for x in (q, k, v, a, b)]
+
+
+def layer_call(q, k, v, a, b, **flags):
+    """The call flame's Gated DeltaNet layer makes: gate and beta sigmoid in the kernel, value-first states."""
+    A_log, dt_bias = torch.linspace(0.1, 2.0, 4), torch.linspace(-1.0, 1.0, 4)
+    cu_seqlens = torch.tensor([0, 6, 13])
+    options = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True,
+                   use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)  # fmt: skip
+    return chunk_gated_delta_rule(q, k, v, a, b, **{**options, **flags}), (A_log, dt_bias, cu_seqlens)
+
+
+def test_flash_qla_gets_the_gate_and_beta_computed_before_the_call(installed, monkeypatch):
+    import fla.ops.gated_delta_rule
+
+    monkeypatch.setattr(
+        fla.ops.gated_delta_rule, "chunk_gated_delta_rule", lambda *a, **k: pytest.fail("FLA ran")
+    )
+    q, k, v, a, b = inputs()
+    result, (A_log, dt_bias, cu_seqlens) = layer_call(q, k, v, a, b)
+    assert result is SENTINEL
+    (call,) = installed
+    expected_g = gdn_gate(a.as_subclass(torch.Tensor), A_log, dt_bias)
+    torch.testing.assert_close(call["g"].as_subclass(torch.Tensor), expected_g, rtol=0, atol=0)
+    assert call["g"].dtype == torch.float32
+    expected_beta = torch.sigmoid(b.as_subclass(torch.Tensor).float()).bfloat16()
+    torch.testing.assert_close(call["beta"].as_subclass(torch.Tensor), expected_beta, rtol=0, atol=0)
+    assert call["q"] is q and call["k"] is k and call["v"] is v and call["cu_seqlens"] is cu_seqlens
+    assert call["use_qk_l2norm_in_kernel"] and call["state_v_first"] and call["auto_cp"]
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ({"head_dim": 256, "value_dim": 512}, "takes K = V = 128 only, not K = 256, V = 512"),
+        ({"dtype": torch.float32}, "takes bfloat16 or float16 q, k and v of one dtype"),
+        ({"allow_neg_eigval": True}, "has no negative eigenvalues (allow_neg_eigval)"),
+        ({"capability": (8, 0)}, "runs on SM90, SM100 and SM103 GPUs only"),
+        ({"capability": (12, 0)}, "runs on SM90, SM100 and SM103 GPUs only"),
+    ],
+)
+def test_calls_flash_qla_refuses_go_to_fla_with_one_log_line(installed, monkeypatch, caplog, case, reason):
+    import fla.ops.gated_delta_rule
+
+    fla_calls = []
+    monkeypatch.setattr(
+        fla.ops.gated_delta_rule, "chunk_gated_delta_rule", lambda *a, **k: fla_calls.append(k) or SENTINEL
+    )
+    case = dict(case)
+    capability = case.pop("capability", (9, 0))
+    monkeypatch.setattr(flash_qla, "device_capability", lambda device: capability)
+    monkeypatch.setattr(GATED_DELTA_RULE, "_logged", set())
+    flags = {"allow_neg_eigval": case.pop("allow_neg_eigval")} if "allow_neg_eigval" in case else {}
+    with caplog.at_level("WARNING", logger="flame.ops.dispatch"):
+        result, _ = layer_call(*inputs(**case), **flags)
+    assert result is SENTINEL and installed == [] and len(fla_calls) == 1
+    assert fla_calls[0]["use_gate_in_kernel"]  # FLA keeps the fused gate
+    assert caplog.messages == [
+        f"chunk_gated_delta_rule: the flash_qla backend {reason}; the fla implementation serves it"
+    ]
+
+
+def test_without_flash_qla_installed_fla_serves_without_a_word(monkeypatch, caplog):
+    """Where flash-qla and tilelang are not installed (CI, the default GPU stack) FLA serves the call and nothing is
+    logged: an optional package left out is no news."""
+    import fla.ops.gated_delta_rule
+
+    monkeypatch.setattr(GATED_DELTA_RULE, "missing", {"flash_qla": ("flash_qla", "tilelang")})
+    monkeypatch.setattr(GATED_DELTA_RULE, "_logged", set())
+    monkeypatch.setattr(fla.ops.gated_delta_rule, "chunk_gated_delta_rule", lambda *a, **k: SENTINEL)
+    with caplog.at_level("WARNING", logger="flame.ops.dispatch"):
+        assert layer_call(*inputs())[0] is SENTINEL
+    assert caplog.messages == []
+
+
+def test_the_precomputed_gate_and_beta_give_the_fused_calls_result():
+    """What flash_qla.py hands over (g from gdn_gate, sigmoid(beta)) is what the fused flags compute: on the PyTorch
+    path both calls agree exactly (float64)."""
+    generator = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(1, 29, 2, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 29, 4, 24, generator=generator, dtype=torch.float64)
+    a, b = (torch.randn(1, 29, 4, generator=generator, dtype=torch.float64) for _ in range(2))
+    A_log, dt_bias = torch.rand(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    fused, _ = chunk_gated_delta_rule(q, k, v, a, b, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                      use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)  # fmt: skip
+    outside, _ = chunk_gated_delta_rule(
+        q, k, v, gdn_gate(a, A_log, dt_bias), F.sigmoid(b), use_qk_l2norm_in_kernel=True
+    )
+    torch.testing.assert_close(outside, fused, rtol=0, atol=0)
