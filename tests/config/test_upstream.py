@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -45,19 +46,36 @@ def test_the_excerpt_holds_the_readme_commands_and_listing():
     assert len(listing()) == 85  # -h aside
 
 
-@pytest.mark.parametrize("ngpu", [1, 8])
+NGPUS = (1, 8)
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory) -> dict[tuple[int, int], tuple[subprocess.CompletedProcess, Path]]:
+    """Every README command dry-run with NGPU=1 and NGPU=8, two at a time (each is one CPU-bound process), each with
+    its own HOME: {(index, ngpu): (result, HOME)}."""
+
+    def dry_run(index: int, ngpu: int) -> tuple[subprocess.CompletedProcess, Path]:
+        home = tmp_path_factory.mktemp(f"home{index}_{ngpu}")
+        command = re.sub(r"^NGPU=8 ", "", COMMANDS[index])
+        result = subprocess.run(
+            ["bash", "-c", f"{command} --job.dry_run"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+            env={**os.environ, "NGPU": str(ngpu), "HOME": str(home)},
+        )
+        return result, home
+
+    keys = [(index, ngpu) for index in range(len(COMMANDS)) for ngpu in NGPUS]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(keys, pool.map(lambda key: dry_run(*key), keys), strict=True))
+
+
+@pytest.mark.parametrize("ngpu", NGPUS)
 @pytest.mark.parametrize("index", range(len(COMMANDS)))
-def test_readme_command_dry_runs_verbatim(index, ngpu, tmp_path):
-    command = COMMANDS[index]
-    command = re.sub(r"^NGPU=8 ", "", command)
-    result = subprocess.run(
-        ["bash", "-c", f"{command} --job.dry_run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**os.environ, "NGPU": str(ngpu), "HOME": str(tmp_path)},
-    )
+def test_readme_command_dry_runs_verbatim(index, ngpu, dry_runs):
+    result, tmp_path = dry_runs[index, ngpu]
     assert result.returncode == 0, result.stderr
     # Every option of the commands acts (the softpick commands' hub upload too): no notice.
     assert [line for line in result.stderr.splitlines() if line.startswith("notice:")] == []

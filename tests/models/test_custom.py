@@ -6,6 +6,7 @@ transformers (after importing the package) and converts back; a module that does
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -52,12 +53,17 @@ def dry_run_params(result) -> int:
 def test_dry_run_through_either_flag_and_the_convention(example):
     expected = class_params(example)
     common = ["--model.config", str(CONFIG), "--job.dry_run"]
-    assert dry_run_params(train_sh(None, *BY_PATH, *common)) == expected
-    assert dry_run_params(train_sh(None, *BY_IMPORT, *common, env=ON_PATH)) == expected
-    # Upstream's convention: a package named custom_models in the folder train.sh starts from.
-    assert dry_run_params(train_sh(None, *common, env={"PYTHONPATH": str(REPO)}, cwd=EXAMPLES)) == expected
-    # Without any of them, transformers does not know the model_type.
-    unknown = train_sh(None, *common)
+    launches = [
+        lambda: train_sh(None, *BY_PATH, *common),
+        lambda: train_sh(None, *BY_IMPORT, *common, env=ON_PATH),
+        # Upstream's convention: a package named custom_models in the folder train.sh starts from.
+        lambda: train_sh(None, *common, env={"PYTHONPATH": str(REPO)}, cwd=EXAMPLES),
+        # Without any of them, transformers does not know the model_type.
+        lambda: train_sh(None, *common),
+    ]
+    with ThreadPoolExecutor(max_workers=2) as pool:  # each dry run is one CPU-bound process
+        *known, unknown = pool.map(lambda launch: launch(), launches)
+    assert [dry_run_params(result) for result in known] == [expected] * 3
     assert unknown.returncode == 2 and "model_type 'decay_attn' is not supported" in unknown.stderr
 
 

@@ -18,14 +18,20 @@ LOSS = re.compile(r"step\s+(\d+)/\d+\s+loss\s+([0-9.]+)")
 GRADIENT_TOLERANCES = {"loss/train": 1e-5, "grad_norm": 1e-4}
 
 
-def run_train_sh(dump: Path, ngpu: int, *args: str) -> dict[int, float]:
-    """Run train.sh; return {step: loss} from the console."""
+def run_train_sh(dump: Path, ngpu: int, *args: str, export_hf: bool = False) -> dict[int, float]:
+    """Run train.sh (without its end-of-run HF export unless asked: tests/hf covers it); return {step: loss} from
+    the console."""
     result = subprocess.run(
         ["bash", str(REPO / "train.sh"), "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *args],
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "NGPU": str(ngpu), "MASTER_PORT": str(29500 + ngpu)},
+        env={
+            **os.environ,
+            "NGPU": str(ngpu),
+            "MASTER_PORT": str(29500 + ngpu),
+            "FLAME_EXPORT_HF": "1" if export_hf else "0",
+        },
         cwd=REPO,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -78,7 +84,7 @@ def periodic_corpus(tmp_path_factory):
 def test_default_job_trains_and_writes_checkpoint_and_tensorboard(tmp_path):
     dump = tmp_path / "run"
     losses = run_train_sh(dump, 1, "--training.steps", "12", "--lr_scheduler.warmup_steps", "2",
-                          "--checkpoint.interval", "6")  # fmt: skip
+                          "--checkpoint.interval", "6", export_hf=True)  # fmt: skip
     assert sorted(losses) == list(range(1, 13))
     assert losses[1] > 8.0  # ~ln(4096) at initialisation
     assert losses[12] < losses[1] - 0.8  # clearly falling
@@ -88,23 +94,31 @@ def test_default_job_trains_and_writes_checkpoint_and_tensorboard(tmp_path):
     assert sorted(logged) == list(range(1, 13))
     assert logged[12] == pytest.approx(losses[12], abs=1e-4)  # the console shows 4 decimals
     assert (dump / "logs").is_dir()
+    assert (dump / "config.json").is_file() and list(
+        dump.glob("*.safetensors")
+    )  # train.sh's end-of-run export
 
 
-def test_fsdp_on_two_processes_matches_one_process(tmp_path, periodic_corpus):
+def test_fsdp_and_pipeline_on_two_processes_match_one_process(tmp_path, periodic_corpus):
     folder, seq_len = periodic_corpus
     common = ["--training.dataset", str(folder), "--training.seq_len", str(seq_len), "--training.steps", "3",
               "--lr_scheduler.warmup_steps", "1", "--checkpoint.interval", "100", "--training.seed", "7"]  # fmt: skip
     # Validation and text samples run on every rank of a sharded model (only rank 0 logs).
     extras = ["--validation.enable", "--validation.freq", "2", "--inference.interval", "2",
               "--inference.max_new_tokens", "4"]  # fmt: skip
-    # Both runs start from the same seed checkpoint (step 0, model only), resharded by DCP on load. Same weights,
-    # same global batch: only float32 summation order differs between 1 and 2 ranks.
+    # Two pipeline stages of the tiny model's 4 layers, 4 micro-batches of 1 row each: the same global batch.
+    pipelined = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                 "--parallelism.pipeline_parallel_microbatch_size", "1", "--training.batch_size", "4"]  # fmt: skip
+    # Every run starts from the same seed checkpoint (step 0, model only), resharded by DCP on load (into each
+    # rank's pipeline stage for the pipelined run). Same weights, same global batch: only float32 summation order
+    # differs between 1 and 2 ranks.
     runs = {
         "one": (1, [*extras, "--training.batch_size", "4"]),
         "two": (2, [*extras, "--training.batch_size", "2"]),
+        "pipelined": (2, pipelined),
     }
     train_from_one_seed(tmp_path, common, runs)
-    assert_runs_match_run_one(tmp_path, ["two"], {"loss/train": 1e-5}, min_drop=0.1)
+    assert_runs_match_run_one(tmp_path, ["two", "pipelined"], {"loss/train": 1e-5}, min_drop=0.1)
     # Every row of the validation split is the same sequence: same loss whichever rank reads it.
     single_validation = tensorboard_scalars(tmp_path / "one", "loss/validation")
     sharded_validation = tensorboard_scalars(tmp_path / "two", "loss/validation")
@@ -153,16 +167,3 @@ def test_packed_documents_through_a_pipeline_with_and_without_cp_match_one_proce
         tmp_path, common, {"one": (1, []), "pp": (2, pipelined), "pp_cp": (4, [*pipelined, *cp2])}
     )
     assert_runs_match_run_one(tmp_path, ["pp", "pp_cp"], GRADIENT_TOLERANCES, min_drop=0.05)
-
-
-def test_pipeline_on_two_processes_matches_one_process(tmp_path, periodic_corpus):
-    folder, seq_len = periodic_corpus
-    common = ["--training.dataset", str(folder), "--training.seq_len", str(seq_len), "--training.steps", "3",
-              "--lr_scheduler.warmup_steps", "1", "--checkpoint.interval", "100", "--training.seed", "7",
-              "--training.batch_size", "4"]  # fmt: skip
-    # Two stages of the tiny model's 4 layers, 4 micro-batches of 1 row each: the same global batch. Both runs
-    # start from the same seed checkpoint, which DCP loads into each rank's pipeline stage.
-    pipelined = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
-                 "--parallelism.pipeline_parallel_microbatch_size", "1"]  # fmt: skip
-    train_from_one_seed(tmp_path, common, {"one": (1, []), "pipelined": (2, pipelined)})
-    assert_runs_match_run_one(tmp_path, ["pipelined"], {"loss/train": 1e-5}, min_drop=0.1)

@@ -7,7 +7,8 @@ limits, which `refuses` states per call (FLA 0.6.0's own FlashQLA backend checks
 Blackwell (SM90, SM100, SM103; SM120 has a forward only), bfloat16 or float16 q/k/v of one dtype, K = V = 128, no
 negative eigenvalues and no context parallelism across GPUs. The decay gate and the sigmoid of beta, which FLA's
 Triton kernel can fuse (`use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`), are computed here before the call, as
-FLA's layers did before 0.6.0. FlashQLA is not traced by torch.compile: a compiled block breaks its graph around the call.
+FLA's layers did before 0.6.0. FlashQLA is not traced by torch.compile: a compiled block breaks its graph around
+the call.
 """
 
 import torch
