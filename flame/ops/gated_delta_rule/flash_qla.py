@@ -23,26 +23,9 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def flash_qla_refuses(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    cu_seqlens_cpu: torch.Tensor | None = None,
-    chunk_indices: torch.Tensor | None = None,
-    cp_context=None,
-    **kwargs,
-) -> str | None:
-    """Why FlashQLA cannot serve this call of `chunk_gated_delta_rule`, or None."""
+def flash_qla_refuses(q, k, v, g, beta, *, allow_neg_eigval=False, cp_context=None, **kwargs) -> str | None:
+    """Why FlashQLA cannot serve this call of `chunk_gated_delta_rule` (whose dispatcher passes everything after
+    beta by keyword), or None."""
     if device_capability(q.device) not in CAPABILITIES:
         return "runs on SM90, SM100 and SM103 GPUs only"
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype:
@@ -63,25 +46,22 @@ def flash_qla_chunk_gated_delta_rule(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    *,
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
     state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    cu_seqlens_cpu: torch.Tensor | None = None,
-    chunk_indices: torch.Tensor | None = None,
-    cp_context=None,
-    *,
-    chunk_size: int = 64,
     use_gate_in_kernel: bool = False,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    **fla_only,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """FlashQLA's op with FLA's arguments (its own chunk size; `cu_seqlens_cpu` and `chunk_indices` only save FLA
-    work)."""
+    """FlashQLA's op on the calls `flash_qla_refuses` lets through. Of FLA's other arguments (``fla_only``),
+    allow_neg_eigval and cp_context are refused, FlashQLA keeps its own chunk size, and cu_seqlens_cpu and
+    chunk_indices only save FLA work."""
     import flash_qla
 
     if use_gate_in_kernel:
