@@ -79,6 +79,8 @@ MODELS = {
     "scaled_softpick_transformer": ("configs/scaled_softpick_transformer_340M.json", {}),
     "gated_deltanet": ("configs/gated_deltanet_340M.json", {}),
     "hybrid": ("configs/gated_deltanet_340M.json", {"attn": HYBRID_ATTN}),
+    # K = V = 128 heads (Qwen3-Next's shape), which FlashQLA serves where installed (flame/ops/gated_delta_rule).
+    "gated_deltanet_k128": ("configs/gated_deltanet_340M.json", {"head_dim": 128, "expand_v": 1}),
 }
 # --tiny: the same families at a size a CPU steps through in well under a second.
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256, "intermediate_size": 128}
@@ -89,6 +91,7 @@ TINY_FAMILY = {
     "scaled_softpick_transformer": {"num_heads": 4},
     "gated_deltanet": {"num_heads": 2, "head_dim": 32},
     "hybrid": {"num_heads": 2, "head_dim": 32, "attn": {"layers": [1], "num_heads": 4, "qk_norm": True}},
+    "gated_deltanet_k128": {"num_heads": 2, "head_dim": 32, "expand_v": 1},
 }
 
 
