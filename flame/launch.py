@@ -97,7 +97,7 @@ def preflight(argv: list[str]) -> int:
         print(notice, file=sys.stderr)
     check_data_options(job_config)
     # flame.models imports torch (seconds): the checks above answer first.
-    from flame.models import load_model_args
+    from flame.models import check_device, load_model_args
     from flame.models.custom import import_custom_modules
 
     validate_job(job_config)
@@ -128,6 +128,7 @@ def preflight(argv: list[str]) -> int:
         print(f"world_size: {world_size} ({', '.join(f'{k} {v}' for k, v in degrees.items())})")
         return EXIT_DONE
     check_devices(ngpu)
+    check_device(model_args, "cuda" if torch.cuda.device_count() else "cpu")
     if job_config.job.print_config:
         print(json.dumps(dataclasses.asdict(job_config), indent=2, default=str))
     if env_file := os.environ.get("FLAME_LAUNCH_ENV"):

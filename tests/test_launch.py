@@ -71,6 +71,20 @@ def test_malformed_and_unknown_model_configs(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_an_fla_class_without_a_gpu_stops_before_the_ranks_and_still_dry_runs(tmp_path):
+    config = tmp_path / "gla.json"
+    config.write_text('{"model_type": "gla", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2}')
+    dump = tmp_path / "run"
+    result = train_sh("--model.config", str(config), "--job.dump_folder", str(dump))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(
+        "error: model_type 'gla' is FLA's class, whose layers run Triton kernels only: it needs"
+    )
+    assert not (dump / "logs").exists()  # no rank started
+    assert train_sh("--model.config", str(config), "--job.dry_run").returncode == 0
+
+
 def test_tokenizer_larger_than_vocab_is_refused_or_resized(tmp_path):
     small = tmp_path / "small.json"
     config = json.loads((REPO / "flame/assets/tiny.json").read_text())

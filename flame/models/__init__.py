@@ -115,3 +115,13 @@ def load_model_args(path: str | Path, impl: str = "auto") -> tuple[ModelArgs, li
 
 def build_model(args: ModelArgs):
     return model_spec(args).model_cls(args)
+
+
+def check_device(args: ModelArgs, device_type: str) -> None:
+    """Refuse, in one line, to train a model that needs a CUDA GPU on another device."""
+    if device_type != "cuda" and (reason := model_spec(args).cuda_reason(args)):
+        raise ModelConfigError(
+            f"{reason}: it needs a CUDA GPU and this run has none; on a CPU flame trains its own families "
+            "(transformer, gated_deltanet, delta_net and their variants; --model.impl flame) and transformers' "
+            "classes (llama, qwen3, olmo2, ...)"
+        )

@@ -32,7 +32,7 @@ from flame.data import build_dataloader, build_tokenizer
 from flame.data.prefetch import DevicePrefetcher
 from flame.errors import FlameError
 from flame.metrics import RANK_LOSS, MetricsLogger
-from flame.models import load_model_args
+from flame.models import check_device, load_model_args
 from flame.models.common.args import ModelArgs
 from flame.models.custom import import_custom_modules
 from flame.optim.nonfinite import NonFiniteSteps
@@ -115,6 +115,7 @@ class Trainer(Stateful):
         for notice in notices:
             logger.warning(f"{job_config.model.config}: {notice}")
         fit_vocab_to_tokenizer(self.model_args, self.tokenizer, job_config.model.resize_vocab)
+        check_device(self.model_args, self.device.type)
         self.dataloader = build_dataloader(
             job_config,
             self.tokenizer,

@@ -160,6 +160,18 @@ def test_memory_snapshot_needs_a_gpu(make_trainer):
         make_trainer("--profiling.enable_memory_snapshot")
 
 
+def test_the_trainer_refuses_an_fla_class_without_a_gpu(make_trainer, tmp_path):
+    """python -m flame.train without train.sh's pre-flight: the same one line, before the model is built."""
+    from flame.errors import FlameError
+
+    config = tmp_path / "gla.json"
+    config.write_text('{"model_type": "gla", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2}')
+    with pytest.raises(
+        FlameError, match="model_type 'gla' is FLA's class, whose layers run Triton kernels only"
+    ):
+        make_trainer("--model.config", str(config))
+
+
 def test_debug_mode_blocks_cuda_launches_and_detects_anomalies(monkeypatch, tmp_path):
     from flame.launch import preflight
     from flame.train import enable_debug_mode

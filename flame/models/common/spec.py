@@ -10,6 +10,8 @@
   any of :data:`MODEL_PARALLELISMS`; the others are refused before launch.
 - ``config_parallelisms``: those that only some models of the family support, read from the model's args (the
   generic family: varlen for the transformers classes that keep packed documents apart).
+- ``needs_cuda``: for models that cannot run without a CUDA GPU, why (read from the model's args; the generic
+  family: FLA's classes, whose layers run Triton kernels only); None where the model also trains on the CPU.
 """
 
 from collections.abc import Callable
@@ -40,6 +42,11 @@ class ModelSpec:
     blocks: Callable[[nn.Module], list[nn.Module]] = decoder_blocks
     parallelisms: frozenset[str] = frozenset(MODEL_PARALLELISMS)
     config_parallelisms: Callable[[ModelArgs], frozenset[str]] | None = None
+    needs_cuda: Callable[[ModelArgs], str | None] | None = None
+
+    def cuda_reason(self, args: ModelArgs) -> str | None:
+        """Why a model of these args needs a CUDA GPU, or None when it also runs on the CPU."""
+        return self.needs_cuda(args) if self.needs_cuda else None
 
     def supported(self, args: ModelArgs) -> frozenset[str]:
         """What a model of these args supports beyond data parallelism."""

@@ -5,7 +5,7 @@ parallelism (the class's declared plan, on its blocks) for a verified few of the
 need flame's own families."""
 
 from flame.models.common.spec import ModelSpec
-from flame.models.generic.args import GenericArgs, config_parallelisms
+from flame.models.generic.args import GenericArgs, config_parallelisms, fla_kernels_need_cuda
 from flame.models.generic.model import build_generic_model, generic_blocks
 
 SPEC = ModelSpec(
@@ -14,4 +14,5 @@ SPEC = ModelSpec(
     blocks=generic_blocks,
     parallelisms=frozenset(),
     config_parallelisms=config_parallelisms,
+    needs_cuda=fla_kernels_need_cuda,
 )

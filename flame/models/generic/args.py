@@ -124,6 +124,14 @@ def config_parallelisms(args: "GenericArgs") -> frozenset[str]:
     )
 
 
+def fla_kernels_need_cuda(args: "GenericArgs") -> str | None:
+    """FLA's classes run FLA's Triton kernels in every layer (norms, gated MLPs, mixers), with no CPU path: on a
+    machine without a GPU Triton finds no driver in the first forward."""
+    if is_fla_class(config_class(args.model_type, args.impl)):
+        return f"model_type '{args.model_type}' is FLA's class, whose layers run Triton kernels only"
+    return None
+
+
 @dataclass
 class GenericArgs(ModelArgs):
     generic: ClassVar[bool] = True

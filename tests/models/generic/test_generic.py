@@ -202,3 +202,30 @@ def test_impossible_impl_is_one_line_at_preflight(tmp_path, capsys, monkeypatch,
     assert main() == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: ") and message in line
+
+
+def test_fla_classes_need_a_gpu_and_everything_else_trains_on_the_cpu(tmp_path):
+    """FLA's classes run Triton kernels in every layer (no CPU path: the first forward on a machine without a GPU
+    ends in Triton's "0 active drivers"), so a run without CUDA refuses them in one line; flame's families and
+    transformers' classes pass."""
+    from flame.models import check_device
+
+    gla = tmp_path / "gla.json"
+    gla.write_text(
+        json.dumps({"model_type": "gla", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2})
+    )
+    gdn = tmp_path / "gdn.json"
+    gdn.write_text(json.dumps({"model_type": "gated_deltanet", "vocab_size": 4096, "hidden_size": 64,
+                               "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32}))  # fmt: skip
+    for path, impl in [(gla, "auto"), (gdn, "fla")]:
+        args, _ = load_model_args(path, impl)
+        with pytest.raises(ModelConfigError) as error:
+            check_device(args, "cpu")
+        model_type = json.loads(path.read_text())["model_type"]
+        assert str(error.value).startswith(
+            f"model_type '{model_type}' is FLA's class, whose layers run Triton kernels only: it needs a CUDA GPU "
+            "and this run has none; on a CPU flame trains its own families"
+        )
+        check_device(args, "cuda")
+    for path, impl in [(gdn, "auto"), (write_config(tmp_path, "llama"), "auto")]:
+        check_device(load_model_args(path, impl)[0], "cpu")
