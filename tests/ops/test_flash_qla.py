@@ -37,6 +37,7 @@ def installed(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_qla", types.SimpleNamespace(chunk_gated_delta_rule=recorder))
     monkeypatch.setattr(GATED_DELTA_RULE, "missing", {})
     monkeypatch.setattr(flash_qla, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(flash_qla, "nvcc_found", lambda: True)
     return calls
 
 
@@ -84,6 +85,7 @@ def test_flash_qla_gets_the_gate_and_beta_computed_before_the_call(installed, mo
         ({"allow_neg_eigval": True}, "has no negative eigenvalues (allow_neg_eigval)"),
         ({"capability": (8, 0)}, "runs on SM90, SM100 and SM103 GPUs only"),
         ({"capability": (12, 0)}, "runs on SM90, SM100 and SM103 GPUs only"),
+        ({"nvcc": False}, "needs nvcc (on PATH or under CUDA_HOME) to compile its TileLang kernels"),
     ],
 )
 def test_calls_flash_qla_refuses_go_to_fla_with_one_log_line(installed, monkeypatch, caplog, case, reason):
@@ -94,8 +96,9 @@ def test_calls_flash_qla_refuses_go_to_fla_with_one_log_line(installed, monkeypa
         fla.ops.gated_delta_rule, "chunk_gated_delta_rule", lambda *a, **k: fla_calls.append(k) or SENTINEL
     )
     case = dict(case)
-    capability = case.pop("capability", (9, 0))
+    capability, nvcc = case.pop("capability", (9, 0)), case.pop("nvcc", True)
     monkeypatch.setattr(flash_qla, "device_capability", lambda device: capability)
+    monkeypatch.setattr(flash_qla, "nvcc_found", lambda: nvcc)
     monkeypatch.setattr(GATED_DELTA_RULE, "_logged", set())
     flags = {"allow_neg_eigval": case.pop("allow_neg_eigval")} if "allow_neg_eigval" in case else {}
     with caplog.at_level("WARNING", logger="flame.ops.dispatch"):

@@ -5,11 +5,14 @@ On one H100 it ran a Gated DeltaNet op with 16 heads of K = V = 128 in 1.61 ms a
 path (forward + backward, bf16, 8 x 2048 tokens, through FLA 0.6.0's own FlashQLA dispatch, 2026-11-24). Its
 limits, which `refuses` states per call (FLA 0.6.0's own FlashQLA backend checks the same): Hopper or datacenter
 Blackwell (SM90, SM100, SM103; SM120 has a forward only), bfloat16 or float16 q/k/v of one dtype, K = V = 128, no
-negative eigenvalues and no context parallelism across GPUs. The decay gate and the sigmoid of beta, which FLA's
-Triton kernel can fuse (`use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`), are computed here before the call, as
-FLA's layers did before 0.6.0. FlashQLA is not traced by torch.compile: a compiled block breaks its graph around
+negative eigenvalues, no context parallelism across GPUs, and nvcc for TileLang to compile with. The decay gate
+and the sigmoid of beta, which FLA's Triton kernel can fuse (`use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`),
+are computed here before the call, as FLA's layers did before 0.6.0. FlashQLA is not traced by torch.compile: a compiled block breaks its graph around
 the call.
 """
+
+import os
+import shutil
 
 import torch
 
@@ -21,6 +24,13 @@ CAPABILITIES = ((9, 0), (10, 0), (10, 3))
 
 def device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
+
+
+def nvcc_found() -> bool:
+    """TileLang compiles FlashQLA's kernels with nvcc at their first call: on PATH, or under CUDA_HOME (default
+    /usr/local/cuda, where the GPU machines keep it)."""
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    return shutil.which("nvcc") is not None or os.access(os.path.join(cuda_home, "bin", "nvcc"), os.X_OK)
 
 
 def flash_qla_refuses(q, k, v, g, beta, *, allow_neg_eigval=False, cp_context=None, **kwargs) -> str | None:
@@ -36,6 +46,8 @@ def flash_qla_refuses(q, k, v, g, beta, *, allow_neg_eigval=False, cp_context=No
         return "has no negative eigenvalues (allow_neg_eigval)"
     if cp_context is not None:
         return "has no context parallelism across GPUs"
+    if not nvcc_found():
+        return "needs nvcc (on PATH or under CUDA_HOME) to compile its TileLang kernels"
     return None
 
 
