@@ -8,10 +8,10 @@ flag it lacks.
 
 A call on CUDA tensors runs the backend the job pinned (``pin``; for attention, ``--model.attention_backend``),
 else the first backend that is installed and takes the call; when none does, the PyTorch implementation runs on the
-same device. Each refusal is logged once per op, backend and reason (a backend that is not installed only where it
-is pinned). A call on any other device runs the
-PyTorch implementation. An op marked ``eager_only`` runs its PyTorch code under torch.compile too, where inductor
-fuses it with the code around it (a kernel call would split the compiled graph).
+same device. Each refusal is logged once per op, backend and reason; a backend that is not installed only where no
+other kernel serves the call. A call on any other device runs the PyTorch implementation. An op marked
+``eager_only`` runs its PyTorch code under torch.compile too, where inductor fuses it with the code around it (a
+kernel call would split the compiled graph).
 
 Adding a backend is one entry in its op's ``register_op`` call.
 """
@@ -57,22 +57,18 @@ class Op:
         the backends' ``refuses`` read)."""
         if not x.is_cuda or (self.eager_only and torch.compiler.is_compiling()):
             return self.torch_impl
-        passed_over = []
+        refused, absent = [], []
         for name in [self.pinned] if self.pinned else self.cuda_backends:
             backend = self.cuda_backends[name]
             if name in self.missing:
-                # An optional package left out is no news, unless the job asked for its backend.
-                if self.pinned:
-                    passed_over.append(
-                        (name, f"needs {', '.join(self.missing[name])}, which is not installed")
-                    )
+                absent.append((name, f"needs {', '.join(self.missing[name])}, which is not installed"))
             elif backend.refuses is None or (reason := backend.refuses(x, *args, **kwargs)) is None:
-                if passed_over:
-                    self._log_passed_over(passed_over, name)
+                if refused:  # an optional package left out is no news while another kernel serves the call
+                    self._log_passed_over(refused, name)
                 return backend.run
             else:
-                passed_over.append((name, reason))
-        self._log_passed_over(passed_over, "pytorch")
+                refused.append((name, reason))
+        self._log_passed_over(refused + absent, "pytorch")
         return self.torch_impl
 
     @torch.compiler.disable
@@ -128,9 +124,10 @@ def pin(op: str, backend: str | None) -> None:
 
 
 def pinned(op: str) -> str:
-    """The backend that serves ``op``'s CUDA calls now (the first one, unless pinned)."""
+    """The backend that serves ``op``'s CUDA calls now, unless it refuses one: the pinned one, else the first that
+    is installed ("pytorch" where none is)."""
     entry = _lookup(op)
-    return entry.pinned or next(iter(entry.cuda_backends))
+    return entry.pinned or next((n for n in entry.cuda_backends if n not in entry.missing), "pytorch")
 
 
 def _lookup(op: str) -> Op:

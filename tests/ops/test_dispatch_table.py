@@ -175,3 +175,21 @@ def test_short_convolutions_wider_than_the_kernel_run_the_pytorch_code(monkeypat
     torch.testing.assert_close(
         actual.as_subclass(torch.Tensor), short_conv(x, weight, activation="silu"), rtol=0, atol=0
     )
+
+
+def test_where_no_kernel_is_installed_the_pytorch_code_serves_cuda_calls_with_one_log_line(caplog):
+    entry = dispatch.register_op(
+        "kernelless_op",
+        lambda x: "torch",
+        {"absent": dispatch.Backend(lambda x: "absent", requires=("flame_no_such_module",))},
+    )
+    try:
+        assert dispatch.pinned("kernelless_op") == "pytorch"
+        with caplog.at_level("WARNING", logger="flame.ops.dispatch"):
+            assert [entry(torch.zeros(2).as_subclass(PretendCuda)) for _ in range(2)] == ["torch", "torch"]
+        assert caplog.messages == [
+            "kernelless_op: the absent backend needs flame_no_such_module, which is not installed; "
+            "the pytorch implementation serves it"
+        ]
+    finally:
+        del dispatch._TABLE["kernelless_op"]
