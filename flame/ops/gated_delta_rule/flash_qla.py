@@ -7,10 +7,11 @@ limits, which `refuses` states per call (FLA 0.6.0's own FlashQLA backend checks
 Blackwell (SM90, SM100, SM103; SM120 has a forward only), bfloat16 or float16 q/k/v of one dtype, K = V = 128, no
 negative eigenvalues, no context parallelism across GPUs, and nvcc for TileLang to compile with. The decay gate
 and the sigmoid of beta, which FLA's Triton kernel can fuse (`use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`),
-are computed here before the call, as FLA's layers did before 0.6.0. FlashQLA is not traced by torch.compile: a compiled block breaks its graph around
-the call.
+are computed here before the call, as FLA's layers did before 0.6.0. FlashQLA is not traced by torch.compile: a
+compiled block breaks its graph around the call.
 """
 
+import functools
 import os
 import shutil
 
@@ -26,9 +27,10 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+@functools.cache
 def nvcc_found() -> bool:
     """TileLang compiles FlashQLA's kernels with nvcc at their first call: on PATH, or under CUDA_HOME (default
-    /usr/local/cuda, where the GPU machines keep it)."""
+    /usr/local/cuda, where the GPU machines keep it). Looked up once: the refusal runs on every call."""
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     return shutil.which("nvcc") is not None or os.access(os.path.join(cuda_home, "bin", "nvcc"), os.X_OK)
 
