@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flame.ops.dispatch import not_traced
+
 _active_group: dist.ProcessGroup | None = None
 # The whole row's cu_seqlens as Python ints (packed documents), or None for fixed-length rows.
 _active_boundaries: list[int] | None = None
@@ -75,7 +77,7 @@ def clip_cu_seqlens(cu_seqlens: Sequence[int], start: int, end: int) -> list[int
 
 # Not traced by torch.compile: the row's boundaries change every batch, and traced they would be constants that
 # recompile the block each time.
-@torch.compiler.disable
+@not_traced
 def window_cu_seqlens(length: int, before: int, device: torch.device) -> Tensor | None:
     """cu_seqlens of the ``before`` tokens preceding this rank's slice of ``length`` tokens followed by the slice
     (what a short convolution sees under context parallelism); None without packed documents."""
@@ -156,7 +158,7 @@ def prefix_attention(
 
 # Not traced by torch.compile, like window_cu_seqlens: the slicing follows the row's boundaries, which change every
 # batch.
-@torch.compiler.disable
+@not_traced
 def _packed_prefix_attention(
     q: Tensor, keys: Tensor, values: Tensor, cu_seqlens: Tensor, attend: Callable[..., Tensor]
 ) -> Tensor:

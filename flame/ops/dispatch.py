@@ -26,6 +26,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def not_traced(fn: Callable) -> Callable:
+    """``torch.compiler.disable(fn)`` with torch._dynamo imported at the first call instead of here: the import
+    costs ~1.7 s, which train.sh's pre-flight (it imports the ops and compiles nothing) would pay on every launch.
+    This is torch's own lazy form of the decorator, which torch.optim and torch.utils.checkpoint use."""
+    return torch._disable_dynamo(fn)
+
+
 @dataclass(frozen=True)
 class Backend:
     """A CUDA implementation of an op, called with the op's arguments."""
@@ -71,7 +78,7 @@ class Op:
         self._log_passed_over(refused + absent, "pytorch")
         return self.torch_impl
 
-    @torch.compiler.disable
+    @not_traced
     def _log_passed_over(self, passed_over: list[tuple[str, str]], server: str) -> None:
         # Outside the compiled graph: a once-per-process log line must not be traced into every compiled call.
         for backend, reason in passed_over:

@@ -25,7 +25,6 @@ space, all-zero rows). Importing this package imports neither FLA nor Triton; th
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from flame.ops import dispatch
 from flame.ops.attention.observe import notify_observers, observe_attention
@@ -55,6 +54,14 @@ def fla_parallel_attn(
     return parallel_attn(q, k, v, scale=scale, window_size=window_size, cu_seqlens=cu_seqlens)
 
 
+def causal_lower_right_bias(q_len: int, k_len: int):
+    """SDPA's lower-right causal bias; its module imports torch._dynamo (~1.7 s), so it loads at the first call
+    rather than with flame (train.sh's pre-flight never needs it)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(q_len, k_len)
+
+
 def sdpa_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
@@ -64,7 +71,7 @@ def sdpa_causal_attention(
     causal = (
         {"is_causal": True}
         if q.shape[1] == k.shape[1]
-        else {"attn_mask": causal_lower_right(q.shape[1], k.shape[1])}
+        else {"attn_mask": causal_lower_right_bias(q.shape[1], k.shape[1])}
     )
     # enable_gqa only where the head counts differ, so multi-head calls take SDPA's plain path.
     out = F.scaled_dot_product_attention(

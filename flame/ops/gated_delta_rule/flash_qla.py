@@ -17,6 +17,7 @@ import shutil
 
 import torch
 
+from flame.ops.dispatch import not_traced
 from flame.ops.gated_delta_rule.gate import gdn_gate
 
 # Compute capabilities whose FlashQLA kernels run forward and backward.
@@ -53,7 +54,7 @@ def flash_qla_refuses(q, k, v, g, beta, *, allow_neg_eigval=False, cp_context=No
     return None
 
 
-@torch.compiler.disable
+@not_traced
 def flash_qla_chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
