@@ -1,11 +1,13 @@
 """Chaos test: a small job killed at random moments, then finished, must end with the weights of an uninterrupted run.
 
-    python scripts/chaos.py --trials 20 [--ngpu 2] [--seed 0] [--workdir DIR] [--json FILE] [-- extra train.sh flags]
+    python scripts/chaos.py --trials 20 [--ngpu 2] [--seed 0] [--workdir DIR] [--json FILE] [--time_limit S]
+        [-- extra train.sh flags]
 
 First the job runs uninterrupted (the reference). Then the same job is launched again and again in another dump
 folder (through train.sh, so every launch resumes from the latest checkpoint that verifies), each launch (a trial)
 hit by one of the following; when the job has reached its last step it is checked and started again in a new
-folder, until the trials are done:
+folder, until the trials are done (or ``--time_limit`` seconds have passed: then no trial starts, and the job in
+progress is finished and checked as usual):
 
 - ``sigterm``: SIGTERM to train.sh after a random number of steps: the ranks must finish their step, save it and
   exit with 75; the saved step must be the last step the launch logged (no step lost);
@@ -15,8 +17,11 @@ folder, until the trials are done:
   or, if the purge is over before it is seen, right after.
 
 After the trials one more launch runs the job to its end. Every entry of each job's final checkpoint (model,
-optimizer, schedule, dataloader, torch's RNG and train state) must equal the reference's bit for bit. Prints one line per trial and a summary;
-exit status 0 only with no mismatch, no step lost and every launch ending as its kind requires.
+optimizer, schedule, dataloader, torch's RNG and train state) must equal the reference's bit for bit; a job that
+does is then deleted (its checkpoints), one that does not is kept for a look. With ``--trials 0`` (or a time
+limit of 0) the one job is run uninterrupted a second time: whether the job repeats bit for bit at all, on this
+machine. Prints a line per trial and per checked job, and a summary; exit status 0 only with no mismatch, no step
+lost and every launch ending as its kind requires.
 """
 
 import argparse
@@ -26,6 +31,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -224,7 +230,16 @@ def finish(dump: Path, reference: Launch, ngpu: int, flags: list[str], steps: in
     if (status := final.wait()) != 0:
         return [f"the final launch in {dump} failed (status {status}); see {final.log_path}"]
     last = f"checkpoint/step-{steps}"
-    return [f"{dump.name}: {problem}" for problem in mismatches(reference.dump / last, dump / last)]
+    problems = [f"{dump.name}: {problem}" for problem in mismatches(reference.dump / last, dump / last)]
+    if problems:
+        print(
+            f"job {dump.name}: {len(problems)} entries differ from the reference's, first {problems[0]}",
+            flush=True,
+        )
+    else:  # a checked job's checkpoints go: a GPU-sized model's take gigabytes per job
+        print(f"job {dump.name}: its step-{steps} checkpoint equals the reference's bit for bit", flush=True)
+        shutil.rmtree(dump / "checkpoint")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,7 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     parser.add_argument("--workdir", type=Path, default=Path("exp/chaos"))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated; taken in turn")
-    parser.add_argument("--json", type=Path, help="write the trials and the summary here")
+    parser.add_argument("--json", type=Path, help="write the trials and the summary here (after every trial)")
+    parser.add_argument(
+        "--time_limit",
+        type=float,
+        default=None,
+        help="seconds after which no trial starts; the job in progress is still finished and compared",
+    )
     parser.add_argument("extra", nargs="*", help="more train.sh flags (after --)")
     args = parser.parse_args(argv)
     scenarios = args.scenarios.split(",")
@@ -258,7 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     trials, problems, rounds = [], [], 1
     dump = args.workdir / "chaos-1"
     offset = rng.randrange(len(scenarios))
+    timed_out = False
     for trial in range(args.trials):
+        if timed_out := args.time_limit is not None and time.time() - start >= args.time_limit:
+            print(f"time limit: {args.time_limit:.0f} s have passed; no more trials", flush=True)
+            break
         if run_steps_done(dump) == steps:  # this job is finished: check it, then start the job again
             problems += finish(dump, reference, args.ngpu, flags, steps)
             rounds += 1
@@ -268,9 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         trials.append(result)
         print(f"trial {trial + 1}: {json.dumps(result)}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"trials": trials, "mismatches": problems}, indent=2))
     problems += finish(dump, reference, args.ngpu, flags, steps)
     summary = {
         "trials": len(trials),
+        "stopped_by_time_limit": timed_out,
         "jobs_finished": rounds,
         "sigterm": sum(t["scenario"] == "sigterm" and t["signalled"] for t in trials),
         "sigterm_saves": sum(t["scenario"] == "sigterm" and t["status"] == EXIT_PREEMPTED for t in trials),
