@@ -27,7 +27,8 @@ the blocks keep for backward: none, activation checkpointing full or selective, 
 checkpointing with the checkpoints offloaded: full+offload) x ``--optimizers`` (AdamW, Muon). The models are the 340M
 configs transformer_340M, the softpick recipes (softpick, rectified, scaled softpick), gated_deltanet_340M, and a
 hybrid: gated_deltanet_340M with attention (16 heads, QK-norm) at every fourth layer (3, 7, 11, 15, 19), the OLMo-3
-hybrid pattern. ``--anchor`` (one GPU) first times each model and length in the naive loop a user writes without
+hybrid pattern, gated_deltanet_k128 (gated_deltanet_340M with K = V = 128 heads), and llama: transformers'
+LlamaForCausalLM through flame's generic family at transformer_340M's shape. ``--anchor`` (one GPU) first times each model and length in the naive loop a user writes without
 flame (the class of the model's HF export, eager, bf16 autocast, fused AdamW, the class's own loss on the same
 random tokens) and gives every row its ratio to that loop.
 
@@ -61,7 +62,7 @@ from flame import compat  # noqa: E402
 from flame.config import parse_args  # noqa: E402
 from flame.data import build_dataloader, build_tokenizer  # noqa: E402
 from flame.data.prefetch import DevicePrefetcher  # noqa: E402
-from flame.models import get_model_spec, read_model_config  # noqa: E402
+from flame.models import model_args_from_dict, read_model_config  # noqa: E402
 from flame.ops.attention import ATTENTION_BACKENDS  # noqa: E402
 from flame.train.model_parts import Topology, build_model_parts  # noqa: E402
 from flame.train.step import build_train_step  # noqa: E402
@@ -81,7 +82,11 @@ MODELS = {
     "hybrid": ("configs/gated_deltanet_340M.json", {"attn": HYBRID_ATTN}),
     # K = V = 128 heads (Qwen3-Next's shape), which FlashQLA serves where installed (flame/ops/gated_delta_rule).
     "gated_deltanet_k128": ("configs/gated_deltanet_340M.json", {"head_dim": 128, "expand_v": 1}),
-}
+    # transformers' Llama through the generic family, at transformer_340M's shape (its SwiGLU width 2816 included).
+    "llama": (None, {"model_type": "llama", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
+                     "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                     "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}),
+}  # fmt: skip
 # --tiny: the same families at a size a CPU steps through in well under a second.
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256, "intermediate_size": 128}
 TINY_FAMILY = {
@@ -92,6 +97,7 @@ TINY_FAMILY = {
     "gated_deltanet": {"num_heads": 2, "head_dim": 32},
     "hybrid": {"num_heads": 2, "head_dim": 32, "attn": {"layers": [1], "num_heads": 4, "qk_norm": True}},
     "gated_deltanet_k128": {"num_heads": 2, "head_dim": 32, "expand_v": 1},
+    "llama": {"num_attention_heads": 4, "num_key_value_heads": 4},
 }
 
 
@@ -118,10 +124,10 @@ class Result:
 
 def model_args(name: str, tiny: bool):
     path, overrides = MODELS[name]
-    config = {**read_model_config(REPO / path), **overrides}
+    config = {**(read_model_config(REPO / path) if path else {}), **overrides}
     if tiny:
         config.update(TINY, **TINY_FAMILY[name])
-    args, _ = get_model_spec(config["model_type"]).args_cls.from_dict(config)
+    args, _ = model_args_from_dict(config)
     return args
 
 

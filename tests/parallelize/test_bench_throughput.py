@@ -37,7 +37,7 @@ def test_bench_smoke_on_cpu_writes_its_sections(tmp_path):
     doc = tmp_path / "performance.md"
     doc.write_text("# Performance\n\n<!-- bench_dataloader -->\nloader table\n<!-- /bench_dataloader -->\n")
     tiny = ["--device", "cpu", "--tiny", "--doc", str(doc)]
-    run([sys.executable, str(BENCH), *tiny, "--models", "transformer,hybrid", "--modes", "eager,compiled",
+    run([sys.executable, str(BENCH), *tiny, "--models", "transformer,hybrid,llama", "--modes", "eager,compiled",
          "--compile_backend", "eager"])  # fmt: skip
     two_ranks = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(BENCH),
                      *tiny, "--models", "gated_deltanet", "--modes", "eager", "--profile", "1",
@@ -60,6 +60,8 @@ def test_bench_smoke_on_cpu_writes_its_sections(tmp_path):
         ("transformer", "compiled"),
         ("hybrid", "eager"),
         ("hybrid", "compiled"),
+        ("llama", "eager"),  # transformers' class through the generic family
+        ("llama", "compiled"),
     ]
     for row in table + rows(two):
         assert float(row[8]) > 0 and float(row[9].replace(",", "")) > 0, row  # step time, tokens/s
