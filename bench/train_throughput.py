@@ -39,8 +39,10 @@ otherwise. Rank 0 prints a markdown table and writes it into docs/performance.md
 """
 
 import argparse
+import dataclasses
 import gc
 import itertools
+import json
 import os
 import re
 import sys
@@ -387,6 +389,12 @@ def table(results: list[Result], world_size: int, cp: int = 1) -> str:
     return "\n".join(lines)
 
 
+def write_json(path: Path, results: list[Result], world_size: int, device: torch.device) -> None:
+    record = {"world_size": world_size, "device": device_name(device), "torch": torch.__version__,
+              "results": [dataclasses.asdict(r) for r in results]}  # fmt: skip
+    path.write_text(json.dumps(record, indent=1))
+
+
 def write_section(doc: Path, marker: str, title: str, description: str, table_text: str) -> None:
     """Puts "## title", the description and the table between <!-- marker --> and <!-- /marker --> in doc (the
     previous run's section there is replaced); every bench script writes its results this way."""
@@ -489,6 +497,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--doc", type=Path, default=PERFORMANCE_DOC, help="markdown file to write the table into"
     )
     parser.add_argument("--no_write", action="store_true", help="print only")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="rank 0 writes the results here, after every case"
+    )
     parser.add_argument(
         "--profile",
         type=int,
@@ -598,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0:
                     print(table([result], world_size, args.cp).splitlines()[-1], f"({time.perf_counter() - case_start:.0f} s)",
                           flush=True)  # fmt: skip
+                    if args.json:
+                        write_json(args.json, results, world_size, device)
                     if result.profile:
                         timelines = "\n".join(f"rank {r}: {line}" for r, line in enumerate(result.timelines))
                         print(
