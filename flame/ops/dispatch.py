@@ -9,7 +9,11 @@ flag it lacks.
 A call on CUDA tensors runs the backend the job pinned (``pin``; for attention, ``--model.attention_backend``),
 else the first backend that is installed and takes the call; when none does, the PyTorch implementation runs on the
 same device. Each refusal is logged once per op, backend and reason; a backend that is not installed only where no
-other kernel serves the call. A call on any other device runs the PyTorch implementation. An op marked
+other kernel serves the call. A backend whose kernel fails to build in an eager call (an error raised by Triton,
+TileLang or TVM, or raised from one: a Triton CompilationError, a config past the GPU's shared memory, nvcc failing
+under TileLang) is out for the rest of the process, with one log line, and the call goes to the next backend that
+takes it. Under torch.compile the backend is chosen while tracing, and a kernel that fails to build inside the
+compiled graph, or in the backward pass of an eager call, still raises. A call on any other device runs the PyTorch implementation. An op marked
 ``eager_only`` runs its PyTorch code under torch.compile too, where inductor fuses it with the code around it (a
 kernel call would split the compiled graph).
 
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 logger = logging.getLogger(__name__)
+# Packages whose exceptions mean that a kernel did not build (its compiler, not the call's arguments).
+KERNEL_COMPILERS = ("triton", "tilelang", "tvm", "tvm_ffi")
 
 
 def not_traced(fn: Callable) -> Callable:
@@ -53,30 +59,49 @@ class Op:
     missing: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Per backend, the required modules this process cannot import (looked up once, at registration)"""
     pinned: str | None = field(default=None, init=False)
+    failed: dict[str, str] = field(default_factory=dict, init=False)
+    """Per backend whose kernel failed to build in this process, why"""
     _logged: set[tuple[str, str]] = field(default_factory=set, init=False, repr=False)
 
     def __call__(self, x: torch.Tensor, *args, **kwargs):
         """Run the call ``(x, *args, **kwargs)`` on what serves it; the main input ``x`` decides the device."""
-        return self.implementation(x, *args, **kwargs)(x, *args, **kwargs)
+        while True:
+            name, run = self.choose(x, *args, **kwargs)
+            if name == "pytorch" or torch.compiler.is_compiling():
+                return run(x, *args, **kwargs)
+            try:
+                return run(x, *args, **kwargs)
+            except Exception as error:
+                if not kernel_build_failure(error):
+                    raise
+                self.failed[name] = (
+                    f"failed to build its kernel ({type(error).__name__}: {first_line(error)})"
+                )
 
     def implementation(self, x: torch.Tensor, *args, **kwargs) -> Callable:
         """What serves a call whose main input is ``x`` (and whose other arguments are ``args``/``kwargs``, which
         the backends' ``refuses`` read)."""
+        return self.choose(x, *args, **kwargs)[1]
+
+    def choose(self, x: torch.Tensor, *args, **kwargs) -> tuple[str, Callable]:
+        """The name ("pytorch" for the PyTorch implementation) and function of what serves the call."""
         if not x.is_cuda or (self.eager_only and torch.compiler.is_compiling()):
-            return self.torch_impl
+            return "pytorch", self.torch_impl
         refused, absent = [], []
         for name in [self.pinned] if self.pinned else self.cuda_backends:
             backend = self.cuda_backends[name]
             if name in self.missing:
                 absent.append((name, f"needs {', '.join(self.missing[name])}, which is not installed"))
+            elif name in self.failed:
+                refused.append((name, self.failed[name]))
             elif backend.refuses is None or (reason := backend.refuses(x, *args, **kwargs)) is None:
                 if refused:  # an optional package left out is no news while another kernel serves the call
                     self._log_passed_over(refused, name)
-                return backend.run
+                return name, backend.run
             else:
                 refused.append((name, reason))
         self._log_passed_over(refused + absent, "pytorch")
-        return self.torch_impl
+        return "pytorch", self.torch_impl
 
     @not_traced
     def _log_passed_over(self, passed_over: list[tuple[str, str]], server: str) -> None:
@@ -87,6 +112,22 @@ class Op:
                 logger.warning(
                     f"{self.name}: the {backend} backend {reason}; the {server} implementation serves it"
                 )
+
+
+def kernel_build_failure(error: BaseException) -> bool:
+    """Whether ``error``, or an error it was raised from, comes from a kernel compiler (KERNEL_COMPILERS)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if any(cls.__module__.split(".")[0] in KERNEL_COMPILERS for cls in type(error).__mro__):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:200] if lines else "no message"
 
 
 _TABLE: dict[str, Op] = {}

@@ -193,3 +193,66 @@ def test_where_no_kernel_is_installed_the_pytorch_code_serves_cuda_calls_with_on
         ]
     finally:
         del dispatch._TABLE["kernelless_op"]
+
+
+@pytest.fixture
+def fragile_op():
+    """A throwaway op whose first backend's kernel does not build (Triton's error for a config past the GPU's shared
+    memory), counting its calls."""
+    from triton.runtime.errors import OutOfResources
+
+    calls = []
+
+    def unbuildable(x):
+        calls.append(x)
+        raise OutOfResources(232448, 166912, "shared memory")
+
+    entry = dispatch.register_op(
+        "fragile_op", lambda x: "torch", {"triton": unbuildable, "any": lambda x: "any"}
+    )
+    entry.calls = calls
+    yield entry
+    del dispatch._TABLE["fragile_op"]
+
+
+def test_a_backend_whose_kernel_fails_to_build_is_out_and_the_call_goes_on_with_one_log_line(
+    fragile_op, caplog
+):
+    cuda = torch.zeros(2).as_subclass(PretendCuda)
+    with caplog.at_level("WARNING", logger="flame.ops.dispatch"):
+        assert [fragile_op(cuda) for _ in range(3)] == ["any"] * 3
+    assert len(fragile_op.calls) == 1  # tried once in this process
+    assert caplog.messages == [
+        "fragile_op: the triton backend failed to build its kernel (OutOfResources: out of resource: shared "
+        "memory, Required: 232448, Hardware limit: 166912. Reducing block sizes or `num_stages` may help.); the any "
+        "implementation serves it"
+    ]
+    assert dispatch.pinned("fragile_op") == "triton"  # the first installed backend, whatever its calls do
+    dispatch.pin("fragile_op", "triton")
+    try:
+        assert fragile_op(cuda) == "torch"  # pinned and out: the PyTorch code
+    finally:
+        dispatch.pin("fragile_op", None)
+
+
+def test_an_error_raised_from_a_compiler_error_counts_and_any_other_error_is_raised():
+    from triton.compiler.errors import CompilationError
+
+    def wrapped(x):
+        try:
+            raise CompilationError(None, None, "unsupported layout")
+        except CompilationError as error:
+            raise RuntimeError("kernel build failed") from error
+
+    def mistaken(x):
+        raise ValueError("q and k differ in their last dimension")
+
+    entry = dispatch.register_op("wrapped_op", lambda x: "torch", {"tilelang": wrapped, "bad": mistaken})
+    cuda = torch.zeros(2).as_subclass(PretendCuda)
+    try:
+        with pytest.raises(ValueError, match="differ in their last dimension"):
+            entry(cuda)  # the first backend is out; the second one's own error is the caller's to see
+        assert list(entry.failed) == ["tilelang"]
+        assert entry(torch.zeros(2)) == "torch"
+    finally:
+        del dispatch._TABLE["wrapped_op"]
