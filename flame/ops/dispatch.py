@@ -9,9 +9,9 @@ flag it lacks.
 A call on CUDA tensors runs the backend the job pinned (``pin``; for attention, ``--model.attention_backend``),
 else the first backend that is installed and takes the call; when none does, the PyTorch implementation runs on the
 same device. Each refusal is logged once per op, backend and reason; a backend that is not installed only where no
-other kernel serves the call. A backend whose kernel fails to build in an eager call (an error raised by Triton,
-TileLang or TVM, or raised from one: a Triton CompilationError, a config past the GPU's shared memory, nvcc failing
-under TileLang) is out for the rest of the process, with one log line, and the call goes to the next backend that
+other kernel serves the call. A backend whose kernel fails to build in an eager call (an error of Triton, TileLang
+or TVM, or raised from one: a Triton CompilationError, a config past the GPU's shared memory, nvcc failing under
+TileLang) is out for the rest of the process, with one log line, and the call goes to the next backend that
 takes it. Under torch.compile the backend is chosen while tracing, and a kernel that fails to build inside the
 compiled graph, or in the backward pass of an eager call, still raises. A call on any other device runs the PyTorch implementation. An op marked
 ``eager_only`` runs its PyTorch code under torch.compile too, where inductor fuses it with the code around it (a
@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 import torch
 
 logger = logging.getLogger(__name__)
-# Packages whose exceptions mean that a kernel did not build (its compiler, not the call's arguments).
+# Packages whose exceptions mean that a kernel did not build (its compiler, not the call's arguments), and those
+# that raise plain errors for it too (TileLang: RuntimeError("Compilation Failed! ...") when nvcc fails).
 KERNEL_COMPILERS = ("triton", "tilelang", "tvm", "tvm_ffi")
+PLAIN_ERROR_COMPILERS = ("tilelang", "tvm", "tvm_ffi")
 
 
 def not_traced(fn: Callable) -> Callable:
@@ -115,14 +117,24 @@ class Op:
 
 
 def kernel_build_failure(error: BaseException) -> bool:
-    """Whether ``error``, or an error it was raised from, comes from a kernel compiler (KERNEL_COMPILERS)."""
+    """Whether ``error``, or an error it was raised from, is a kernel compiler's: of a class of KERNEL_COMPILERS, or
+    raised in the code of PLAIN_ERROR_COMPILERS."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if any(cls.__module__.split(".")[0] in KERNEL_COMPILERS for cls in type(error).__mro__):
             return True
+        frame = error.__traceback__
+        while frame is not None and frame.tb_next is not None:
+            frame = frame.tb_next
+        if frame is not None and package_of(frame.tb_frame.f_globals) in PLAIN_ERROR_COMPILERS:
+            return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def package_of(module_globals: dict) -> str:
+    return str(module_globals.get("__name__", "")).split(".")[0]
 
 
 def first_line(error: BaseException) -> str:

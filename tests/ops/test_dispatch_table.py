@@ -247,12 +247,23 @@ def test_an_error_raised_from_a_compiler_error_counts_and_any_other_error_is_rai
     def mistaken(x):
         raise ValueError("q and k differ in their last dimension")
 
-    entry = dispatch.register_op("wrapped_op", lambda x: "torch", {"tilelang": wrapped, "bad": mistaken})
+    # TileLang raises a plain RuntimeError from its own code when nvcc fails (tilelang/jit/adapter/libgen.py).
+    tilelang_code = {"__name__": "tilelang.jit.adapter.libgen"}
+    exec("def build(x):\n    raise RuntimeError('Compilation Failed! nvcc exited with 1')", tilelang_code)
+
+    entry = dispatch.register_op(
+        "wrapped_op",
+        lambda x: "torch",
+        {"triton": wrapped, "tilelang": tilelang_code["build"], "bad": mistaken},
+    )
     cuda = torch.zeros(2).as_subclass(PretendCuda)
     try:
         with pytest.raises(ValueError, match="differ in their last dimension"):
-            entry(cuda)  # the first backend is out; the second one's own error is the caller's to see
-        assert list(entry.failed) == ["tilelang"]
+            entry(cuda)  # the first two backends are out; the third one's own error is the caller's to see
+        assert entry.failed == {
+            "triton": "failed to build its kernel (RuntimeError: kernel build failed)",
+            "tilelang": "failed to build its kernel (RuntimeError: Compilation Failed! nvcc exited with 1)",
+        }
         assert entry(torch.zeros(2)) == "torch"
     finally:
         del dispatch._TABLE["wrapped_op"]
