@@ -62,8 +62,6 @@ import torchtitan  # noqa: E402,F401  (the real package before flame.config: see
 
 from flame import compat  # noqa: E402
 from flame.config import parse_args  # noqa: E402
-from flame.data import build_dataloader, build_tokenizer  # noqa: E402
-from flame.data.prefetch import DevicePrefetcher  # noqa: E402
 from flame.models import model_args_from_dict, read_model_config  # noqa: E402
 from flame.ops.attention import ATTENTION_BACKENDS  # noqa: E402
 from flame.train.model_parts import Topology, build_model_parts  # noqa: E402
@@ -175,6 +173,10 @@ def run_case(name, seq_len, mode, activations, optimizer, args, device, parallel
     topology = Topology.of(parallel_dims, device)
     data = None
     if args.data == "real":
+        # Here, not at the top: the data stack imports transformers and datasets, which random tokens never need.
+        from flame.data import build_dataloader, build_tokenizer
+        from flame.data.prefetch import DevicePrefetcher
+
         tokenizer = build_tokenizer(config)
         margs.vocab_size = max(margs.vocab_size, len(tokenizer))
         # The trainer's loader and prefetcher: the ranks of a cp group read the same rows, which the step slices.
