@@ -1,8 +1,8 @@
 """Exact resume and crash safety on 2 CPU ranks (FSDP over gloo, 2 dataloader workers per rank, async saves).
 
-One uninterrupted run of 6 steps against the same job in three pieces: stopped after step 3
-(``--training.stop_at_step``), resumed and killed while step 4's checkpoint was being written, resumed again from
-the last complete checkpoint (step 3). Every step's loss equals the uninterrupted run's bit for bit.
+One uninterrupted run of 6 steps against the same job in two pieces: killed while step 4's checkpoint was being
+written, then resumed from the last complete checkpoint (step 2). Every step's loss equals the uninterrupted run's
+bit for bit. (``--training.stop_at_step`` and its resume: tests/train/test_step.py.)
 """
 
 import pytest
@@ -28,31 +28,25 @@ def test_interrupted_runs_repeat_the_uninterrupted_run(tmp_path):
 
     dump = tmp_path / "run"
     folder = dump / "checkpoint"
-    stopped = train_sh(dump, *JOB, "--training.stop_at_step", "3", export_hf=False)
-    assert stopped.returncode == 0, output(stopped, dump)
-    assert list_steps(folder) == {2: True, 3: True}
-    sidecar = read_sidecar(folder / "step-3")
-    assert sidecar["model_config"]["model_type"] == "transformer" and sidecar["tokenizer"]
-
-    # Resumed from step 3, then killed after every rank wrote step 4's data but before its .metadata.
+    # Killed after every rank wrote step 4's data but before its .metadata.
     killed = killed_run(dump, "before_metadata:4", *JOB, "--metrics.save_tb_folder", "tb_killed")
     assert killed.returncode != 0, output(killed, dump)
-    assert list_steps(folder) == {2: True, 3: True, 4: False}
+    assert list_steps(folder) == {2: True, 4: False}
     assert any((folder / "step-4.partial").glob("*.distcp")) and not (folder / "step-4").exists()
-    assert latest_step(folder) == 3
+    assert latest_step(folder) == 2
     with pytest.raises(CheckpointError, match="step-4 is incomplete"):
         resolve_step_dir(folder, 4)
+    sidecar = read_sidecar(folder / "step-2")
+    assert sidecar["model_config"]["model_type"] == "transformer" and sidecar["tokenizer"]
 
     resumed = train_sh(dump, *JOB, "--metrics.save_tb_folder", "tb_resumed", export_hf=False)
     assert resumed.returncode == 0, output(resumed, dump)
-    assert "step-3" in resumed.stdout and "Training starts at step 4" in resumed.stdout
+    assert "step-2" in resumed.stdout and "Training starts at step 3" in resumed.stdout
     pieces = {
-        "stopped": tensorboard_scalars(dump, "loss/train"),
         "killed": tensorboard_scalars(dump, "loss/train", folder="tb_killed"),
         "resumed": tensorboard_scalars(dump, "loss/train", folder="tb_resumed"),
     }
-    assert sorted(pieces["stopped"]) == [1, 2, 3] and 4 in pieces["killed"]
-    assert sorted(pieces["resumed"]) == [4, 5, 6]
+    assert 4 in pieces["killed"] and sorted(pieces["resumed"]) == [3, 4, 5, 6]
     for piece, losses in pieces.items():
         for step, loss in losses.items():
             assert loss == expected[step], (piece, step, losses, expected)
