@@ -30,7 +30,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torchtitan  # noqa: E402,F401  (the real package before flame.config: see compat.torchtitan_job_config)
-from train_throughput import cleanup, device_name, millions, write_section  # noqa: E402
+from train_throughput import (  # noqa: E402
+    add_run_options,
+    cleanup,
+    device_name,
+    millions,
+    write_section,
+)
 
 from flame import compat  # noqa: E402
 from flame.config import parse_args  # noqa: E402
@@ -39,7 +45,6 @@ from flame.train.model_parts import Topology, build_model_parts  # noqa: E402
 from flame.train.objective import build_objective  # noqa: E402
 from flame.train.step import build_train_step  # noqa: E402
 
-PERFORMANCE_DOC = REPO / "docs" / "performance.md"
 MODELS = {
     "transformer": ("configs/transformer_1B.json", {}),
     "hybrid": ("configs/gated_deltanet_1B.json", {"attn": {"every": 4, "offset": 3, "num_heads": 16, "qk_norm": True}}),
@@ -122,12 +127,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="per-block torch.compile")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2; --tiny: 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --tiny: 1)")
-    parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
-    )
-    parser.add_argument("--tiny", action="store_true", help="tiny versions of the models (smoke test)")
-    parser.add_argument("--doc", type=Path, default=PERFORMANCE_DOC)
-    parser.add_argument("--no_write", action="store_true", help="print only")
+    add_run_options(parser)
     args = parser.parse_args(argv)
     defaults = (
         {"seq_len": 64, "warmup": 1, "steps": 1} if args.tiny else {"seq_len": 8192, "warmup": 2, "steps": 5}

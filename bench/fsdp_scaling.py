@@ -35,7 +35,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_throughput import MODELS, PERFORMANCE_DOC, write_section  # noqa: E402
+from train_throughput import MODELS, add_run_options, write_section  # noqa: E402
 
 MARKER = "bench_fsdp_scaling"
 
@@ -123,12 +123,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--target", type=float, default=0.95, help="share of one GPU's tokens/s per GPU")
     parser.add_argument("--timeout_s", type=float, default=1200, help="per run")
-    parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
-    )
-    parser.add_argument("--tiny", action="store_true", help="tiny versions of the models (smoke test)")
-    parser.add_argument("--doc", type=Path, default=PERFORMANCE_DOC)
-    parser.add_argument("--no_write", action="store_true", help="print only")
+    add_run_options(parser)
     args = parser.parse_args(argv)
     if unknown := set(args.models.split(",")) - set(MODELS):
         parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")

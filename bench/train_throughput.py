@@ -422,6 +422,18 @@ def data_description(args) -> str:
     )
 
 
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options every training bench takes: --device, --tiny, --doc, --no_write."""
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny versions of the models (smoke test)")
+    parser.add_argument(
+        "--doc", type=Path, default=PERFORMANCE_DOC, help="markdown file to write the table into"
+    )
+    parser.add_argument("--no_write", action="store_true", help="print only")
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma separated: " + ", ".join(MODELS))
@@ -490,15 +502,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="also time each model and length in the naive HF training loop (one GPU); rows show the ratio",
     )
     parser.add_argument("--quick", action="store_true", help="seq 2048 only, 2 warm-up + 5 timed steps")
-    parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
-    )
-    parser.add_argument("--tiny", action="store_true", help="tiny versions of the models (smoke test)")
+    add_run_options(parser)
     parser.add_argument("--peak_tflops", type=float, default=None, help="default: 989 on CUDA, none on CPU")
-    parser.add_argument(
-        "--doc", type=Path, default=PERFORMANCE_DOC, help="markdown file to write the table into"
-    )
-    parser.add_argument("--no_write", action="store_true", help="print only")
     parser.add_argument(
         "--json", type=Path, default=None, help="rank 0 writes the results here, after every case"
     )
