@@ -35,6 +35,7 @@ from train_throughput import (  # noqa: E402
     cleanup,
     device_name,
     millions,
+    profile_steps,
     write_section,
 )
 
@@ -94,11 +95,18 @@ def run_case(name: str, args, device, parallel_dims) -> dict:
     synchronize()
     seconds = (time.perf_counter() - start) / args.steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    timelines = []
+    if args.profile:
+        _, timeline = profile_steps(lambda: step(batches), args.profile, device)
+        timelines = [timeline] * world
+        if dist.is_initialized():
+            dist.all_gather_object(timelines, timeline)
     return {
         "params": policy.nparams,
         "step_s": seconds,
         "tokens_per_s": labels.numel() / seconds,
         "peak_gib": peak,
+        "timelines": timelines,
     }
 
 
@@ -127,6 +135,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="per-block torch.compile")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2; --tiny: 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --tiny: 1)")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="profile this many more steps per model; print each rank's GPU timeline",
+    )
     add_run_options(parser)
     args = parser.parse_args(argv)
     defaults = (
@@ -165,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         cleanup(device)
         if rank == 0:
             print(table({name: results[name]}, world).splitlines()[-1], flush=True)
+            for r, timeline in enumerate(results[name]["timelines"]):
+                print(f"  rank {r}: {timeline}", flush=True)
     if rank == 0:
         text = table(results, world)
         print("\n" + text)
@@ -176,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             write_section(
                 args.doc,
                 f"bench_dpo_step_{world}gpu",
-                f"DPO step, hybrid against transformer, {world} {device.type.upper()}{'s' * (world > 1)}",
+                f"DPO step, hybrid against transformer, {world} {'GPU' if device.type == 'cuda' else 'CPU'}{'s' * (world > 1)}",
                 f"Command: `{command}` on {world} x {device_name(device)}, torch {torch.__version__} "
                 f"({time.strftime('%Y-%m-%d')}); {args.pairs} pair(s) of {args.seq_len} tokens per reply per GPU, "
                 f"activation checkpointing {args.ac}, {'compiled' if args.compile else 'eager'}, "

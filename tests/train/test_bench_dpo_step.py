@@ -12,7 +12,12 @@ pytestmark = pytest.mark.slow
 def test_dpo_bench_smoke_on_cpu_writes_the_ratio(tmp_path):
     doc = tmp_path / "performance.md"
     doc.write_text("# Performance\n")
-    run([sys.executable, str(REPO / "bench" / "dpo_step.py"), "--device", "cpu", "--tiny", "--doc", str(doc)])
+    bench = str(REPO / "bench" / "dpo_step.py")
+    output = run(
+        [sys.executable, bench, "--device", "cpu", "--tiny", "--doc", str(doc), "--profile", "1"]
+    ).stdout
+    # --profile prints each model's GPU timeline per rank (none on a CPU).
+    assert output.count("rank 0: no GPU kernels recorded") == 2
     text = doc.read_text()
     section = text[text.index("<!-- bench_dpo_step_1gpu -->") : text.index("<!-- /bench_dpo_step_1gpu -->")]
     assert "DPO step, hybrid against transformer, 1 CPU" in section
