@@ -1,7 +1,7 @@
 """Chaos test: a small job killed at random moments, then finished, must end with the weights of an uninterrupted run.
 
     python scripts/chaos.py --trials 20 [--ngpu 2] [--seed 0] [--workdir DIR] [--json FILE] [--time_limit S]
-        [-- extra train.sh flags]
+        [--check_repeat] [-- extra train.sh flags]
 
 First the job runs uninterrupted (the reference). Then the same job is launched again and again in another dump
 folder (through train.sh, so every launch resumes from the latest checkpoint that verifies), each launch (a trial)
@@ -20,8 +20,10 @@ After the trials one more launch runs the job to its end. Every entry of each jo
 optimizer, schedule, dataloader, torch's RNG and train state) must equal the reference's bit for bit; a job that
 does is then deleted (its checkpoints), one that does not is kept for a look. With ``--trials 0`` (or a time
 limit of 0) the one job is run uninterrupted a second time: whether the job repeats bit for bit at all, on this
-machine. Prints a line per trial and per checked job, and a summary; exit status 0 only with no mismatch, no step
-lost and every launch ending as its kind requires.
+machine. ``--check_repeat`` runs the uninterrupted job twice before any trial and stops with exit status 3 if the
+two differ: on such a machine (a GPU whose kernels pick different configurations from run to run, say) a mismatch
+would not tell a checkpoint fault. Prints a line per trial and per checked job, and a summary; exit status 0 only
+with no mismatch, no step lost and every launch ending as its kind requires.
 """
 
 import argparse
@@ -243,6 +245,30 @@ def finish(dump: Path, reference: Launch, ngpu: int, flags: list[str], steps: in
     return problems
 
 
+def check_repeat(dump: Path, reference: Launch, ngpu: int, flags: list[str], steps: int) -> int:
+    """Run the job uninterrupted once more in ``dump``: 0 if its final checkpoint equals the reference's, else 3."""
+    repeat = Launch(dump, ngpu, flags)
+    if (status := repeat.wait()) != 0:
+        print(
+            f"error: the second uninterrupted run failed (status {status}); see {repeat.log_path}",
+            file=sys.stderr,
+        )
+        return 2
+    last = f"checkpoint/step-{steps}"
+    if differ := mismatches(reference.dump / last, dump / last):
+        print(
+            f"error: two uninterrupted runs of the job differ in {len(differ)} entries (first: {differ[0]}), so this "
+            "machine does not repeat the job bit for bit and no trial could tell a checkpoint fault; make the job "
+            "deterministic first (on GPUs: one launch of the job before this script, so that every launch reads the "
+            "same kernel configurations from Triton's autotuning cache)",
+            file=sys.stderr,
+        )
+        return 3
+    print("the job repeats: a second uninterrupted run equals the first bit for bit", flush=True)
+    shutil.rmtree(dump / "checkpoint")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -258,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="seconds after which no trial starts; the job in progress is still finished and compared",
+    )
+    parser.add_argument(
+        "--check_repeat",
+        action="store_true",
+        help="run the uninterrupted job twice first; stop (status 3) if the two runs differ",
     )
     parser.add_argument("extra", nargs="*", help="more train.sh flags (after --)")
     args = parser.parse_args(argv)
@@ -277,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.check_repeat and (
+        status := check_repeat(args.workdir / "repeat", reference, args.ngpu, flags, steps)
+    ):
+        return status
     trials, problems, rounds = [], [], 1
     dump = args.workdir / "chaos-1"
     offset = rng.randrange(len(scenarios))

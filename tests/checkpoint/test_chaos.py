@@ -1,6 +1,6 @@
 """The short chaos test (scripts/chaos.py): on 2 CPU ranks (gloo, 2 dataloader workers each), one launch stopped
 by SIGTERM and one SIGKILLed while writing a checkpoint; the finished job equals an uninterrupted run bit for bit
-and the SIGTERM saved the step in progress (exit 75) and lost no step. The time limit, with the launches replaced."""
+and the SIGTERM saved the step in progress (exit 75) and lost no step. The time limit and the repeat check, with the launches replaced."""
 
 import importlib.util
 import json
@@ -70,3 +70,39 @@ def test_the_time_limit_stops_the_trials_and_the_job_is_still_checked(
     assert len(trials) == summary["trials"] == trials_run
     assert summary["stopped_by_time_limit"] == (trials_run == 0)
     assert finished == ["chaos-1"] and summary["jobs_finished"] == 1
+
+
+@pytest.mark.parametrize("repeats", [True, False])
+def test_check_repeat_runs_the_job_twice_and_stops_if_the_runs_differ(tmp_path, monkeypatch, repeats):
+    """--check_repeat with the launches replaced: a second uninterrupted run that differs from the first stops the
+    script (exit 3) before any trial; one that equals it is deleted and the trials go on."""
+    chaos_script = load_chaos()
+    launched, trials = [], []
+
+    class Launch:
+        def __init__(self, dump, ngpu, flags):
+            self.dump, self.log_path = dump, dump.parent / "launch.log"
+            (dump / "checkpoint" / "step-12").mkdir(parents=True)
+            launched.append(dump.name)
+
+        def wait(self):
+            return 0
+
+    def mismatches(reference, final):
+        assert (reference.parent.parent.name, final.parent.parent.name) == ("reference", "repeat")
+        return [] if repeats else ["embeddings.weight differs"]
+
+    def run_trial(dump, scenario, *args):
+        trials.append(scenario)
+        return {"scenario": scenario, "signalled": True, "status": -9, "during_save": False, "during_purge": False,
+                "problems": []}  # fmt: skip
+
+    monkeypatch.setattr(chaos_script, "Launch", Launch)
+    monkeypatch.setattr(chaos_script, "mismatches", mismatches)
+    monkeypatch.setattr(chaos_script, "run_trial", run_trial)
+    monkeypatch.setattr(chaos_script, "run_steps_done", lambda dump: -1)
+    monkeypatch.setattr(chaos_script, "finish", lambda dump, *args: [])
+    status = chaos_script.main(["--trials", "2", "--check_repeat", "--workdir", str(tmp_path)])
+    assert launched == ["reference", "repeat"]
+    assert (status, len(trials)) == ((0, 2) if repeats else (3, 0))
+    assert (tmp_path / "repeat" / "checkpoint").exists() != repeats  # kept for a look only when it differs
