@@ -1,0 +1,114 @@
+"""One tuner per kernel and key on a host: Triton's autotuning serialized across processes.
+
+With ``TRITON_CACHE_AUTOTUNING=1`` (train.sh's default) Triton keeps each kernel's autotuning result in its cache
+directory, and a process that finds the result there runs its choice. But processes that meet an untuned kernel at
+the same time (the ranks of a job, or jobs sharing a host) each benchmark it, each keep their own choice, and the
+cache keeps whichever was written last. Ranks, and the launches that resume the job later, then run different
+configurations of the same kernel, whose results differ in the last bits (a resumed job stops repeating the
+uninterrupted one: docs/checkpoints.md, "The chaos test"), and every rank benchmarks while the others' collectives
+are in flight. Here each (kernel, key, configurations) is tuned under a file lock in Triton's cache directory: the
+first process to reach it benchmarks and writes the result, the others wait for the lock and read that result.
+
+No deadlock: a tuner's benchmark synchronizes its GPU and so waits for the collectives its rank issued before the
+kernel. Every rank that waits for the same lock has reached the same kernel and issued them; a rank that waits for
+an earlier kernel's lock waits for that kernel's tuner, which holds no other lock. As a last resort a wait longer
+than ``WAIT_S`` is given up with one warning, and the process tunes the kernel itself, as without the lock.
+"""
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import inspect
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+WAIT_S = 300.0
+POLL_S = 0.05
+LOCK_DIR = "flame-autotune-locks"
+
+
+def tune_once_per_host() -> bool:
+    """Wrap Triton's ``Autotuner.check_disk_cache`` (where it looks for a cached result and otherwise benchmarks)
+    in a per-key file lock; once per process. False where Triton is absent or its method is not the one wrapped."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return False
+    original = getattr(Autotuner, "check_disk_cache", None)
+    if original is None:
+        return False
+    if getattr(original, "flame_locked", False):
+        return True
+    if list(inspect.signature(original).parameters) != ["self", "tuning_key", "configs", "bench_fn"]:
+        logger.warning(
+            "Triton's Autotuner.check_disk_cache is not the one flame knows; autotuning is not serialized"
+        )
+        return False
+    Autotuner.check_disk_cache = locked(original, lock_dir())
+    return True
+
+
+def lock_dir() -> Path:
+    try:
+        from triton import knobs
+
+        return Path(knobs.cache.dir) / LOCK_DIR
+    except (ImportError, AttributeError):
+        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache") / LOCK_DIR
+
+
+def locked(check_disk_cache: Callable, directory: Path) -> Callable:
+    @functools.wraps(check_disk_cache)
+    def wrapper(tuner, tuning_key, configs, bench_fn):
+        if not tuning_key or any(config.pre_hook for config in configs):  # Triton caches nothing for these
+            return check_disk_cache(tuner, tuning_key, configs, bench_fn)
+        identity = "-".join([kernel_identity(tuner), str(tuning_key), *map(str, configs)])
+        with host_lock(directory / (hashlib.sha256(identity.encode()).hexdigest() + ".lock")):
+            return check_disk_cache(tuner, tuning_key, configs, bench_fn)
+
+    wrapper.flame_locked = True
+    return wrapper
+
+
+def kernel_identity(tuner) -> str:
+    fn = tuner.fn
+    while not hasattr(fn, "cache_key"):  # heuristics and other wrappers hold the JIT function as .fn
+        fn = fn.fn
+    return fn.cache_key
+
+
+@contextlib.contextmanager
+def host_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock on ``path`` (released by the OS if the process dies), given up after WAIT_S seconds; no
+    lock at all where the directory cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        fd = None
+    if fd is None:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    logger.warning(
+                        f"another process has been tuning a Triton kernel for over {WAIT_S:.0f} s ({path.name}); "
+                        "tuning it here too"
+                    )
+                    break
+                time.sleep(POLL_S)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
