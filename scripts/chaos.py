@@ -48,8 +48,9 @@ JOB = ["--training.steps", "12", "--training.seq_len", "64", "--training.batch_s
        "--training.num_workers", "2", "--training.seed", "7", "--lr_scheduler.warmup_steps", "2",
        "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "2", "--metrics.log_freq", "1"]  # fmt: skip
 STEP_LINE = re.compile(r"step +(\d+)/\d+ ")
-# 50 ports per run: runs started together (several on one host) get disjoint ranges unless their pids differ by a multiple of 900.
-PORTS = itertools.count(20000 + os.getpid() % 900 * 50)
+# 50 ports per run, below Linux's ephemeral range (32768+, where NCCL's and gloo's own sockets bind): runs started
+# together (several on one host) get disjoint ranges unless their process ids differ by a multiple of 250.
+PORTS = itertools.count(20000 + os.getpid() % 250 * 50)
 
 
 class Launch:
