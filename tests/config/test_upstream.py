@@ -3,6 +3,7 @@ the training commands dry-run as pasted, and every option of its `train.sh -h` l
 changes a field flame uses or prints a notice that it has no effect."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -22,10 +23,11 @@ README = (Path(__file__).parent / "upstream_readme.md").read_text()
 
 
 def readme_commands() -> list[str]:
-    """The README's train.sh command lines, the multi-line one joined."""
-    one_line = re.findall(r"^NGPU=8 bash train\.sh .*$", README, re.M)
-    block = re.search(r"^bash train\.sh \\\n(.*?)\n```", README, re.M | re.S).group(0).removesuffix("```")
-    return [*one_line, " ".join(block.replace("\\\n", " ").split())]
+    """The README's train.sh command lines (scripts/readme_commands.py reads them for its trials)."""
+    spec = importlib.util.spec_from_file_location("readme_commands", REPO / "scripts" / "readme_commands.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.readme_commands()
 
 
 def listing() -> list[tuple[str, str | None]]:
