@@ -246,30 +246,6 @@ def finish(dump: Path, reference: Launch, ngpu: int, flags: list[str], steps: in
     return problems
 
 
-def check_repeat(dump: Path, reference: Launch, ngpu: int, flags: list[str], steps: int) -> int:
-    """Run the job uninterrupted once more in ``dump``: 0 if its final checkpoint equals the reference's, else 3."""
-    repeat = Launch(dump, ngpu, flags)
-    if (status := repeat.wait()) != 0:
-        print(
-            f"error: the second uninterrupted run failed (status {status}); see {repeat.log_path}",
-            file=sys.stderr,
-        )
-        return 2
-    last = f"checkpoint/step-{steps}"
-    if differ := mismatches(reference.dump / last, dump / last):
-        print(
-            f"error: two uninterrupted runs of the job differ in {len(differ)} entries (first: {differ[0]}), so this "
-            "machine does not repeat the job bit for bit and no trial could tell a checkpoint fault; make the job "
-            "deterministic first (on GPUs: one launch of the job before this script, so that every launch reads the "
-            "same kernel configurations from Triton's autotuning cache)",
-            file=sys.stderr,
-        )
-        return 3
-    print("the job repeats: a second uninterrupted run equals the first bit for bit", flush=True)
-    shutil.rmtree(dump / "checkpoint")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -309,10 +285,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.check_repeat and (
-        status := check_repeat(args.workdir / "repeat", reference, args.ngpu, flags, steps)
-    ):
-        return status
+    if args.check_repeat and (differ := finish(args.workdir / "repeat", reference, args.ngpu, flags, steps)):
+        print(
+            f"error: a second uninterrupted run of the job does not equal the first ({differ[0]}), so no trial on "
+            "this machine could tell a checkpoint fault; make the job repeat bit for bit first (on GPUs: one launch "
+            "of the job before this script, so that every launch reads the same kernel configurations from "
+            "Triton's autotuning cache)",
+            file=sys.stderr,
+        )
+        return 3
     trials, problems, rounds = [], [], 1
     dump = args.workdir / "chaos-1"
     offset = rng.randrange(len(scenarios))

@@ -28,6 +28,7 @@ import argparse
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def launch(command: str, ngpu: int, dump: Path, args, env: dict) -> tuple[int, s
     typed = re.sub(r"^NGPU=\d+ ", "", command)
     flags = [*LOCAL_DATA, "--training.steps", str(args.steps), "--checkpoint.interval", str(args.interval),
              "--job.dump_folder", str(dump), *args.extra]  # fmt: skip
-    line = f"NGPU={ngpu} {typed} " + " ".join(flag if flag.startswith("--") else repr(flag) for flag in flags)
+    line = f"NGPU={ngpu} {typed} " + shlex.join(flags)
     dump.mkdir(parents=True, exist_ok=True)
     with open(dump.parent / f"{dump.name}.log", "w") as log:
         log.write(line + "\n\n")

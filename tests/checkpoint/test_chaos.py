@@ -1,6 +1,7 @@
 """The short chaos test (scripts/chaos.py): on 2 CPU ranks (gloo, 2 dataloader workers each), one launch stopped
 by SIGTERM and one SIGKILLed while writing a checkpoint; the finished job equals an uninterrupted run bit for bit
-and the SIGTERM saved the step in progress (exit 75) and lost no step. The time limit and the repeat check, with the launches replaced."""
+and the SIGTERM saved the step in progress (exit 75) and lost no step. The time limit and the repeat check, with
+the launches replaced."""
 
 import importlib.util
 import json
@@ -38,18 +39,16 @@ def load_chaos():
     return module
 
 
-@pytest.mark.parametrize(("time_limit", "trials_run"), [("0", 0), ("3600", 3)])
-def test_the_time_limit_stops_the_trials_and_the_job_is_still_checked(
-    tmp_path, monkeypatch, time_limit, trials_run
-):
-    """The loop of scripts/chaos.py with its launches replaced: no trial starts once the time limit has passed, and
-    the job in progress is finished and checked either way."""
-    chaos_script = load_chaos()
-    finished, trials = [], []
+def replace_launches(monkeypatch, chaos_script) -> tuple[list[str], list[str]]:
+    """The script's launches and trials replaced: each launch leaves a last checkpoint and succeeds, each trial is
+    a SIGKILL. Returns the launched dump folders' names and the trials' scenarios, as they happen."""
+    launched, trials = [], []
 
     class Launch:
         def __init__(self, dump, ngpu, flags):
             self.dump, self.log_path = dump, dump.parent / "launch.log"
+            (dump / "checkpoint" / "step-12").mkdir(parents=True, exist_ok=True)
+            launched.append(dump.name)
 
         def wait(self):
             return 0
@@ -62,6 +61,18 @@ def test_the_time_limit_stops_the_trials_and_the_job_is_still_checked(
     monkeypatch.setattr(chaos_script, "Launch", Launch)
     monkeypatch.setattr(chaos_script, "run_trial", run_trial)
     monkeypatch.setattr(chaos_script, "run_steps_done", lambda dump: -1)
+    return launched, trials
+
+
+@pytest.mark.parametrize(("time_limit", "trials_run"), [("0", 0), ("3600", 3)])
+def test_the_time_limit_stops_the_trials_and_the_job_is_still_checked(
+    tmp_path, monkeypatch, time_limit, trials_run
+):
+    """The loop of scripts/chaos.py with its launches replaced: no trial starts once the time limit has passed, and
+    the job in progress is finished and checked either way."""
+    chaos_script = load_chaos()
+    _, trials = replace_launches(monkeypatch, chaos_script)
+    finished = []
     monkeypatch.setattr(chaos_script, "finish", lambda dump, *args: finished.append(dump.name) or [])
     report = tmp_path / "chaos.json"
     argv = ["--trials", "3", "--time_limit", time_limit, "--workdir", str(tmp_path), "--json", str(report)]
@@ -77,32 +88,16 @@ def test_check_repeat_runs_the_job_twice_and_stops_if_the_runs_differ(tmp_path, 
     """--check_repeat with the launches replaced: a second uninterrupted run that differs from the first stops the
     script (exit 3) before any trial; one that equals it is deleted and the trials go on."""
     chaos_script = load_chaos()
-    launched, trials = [], []
-
-    class Launch:
-        def __init__(self, dump, ngpu, flags):
-            self.dump, self.log_path = dump, dump.parent / "launch.log"
-            (dump / "checkpoint" / "step-12").mkdir(parents=True)
-            launched.append(dump.name)
-
-        def wait(self):
-            return 0
+    launched, trials = replace_launches(monkeypatch, chaos_script)
+    compared = []
 
     def mismatches(reference, final):
-        assert (reference.parent.parent.name, final.parent.parent.name) == ("reference", "repeat")
-        return [] if repeats else ["embeddings.weight differs"]
+        compared.append((reference.parent.parent.name, final.parent.parent.name))
+        return ["embeddings.weight differs"] if final.parent.parent.name == "repeat" and not repeats else []
 
-    def run_trial(dump, scenario, *args):
-        trials.append(scenario)
-        return {"scenario": scenario, "signalled": True, "status": -9, "during_save": False, "during_purge": False,
-                "problems": []}  # fmt: skip
-
-    monkeypatch.setattr(chaos_script, "Launch", Launch)
     monkeypatch.setattr(chaos_script, "mismatches", mismatches)
-    monkeypatch.setattr(chaos_script, "run_trial", run_trial)
-    monkeypatch.setattr(chaos_script, "run_steps_done", lambda dump: -1)
-    monkeypatch.setattr(chaos_script, "finish", lambda dump, *args: [])
     status = chaos_script.main(["--trials", "2", "--check_repeat", "--workdir", str(tmp_path)])
-    assert launched == ["reference", "repeat"]
     assert (status, len(trials)) == ((0, 2) if repeats else (3, 0))
+    assert launched == (["reference", "repeat", "chaos-1"] if repeats else ["reference", "repeat"])
+    assert compared[0] == ("reference", "repeat")
     assert (tmp_path / "repeat" / "checkpoint").exists() != repeats  # kept for a look only when it differs
