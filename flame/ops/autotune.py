@@ -9,6 +9,10 @@ uninterrupted one: docs/checkpoints.md, "The chaos test"), and every rank benchm
 are in flight. Here each (kernel, key, configurations) is tuned under a file lock in Triton's cache directory: the
 first process to reach it benchmarks and writes the result, the others wait for the lock and read that result.
 
+The cache directory is the host's, not the device's: torch.compile points an unset ``TRITON_CACHE_DIR`` at a folder
+per GPU (``/tmp/torchinductor_<user>/triton/<device index>``) when it makes its first kernel, so rank 1 of a compiled
+job would not find the results that rank 0, or a one-GPU run before the job, wrote, and would tune for itself.
+
 No deadlock: a tuner's benchmark synchronizes its GPU and so waits for the collectives its rank issued before the
 kernel. Every rank that waits for the same lock has reached the same kernel and issued them; a rank that waits for
 an earlier kernel's lock waits for that kernel's tuner, which holds no other lock. As a last resort a wait longer
@@ -34,12 +38,16 @@ LOCK_DIR = "flame-autotune-locks"
 
 
 def tune_once_per_host() -> bool:
-    """Wrap Triton's ``Autotuner.check_disk_cache`` (where it looks for a cached result and otherwise benchmarks)
-    in a per-key file lock; once per process. False where Triton is absent or its method is not the one wrapped."""
+    """Keep Triton's cache in one folder for every process on the host (``TRITON_CACHE_DIR``, if unset, becomes
+    Triton's default) and wrap Triton's ``Autotuner.check_disk_cache`` (where it looks for a cached result and
+    otherwise benchmarks) in a per-key file lock; once per process, before anything is compiled. False where Triton
+    is absent or its method is not the one wrapped."""
     try:
+        from triton import knobs
         from triton.runtime.autotuner import Autotuner
     except ImportError:
         return False
+    os.environ.setdefault("TRITON_CACHE_DIR", str(knobs.cache.dir))
     original = getattr(Autotuner, "check_disk_cache", None)
     if original is None:
         return False
@@ -55,12 +63,7 @@ def tune_once_per_host() -> bool:
 
 
 def lock_dir() -> Path:
-    try:
-        from triton import knobs
-
-        return Path(knobs.cache.dir) / LOCK_DIR
-    except (ImportError, AttributeError):
-        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache") / LOCK_DIR
+    return Path(os.environ["TRITON_CACHE_DIR"]) / LOCK_DIR
 
 
 def locked(check_disk_cache: Callable, directory: Path) -> Callable:

@@ -132,12 +132,40 @@ def test_configurations_with_pre_hooks_are_not_locked(tmp_path):
     assert len(called) == 1 and not (tmp_path / "locks").exists()
 
 
-def test_installed_on_tritons_autotuner_once(monkeypatch):
+def test_installed_on_tritons_autotuner_once(monkeypatch, tmp_path):
     from triton.runtime import autotuner  # dev dependency: installed wherever the tests run
 
     monkeypatch.setattr(autotuner.Autotuner, "check_disk_cache", autotuner.Autotuner.check_disk_cache)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     original = autotuner.Autotuner.check_disk_cache
     assert autotune.tune_once_per_host()
     wrapped = autotuner.Autotuner.check_disk_cache
     assert wrapped is not original and wrapped.__wrapped__ is original
     assert autotune.tune_once_per_host() and autotuner.Autotuner.check_disk_cache is wrapped
+
+
+def test_one_cache_folder_for_every_device(monkeypatch, tmp_path):
+    """torch.compile would give an unset TRITON_CACHE_DIR a folder per GPU, so rank 1 would not read what rank 0
+    tuned; once flame has run, every device's folder is Triton's default and the locks live there."""
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    from triton.runtime import autotuner
+
+    monkeypatch.setattr(autotuner.Autotuner, "check_disk_cache", autotuner.Autotuner.check_disk_cache)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", "restored after the test")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    assert triton_cache_dir(1) != triton_cache_dir(0)
+    assert autotune.tune_once_per_host()
+    host_cache = str(tmp_path / ".triton" / "cache")
+    assert triton_cache_dir(0) == triton_cache_dir(1) == os.environ["TRITON_CACHE_DIR"] == host_cache
+    assert autotune.lock_dir() == Path(host_cache) / autotune.LOCK_DIR
+
+
+def test_a_chosen_cache_folder_is_kept(monkeypatch, tmp_path):
+    from triton.runtime import autotuner
+
+    monkeypatch.setattr(autotuner.Autotuner, "check_disk_cache", autotuner.Autotuner.check_disk_cache)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert autotune.tune_once_per_host()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    assert autotune.lock_dir() == tmp_path / "mine" / autotune.LOCK_DIR
