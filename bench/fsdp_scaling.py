@@ -14,10 +14,18 @@ kernels beside the others' collectives (docs/performance.md, "Several H200s with
 The runs on several GPUs profile one more step of each case (``--profile 1``): for every row under ``--target``
 (95%) the output lists each rank's GPU timeline (compute kernels, NCCL kernels with no compute beside them, idle),
 which tells links that are too slow (every rank in exposed NCCL) from ranks that wait for one another (one rank
-idle, waiting for its host, while the others wait in NCCL). A run that ends early (``--timeout_s``) keeps the
+idle, waiting for its host, while the others wait in NCCL). Each run on several GPUs also measures the link: the bus
+bandwidth of FSDP's all-gather and reduce-scatter, and on GPUs the pairs' connection in ``nvidia-smi topo -m``
+(NV# is NVLink; PIX, PXB, PHB, NODE and SYS are PCIe paths). A run that ends early (``--timeout_s``) keeps the
 cases it finished: the bench writes its results after every case. Prints the table and writes it into
 docs/performance.md between ``<!-- bench_fsdp_scaling -->`` markers with the command, device and date. Exit status
 0 when every case of every run finished.
+
+A host's models can be measured in several invocations (a device call with a time limit) and written as one table:
+
+    python bench/fsdp_scaling.py --models transformer,gated_deltanet --json a.json --no_write
+    python bench/fsdp_scaling.py --models hybrid,llama --json b.json --no_write
+    python bench/fsdp_scaling.py --merge a.json b.json
 """
 
 import argparse
@@ -80,13 +88,45 @@ def tokens_per_s(record: dict | None, model: str, seq_len: int) -> tuple[float |
     return None, None
 
 
-def scaling_table(records: dict[int, dict | None], endings: dict[int, str], args: argparse.Namespace) -> str:
+def gpu_links(device: str) -> str:
+    """How the GPUs are connected: each kind of connection in ``nvidia-smi topo -m`` between two GPUs, with the pairs
+    it joins; empty off GPUs or without nvidia-smi."""
+    if device != "cuda":
+        return ""
+    try:
+        matrix = subprocess.run(
+            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return links_of_matrix(matrix)
+
+
+def links_of_matrix(matrix: str) -> str:
+    rows = [line.split() for line in matrix.splitlines() if line.startswith("GPU")]  # the header is indented
+    if not rows:
+        return ""
+    gpus = [row[0] for row in rows]
+    pairs: dict[str, list[str]] = {}
+    for i, row in enumerate(rows):
+        for j in range(i + 1, len(gpus)):
+            pairs.setdefault(row[1 + j], []).append(f"{i}-{j}")
+    return "; ".join(f"{kind} ({', '.join(joined)})" for kind, joined in pairs.items())
+
+
+def scaling_table(
+    records: dict[int, dict | None],
+    endings: dict[int, str],
+    models: list[str],
+    seq_lens: list[int],
+    target: float,
+) -> str:
     counts = sorted(records)
     header = ["model", "seq", "1 GPU tokens/s"] + [f"{n} GPUs tokens/s/GPU (share)" for n in counts if n > 1]
     lines = ["| " + " | ".join(header) + " |", "|---|---:|" + "---:|" * (len(header) - 2)]
     below = []
-    for model in args.models.split(","):
-        for seq_len in (int(s) for s in args.seq_lens.split(",")):
+    for model in models:
+        for seq_len in seq_lens:
             base, _ = tokens_per_s(records.get(1), model, seq_len)
             cells = [model, str(seq_len), f"{base:,.0f}" if base else "not measured"]
             for n in counts[1:]:
@@ -96,18 +136,25 @@ def scaling_table(records: dict[int, dict | None], endings: dict[int, str], args
                     continue
                 share = value / base if base else None
                 cells.append(f"{value:,.0f}" + (f" ({share:.1%})" if share is not None else ""))
-                if share is not None and share < args.target:
+                if share is not None and share < target:
                     timelines = "; ".join(f"rank {r}: {t}" for r, t in enumerate(result["timelines"]))
                     below.append(
                         f"- {model}, seq {seq_len}, {n} GPUs ({share:.1%}): {timelines or 'no profile'}"
                     )
             lines.append("| " + " | ".join(cells) + " |")
-    runs = "; ".join(f"{n} GPU{'s' * (n > 1)}: {endings[n]}" for n in counts)
+    runs = "; ".join(f"{n} GPU{'s' * (n > 1)}: {', '.join(endings[n])}" for n in counts)
     text = "\n".join(lines) + f"\n\nRuns: {runs}."
+    bandwidth = [
+        f"{n} GPUs: "
+        + ", ".join(f"{name} {value:.1f} GB/s" for name, value in record["link_bus_GBps"].items())
+        for n, record in sorted(records.items())
+        if record and record.get("link_bus_GBps")
+    ]
+    if bandwidth:
+        text += f"\n\nLink bus bandwidth (64 MiB per call, slowest rank): {'; '.join(bandwidth)}."
     if below:
-        text += (
-            f"\n\nRows under {args.target:.0%}, each rank's GPU timeline per profiled step:\n\n"
-            + "\n".join(below)
+        text += f"\n\nRows under {target:.0%}, each rank's GPU timeline per profiled step:\n\n" + "\n".join(
+            below
         )
     return text
 
@@ -123,8 +170,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--target", type=float, default=0.95, help="share of one GPU's tokens/s per GPU")
     parser.add_argument("--timeout_s", type=float, default=1200, help="per run")
+    parser.add_argument("--json", type=Path, default=None, help="also keep this invocation's runs here")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="run nothing: one table from the --json files of earlier invocations on one host")  # fmt: skip
     add_run_options(parser)
     args = parser.parse_args(argv)
+    if args.merge:
+        return args
     if unknown := set(args.models.split(",")) - set(MODELS):
         parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
     available = torch.cuda.device_count() if args.device == "cuda" else 2
@@ -138,30 +190,67 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+def measure(args: argparse.Namespace, command: str) -> dict:
+    """This invocation's runs, one GPU count after the other, as the --json file keeps them."""
     started = time.perf_counter()
     records, endings = {}, {}
     with tempfile.TemporaryDirectory() as work:
         for gpus in args.gpus:
-            records[gpus], endings[gpus] = run_bench(gpus, args, Path(work) / f"{gpus}gpu.json")
-    text = scaling_table(records, endings, args)
+            records[str(gpus)], endings[str(gpus)] = run_bench(gpus, args, Path(work) / f"{gpus}gpu.json")
+    return {"command": command, "models": args.models.split(","), "seq_lens": [int(s) for s in args.seq_lens.split(",")],
+            "mode": args.mode, "warmup": args.warmup, "steps": args.steps, "target": args.target,
+            "links": gpu_links(args.device), "date": time.strftime("%Y-%m-%d"), "records": records, "endings": endings,
+            "seconds": round(time.perf_counter() - started)}  # fmt: skip
+
+
+def combine(runs: list[dict]) -> tuple[dict[int, dict | None], dict[int, list[str]]]:
+    """The runs of several invocations by GPU count: their results side by side, and how each ended."""
+    records, endings = {}, {}
+    for run in runs:
+        for key, record in run["records"].items():
+            n = int(key)  # JSON keeps the counts as strings
+            if records.get(n) is None:
+                records[n] = None if record is None else dict(record, results=list(record["results"]))
+            elif record is not None:
+                records[n]["results"] += record["results"]
+            endings.setdefault(n, []).append(run["endings"][key])
+    return records, endings
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    command = "python bench/fsdp_scaling.py " + " ".join(sys.argv[1:] if argv is None else map(str, argv))
+    if args.merge:
+        runs = [json.loads(path.read_text()) for path in args.merge]
+    else:
+        runs = [measure(args, command.strip())]
+        if args.json:
+            args.json.write_text(json.dumps(runs[0], indent=1))
+    records, endings = combine(runs)
+    models = list(dict.fromkeys(model for run in runs for model in run["models"]))
+    seq_lens = list(dict.fromkeys(seq_len for run in runs for seq_len in run["seq_lens"]))
+    text = scaling_table(records, endings, models, seq_lens, runs[0]["target"])
     print("\n" + text)
     device = next((r["device"] for r in records.values() if r), args.device)
     if not args.no_write:
-        command = "python bench/fsdp_scaling.py " + " ".join(sys.argv[1:] if argv is None else argv)
         torch_version = next((r["torch"] for r in records.values() if r), torch.__version__)
+        commands = " then ".join(f"`{run['command']}`" for run in runs)
+        links = next((run["links"] for run in runs if run.get("links")), "")
+        first = runs[0]
         write_section(
             args.doc,
             MARKER,
             "FSDP scaling",
-            f"Command: `{command.strip()}` on {args.gpus[-1]} x {device}, torch {torch_version} "
-            f"({time.strftime('%Y-%m-%d')}); {args.mode}, {args.warmup} warm-up then {args.steps} timed steps per "
-            "case, bench/train_throughput.py's default tokens per GPU (random tokens); per-GPU tokens/s on N GPUs "
-            f"as a share of one GPU's from the same host in the same run. Total {time.perf_counter() - started:.0f} s.",
+            f"Command{'s' * (len(runs) > 1)}: {commands}"
+            + (f" (one table by `{command.strip()}`)" if args.merge else "")
+            + f" on {max(records)} x {device}, torch {torch_version} ({first['date']}); {first['mode']}, {first['warmup']} warm-up then {first['steps']} timed "
+            "steps per case, bench/train_throughput.py's default tokens per GPU (random tokens); per-GPU tokens/s "
+            "on N GPUs as a share of one GPU's from the same host in the same run. Total "
+            f"{sum(run['seconds'] for run in runs):.0f} s."
+            + (f" GPU links (nvidia-smi topo -m): {links}." if links else ""),
             text,
         )
-    finished = all(ending == "finished" for ending in endings.values())
+    finished = all(ending == "finished" for run_endings in endings.values() for ending in run_endings)
     return 0 if finished else 1
 
 

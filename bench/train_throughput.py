@@ -40,6 +40,7 @@ otherwise. Rank 0 prints a markdown table and writes it into docs/performance.md
 
 import argparse
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -59,6 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torchtitan  # noqa: E402,F401  (the real package before flame.config: see compat.torchtitan_job_config)
+from torchtitan.tools.utils import GarbageCollection  # noqa: E402
 
 from flame import compat  # noqa: E402
 from flame.config import parse_args  # noqa: E402
@@ -195,7 +197,13 @@ def run_case(name, seq_len, mode, activations, optimizer, args, device, parallel
     flops_per_token = model.flops_per_token
     local_tokens = batch * seq_len // args.cp  # this GPU's tokens per step
 
+    # The trainer's garbage collection (torchtitan's: none automatic, one every training.gc_freq steps). An
+    # automatic collection stalls its rank's host mid-step, and under FSDP every other rank waits for that rank.
+    collector = GarbageCollection(gc_freq=config.training.gc_freq)
+    steps_begun = itertools.count(1)
+
     def step():
+        collector.run(next(steps_begun))
         if data is None:
             train_step(random_batches)
         else:  # as the trainer does: this step's batch, then the next one's while this one runs
@@ -343,6 +351,7 @@ def gpu_timeline(events, steps: int) -> str:
 
 def cleanup(device) -> None:
     gc.collect()
+    gc.enable()  # each flame case turns automatic collection off as the trainer does; the naive HF loop keeps it
     torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -391,9 +400,49 @@ def table(results: list[Result], world_size: int, cp: int = 1) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: Path, results: list[Result], world_size: int, device: torch.device) -> None:
+def link_bandwidth(
+    device: torch.device, world_size: int, mib: int = 64, repeats: int = 5
+) -> dict[str, float]:
+    """Bus bandwidth in GB/s (nccl-tests' definition: the bytes a rank's link carries, size x (n-1)/n, over the
+    time) of the two collectives FSDP runs every step, an all-gather of bf16 parameters and a reduce-scatter of
+    fp32 gradients, ``mib`` MiB gathered per call; the slowest rank's time. It tells a slow link (PCIe, host
+    memory) from ranks that wait for one another."""
+    # Renamed after torch 2.11; the old names warn on newer torch.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    bandwidth = {}
+    for name, dtype in (("all-gather", torch.bfloat16), ("reduce-scatter", torch.float32)):
+        numel = mib * 2**20 // dtype.itemsize // world_size * world_size
+        full = torch.ones(numel, dtype=dtype, device=device)
+        shard = torch.ones(numel // world_size, dtype=dtype, device=device)
+        collective = (
+            functools.partial(gather, full, shard)
+            if name == "all-gather"
+            else functools.partial(scatter, shard, full)
+        )
+        collective()  # the first call sets up the connections
+        dist.barrier()
+        device_synchronize(device)
+        began = time.perf_counter()
+        for _ in range(repeats):
+            collective()
+        device_synchronize(device)
+        seconds = torch.tensor((time.perf_counter() - began) / repeats, device=device)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        bandwidth[name] = numel * dtype.itemsize * (world_size - 1) / world_size / seconds.item() / 1e9
+    return bandwidth
+
+
+def device_synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def write_json(
+    path: Path, results: list[Result], world_size: int, device: torch.device, link: dict[str, float] | None
+) -> None:
     record = {"world_size": world_size, "device": device_name(device), "torch": torch.__version__,
-              "results": [dataclasses.asdict(r) for r in results]}  # fmt: skip
+              "link_bus_GBps": link, "results": [dataclasses.asdict(r) for r in results]}  # fmt: skip
     path.write_text(json.dumps(record, indent=1))
 
 
@@ -577,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     if world_size > 1:
         parallel_dims.build_mesh()
 
+    link = link_bandwidth(device, world_size) if world_size > 1 else None
+    if rank == 0 and link:
+        print("link bus bandwidth: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in link.items()), flush=True)
     results = []
     started = time.perf_counter()
     for name in args.models.split(","):
@@ -617,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(table([result], world_size, args.cp).splitlines()[-1], f"({time.perf_counter() - case_start:.0f} s)",
                           flush=True)  # fmt: skip
                     if args.json:
-                        write_json(args.json, results, world_size, device)
+                        write_json(args.json, results, world_size, device, link)
                     if result.profile:
                         timelines = "\n".join(f"rank {r}: {line}" for r, line in enumerate(result.timelines))
                         print(

@@ -2,6 +2,8 @@
 bench, their per-GPU tokens/s side by side with the share, the rows under the target with each rank's timeline,
 and runs cut by the time limit reported as such."""
 
+import importlib.util
+import json
 import subprocess
 import sys
 
@@ -32,6 +34,7 @@ def test_scaling_table_of_one_and_two_ranks(tmp_path):
     assert "- transformer, seq 64, 2 GPUs" in section
     assert "rank 0: no GPU kernels recorded; rank 1: no GPU kernels recorded" in section
     assert "Command: `python bench/fsdp_scaling.py --device cpu" in section
+    assert "Link bus bandwidth (64 MiB per call, slowest rank): 2 GPUs: all-gather " in section
 
 
 def test_runs_cut_by_the_time_limit_are_reported_and_fail_the_exit_status():
@@ -39,3 +42,69 @@ def test_runs_cut_by_the_time_limit_are_reported_and_fail_the_exit_status():
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "| transformer | 64 | not measured | not measured |" in result.stdout
     assert "Runs: 1 GPU: stopped after 0 s; 2 GPUs: stopped after 0 s." in result.stdout
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("fsdp_scaling", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_record(model: str, tokens: dict[int, float], endings: dict[int, str], command: str) -> dict:
+    def result(n):
+        timelines = [f"{model} rank {r} timeline" for r in range(n)]
+        return {
+            "model": model,
+            "seq_len": 2048,
+            "error": "",
+            "tokens_per_s": tokens[n],
+            "timelines": timelines,
+        }
+
+    records = {
+        str(n): {"device": "NVIDIA H200", "torch": "2.11.0", "results": [result(n)],
+                 "link_bus_GBps": {"all-gather": 7.25, "reduce-scatter": 12.5} if n > 1 else None}
+        for n in tokens
+    }  # fmt: skip
+    return {"command": command, "models": [model], "seq_lens": [2048], "mode": "compiled", "warmup": 3,
+            "steps": 8, "target": 0.95, "links": "NV18 (0-1)", "date": "2026-11-26", "records": records,
+            "endings": {str(n): e for n, e in endings.items()}, "seconds": 100}  # fmt: skip
+
+
+def test_merge_writes_one_table_from_invocations_on_one_host(tmp_path):
+    """A host measured in two invocations (a device call's time limit): one table, both commands, every run's ending,
+    the link figures, and the timelines of the rows under the target; not all finished, so exit status 1."""
+    first = tmp_path / "a.json"
+    second = tmp_path / "b.json"
+    first.write_text(
+        json.dumps(run_record("transformer", {1: 100.0, 2: 96.0}, {1: "finished", 2: "finished"}, "A"))
+    )
+    second.write_text(
+        json.dumps(run_record("hybrid", {1: 200.0, 2: 150.0}, {1: "finished", 2: "stopped after 300 s"}, "B"))
+    )
+    doc = tmp_path / "performance.md"
+    assert load_script().main(["--merge", str(first), str(second), "--doc", str(doc)]) == 1
+    section = doc.read_text()
+    assert "| transformer | 2048 | 100 | 96 (96.0%) |" in section
+    assert "| hybrid | 2048 | 200 | 150 (75.0%) |" in section
+    assert "Commands: `A` then `B` (one table by `python bench/fsdp_scaling.py --merge" in section
+    assert "on 2 x NVIDIA H200, torch 2.11.0 (2026-11-26)" in section and "Total 200 s." in section
+    assert "GPU links (nvidia-smi topo -m): NV18 (0-1)." in section
+    assert "Runs: 1 GPU: finished, finished; 2 GPUs: finished, stopped after 300 s." in section
+    assert "Link bus bandwidth (64 MiB per call, slowest rank): 2 GPUs: all-gather 7.2 GB/s" in section
+    assert (
+        "- hybrid, seq 2048, 2 GPUs (75.0%): rank 0: hybrid rank 0 timeline; rank 1: hybrid rank 1" in section
+    )
+    assert "- transformer" not in section
+
+
+def test_links_from_nvidia_smi_topology():
+    matrix = (
+        "\tGPU0\tGPU1\tGPU2\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\n"
+        "GPU0\t X \tNV18\tSYS\tPIX\t0-31\t0\t\tN/A\n"
+        "GPU1\tNV18\t X \tSYS\tSYS\t0-31\t0\t\tN/A\n"
+        "GPU2\tSYS\tSYS\t X \tSYS\t32-63\t1\t\tN/A\n"
+        "NIC0\tPIX\tSYS\tSYS\t X \n\nLegend:\n\n  X    = Self\n  NV#  = Connection traversing a bonded set of # NVLinks\n"
+    )
+    assert load_script().links_of_matrix(matrix) == "NV18 (0-1); SYS (0-2, 1-2)"

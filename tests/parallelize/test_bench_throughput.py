@@ -3,6 +3,7 @@ compiled with the eager backend), two processes with FSDP (Muon, without and wit
 with context parallelism under torchrun; it writes its own section of the performance document and keeps the
 others."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -157,3 +158,30 @@ def test_bench_anchor_is_the_naive_hf_loop_of_the_same_model(tmp_path, monkeypat
     assert (
         abs(float(flame[-1].rstrip("x")) - tokens_per_s[1] / tokens_per_s[0]) <= 0.01
     )  # from rounded tokens/s
+
+
+def test_bench_steps_collect_garbage_as_the_trainer_does(monkeypatch):
+    """flame's cases run with torchtitan's collection policy (no automatic collection; the trainer's gc_freq), so a
+    collection does not stall one rank mid-step while the others wait; the naive HF loop keeps Python's default."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    import train_throughput
+
+    seen = []
+    timed = train_throughput.measure
+
+    def observed_measure(result, step, *args, **kwargs):
+        def observed_step():
+            step()
+            seen.append((result.mode, gc.isenabled()))
+
+        timed(result, observed_step, *args, **kwargs)
+
+    monkeypatch.setattr(train_throughput, "measure", observed_measure)
+    try:
+        assert train_throughput.main(["--device", "cpu", "--tiny", "--no_write", "--models", "transformer",
+                                      "--modes", "eager", "--anchor", "--warmup", "1", "--steps", "1"]) == 0  # fmt: skip
+        assert gc.isenabled()
+    finally:
+        gc.enable()
+    assert seen == [("naive HF loop", True)] * 2 + [("eager", False)] * 2
