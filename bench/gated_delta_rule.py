@@ -1,0 +1,271 @@
+"""The gated delta rule (Gated DeltaNet's op), forward + backward, on every implementation there is, in one run.
+
+    python bench/gated_delta_rule.py                                   # the three head shapes below, 8 x 2048, bf16
+    python bench/gated_delta_rule.py --shapes 16x128x128 --batch 8 --seq_len 2048
+    python bench/gated_delta_rule.py --device cpu --tiny               # smoke test: the PyTorch implementation
+
+Shapes are heads x K x V: 16x128x128 (Qwen3-Next-like heads), 6x256x512 (configs/gated_deltanet_340M.json) and
+16x96x192 (configs/olmo_1b_*.json). The call is a Gated DeltaNet layer's: q, k [B, T, H, K] with the l2 norm in the
+kernel, v [B, T, H, V], log-decay g and beta [B, T, H], bf16 (g float32), no initial state.
+
+Each variant runs in a process of its own, because FLA reads its backend switches (``FLA_TILELANG``,
+``FLA_FLASH_QLA``) from the environment, and so that no variant's autotuning or compilation shares a GPU with
+another's timing:
+
+- ``flame``: flame's dispatch (flame/ops/dispatch.py) as a training job meets the call: the first backend that is
+  installed and takes it (the table says which served), with FLA's own backend switches off, so that flame's
+  ``fla`` backend is FLA's Triton kernels with flame's Hopper dq/dk/dw/dg kernel;
+- ``fla+tilelang``, ``fla+flash-qla``: FLA 0.6.0's ``chunk_gated_delta_rule`` with that backend of FLA's switched
+  on (it falls back to FLA's Triton kernels for calls the backend refuses);
+- ``fla``: FLA's op with its backends off: FLA's Triton kernels alone (which refuse the gated backward on Hopper
+  with Triton 3.4-3.7.0: FLA issue 640).
+
+Times are medians of ``triton.testing.do_bench`` (GPU) after one untimed call, which autotunes and compiles. The
+error is the largest of max|x - ref| / max|ref| over the output and the gradients of q, k, v, g and beta, against
+flame's PyTorch implementation in float32 (float64 on the CPU) on the same inputs. The table goes into
+docs/performance.md between ``<!-- bench_gated_delta_rule -->`` markers with the command, device and date.
+"""
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from train_throughput import device_name, write_section  # noqa: E402
+
+MARKER = "bench_gated_delta_rule"
+SHAPES = "16x128x128,6x256x512,16x96x192"
+# FLA's backend switches per variant; the flame variant turns FLA's own dispatch off so that its "fla" backend is
+# FLA's Triton kernels (with flame's Hopper kernel) whatever else is installed.
+VARIANTS = {
+    "flame": {"FLA_TILELANG": "0", "FLA_FLASH_QLA": "0"},
+    "fla+tilelang": {"FLA_TILELANG": "1", "FLA_FLASH_QLA": "0"},
+    "fla+flash-qla": {"FLA_TILELANG": "0", "FLA_FLASH_QLA": "1"},
+    "fla": {"FLA_TILELANG": "0", "FLA_FLASH_QLA": "0"},
+}
+GRADIENTS = ("q", "k", "v", "g", "beta")
+
+
+def inputs(shape: str, batch: int, seq_len: int, device: torch.device, dtype: torch.dtype) -> dict:
+    heads, k_dim, v_dim = (int(n) for n in shape.split("x"))
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def draw(*size, scale=1.0):
+        return torch.randn(*size, generator=generator) * scale
+
+    tensors = {
+        "q": draw(batch, seq_len, heads, k_dim),
+        "k": draw(batch, seq_len, heads, k_dim),
+        "v": draw(batch, seq_len, heads, v_dim),
+        # A log decay per token as Gated DeltaNet's gate makes it: negative, mostly small.
+        "g": torch.nn.functional.logsigmoid(draw(batch, seq_len, heads) + 3.0),
+        "beta": torch.sigmoid(draw(batch, seq_len, heads)),
+        "do": draw(batch, seq_len, heads, v_dim),
+    }
+    return {
+        name: t.to(device=device, dtype=torch.float32 if name == "g" and dtype != torch.float64 else dtype)
+        for name, t in tensors.items()
+    }
+
+
+def forward_backward(op, tensors: dict) -> dict:
+    """One call and its backward; the output and the gradients."""
+    leaves = {name: tensors[name].detach().requires_grad_() for name in GRADIENTS}
+    o, _ = op(**leaves, use_qk_l2norm_in_kernel=True)
+    o.backward(tensors["do"])
+    return {"o": o.detach(), **{name: leaf.grad for name, leaf in leaves.items()}}
+
+
+def relative_error(results: dict, reference: dict) -> tuple[float, str]:
+    errors = {
+        name: (
+            (results[name].double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)
+        ).item()
+        for name, ref in reference.items()
+    }
+    worst = max(errors, key=errors.get)
+    return errors[worst], worst
+
+
+def variant_op(variant: str, device: torch.device):
+    """The op this variant calls, and a function of the inputs naming what serves them."""
+    if variant == "flame":
+        from flame.ops.gated_delta_rule import GATED_DELTA_RULE, chunk_gated_delta_rule
+
+        def served_by(tensors: dict) -> str:
+            q, k, v, g, beta = (tensors[name] for name in GRADIENTS)
+            return GATED_DELTA_RULE.choose(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+        return chunk_gated_delta_rule, served_by
+    if device.type != "cuda":
+        raise RuntimeError("FLA's kernels need a CUDA device")
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule, lambda tensors: variant
+
+
+def time_ms(fn, device: torch.device, repeats: int) -> float:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=5, rep=max(repeats, 20))
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - began))
+    return statistics.median(times)
+
+
+def measure_variant(args: argparse.Namespace) -> list[dict]:
+    """This process's variant over every shape (the child's work)."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    reference_dtype = torch.float32 if device.type == "cuda" else torch.float64
+    from flame.ops.gated_delta_rule import pytorch_chunk_gated_delta_rule
+
+    rows = []
+    for shape in args.shapes.split(","):
+        row = {"variant": args.variant, "shape": shape}
+        try:
+            op, served_by = variant_op(args.variant, device)
+            tensors = inputs(shape, args.batch, args.seq_len, device, dtype)
+            row["served_by"] = served_by(tensors)
+            began = time.perf_counter()
+            results = forward_backward(op, tensors)  # autotunes and compiles
+            row["first_call_s"] = round(time.perf_counter() - began, 1)
+            upcast = {
+                name: t.to(torch.promote_types(t.dtype, reference_dtype)) for name, t in tensors.items()
+            }
+            reference = forward_backward(pytorch_chunk_gated_delta_rule, upcast)
+            row["error"], row["worst"] = relative_error(results, reference)
+            del reference
+            row["ms"] = time_ms(functools.partial(forward_backward, op, tensors), device, args.repeats)
+        except Exception as error:  # a backend that refuses or fails: its row says so, the others still run
+            row["failed"] = (
+                f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+            )
+        rows.append(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run_variant(variant: str, args: argparse.Namespace, work: Path) -> list[dict]:
+    out = work / f"{variant}.json"
+    command = [sys.executable, __file__, "--variant", variant, "--json", str(out), "--device", args.device,
+               "--shapes", args.shapes, "--batch", str(args.batch), "--seq_len", str(args.seq_len),
+               "--repeats", str(args.repeats)]  # fmt: skip
+    env = dict(os.environ, **VARIANTS[variant])
+    env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    print(f"== {variant}", flush=True)
+    try:
+        status = subprocess.run(command, env=env, timeout=args.timeout_s, cwd=REPO).returncode
+        ending = None if status == 0 else f"exit status {status}"
+    except subprocess.TimeoutExpired:
+        ending = f"no result within {args.timeout_s:.0f} s"
+    rows = json.loads(out.read_text()) if out.is_file() else []
+    done = {row["shape"] for row in rows}
+    return rows + [{"variant": variant, "shape": s, "failed": ending or "no result"} for s in args.shapes.split(",")
+                   if s not in done]  # fmt: skip
+
+
+def table(rows: list[dict], shapes: list[str], variants: list[str]) -> str:
+    lines = ["| heads x K x V | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
+    for shape in shapes:
+        cells = []
+        for variant in variants:
+            row = next(r for r in rows if r["variant"] == variant and r["shape"] == shape)
+            if "failed" in row:
+                cells.append(f"failed: {row['failed']}")
+                continue
+            served = f", {row['served_by']}" if row["served_by"] != variant else ""
+            tensor = "o" if row["worst"] == "o" else f"d{row['worst']}"
+            cells.append(f"{row['ms']:.2f} ms ({row['error']:.1e} in {tensor}{served})")
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    parser.add_argument(
+        "--shapes", default=None, help=f"comma separated HxKxV (default {SHAPES}; --tiny: 3x16x24)"
+    )
+    parser.add_argument("--batch", type=int, default=None, help="default 8 (--tiny: 2)")
+    parser.add_argument("--seq_len", type=int, default=None, help="default 2048 (--tiny: 45)")
+    parser.add_argument(
+        "--variants", default=None, help=f"comma separated of {', '.join(VARIANTS)} (CPU: flame)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=20, help="timed calls on the CPU (the GPU's do_bench chooses)"
+    )
+    parser.add_argument(
+        "--timeout_s", type=float, default=600, help="per variant, compilation and tuning included"
+    )
+    parser.add_argument("--tiny", action="store_true", help="small shapes (smoke test)")
+    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
+    parser.add_argument("--no_write", action="store_true")
+    parser.add_argument(
+        "--variant", choices=list(VARIANTS), help=argparse.SUPPRESS
+    )  # a child process's variant
+    parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.shapes = args.shapes or ("3x16x24" if args.tiny else SHAPES)
+    args.batch = args.batch or (2 if args.tiny else 8)
+    args.seq_len = args.seq_len or (45 if args.tiny else 2048)
+    args.variants = args.variants or (",".join(VARIANTS) if args.device == "cuda" else "flame")
+    if unknown := set(args.variants.split(",")) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.variant:
+        args.json.write_text(json.dumps(measure_variant(args), indent=1))
+        return 0
+    started = time.perf_counter()
+    variants = args.variants.split(",")
+    with tempfile.TemporaryDirectory() as work:
+        rows = [row for variant in variants for row in run_variant(variant, args, Path(work))]
+    text = table(rows, args.shapes.split(","), variants)
+    first_calls = "; ".join(
+        f"{r['variant']} {r['shape']} {r['first_call_s']} s" for r in rows if "first_call_s" in r
+    )
+    text += f"\n\nFirst call (autotuning and compilation): {first_calls}."
+    print("\n" + text)
+    if not args.no_write:
+        command = "python bench/gated_delta_rule.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        dtype = "bf16 (g float32)" if args.device == "cuda" else "float32"
+        write_section(
+            args.doc,
+            MARKER,
+            "Gated delta rule, every implementation",
+            f"Command: `{command.strip()}` on {device_name(torch.device(args.device))}, torch {torch.__version__} "
+            f"({time.strftime('%Y-%m-%d')}); {args.batch} x {args.seq_len} tokens, {dtype}, forward + backward, "
+            "the l2 norm of q and k in the kernel. Each cell: the median time, and the largest relative error over "
+            "o and the gradients against flame's PyTorch implementation in "
+            f"{'float32' if args.device == 'cuda' else 'float64'} (which tensor; what served the call where a "
+            f"variant's dispatch chose). Total {time.perf_counter() - started:.0f} s.",
+            text,
+        )
+    return 0 if all("failed" not in row for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""bench/gated_delta_rule.py on the CPU: the flame variant's row (what served the call, its time, its error against
+the float64 reference), an op that is wrong shows its error, and a variant that fails or runs out of time has a row
+that says so."""
+
+import importlib.util
+
+from tests.checkpoint.helpers import REPO
+
+SCRIPT = REPO / "bench" / "gated_delta_rule.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("gated_delta_rule_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_flame_row_on_the_cpu_is_the_pytorch_implementation_within_float32_error():
+    bench = load_bench()
+    args = bench.parse(["--device", "cpu", "--tiny", "--variant", "flame", "--shapes", "3x16x24,2x32x8"])
+    rows = bench.measure_variant(args)
+    assert [(r["shape"], r["served_by"]) for r in rows] == [("3x16x24", "pytorch"), ("2x32x8", "pytorch")]
+    for row in rows:
+        assert 0 < row["error"] < 1e-5 and row["ms"] > 0, row
+    text = bench.table(rows, ["3x16x24", "2x32x8"], ["flame"])
+    assert text.splitlines()[2].startswith("| 3x16x24 | ") and ", pytorch)" in text.splitlines()[2]
+
+
+def test_a_wrong_op_shows_its_error(monkeypatch):
+    bench = load_bench()
+    from flame.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def off_by_a_little(**kw):
+        kw["beta"] = kw["beta"] * 1.001  # a wrong gate scale: every output and gradient moves a little
+        return chunk_gated_delta_rule(**kw)
+
+    monkeypatch.setattr(
+        bench, "variant_op", lambda variant, device: (off_by_a_little, lambda tensors: "wrong")
+    )
+    (row,) = bench.measure_variant(bench.parse(["--device", "cpu", "--tiny", "--variant", "flame"]))
+    assert 1e-5 < row["error"] < 1e-1, row
+
+
+def test_variants_that_fail_or_run_out_of_time_have_rows_that_say_so(tmp_path):
+    bench = load_bench()
+    args = bench.parse(["--device", "cpu", "--tiny", "--timeout_s", "0.01"])
+    rows = bench.run_variant("flame", args, tmp_path)
+    assert rows == [{"variant": "flame", "shape": "3x16x24", "failed": "no result within 0 s"}]
+    assert "| 3x16x24 | failed: no result within 0 s |" in bench.table(rows, ["3x16x24"], ["flame"])
+    # FLA's kernels on a CPU: the child reports the failure in the row and the run goes on.
+    fla = bench.parse(["--device", "cpu", "--tiny", "--variant", "fla"])
+    assert bench.measure_variant(fla)[0]["failed"] == "RuntimeError: FLA's kernels need a CUDA device"
+
+
+def test_the_table_goes_into_the_doc_and_a_failed_variant_fails_the_exit_status(monkeypatch, tmp_path):
+    bench = load_bench()
+    rows = {
+        "flame": [{"variant": "flame", "shape": "3x16x24", "served_by": "fla", "ms": 2.5, "error": 4e-3,
+                   "worst": "o", "first_call_s": 30.0}],
+        "fla": [{"variant": "fla", "shape": "3x16x24", "failed": "no result within 600 s"}],
+    }  # fmt: skip
+    monkeypatch.setattr(bench, "run_variant", lambda variant, args, work: rows[variant])
+    doc = tmp_path / "performance.md"
+    assert bench.main(["--device", "cpu", "--tiny", "--variants", "flame,fla", "--doc", str(doc)]) == 1
+    section = doc.read_text().split("<!-- bench_gated_delta_rule -->")[1]
+    assert "| 3x16x24 | 2.50 ms (4.0e-03 in o, fla) | failed: no result within 600 s |" in section
+    assert "First call (autotuning and compilation): flame 3x16x24 30.0 s." in section
+    assert "Command: `python bench/gated_delta_rule.py --device cpu --tiny --variants flame,fla" in section
