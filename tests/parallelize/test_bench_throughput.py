@@ -5,6 +5,7 @@ others."""
 
 import gc
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,10 @@ def test_bench_smoke_on_cpu_writes_its_sections(tmp_path):
                      "--activations", "none,full+offload", "--optimizers", "Muon"])  # fmt: skip
     # --profile prints every rank's timeline (no GPU kernels on a CPU), gathered by rank 0.
     assert "rank 0: no GPU kernels recorded\nrank 1: no GPU kernels recorded" in two_ranks.stdout
+    # Before the cases, the link's bus bandwidth, measured through the collectives FSDP runs.
+    assert re.search(
+        r"^link bus bandwidth: all-gather [\d.]+ GB/s, reduce-scatter [\d.]+ GB/s$", two_ranks.stdout, re.M
+    )
 
     text = doc.read_text()
     assert "<!-- bench_dataloader -->\nloader table\n<!-- /bench_dataloader -->" in text
