@@ -28,17 +28,27 @@ class PlotError(Exception):
 
 def read_scalars(run: Path) -> dict[str, dict[int, float]]:
     """{tag: {step: value}} of every scalar in the event files under ``run``."""
+    return {
+        tag: {step: value for step, (_, value) in events.items()}
+        for tag, events in read_scalar_events(run).items()
+    }
+
+
+def read_scalar_events(run: Path) -> dict[str, dict[int, tuple[float, float]]]:
+    """{tag: {step: (wall time, value)}} of every scalar in the event files under ``run``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     folders = sorted({path.parent for path in run.rglob("events.out.tfevents.*")})
     if not folders:
         raise PlotError(f"no TensorBoard event files under {run}")
-    scalars: dict[str, dict[int, float]] = {}
+    scalars: dict[str, dict[int, tuple[float, float]]] = {}
     for folder in folders:
         accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every point
         accumulator.Reload()
         for tag in accumulator.Tags()["scalars"]:
-            scalars.setdefault(tag, {}).update({e.step: e.value for e in accumulator.Scalars(tag)})
+            scalars.setdefault(tag, {}).update(
+                {e.step: (e.wall_time, e.value) for e in accumulator.Scalars(tag)}
+            )
     return scalars
 
 
