@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_throughput import device_name, write_section  # noqa: E402
+from train_throughput import device_name, device_synchronize, write_section  # noqa: E402
 
 MARKER = "bench_gated_delta_rule"
 SHAPES = "16x128x128,6x256x512,16x96x192"
@@ -62,8 +62,8 @@ def inputs(shape: str, batch: int, seq_len: int, device: torch.device, dtype: to
     heads, k_dim, v_dim = (int(n) for n in shape.split("x"))
     generator = torch.Generator(device="cpu").manual_seed(0)
 
-    def draw(*size, scale=1.0):
-        return torch.randn(*size, generator=generator) * scale
+    def draw(*size):
+        return torch.randn(*size, generator=generator)
 
     tensors = {
         "q": draw(batch, seq_len, heads, k_dim),
@@ -145,6 +145,7 @@ def measure_variant(args: argparse.Namespace) -> list[dict]:
             row["served_by"] = served_by(tensors)
             began = time.perf_counter()
             results = forward_backward(op, tensors)  # autotunes and compiles
+            device_synchronize(device)
             row["first_call_s"] = round(time.perf_counter() - began, 1)
             upcast = {
                 name: t.to(torch.promote_types(t.dtype, reference_dtype)) for name, t in tensors.items()

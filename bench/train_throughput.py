@@ -231,15 +231,14 @@ def measure(
     result: Result, step, tokens: int, flops_per_token: int, args, device, warmed_up=lambda: None
 ) -> None:
     """Time ``args.steps`` steps after ``args.warmup`` untimed ones; fill the result's time, throughput and peak."""
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     for _ in range(args.warmup):
         step()
-    synchronize()
+    device_synchronize(device)
     warmed_up()
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
-    synchronize()
+    device_synchronize(device)
     result.step_s = (time.perf_counter() - start) / args.steps
     result.tokens_per_s = tokens / result.step_s
     result.tflops = flops_per_token * result.tokens_per_s / 1e12
