@@ -12,7 +12,9 @@ Triton's autotuning cache (``TRITON_CACHE_AUTOTUNING=1``), so the ranks of the l
 kernels beside the others' collectives (docs/performance.md, "Several H200s with FSDP").
 
 The runs on several GPUs profile one more step of each case (``--profile 1``): for every row under ``--target``
-(95%) the output lists each rank's GPU timeline (compute kernels, NCCL kernels with no compute beside them, idle),
+(95%) the output gives the step's time and the host's time to issue it (the bench's "host s") on N GPUs and on one,
+and lists each rank's GPU timeline (compute kernels, NCCL kernels with no compute beside them, idle) and host time
+in each phase of the step (forward + backward, gradient clipping, optimizer),
 which tells links that are too slow (every rank in exposed NCCL) from ranks that wait for one another (one rank
 idle, waiting for its host, while the others wait in NCCL). Each run on several GPUs also measures the link: the bus
 bandwidth of FSDP's all-gather and reduce-scatter, and on GPUs the pairs' connection in ``nvidia-smi topo -m``
@@ -54,6 +56,8 @@ def bench_command(gpus: int, args: argparse.Namespace, report: Path) -> list[str
              args.device, "--no_write", "--json", str(report)]  # fmt: skip
     if args.tiny:
         bench.append("--tiny")
+    if args.job_flags:
+        bench += ["--job_flags", args.job_flags]
     if gpus == 1:
         return [sys.executable, *bench]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus), *bench,
@@ -86,6 +90,17 @@ def tokens_per_s(record: dict | None, model: str, seq_len: int) -> tuple[float |
         if result["model"] == model and result["seq_len"] == seq_len and not result["error"]:
             return result["tokens_per_s"], result
     return None, None
+
+
+def host_time(result: dict, single: dict) -> str:
+    """The step's time beside the host's time to issue it, on N GPUs and on one (records without host times, from
+    before the bench measured them, say so)."""
+    if "host_s" not in result or "host_s" not in single:
+        return "host time not measured"
+    return (
+        f"step {result['step_s']:.3f} s, the host issues it in {result['host_s']:.3f} s "
+        f"(1 GPU: step {single['step_s']:.3f} s, host {single['host_s']:.3f} s)"
+    )
 
 
 def gpu_links(device: str) -> str:
@@ -127,7 +142,7 @@ def scaling_table(
     below = []
     for model in models:
         for seq_len in seq_lens:
-            base, _ = tokens_per_s(records.get(1), model, seq_len)
+            base, single = tokens_per_s(records.get(1), model, seq_len)
             cells = [model, str(seq_len), f"{base:,.0f}" if base else "not measured"]
             for n in counts[1:]:
                 value, result = tokens_per_s(records[n], model, seq_len)
@@ -139,7 +154,8 @@ def scaling_table(
                 if share is not None and share < target:
                     timelines = "; ".join(f"rank {r}: {t}" for r, t in enumerate(result["timelines"]))
                     below.append(
-                        f"- {model}, seq {seq_len}, {n} GPUs ({share:.1%}): {timelines or 'no profile'}"
+                        f"- {model}, seq {seq_len}, {n} GPUs ({share:.1%}): {host_time(result, single)}; "
+                        f"{timelines or 'no profile'}"
                     )
             lines.append("| " + " | ".join(cells) + " |")
     runs = "; ".join(f"{n} GPU{'s' * (n > 1)}: {', '.join(endings[n])}" for n in counts)
@@ -170,6 +186,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--target", type=float, default=0.95, help="share of one GPU's tokens/s per GPU")
     parser.add_argument("--timeout_s", type=float, default=1200, help="per run")
+    parser.add_argument("--job_flags", default="", help="train.sh flags the bench adds to every case's job")
     parser.add_argument("--json", type=Path, default=None, help="also keep this invocation's runs here")
     parser.add_argument("--merge", type=Path, nargs="+", default=None,
                         help="run nothing: one table from the --json files of earlier invocations on one host")  # fmt: skip

@@ -17,14 +17,18 @@ real`` come through flame's data path as train.sh feeds the trainer: the dataloa
 shipped corpus and tokenizer; the model's vocabulary grows to the tokenizer's if smaller), its workers (the trainer's
 choice unless ``--num_workers``) and the device prefetcher, the next step's batch fetched and copied while a step
 runs; the "data wait" column is the share of the timed steps spent waiting for the loader. Each case runs
-``--warmup`` steps (compilation, allocator warm-up), then ``--steps`` timed steps. With ``--cp N`` each row is split
+``--warmup`` steps (compilation, allocator warm-up), then ``--steps`` timed steps, then three more that time the
+host alone: "host s" is the median time the host takes to issue a step whose GPU is idle at its start. A step
+whose host time reaches its step time is bound by the host (Python, FSDP's hooks, the optimizer's dispatch), not
+by its kernels; under FSDP every rank then waits for the slowest host. With ``--cp N`` each row is split
 over the N ranks of a context-parallel group by the step, as in training: a group reads batch = tokens x N //
 seq_len rows, so every GPU still holds ``--tokens_per_gpu`` tokens, and FSDP shards over the data-parallel x cp
 ranks.
 
 Cases: every model in ``--models`` x ``--seq_lens`` x ``--modes`` (eager, compiled) x ``--activations`` (what
 the blocks keep for backward: none, activation checkpointing full or selective, offload to host memory, or full
-checkpointing with the checkpoints offloaded: full+offload) x ``--optimizers`` (AdamW, Muon). The models are the 340M
+checkpointing with the checkpoints offloaded: full+offload) x ``--optimizers`` (AdamW, Muon). ``--job_flags``
+adds train.sh flags to every case's job (``--job_flags "--optimizer.implementation foreach"``). The models are the 340M
 configs transformer_340M, the softpick recipes (softpick, rectified, scaled softpick), gated_deltanet_340M, and a
 hybrid: gated_deltanet_340M with attention (16 heads, QK-norm) at every fourth layer (3, 7, 11, 15, 19), the OLMo-3
 hybrid pattern, gated_deltanet_k128 (gated_deltanet_340M with K = V = 128 heads), and llama: transformers'
@@ -46,6 +50,8 @@ import itertools
 import json
 import os
 import re
+import shlex
+import statistics
 import sys
 import time
 import traceback
@@ -67,7 +73,7 @@ from flame.config import parse_args  # noqa: E402
 from flame.models import model_args_from_dict, read_model_config  # noqa: E402
 from flame.ops.attention import ATTENTION_BACKENDS  # noqa: E402
 from flame.train.model_parts import Topology, build_model_parts  # noqa: E402
-from flame.train.step import build_train_step  # noqa: E402
+from flame.train.step import STEP_REGIONS, build_train_step  # noqa: E402
 
 PERFORMANCE_DOC = REPO / "docs" / "performance.md"
 DEFAULT_DATASET = REPO / "flame" / "assets" / "corpus"  # the embedded default job's data and tokenizer
@@ -113,6 +119,7 @@ class Result:
     activations: str
     optimizer: str
     step_s: float = float("nan")
+    host_s: float = float("nan")  # the host's time to issue one step, its GPU idle at the start
     tokens_per_s: float = float("nan")
     tflops: float = float("nan")
     mfu: float = float("nan")
@@ -120,7 +127,8 @@ class Result:
     data_wait: float = float("nan")  # --data real: share of the timed steps spent waiting for the loader
     error: str = ""
     profile: str = ""  # rank 0's top kernels
-    # Every rank's GPU timeline: the rank the others wait for is the one whose NCCL kernels wait least.
+    # Every rank's GPU timeline and host time per step phase: the rank the others wait for is the one whose NCCL
+    # kernels wait least.
     timelines: tuple[str, ...] = ()
 
 
@@ -154,6 +162,7 @@ def job_config(
              "--parallelism.fsdp_reshard_after_forward", args.fsdp_reshard_after_forward]  # fmt: skip
     if args.num_workers is not None:
         flags += ["--training.num_workers", str(args.num_workers)]
+    flags += shlex.split(args.job_flags)
     if compiled:
         flags += ["--compile.enable", "--compile.backend", args.compile_backend,
                   "--compile.components", args.compile_components]  # fmt: skip
@@ -240,12 +249,26 @@ def measure(
         step()
     device_synchronize(device)
     result.step_s = (time.perf_counter() - start) / args.steps
+    result.host_s = host_seconds(step, device)
     result.tokens_per_s = tokens / result.step_s
     result.tflops = flops_per_token * result.tokens_per_s / 1e12
     if args.peak_tflops:
         result.mfu = result.tflops / args.peak_tflops
     if device.type == "cuda":
         result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def host_seconds(step, device, repeats: int = 3) -> float:
+    """The median time the host takes to issue ``step`` when its GPU has nothing queued: the step's host work
+    (Python, hooks, kernel launches) without the wait for earlier kernels."""
+    times = []
+    for _ in range(repeats):
+        device_synchronize(device)
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    device_synchronize(device)
+    return statistics.median(times)
 
 
 NAIVE = "naive HF loop"
@@ -309,7 +332,20 @@ def profile_steps(step, steps: int, device) -> tuple[str, str]:
             torch.cuda.synchronize()
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     text = prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=70)
-    return text, gpu_timeline(prof.events(), steps)
+    events = prof.events()
+    return text, f"{gpu_timeline(events, steps)}; {host_phases(events, steps)}"
+
+
+def host_phases(events, steps: int) -> str:
+    """The host's time per step in each phase of the training step (flame.train.step.STEP_REGIONS), as profiled:
+    the profiler's own overhead included, so an upper bound."""
+    phases = {name: 0.0 for name in STEP_REGIONS}
+    for event in events:
+        if event.name in phases and event.device_type == DeviceType.CPU:
+            phases[event.name] += event.time_range.end - event.time_range.start
+    return "host per step (profiled): " + ", ".join(
+        f"{name.removeprefix('flame.')} {us / 1e3 / steps:.1f} ms" for name, us in phases.items()
+    )
 
 
 def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -376,15 +412,15 @@ def table(results: list[Result], world_size: int, cp: int = 1) -> str:
     which each GPU holds a 1/cp slice."""
     gpus = f"{world_size} (cp {cp})" if cp > 1 else str(world_size)
     lines = [
-        "| model | params | GPUs | seq | batch/GPU | mode | activations | optimizer | step s | tokens/s/GPU "
-        "| TFLOP/s/GPU | MFU | peak GiB | data wait | vs naive HF loop |",
-        "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | params | GPUs | seq | batch/GPU | mode | activations | optimizer | step s | host s "
+        "| tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | data wait | vs naive HF loop |",
+        "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     anchors = {(r.model, r.seq_len): r.tokens_per_s for r in results if r.mode == NAIVE and not r.error}
     for r in results:
         if r.error:
             lines.append(f"| {r.model} | {millions(r.params)} | {gpus} | {r.seq_len} | {r.batch} | {r.mode} | "
-                         f"{r.activations} | {r.optimizer} | failed: {r.error} | | | | | | |")  # fmt: skip
+                         f"{r.activations} | {r.optimizer} | failed: {r.error} | | | | | | | |")  # fmt: skip
             continue
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu == r.mfu else "n/a"
         peak = f"{r.peak_gib:.1f}" if r.peak_gib == r.peak_gib else "n/a"
@@ -393,7 +429,8 @@ def table(results: list[Result], world_size: int, cp: int = 1) -> str:
         ratio = f"{r.tokens_per_s / anchor:.2f}x" if anchor else "n/a"
         lines.append(
             f"| {r.model} | {millions(r.params)} | {gpus} | {r.seq_len} | {r.batch} | {r.mode} | "
-            f"{r.activations} | {r.optimizer} | {r.step_s:.3f} | {r.tokens_per_s:,.0f} | {r.tflops:.1f} | {mfu} | "
+            f"{r.activations} | {r.optimizer} | {r.step_s:.3f} | {r.host_s:.3f} | {r.tokens_per_s:,.0f} | "
+            f"{r.tflops:.1f} | {mfu} | "
             f"{peak} | {wait} | {ratio} |"
         )
     return "\n".join(lines)
@@ -524,6 +561,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "checkpointing), offload (to pinned host memory), full+offload",
     )
     parser.add_argument("--optimizers", default="AdamW", help="comma separated: AdamW, Muon")
+    parser.add_argument(
+        "--job_flags", default="", help="train.sh flags added to every case's job, one string (shell quoting)"
+    )
     parser.add_argument(
         "--data",
         choices=("random", "real"),

@@ -10,6 +10,8 @@ same step.
    the objective computes the loss from them through lm_head without the logits.
 4. Clip the gradient norm (the norm before clipping is what the step reports).
 5. Step the optimizer, unless the norm is not finite and training.skip_nan_inf says to skip; step the schedule.
+
+Steps 3, 4 and 5 are profiler regions (``STEP_REGIONS``): a profile tells how long the host takes to issue each.
 """
 
 import contextlib
@@ -20,6 +22,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.profiler import record_function
 
 from flame.models.common.decoder import fuses_linear_cross_entropy
 from flame.ops.context_parallel import sequence_sharded
@@ -28,6 +31,9 @@ from flame.optim.nonfinite import clip_grad_norm_
 from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
 from flame.train.model_parts import ModelParts, Topology, autocast_context
 from flame.train.objective import LanguageModelObjective
+
+# The step's phases as torch.profiler sees them (the throughput bench reports each one's host time).
+STEP_REGIONS = ("flame.forward_backward", "flame.clip_grad_norm", "flame.optimizer")
 
 Batch = tuple[
     dict[str, torch.Tensor], torch.Tensor
@@ -87,16 +93,19 @@ class TrainStep:
             if topology.loss_mesh is not None
             else local_count
         )
-        shares = [self.forward_backward(inputs, labels, global_count) for inputs, labels in batches]
+        with record_function(STEP_REGIONS[0]):
+            shares = [self.forward_backward(inputs, labels, global_count) for inputs, labels in batches]
 
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, pp_mesh=topology.pp_mesh)
+        with record_function(STEP_REGIONS[1]):
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, pp_mesh=topology.pp_mesh)
         skipped = self.skip_nan_inf and not torch.isfinite(grad_norm)
-        if not skipped:
-            if self.before_update is not None:
-                self.before_update()
-            self.optimizers.step()
-        if self.lr_schedulers is not None:
-            self.lr_schedulers.step()
+        with record_function(STEP_REGIONS[2]):
+            if not skipped:
+                if self.before_update is not None:
+                    self.before_update()
+                self.optimizers.step()
+            if self.lr_schedulers is not None:
+                self.lr_schedulers.step()
         return StepResult(
             metrics={name: sum(share[name] for share in shares) for name in shares[0]},
             local_share=local_count / global_count,

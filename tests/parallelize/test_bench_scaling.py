@@ -41,6 +41,8 @@ def run_record(model: str, tokens: dict[int, float], endings: dict[int, str], co
             "seq_len": 2048,
             "error": "",
             "tokens_per_s": tokens[n],
+            "step_s": 16384 / tokens[n],
+            "host_s": 0.5 * n,
             "timelines": timelines,
         }
 
@@ -76,7 +78,8 @@ def test_merge_writes_one_table_from_invocations_on_one_host(tmp_path):
     assert "Runs: 1 GPU: finished, finished; 2 GPUs: finished, stopped after 300 s." in section
     assert "Link bus bandwidth (64 MiB per call, slowest rank): 2 GPUs: all-gather 7.2 GB/s" in section
     assert (
-        "- hybrid, seq 2048, 2 GPUs (75.0%): rank 0: hybrid rank 0 timeline; rank 1: hybrid rank 1" in section
+        "- hybrid, seq 2048, 2 GPUs (75.0%): step 109.227 s, the host issues it in 1.000 s (1 GPU: step 81.920 s, "
+        "host 0.500 s); rank 0: hybrid rank 0 timeline; rank 1: hybrid rank 1" in section
     )
     assert "- transformer" not in section
 

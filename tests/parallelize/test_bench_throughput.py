@@ -44,8 +44,12 @@ def test_bench_smoke_on_cpu_writes_its_sections(tmp_path):
     two_ranks = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(BENCH),
                      *tiny, "--models", "gated_deltanet", "--modes", "eager", "--profile", "1",
                      "--activations", "none,full+offload", "--optimizers", "Muon"])  # fmt: skip
-    # --profile prints every rank's timeline (no GPU kernels on a CPU), gathered by rank 0.
-    assert "rank 0: no GPU kernels recorded\nrank 1: no GPU kernels recorded" in two_ranks.stdout
+    # --profile prints every rank's timeline (no GPU kernels on a CPU) and its host time in each phase of the
+    # training step, gathered by rank 0.
+    phases = r"host per step \(profiled\): forward_backward ([\d.]+) ms, clip_grad_norm [\d.]+ ms, optimizer [\d.]+ ms"
+    for rank in (0, 1):
+        found = re.search(rf"^rank {rank}: no GPU kernels recorded; {phases}$", two_ranks.stdout, re.M)
+        assert found and float(found.group(1)) > 0, two_ranks.stdout[-3000:]
     # Before the cases, the link's bus bandwidth, measured through the collectives FSDP runs.
     assert re.search(
         r"^link bus bandwidth: all-gather [\d.]+ GB/s, reduce-scatter [\d.]+ GB/s$", two_ranks.stdout, re.M
@@ -70,7 +74,8 @@ def test_bench_smoke_on_cpu_writes_its_sections(tmp_path):
         ("llama", "compiled"),
     ]
     for row in table + rows(two):
-        assert float(row[8]) > 0 and float(row[9].replace(",", "")) > 0, row  # step time, tokens/s
+        # step time, the host's time to issue a step, tokens/s
+        assert float(row[8]) > 0 and float(row[9]) > 0 and float(row[10].replace(",", "")) > 0, row
     assert [(r[0], r[2], r[6], r[7]) for r in rows(two)] == [
         ("gated_deltanet", "2", "none", "Muon"),
         ("gated_deltanet", "2", "full+offload", "Muon"),
@@ -98,7 +103,7 @@ def test_bench_context_parallel_on_cpu_writes_a_section_of_its_own(tmp_path):
         ("hybrid", "2 (cp 2)", "4"),
     ]
     for row in rows(section):
-        assert float(row[8]) > 0 and float(row[9].replace(",", "")) > 0, row
+        assert float(row[8]) > 0 and float(row[10].replace(",", "")) > 0, row
 
 
 def test_gpu_timeline_splits_a_step_into_compute_exposed_communication_and_idle(monkeypatch):
@@ -144,8 +149,8 @@ def test_bench_on_flames_data_path_reports_the_wait_for_data(tmp_path, monkeypat
     assert "## Training throughput, 1 CPU, flame's data path" in section
     assert "batches of corpus (tokenizer tokenizer) through flame's dataloader (1 workers)" in section
     (row,) = rows(section.split("<!-- /bench_train_throughput_1gpu_real_data -->")[0])
-    assert row[0] == "transformer" and row[6:8] == ["none", "AdamW"] and float(row[9].replace(",", "")) > 0
-    assert 0 <= float(row[13].rstrip("%")) < 100  # the share of the timed steps spent waiting for batches
+    assert row[0] == "transformer" and row[6:8] == ["none", "AdamW"] and float(row[10].replace(",", "")) > 0
+    assert 0 <= float(row[14].rstrip("%")) < 100  # the share of the timed steps spent waiting for batches
 
 
 def test_bench_anchor_is_the_naive_hf_loop_of_the_same_model(tmp_path, monkeypatch, capsys):
@@ -159,7 +164,7 @@ def test_bench_anchor_is_the_naive_hf_loop_of_the_same_model(tmp_path, monkeypat
     naive, flame = rows("| model |" + table)
     assert naive[5] == "naive HF loop" and naive[-1] == "1.00x"
     assert flame[5] == "eager" and naive[1] == flame[1]  # the same parameter count
-    tokens_per_s = [float(r[9].replace(",", "")) for r in (naive, flame)]
+    tokens_per_s = [float(r[10].replace(",", "")) for r in (naive, flame)]
     assert (
         abs(float(flame[-1].rstrip("x")) - tokens_per_s[1] / tokens_per_s[0]) <= 0.01
     )  # from rounded tokens/s
@@ -190,3 +195,21 @@ def test_bench_steps_collect_garbage_as_the_trainer_does(monkeypatch):
     finally:
         gc.enable()
     assert seen == [("naive HF loop", True)] * 2 + [("eager", False)] * 2
+
+
+def test_job_flags_reach_every_case_job(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from train_throughput import job_config, parse
+
+    args = parse(
+        [
+            "--device",
+            "cpu",
+            "--tiny",
+            "--job_flags",
+            "--optimizer.implementation foreach --training.max_norm 0.5",
+        ]
+    )
+    config = job_config(64, False, 1, args)
+    assert config.optimizer.implementation == "foreach" and config.training.max_norm == 0.5
+    assert job_config(64, False, 1, parse(["--device", "cpu", "--tiny"])).optimizer.implementation == "fused"
