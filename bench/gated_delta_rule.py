@@ -130,7 +130,9 @@ def time_ms(fn, device: torch.device, repeats: int) -> float:
 
 
 def measure_variant(args: argparse.Namespace) -> list[dict]:
-    """This process's variant over every shape (the child's work)."""
+    """This process's variant over every shape (the child's work). Each shape's row is printed and written to
+    ``args.json`` as soon as it is measured, so that a variant stopped by its time limit keeps the shapes it
+    finished."""
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     reference_dtype = torch.float32 if device.type == "cuda" else torch.float64
@@ -159,6 +161,9 @@ def measure_variant(args: argparse.Namespace) -> list[dict]:
                 f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
             )
         rows.append(row)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        print(json.dumps(row), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -238,7 +243,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.variant:
-        args.json.write_text(json.dumps(measure_variant(args), indent=1))
+        measure_variant(args)
         return 0
     started = time.perf_counter()
     variants = args.variants.split(",")

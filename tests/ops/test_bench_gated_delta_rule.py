@@ -3,6 +3,9 @@ the float64 reference), an op that is wrong shows its error, and a variant that 
 that says so."""
 
 import importlib.util
+import json
+
+import pytest
 
 from tests.checkpoint.helpers import REPO
 
@@ -51,6 +54,28 @@ def test_variants_that_fail_or_run_out_of_time_have_rows_that_say_so(tmp_path):
     # FLA's kernels on a CPU: the child reports the failure in the row and the run goes on.
     fla = bench.parse(["--device", "cpu", "--tiny", "--variant", "fla"])
     assert bench.measure_variant(fla)[0]["failed"] == "RuntimeError: FLA's kernels need a CUDA device"
+
+
+def test_a_variant_stopped_mid_run_keeps_the_shapes_it_finished(monkeypatch, tmp_path):
+    """The child writes each shape's row as it finishes: a time limit that stops it during the second shape (here
+    an exit at that shape's inputs) leaves the first one's measurement in the table."""
+    bench = load_bench()
+    draw = bench.inputs
+
+    def exit_at_the_second_shape(shape, *args):
+        if shape == "2x32x8":
+            raise SystemExit(1)
+        return draw(shape, *args)
+
+    monkeypatch.setattr(bench, "inputs", exit_at_the_second_shape)
+    out = tmp_path / "flame.json"
+    args = bench.parse(
+        ["--device", "cpu", "--tiny", "--variant", "flame", "--shapes", "3x16x24,2x32x8", "--json", str(out)]
+    )
+    with pytest.raises(SystemExit):
+        bench.measure_variant(args)
+    (row,) = json.loads(out.read_text())
+    assert row["shape"] == "3x16x24" and row["ms"] > 0
 
 
 def test_the_table_goes_into_the_doc_and_a_failed_variant_fails_the_exit_status(monkeypatch, tmp_path):
