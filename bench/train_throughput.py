@@ -20,7 +20,9 @@ runs; the "data wait" column is the share of the timed steps spent waiting for t
 ``--warmup`` steps (compilation, allocator warm-up), then ``--steps`` timed steps, then three more that time the
 host alone: "host s" is the median time the host takes to issue a step whose GPU is idle at its start. A step
 whose host time reaches its step time is bound by the host (Python, FSDP's hooks, the optimizer's dispatch), not
-by its kernels; under FSDP every rank then waits for the slowest host. With ``--cp N`` each row is split
+by its kernels; under FSDP every rank then waits for the slowest host. ``--fake_world N`` runs one process as rank 0
+of N whose collectives do nothing: FSDP's host work alone, measurable on a CPU (``--device cpu --tiny
+--fake_world 2``). With ``--cp N`` each row is split
 over the N ranks of a context-parallel group by the step, as in training: a group reads batch = tokens x N //
 seq_len rows, so every GPU still holds ``--tokens_per_gpu`` tokens, and FSDP shards over the data-parallel x cp
 ranks.
@@ -132,11 +134,13 @@ class Result:
     timelines: tuple[str, ...] = ()
 
 
-def model_args(name: str, tiny: bool):
+def model_args(name: str, tiny: bool, num_layers: int | None = None):
     path, overrides = MODELS[name]
     config = {**(read_model_config(REPO / path) if path else {}), **overrides}
     if tiny:
         config.update(TINY, **TINY_FAMILY[name])
+    if num_layers:
+        config["num_hidden_layers"] = num_layers
     args, _ = model_args_from_dict(config)
     return args
 
@@ -178,7 +182,7 @@ def run_case(name, seq_len, mode, activations, optimizer, args, device, parallel
     """One case through the trainer's own builder and step (build_model_parts, TrainStep) on random tokens, or
     on the trainer's data path (--data real)."""
     world_size = parallel_dims.world_size
-    margs = model_args(name, args.tiny)
+    margs = model_args(name, args.tiny, args.num_layers)
     batch = rows_per_step(args, seq_len)
     config = job_config(seq_len, mode == "compiled", world_size, args, activations, optimizer)
     topology = Topology.of(parallel_dims, device)
@@ -229,7 +233,7 @@ def run_case(name, seq_len, mode, activations, optimizer, args, device, parallel
     if args.profile:
         result.profile, timeline = profile_steps(step, args.profile, device)
         result.timelines = (timeline,)
-        if dist.is_initialized():
+        if dist.is_initialized() and not args.fake_world:
             timelines = [None] * world_size
             dist.all_gather_object(timelines, timeline)
             result.timelines = tuple(timelines)
@@ -285,7 +289,7 @@ def run_naive_hf_loop(name: str, seq_len: int, args, device, margs=None) -> Resu
     from flame.models import build_model
     from flame.models.generic.args import fla_model_types
 
-    margs = model_args(name, args.tiny) if margs is None else margs
+    margs = model_args(name, args.tiny, args.num_layers) if margs is None else margs
     hf_config = export_adapter(margs, "auto")[0].hf_config()
     flame.hf.register()
     if hf_config["model_type"] in fla_model_types():
@@ -320,8 +324,9 @@ def run_naive_hf_loop(name: str, seq_len: int, args, device, margs=None) -> Resu
 
 
 def profile_steps(step, steps: int, device) -> tuple[str, str]:
-    """The kernels that take the time over `steps` more steps: torch.profiler's table, top 25 by device time, and
-    the step's timeline summary (gpu_timeline)."""
+    """The kernels that take the time over `steps` more steps: torch.profiler's table, top 25 by device time (on a
+    GPU, then the top 15 by host time: what the host spends a host-bound step on), and the step's timeline summary
+    (gpu_timeline, host_phases)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -331,7 +336,10 @@ def profile_steps(step, steps: int, device) -> tuple[str, str]:
         if device.type == "cuda":
             torch.cuda.synchronize()
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    text = prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=70)
+    averages = prof.key_averages()
+    text = averages.table(sort_by=sort_by, row_limit=25, max_name_column_width=70)
+    if device.type == "cuda":
+        text += "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70)
     events = prof.events()
     return text, f"{gpu_timeline(events, steps)}; {host_phases(events, steps)}"
 
@@ -591,6 +599,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="seq 2048 only, 2 warm-up + 5 timed steps")
     add_run_options(parser)
+    parser.add_argument(
+        "--num_layers", type=int, default=None, help="blocks per model (default: its config's)"
+    )
+    parser.add_argument(
+        "--fake_world",
+        type=int,
+        default=0,
+        help="one process as rank 0 of a world of this size whose collectives do nothing (FSDP's host cost "
+        "without communication, on any machine); prints only",
+    )
     parser.add_argument("--peak_tflops", type=float, default=None, help="default: 989 on CUDA, none on CPU")
     parser.add_argument(
         "--json", type=Path, default=None, help="rank 0 writes the results here, after every case"
@@ -631,14 +649,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from torchtitan.distributed import ParallelDims
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    world_size = args.fake_world or int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0 if args.fake_world else int(os.environ.get("RANK", "0"))
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world_size > 1:
+    if args.fake_world:
+        # One process stands for every rank, its collectives doing nothing: what is left of FSDP is its host work.
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    elif world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     compat.apply()
     # Each block of each model compiles separately; keep dynamo from falling back to eager after many graphs.
@@ -665,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     if world_size > 1:
         parallel_dims.build_mesh()
 
-    link = link_bandwidth(device, world_size) if world_size > 1 else None
+    link = link_bandwidth(device, world_size) if world_size > 1 and not args.fake_world else None
     if rank == 0 and link:
         print("link bus bandwidth: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in link.items()), flush=True)
     results = []
@@ -719,7 +742,11 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         text = table(results, world_size, args.cp)
         print("\n" + text)
-        if not args.no_write:
+        if args.fake_world:
+            print(
+                f"(a fake process group of {world_size}: FSDP's host work without communication; not written)"
+            )
+        elif not args.no_write:
             # Runs over activation modes or optimizers get their own section beside the plain throughput table.
             memory_study = args.activations != "none" or args.optimizers != "AdamW"
             marker = (
