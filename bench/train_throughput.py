@@ -262,7 +262,10 @@ def measure(
         result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
 
 
-def host_seconds(step, device, repeats: int = 3) -> float:
+HOST_STEPS = 3  # untimed steps after the timed ones, each issued to an idle GPU: the "host s" column
+
+
+def host_seconds(step, device, repeats: int = HOST_STEPS) -> float:
     """The median time the host takes to issue ``step`` when its GPU has nothing queued: the step's host work
     (Python, hooks, kernel launches) without the wait for earlier kernels."""
     times = []
