@@ -311,6 +311,14 @@ class Debug:
 
 
 @dataclass
+class Parallelism:
+    fsdp_blocks_per_unit: int = 1
+    """Consecutive blocks that FSDP shards as one unit (one all-gather and one reduce-scatter for them all). FSDP's
+    hooks cost host time per unit, which bounds the step of a small model on several GPUs (docs/performance.md,
+    "What holds FSDP back"); fewer, larger units cost less host time and keep more parameters gathered at once"""
+
+
+@dataclass
 class ActivationCheckpoint:
     mode: Literal["selective", "full", "memory_budget", "none"] = "none"
     """Activation checkpointing: none, selective, full or memory_budget"""
@@ -350,6 +358,7 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
+    parallelism: Parallelism = field(default_factory=Parallelism)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)

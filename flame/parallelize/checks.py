@@ -9,7 +9,7 @@ DDP combined with tensor or pipeline parallelism; unknown compile components; he
 sequence length not divisible by the tensor-parallel degree (a generic-path model: its head counts and
 intermediate_size, and a declared plan flame cannot apply); a q/k norm over all heads (``qk_norm_scope`` full)
 under tensor parallelism, which splits the heads; more pipeline stages than layers; micro-batch counts the
-pipeline schedule cannot run (1F1B and DualPipeV need one per stage); CPU offload without FSDP;
+pipeline schedule cannot run (1F1B and DualPipeV need one per stage); CPU offload without FSDP; an FSDP unit of fewer than one block;
 activation-checkpointing and converter options that cannot work; the fused linear cross-entropy
 (``fuse_linear_cross_entropy``) with tensor or pipeline parallelism, DPO, or float8 on lm_head. train.sh's pre-flight (flame.launch) calls it
 with NGPU x NNODE, and parallelize_model calls it again on the ranks. It imports no torchtitan module, so the
@@ -289,6 +289,11 @@ def check_parallelism(job_config, model_args, world_size: int, model=None) -> di
         raise ConfigError(
             "DDP (data_parallel_replicate_degree > 1 with data_parallel_shard_degree 1) does not combine with "
             "tensor or pipeline parallelism; use data_parallel_shard_degree > 1 (FSDP/HSDP)"
+        )
+    blocks_per_unit = job_config.parallelism.fsdp_blocks_per_unit
+    if not isinstance(blocks_per_unit, int) or isinstance(blocks_per_unit, bool) or blocks_per_unit < 1:
+        raise ConfigError(
+            f"parallelism.fsdp_blocks_per_unit must be a positive integer, got {blocks_per_unit!r}"
         )
     if job_config.training.enable_cpu_offload and degrees["dp_shard"] == 1:
         raise ConfigError(

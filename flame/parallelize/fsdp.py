@@ -35,11 +35,13 @@ def apply_fsdp(
     cpu_offload: bool = False,
     reshard_policy: str = "default",
     pp_enabled: bool = False,
+    blocks_per_unit: int = 1,
 ) -> None:
     """Shard per block (one all-gather per block, never per parameter: seed 004's 16x slowdown; the family's
-    spec says where the blocks are), then the embeddings, the final norm + lm head where the model names them as
-    flame's families do, and the root for whatever is left (a generic family's edges). ``mesh`` is 1-D (FSDP)
-    or 2-D (dp_replicate, fsdp: HSDP). Pipeline stages may lack embeddings, norm or lm_head (None)."""
+    spec says where the blocks are), or per ``blocks_per_unit`` consecutive blocks of a stack, then the
+    embeddings, the final norm + lm head where the model names them as flame's families do, and the root for
+    whatever is left (a generic family's edges). ``mesh`` is 1-D (FSDP) or 2-D (dp_replicate, fsdp: HSDP).
+    Pipeline stages may lack embeddings, norm or lm_head (None)."""
     config = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
@@ -53,8 +55,11 @@ def apply_fsdp(
     if embeddings is not None and not tied:  # a tied matrix must live in one group: the root's
         fully_shard(embeddings, **config, reshard_after_forward=reshard)
     for stack in model_spec(model.args).blocks(model):
-        for block in stack.children():
-            fully_shard(block, **config, reshard_after_forward=reshard)
+        blocks = list(stack.children())
+        for first in range(0, len(blocks), blocks_per_unit):
+            unit = blocks[first : first + blocks_per_unit]
+            # A list is one unit: FSDP gathers it before its first block's forward, frees it after its last.
+            fully_shard(unit if len(unit) > 1 else unit[0], **config, reshard_after_forward=reshard)
     if norm is not None and lm_head is not None and not tied:
         # The last group is needed right after forward: keep it gathered (torchtitan's default).
         fully_shard([norm, lm_head], **config, reshard_after_forward=reshard_policy == "always")

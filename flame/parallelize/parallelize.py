@@ -81,6 +81,7 @@ def parallelize_model(
             cpu_offload=job_config.training.enable_cpu_offload,
             reshard_policy=job_config.parallelism.fsdp_reshard_after_forward,
             pp_enabled=parallel_dims.pp_enabled,
+            blocks_per_unit=job_config.parallelism.fsdp_blocks_per_unit,
         )
         logger.info("Applied %s to the model", "HSDP" if parallel_dims.dp_replicate_enabled else "FSDP")
     elif parallel_dims.dp_replicate_enabled:

@@ -157,6 +157,8 @@ def test_unsupported_combinations_are_one_line():
     assert "DDP" in refused(4, *ddp_tp, "--parallelism.tensor_parallel_degree", "2")
     offload = ["--training.enable_cpu_offload", "--parallelism.data_parallel_shard_degree", "1"]
     assert "enable_cpu_offload works through FSDP" in refused(1, *offload)
+    units = ["--parallelism.fsdp_blocks_per_unit", "0"]
+    assert refused(2, *units) == "parallelism.fsdp_blocks_per_unit must be a positive integer, got 0"
     assert "memory_budget" in refused(1, "--activation_checkpoint.mode", "memory_budget")
     sac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"]
     assert "selective_ac_option" in refused(1, *sac)

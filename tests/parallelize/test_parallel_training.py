@@ -57,6 +57,15 @@ TWO_RANKS = [
     (Setting("tp2_layer_sac", tp=2, flags=AC_LAYER), ("transformer",)),
     (Setting("fsdp2_cpu_offload", dp_shard=2, flags=["--training.enable_cpu_offload"]), ("transformer",)),
     (Setting("fsdp2_muon", dp_shard=2, flags=list(MUON), reference_flags=MUON), ("hybrid_uneven",)),
+    # Blocks 0-2 in one FSDP unit, block 3 in another.
+    (
+        Setting(
+            "fsdp2_units_of_3_blocks",
+            dp_shard=2,
+            flags=["--parallelism.fsdp_blocks_per_unit", "3"],
+        ),
+        ("hybrid_4_layers",),
+    ),
     (Setting("pp2_1f1b", pp=2), ("gated_deltanet", "hybrid")),
     (Setting("cp2", cp=2), (*ALL, "softpick_window", *FUSED)),
     (Setting("cp2_full_ac", cp=2, flags=["--activation_checkpoint.mode", "full"]), ("hybrid",)),
