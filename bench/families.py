@@ -32,14 +32,18 @@ family's row with its reason (the last line of its output, and the upstream issu
    column is flame's tokens/s over it.
 
 The table is printed; on a GPU (or with ``--write_doc``) it is written into docs/models.md between
-``<!-- bench_families -->`` markers with the command, device and date. A run of some families replaces their
-rows and keeps the others', each run listed with the families it measured, so the table can be built a few families
-at a time. ``--write_doc`` off by default on a CPU keeps smoke runs' numbers out of the doc. Each family's runs
+``<!-- bench_families -->`` markers with the command, device and date, after every family, so a run stopped
+part-way keeps the rows it finished. A run of some families replaces their rows and keeps the others', each run
+listed with the families it measured, so the table can be built a few families at a time, and runs on different
+GPUs of one machine (``CUDA_VISIBLE_DEVICES``) can share the doc: each merges its rows under a lock on the file.
+Triton's autotuning cache is the machine's, so a kernel that an earlier family tuned is not tuned again in a later
+family's first step. ``--write_doc`` off by default on a CPU keeps smoke runs' numbers out of the doc. Each family's runs
 stay under ``--work``/<family> (logs, TensorBoard events); their checkpoints and export are removed unless
 ``--keep_runs`` (a ~150M model's take gigabytes). The script exits 0 whatever the families do; 2 on bad options.
 """
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -195,8 +199,8 @@ def reason_of(output: str) -> str:
 
 def run_command(command: list[str], log: Path, timeout_s: float, env: dict[str, str]) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of one step's subprocess, both kept in ``log``; status 124 when it timed
-    out. The step runs in its own process group, all of which a timeout kills (train.sh's torchrun and ranks
-    would otherwise outlive it and hold the GPU)."""
+    out. The step runs in its own process group, all of which a timeout kills, and so does this script's own end
+    (SIGTERM: ``stop_on_sigterm``): train.sh's torchrun and ranks would otherwise outlive it and hold the GPU."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                                env={**os.environ, **env}, start_new_session=True)  # fmt: skip
     try:
@@ -206,8 +210,16 @@ def run_command(command: list[str], log: Path, timeout_s: float, env: dict[str, 
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         status, stderr = 124, stderr + f"\ntimed out after {timeout_s:.0f} s"
+    except BaseException:  # this script stopped (SIGTERM, Ctrl-C): its step's processes go with it
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
     log.write_text(stdout + stderr)
     return status, stdout, stderr
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (``timeout``'s signal) exits through Python's unwinding, so run_command kills the running step."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
 def step(
@@ -453,6 +465,15 @@ def merged_section(doc: Path, rows: list[Row], run_line: str, args) -> tuple[str
     return description, "\n".join(lines[:2] + body)
 
 
+def write_rows(doc: Path, rows: list[Row], run_line: str, args) -> None:
+    """Merges ``rows`` into ``doc``'s section under an exclusive lock on the doc, so that runs on different GPUs
+    of one machine, each writing as its families finish, keep each other's rows."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    with open(doc, "a") as locked:
+        fcntl.flock(locked, fcntl.LOCK_EX)  # released when closed; write_section rewrites the same file
+        write_section(doc, MARKER, "The family table", *merged_section(doc, rows, run_line, args))
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -509,20 +530,20 @@ def main(argv: list[str] | None = None) -> int:
             anchor_tokens_per_s(args.anchor_of, args.seq_len, args.batch_size, args.anchor_steps, args.device)
         )
         return 0
+    stop_on_sigterm()
     started = time.perf_counter()
+    command = " ".join(["python bench/families.py", *(sys.argv[1:] if argv is None else argv)])
     rows = []
     for family in args.family_list:
         family_start = time.perf_counter()
         rows.append(run_family(family, args))
         print(table(rows[-1:]).splitlines()[-1], f"({time.perf_counter() - family_start:.0f} s)", flush=True)
-    text = table(rows)
-    print("\n" + text)
-    if args.write_doc:
-        command = " ".join(["python bench/families.py", *(sys.argv[1:] if argv is None else argv)])
-        run_line = (f"- run: `{command}` on {device_name(torch.device(args.device))}, torch {torch.__version__}, "
-                    f"{time.strftime('%Y-%m-%d')}, {time.perf_counter() - started:.0f} s: "
-                    + ", ".join(r.family for r in rows))  # fmt: skip
-        write_section(args.doc, MARKER, "The family table", *merged_section(args.doc, rows, run_line, args))
+        if args.write_doc:  # after every family: a run stopped part-way keeps the rows it finished
+            run_line = (f"- run: `{command}` on {device_name(torch.device(args.device))}, torch "
+                        f"{torch.__version__}, {time.strftime('%Y-%m-%d')}, {time.perf_counter() - started:.0f} s: "
+                        + ", ".join(r.family for r in rows))  # fmt: skip
+            write_rows(args.doc, rows, run_line, args)
+    print("\n" + table(rows))
     return 0
 
 

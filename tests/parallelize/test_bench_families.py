@@ -147,3 +147,75 @@ def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path):
             return
         time.sleep(0.1)
     pytest.fail("the step's child outlived the timeout")
+
+
+def test_rows_written_as_each_family_finishes_and_runs_sharing_the_doc_keep_each_others(
+    tmp_path, monkeypatch
+):
+    """The doc holds a family's row as soon as it finishes (a run stopped part-way keeps it), and two runs that
+    write the same doc, as runs on two GPUs of one machine do, each keep the other's rows and run line."""
+    doc = tmp_path / "models.md"
+    doc.write_text("# Models\n")
+    seen = []
+
+    def run_family(family, args):
+        seen.append(doc.read_text())
+        return families.Row(family, note=f"measured {family}")
+
+    monkeypatch.setattr(families, "run_family", run_family)
+    argv = [*TINY, "--work", str(tmp_path), "--doc", str(doc), "--write_doc", "--families"]
+    assert families.main([*argv, "mla,gla"]) == 0
+    assert "measured mla" in seen[1] and "measured gla" not in seen[1]
+    assert families.main([*argv, "samba"]) == 0  # the other run
+    section = doc.read_text().split("<!-- bench_families -->")[1]
+    assert [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ")] == [
+        "family", "gla", "mla", "samba"]  # fmt: skip
+    runs = [line for line in section.splitlines() if line.startswith("- run: ")]
+    assert [run.rsplit(": ", 1)[1] for run in runs] == ["mla, gla", "samba"]
+
+
+def test_a_write_waits_for_the_lock_another_run_holds(tmp_path):
+    import fcntl
+    import threading
+
+    doc = tmp_path / "models.md"
+    doc.write_text("# Models\n")
+    args = families.parse([*TINY, "--work", str(tmp_path)])
+    with open(doc, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the other run, mid-write
+        writer = threading.Thread(
+            target=families.write_rows, args=(doc, [families.Row("gla")], "- run: x: gla", args)
+        )
+        writer.start()
+        writer.join(timeout=1.0)
+        assert writer.is_alive() and "bench_families" not in doc.read_text()
+    writer.join(timeout=10.0)
+    assert not writer.is_alive() and "| gla |" in doc.read_text()
+
+
+def test_a_terminated_run_takes_its_steps_processes_with_it(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    script = (f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import families; "
+              "families.stop_on_sigterm(); "
+              f"families.run_command(['bash', '-c', 'sleep 30 & echo $! > {pid_file}; wait'], "
+              f"__import__('pathlib').Path({str(tmp_path / 'step.log')!r}), 60, {{}})")  # fmt: skip
+    run = subprocess.Popen([sys.executable, "-c", script])
+    for _ in range(300):
+        if pid_file.exists() and pid_file.read_text().strip():
+            break
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=30) == 128 + signal.SIGTERM
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail("the step's child outlived the terminated run")
