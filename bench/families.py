@@ -36,6 +36,7 @@ The table is printed; on a GPU (or with ``--write_doc``) it is written into docs
 part-way keeps the rows it finished. A run of some families replaces their rows and keeps the others', each run
 listed with the families it measured, so the table can be built a few families at a time, and runs on different
 GPUs of one machine (``CUDA_VISIBLE_DEVICES``) can share the doc: each merges its rows under a lock on the file.
+``--merge A.md B.md`` brings the tables of docs written elsewhere (another machine's copy) into ``--doc``.
 Triton's autotuning cache is the machine's, so a kernel that an earlier family tuned is not tuned again in a later
 family's first step. ``--write_doc`` off by default on a CPU keeps smoke runs' numbers out of the doc. Each family's runs
 stay under ``--work``/<family> (logs, TensorBoard events); their checkpoints and export are removed unless
@@ -444,34 +445,45 @@ def legend(args) -> str:
 RUN_LINE = re.compile(r"^- run: .*: (?P<families>[^:]*)$")
 
 
-def merged_section(doc: Path, rows: list[Row], run_line: str, args) -> tuple[str, str]:
-    """(description, table) of the section: this run's rows over those of earlier runs in ``doc``'s section (the
-    families this run did not measure keep theirs), the run lines of the runs whose rows remain, this one's last."""
-    text = doc.read_text() if doc.exists() else ""
+def section_of(text: str) -> tuple[dict[str, str], list[str]]:
+    """(row line by family, run lines) of the family table section in a doc's ``text``."""
     start, end = f"<!-- {MARKER} -->", f"<!-- /{MARKER} -->"
-    previous = text.split(start, 1)[1].split(end, 1)[0] if start in text and end in text else ""
-    lines = table(rows).splitlines()
-    new = {r.family: line for r, line in zip(rows, lines[2:])}
-    old = {}
-    for line in previous.splitlines():
-        if line.startswith("| ") and not line.startswith("| family |"):
-            old[line.split("|")[1].strip()] = line
-    kept = {family: line for family, line in old.items() if family not in new}
-    order = all_families() + sorted((set(new) | set(kept)) - set(all_families()))
-    body = [new.get(f) or kept.get(f) for f in order if f in new or f in kept]
-    runs = [line for line in previous.splitlines() if (m := RUN_LINE.match(line))
-            and set(m["families"].split(", ")) & set(kept)]  # fmt: skip
-    description = "\n".join([legend(args), "", *runs, run_line])
-    return description, "\n".join(lines[:2] + body)
+    section = text.split(start, 1)[1].split(end, 1)[0] if start in text and end in text else ""
+    rows = {line.split("|")[1].strip(): line for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| family |")}  # fmt: skip
+    return rows, [line for line in section.splitlines() if RUN_LINE.match(line)]
 
 
-def write_rows(doc: Path, rows: list[Row], run_line: str, args) -> None:
-    """Merges ``rows`` into ``doc``'s section under an exclusive lock on the doc, so that runs on different GPUs
-    of one machine, each writing as its families finish, keep each other's rows."""
+def merged_section(sources: list[tuple[dict[str, str], list[str]]], args) -> tuple[str, str]:
+    """(description, table) of the section from ``sources`` of (rows by family, run lines), oldest first: a
+    family's row is the newest source's, and a source's run lines stay while some family of theirs keeps that
+    source's row."""
+    rows, origin = {}, {}
+    for index, (source_rows, _) in enumerate(sources):
+        rows.update(source_rows)
+        origin.update(dict.fromkeys(source_rows, index))
+    runs = [line for index, (_, lines) in enumerate(sources) for line in lines
+            if any(origin.get(f) == index for f in RUN_LINE.match(line)["families"].split(", "))]  # fmt: skip
+    order = all_families() + sorted(set(rows) - set(all_families()))
+    header = table([]).splitlines()
+    missing = [f for f in all_families() if f not in rows]
+    runs += [f"\nNo row yet (not run): {', '.join(missing)}."] if missing else []
+    return "\n".join([legend(args), "", *runs]), "\n".join(header + [rows[f] for f in order if f in rows])
+
+
+def write_sources(doc: Path, sources: list[tuple[dict[str, str], list[str]]], args) -> None:
+    """Merges ``sources`` over ``doc``'s own section under an exclusive lock on the doc, so that runs on
+    different GPUs of one machine, each writing as its families finish, keep each other's rows."""
     doc.parent.mkdir(parents=True, exist_ok=True)
     with open(doc, "a") as locked:
         fcntl.flock(locked, fcntl.LOCK_EX)  # released when closed; write_section rewrites the same file
-        write_section(doc, MARKER, "The family table", *merged_section(doc, rows, run_line, args))
+        merged = merged_section([section_of(doc.read_text()), *sources], args)
+        write_section(doc, MARKER, "The family table", *merged)
+
+
+def run_source(rows: list[Row], run_line: str) -> tuple[dict[str, str], list[str]]:
+    """This run's rows and run line as a source of the section."""
+    return {r.family: line for r, line in zip(rows, table(rows).splitlines()[2:])}, [run_line]
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -504,6 +516,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="write the table into --doc (default: on CUDA only, so that CPU smoke runs leave the doc alone)",
     )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="write into --doc the family tables of these docs (runs on other machines), later ones over earlier",
+    )
     # The steps that run in a fresh process of this script.
     parser.add_argument("--compare_export", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--step", type=int, default=-1, help=argparse.SUPPRESS)
@@ -530,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
             anchor_tokens_per_s(args.anchor_of, args.seq_len, args.batch_size, args.anchor_steps, args.device)
         )
         return 0
+    if args.merge:
+        write_sources(args.doc, [section_of(path.read_text()) for path in args.merge], args)
+        return 0
     stop_on_sigterm()
     started = time.perf_counter()
     command = " ".join(["python bench/families.py", *(sys.argv[1:] if argv is None else argv)])
@@ -542,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
             run_line = (f"- run: `{command}` on {device_name(torch.device(args.device))}, torch "
                         f"{torch.__version__}, {time.strftime('%Y-%m-%d')}, {time.perf_counter() - started:.0f} s: "
                         + ", ".join(r.family for r in rows))  # fmt: skip
-            write_rows(args.doc, rows, run_line, args)
+            write_sources(args.doc, [run_source(rows, run_line)], args)
     print("\n" + table(rows))
     return 0
 

@@ -184,7 +184,8 @@ def test_a_write_waits_for_the_lock_another_run_holds(tmp_path):
     with open(doc, "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # the other run, mid-write
         writer = threading.Thread(
-            target=families.write_rows, args=(doc, [families.Row("gla")], "- run: x: gla", args)
+            target=families.write_sources,
+            args=(doc, [families.run_source([families.Row("gla")], "- run: x: gla")], args),
         )
         writer.start()
         writer.join(timeout=1.0)
@@ -219,3 +220,24 @@ def test_a_terminated_run_takes_its_steps_processes_with_it(tmp_path):
             return
         time.sleep(0.1)
     pytest.fail("the step's child outlived the terminated run")
+
+
+def test_tables_written_elsewhere_merge_into_the_doc(tmp_path, monkeypatch):
+    """--merge: rows of other copies of the doc (runs on other machines) over the doc's, later copies over
+    earlier ones, each run line kept while a row of its own remains."""
+    monkeypatch.setattr(
+        families, "run_family", lambda family, args: families.Row(family, note=f"{family} {tag}")
+    )
+    copies = []
+    for tag, names in [("a", "gla,llama"), ("b", "llama,samba"), ("c", "mla")]:
+        copies.append(tmp_path / f"{tag}.md")
+        run = [*TINY, "--work", str(tmp_path), "--doc", str(copies[-1]), "--write_doc", "--families", names]
+        assert families.main(run) == 0
+    doc = copies[2]
+    assert families.main([*TINY, "--doc", str(doc), "--merge", str(copies[0]), str(copies[1])]) == 0
+    rows, runs = families.section_of(doc.read_text())
+    assert {family: line.split("|")[-2].strip() for family, line in rows.items()} == {
+        "gla": "gla a", "mla": "mla c", "samba": "samba b", "llama": "llama b"}  # fmt: skip
+    assert [run.rsplit(": ", 1)[1] for run in runs] == ["mla", "gla, llama", "llama, samba"]
+    (missing,) = [line for line in doc.read_text().splitlines() if line.startswith("No row yet (not run): ")]
+    assert "gla" not in missing.split(": ")[1].rstrip(".").split(", ") and "qwen3, " in missing
