@@ -13,6 +13,14 @@ The cache directory is the host's, not the device's: torch.compile points an uns
 per GPU (``/tmp/torchinductor_<user>/triton/<device index>``) when it makes its first kernel, so rank 1 of a compiled
 job would not find the results that rank 0, or a one-GPU run before the job, wrote, and would tune for itself.
 
+Shipped results: ``flame/assets/autotune/`` holds tuning results measured on GPUs flame is measured on (one bundle
+per GPU model: its device name, the Triton version, and Triton's cache entries, ``<key folder>/<kernel>.autotune.json``).
+``seed_shipped_results`` writes the bundle of the GPU in use into Triton's cache where the cache holds no entry, so a
+fresh machine runs those choices instead of benchmarking. Triton names each folder by a hash of its own version,
+the compiler target, the kernel's source, the tuning key and the configurations; an entry is found only when all of
+them match, so a different FLA, Triton or kernel tunes as before. ``scripts/autotune_bundle.py`` makes a bundle
+from a tuned cache. ``FLAME_SHIPPED_TUNING=0`` turns the seeding off.
+
 No deadlock: a tuner's benchmark synchronizes its GPU and so waits for the collectives its rank issued before the
 kernel. Every rank that waits for the same lock has reached the same kernel and issued them; a rank that waits for
 an earlier kernel's lock waits for that kernel's tuner, which holds no other lock. As a last resort a wait longer
@@ -24,6 +32,7 @@ import fcntl
 import functools
 import hashlib
 import inspect
+import json
 import logging
 import os
 import time
@@ -35,6 +44,7 @@ logger = logging.getLogger(__name__)
 WAIT_S = 300.0
 POLL_S = 0.05
 LOCK_DIR = "flame-autotune-locks"
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "assets" / "autotune"
 
 
 def tune_once_per_host() -> bool:
@@ -115,3 +125,87 @@ def host_lock(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def collect_results(cache_dir: Path) -> dict[str, dict]:
+    """Every autotuning result in Triton's cache folder ``cache_dir``, by its path there."""
+    return {
+        f"{path.parent.name}/{path.name}": json.loads(path.read_text())
+        for path in sorted(cache_dir.glob("*/*.autotune.json"))
+    }
+
+
+def bundle_path(device_name: str, directory: Path = SHIPPED_DIR) -> Path:
+    """Where the bundle of the GPU model ``device_name`` lives: its name in lower case, runs of other characters
+    as one '-' ("NVIDIA H100 80GB HBM3" -> nvidia-h100-80gb-hbm3.json)."""
+    slug = "-".join("".join(c if c.isalnum() else " " for c in device_name.lower()).split())
+    return directory / f"{slug}.json"
+
+
+def write_bundle(path: Path, device_name: str, triton_version: str, results: dict[str, dict]) -> int:
+    """Adds ``results`` to the bundle at ``path`` (replacing entries of the same path; a bundle of another Triton
+    is replaced whole); the number of entries it then holds."""
+    entries = {}
+    if path.exists():
+        bundle = json.loads(path.read_text())
+        if bundle["device"] != device_name:
+            raise ValueError(f"{path} holds results of {bundle['device']!r}, not {device_name!r}")
+        if bundle["triton"] == triton_version:
+            entries = bundle["results"]
+    entries.update(results)
+    lines = [f"{json.dumps(name)}: {json.dumps(result)}" for name, result in sorted(entries.items())]
+    head = f'{{"device": {json.dumps(device_name)}, "triton": {json.dumps(triton_version)}, "results": {{\n'
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(head + ",\n".join(lines) + "\n}}\n")  # one result per line: diffs show what changed
+    return len(entries)
+
+
+def seed_shipped_results(
+    device_name: str, triton_version: str, cache_dir: Path, directory: Path = SHIPPED_DIR
+) -> int:
+    """Writes the bundle measured on ``device_name`` with ``triton_version`` into Triton's cache folder
+    ``cache_dir``, each entry where the cache holds none; the number written (0 without such a bundle)."""
+    path = bundle_path(device_name, directory)
+    if not path.exists():
+        return 0
+    bundle = json.loads(path.read_text())
+    if bundle["device"] != device_name or bundle["triton"] != triton_version:
+        return 0
+    written = 0
+    for name, result in bundle["results"].items():
+        folder, file_name = name.split("/")
+        target = cache_dir / folder / file_name
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged = target.with_name(
+            f".{file_name}.{os.getpid()}.tmp"
+        )  # ranks seeding at once: whole files only
+        staged.write_text(json.dumps(result))
+        os.replace(staged, target)
+        written += 1
+    return written
+
+
+def use_shipped_results(device_name: str) -> int:
+    """seed_shipped_results for the GPU in use, into the cache tune_once_per_host chose, where Triton caches
+    autotuning (TRITON_CACHE_AUTOTUNING=1) and FLAME_SHIPPED_TUNING is not 0; logs what it wrote."""
+    try:
+        import triton
+        from triton import knobs
+    except ImportError:
+        return 0
+    if os.environ.get("FLAME_SHIPPED_TUNING", "1") == "0" or not knobs.autotuning.cache:
+        return 0
+    cache_dir = Path(os.environ.get("TRITON_CACHE_DIR") or knobs.cache.dir)
+    try:
+        written = seed_shipped_results(device_name, triton.__version__, cache_dir, SHIPPED_DIR)
+    except OSError as e:  # an unwritable cache: the kernels tune as without the bundle
+        logger.warning(f"could not write flame's shipped tuning results into {cache_dir}: {e}")
+        return 0
+    if written:
+        logger.info(
+            f"wrote {written} of flame's tuning results for {device_name} into Triton's cache {cache_dir} "
+            f"(flame/assets/autotune/{bundle_path(device_name).name})"
+        )
+    return written

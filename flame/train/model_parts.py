@@ -16,7 +16,7 @@ from flame.loss import TokenNormalizedLoss
 from flame.models import build_model
 from flame.models.common.args import ModelArgs
 from flame.ops.attention import set_attention_backend
-from flame.ops.autotune import tune_once_per_host
+from flame.ops.autotune import tune_once_per_host, use_shipped_results
 from flame.parallelize import parallelize_model, pipeline_model, tie_embeddings
 
 
@@ -89,10 +89,11 @@ def build_model_parts(
     parallelism.pipeline_parallel_degree > 1), materialize each part on the device (the CPU with
     training.enable_cpu_offload) and initialize it: ``init_weights`` unless ``initialize`` says otherwise. On a GPU
     the model's Triton kernels are tuned once per host (flame.ops.autotune), so every rank runs the same
-    configurations."""
+    configurations, and flame's shipped tuning results for the GPU seed Triton's cache."""
     set_attention_backend(job_config.model.attention_backend)
     if topology.device.type == "cuda":
         tune_once_per_host()
+        use_shipped_results(torch.cuda.get_device_name(topology.device))
     with torch.device("meta"):
         model = build_model(model_args)
     nparams, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)

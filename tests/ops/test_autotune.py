@@ -7,9 +7,12 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from flame.ops import autotune
 
@@ -169,3 +172,113 @@ def test_a_chosen_cache_folder_is_kept(monkeypatch, tmp_path):
     assert autotune.tune_once_per_host()
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
     assert autotune.lock_dir() == tmp_path / "mine" / autotune.LOCK_DIR
+
+
+SHIPPED_NAME = re.compile(r"^[A-Z2-7]{52}/\w+\.autotune\.json$")  # Triton's base32 key folder / kernel file
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Triton's check_disk_cache runnable on a CPU: a fixed compiler target and backend hash (the rest of
+    Triton's cache key, its own version and the kernel's source, is the real one)."""
+    import triton.compiler.compiler
+    from triton.runtime import autotuner
+
+    monkeypatch.setattr(
+        autotuner, "driver", SimpleNamespace(active=SimpleNamespace(get_current_target=lambda: "t"))
+    )
+    monkeypatch.setattr(
+        triton.compiler.compiler, "make_backend", lambda target: SimpleNamespace(hash=lambda: "b")
+    )
+
+
+def a_tuned_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scale(x, n, BLOCK: tl.constexpr):
+        pass
+
+    configs = [triton.Config({"BLOCK": 16}, num_warps=4), triton.Config({"BLOCK": 32}, num_warps=8)]
+    return triton.autotune(configs=configs, key=["n"], cache_results=True)(scale), configs
+
+
+def test_a_bundle_made_from_a_tuned_cache_is_what_a_fresh_cache_runs(fake_gpu, monkeypatch, tmp_path):
+    """Tuned on one machine (cache A), bundled, seeded into a fresh machine's cache (B): Triton reads the choice
+    there without benchmarking."""
+    import triton
+
+    tuner, configs = a_tuned_kernel()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "a"))
+
+    def bench():
+        tuner.configs_timings = {configs[0]: [2.0], configs[1]: [1.0]}
+
+    assert tuner.check_disk_cache((1024,), configs, bench) is False  # tuned and written
+    assets = tmp_path / "assets"
+    bundle = autotune.bundle_path("NVIDIA H100 80GB HBM3", assets)
+    assert bundle.name == "nvidia-h100-80gb-hbm3.json"
+    results = autotune.collect_results(tmp_path / "a")
+    assert len(results) == 1 and SHIPPED_NAME.match(next(iter(results)))
+    assert autotune.write_bundle(bundle, "NVIDIA H100 80GB HBM3", triton.__version__, results) == 1
+
+    fresh = tmp_path / "b"
+    seed = autotune.seed_shipped_results
+    assert seed("NVIDIA H200", triton.__version__, fresh, assets) == 0  # no bundle for that GPU
+    assert seed("NVIDIA H100 80GB HBM3", "0.0.1", fresh, assets) == 0  # tuned with another Triton
+    assert seed("NVIDIA H100 80GB HBM3", triton.__version__, fresh, assets) == 1
+    assert seed("NVIDIA H100 80GB HBM3", triton.__version__, fresh, assets) == 0  # what is there stays
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(fresh))
+    tuner.cache.clear()
+    assert tuner.check_disk_cache((1024,), configs, lambda: pytest.fail("benchmarked")) is True
+    assert tuner.cache[(1024,)].kwargs == {"BLOCK": 32} and tuner.cache[(1024,)].num_warps == 8
+    # Another shape is not in the bundle: it tunes as before.
+    assert tuner.check_disk_cache((4096,), configs, bench) is False
+
+
+def test_bundles_merge_and_a_new_triton_replaces_them(tmp_path):
+    path = tmp_path / "gpu.json"
+    entry = {"key": [1], "configs_timings": []}
+    assert autotune.write_bundle(path, "GPU", "3.6.0", {"A/k.autotune.json": entry}) == 1
+    assert autotune.write_bundle(path, "GPU", "3.6.0", {"B/k.autotune.json": entry}) == 2
+    assert autotune.write_bundle(path, "GPU", "3.7.0", {"C/k.autotune.json": entry}) == 1
+    assert list(json.loads(path.read_text())["results"]) == ["C/k.autotune.json"]
+    with pytest.raises(ValueError, match="holds results of 'GPU'"):
+        autotune.write_bundle(path, "Other GPU", "3.7.0", {})
+
+
+def test_seeding_follows_tritons_cache_setting_and_flames_switch(monkeypatch, tmp_path):
+    import triton
+
+    assets = tmp_path / "assets"
+    entry = {"key": [1], "configs_timings": []}
+    autotune.write_bundle(
+        autotune.bundle_path("GPU", assets), "GPU", triton.__version__, {"A/k.autotune.json": entry}
+    )
+    monkeypatch.setattr(autotune, "SHIPPED_DIR", assets)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    assert autotune.use_shipped_results("GPU") == 0  # Triton would not read it
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "1")
+    monkeypatch.setenv("FLAME_SHIPPED_TUNING", "0")
+    assert autotune.use_shipped_results("GPU") == 0
+    monkeypatch.delenv("FLAME_SHIPPED_TUNING")
+    assert autotune.use_shipped_results("GPU") == 1
+    assert json.loads((tmp_path / "cache" / "A" / "k.autotune.json").read_text()) == entry
+
+
+def test_the_shipped_bundles_are_tritons_cache_entries():
+    """Each shipped bundle sits where its GPU's name puts it and holds cache entries this Triton can read."""
+    from triton.runtime.autotuner import Config
+
+    bundles = sorted(autotune.SHIPPED_DIR.glob("*.json"))
+    assert {path.name for path in bundles} >= {"nvidia-h100-80gb-hbm3.json", "nvidia-h200.json"}
+    for path in bundles:
+        bundle = json.loads(path.read_text())
+        assert autotune.bundle_path(bundle["device"]) == path and bundle["triton"] == "3.6.0"
+        for name, result in bundle["results"].items():
+            assert SHIPPED_NAME.match(name), name
+            assert result["configs_timings"] and isinstance(result["key"], list), name
+            for config, timings in result["configs_timings"]:
+                assert Config(**config).num_warps >= 1 and timings, name
