@@ -282,3 +282,35 @@ def test_the_shipped_bundles_are_tritons_cache_entries():
             assert result["configs_timings"] and isinstance(result["key"], list), name
             for config, timings in result["configs_timings"]:
                 assert Config(**config).num_warps >= 1 and timings, name
+
+
+def test_the_bundle_script_reads_a_cache_archive(tmp_path, capsys):
+    """scripts/autotune_bundle.py on a .tar.gz of a cache (what a GPU call brings back) and on a folder."""
+    import importlib.util
+    import tarfile
+
+    spec = importlib.util.spec_from_file_location(
+        "autotune_bundle", Path(__file__).resolve().parents[2] / "scripts" / "autotune_bundle.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    cache = tmp_path / "cache"
+    for folder in ("A" * 52, "B" * 52):
+        (cache / folder).mkdir(parents=True)
+        (cache / folder / "k.autotune.json").write_text(
+            json.dumps({"key": [folder[0]], "configs_timings": []})
+        )
+    (cache / "C").mkdir()  # a compiled kernel's folder: no autotuning result
+    (cache / "C" / "k.json").write_text("{}")
+    archive = tmp_path / "tune.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(cache / ("A" * 52), arcname="./" + "A" * 52)
+    out = tmp_path / "bundle.json"
+    common = ["--device", "NVIDIA H200", "--triton", "3.6.0", "--out", str(out)]
+    assert script.main([str(archive), *common]) == 0
+    assert "1 results added, 1 in all" in capsys.readouterr().out
+    assert script.main([str(cache), *common]) == 0
+    assert list(json.loads(out.read_text())["results"]) == [
+        f"{'A' * 52}/k.autotune.json",
+        f"{'B' * 52}/k.autotune.json",
+    ]
