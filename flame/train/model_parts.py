@@ -76,6 +76,20 @@ class ModelParts:
         return [p for part in self.parts for p in part.parameters()]
 
 
+def prepare_gpu_kernels(device: torch.device) -> None:
+    """On a GPU: Triton's kernels tuned once per host and seeded with flame's shipped results
+    (flame.ops.autotune), and flame's gated chunk_bwd_dqkwg registered with FLA where FLA refuses its own (Hopper,
+    FLA issue 640), so every model calling FLA's gated backward trains there: flame's GatedDeltaNet and FLA's
+    comba, mom, precond_gated_deltanet, gated_deltanet alike."""
+    if device.type != "cuda":
+        return
+    from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses  # imports Triton
+
+    tune_once_per_host()
+    use_shipped_results(torch.cuda.get_device_name(device))
+    serve_where_fla_refuses()
+
+
 def build_model_parts(
     model_args: ModelArgs,
     topology: Topology,
@@ -88,12 +102,9 @@ def build_model_parts(
     """Build the model on the meta device, parallelize it with ``job_config``'s plan (pipeline stages with
     parallelism.pipeline_parallel_degree > 1), materialize each part on the device (the CPU with
     training.enable_cpu_offload) and initialize it: ``init_weights`` unless ``initialize`` says otherwise. On a GPU
-    the model's Triton kernels are tuned once per host (flame.ops.autotune), so every rank runs the same
-    configurations, and flame's shipped tuning results for the GPU seed Triton's cache."""
+    the kernels are prepared first (prepare_gpu_kernels)."""
     set_attention_backend(job_config.model.attention_backend)
-    if topology.device.type == "cuda":
-        tune_once_per_host()
-        use_shipped_results(torch.cuda.get_device_name(topology.device))
+    prepare_gpu_kernels(topology.device)
     with torch.device("meta"):
         model = build_model(model_args)
     nparams, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)

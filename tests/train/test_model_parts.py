@@ -1,0 +1,27 @@
+"""flame.train.model_parts.prepare_gpu_kernels: what a GPU process sets up before its model is built."""
+
+import torch
+
+from flame.ops.gated_delta_rule import dqkwg_triton
+from flame.train import model_parts
+
+
+def test_a_gpu_process_tunes_once_seeds_the_shipped_results_and_lifts_flas_hopper_refusal(monkeypatch):
+    calls = []
+    monkeypatch.setattr(model_parts, "tune_once_per_host", lambda: calls.append("tune once per host"))
+    monkeypatch.setattr(
+        model_parts, "use_shipped_results", lambda name: calls.append(f"shipped results for {name}")
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"GPU {device.index}")
+    monkeypatch.setattr(
+        dqkwg_triton, "serve_where_fla_refuses", lambda: calls.append("flame's dqkwg for FLA")
+    )
+
+    model_parts.prepare_gpu_kernels(torch.device("cpu"))
+    assert calls == []
+    model_parts.prepare_gpu_kernels(torch.device("cuda", 1))
+    assert calls == [
+        "tune once per host",
+        "shipped results for GPU 1",
+        "flame's dqkwg for FLA",
+    ]
