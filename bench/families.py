@@ -3,6 +3,7 @@
     python bench/families.py                                   # every family, ~100-150M parameters, on one GPU
     python bench/families.py --families gla,llama --steps 30   # some of them
     python bench/families.py --size tiny --families llama --steps 4 --seq_len 64 --batch_size 2   # CPU smoke test
+    python bench/families.py --gpus 8 --families missing      # the families without a row yet, 8 at a time
 
 Families: every model type FLA 0.6.0 declares (flame's own implementation for transformer, gated_deltanet and
 delta_net, FLA's class through the generic family for the others) and transformers' llama, qwen2, qwen3,
@@ -36,7 +37,9 @@ The table is printed; on a GPU (or with ``--write_doc``) it is written into docs
 part-way keeps the rows it finished. A run of some families replaces their rows and keeps the others', each run
 listed with the families it measured, so the table can be built a few families at a time, and runs on different
 GPUs of one machine (``CUDA_VISIBLE_DEVICES``) can share the doc: each merges its rows under a lock on the file.
-``--merge A.md B.md`` brings the tables of docs written elsewhere (another machine's copy) into ``--doc``.
+``--gpus N`` runs N families at once, each in a worker process of this script on a GPU of its own, the next family
+starting on a GPU as soon as one ends; this process alone writes the doc. ``--families missing`` takes the families
+without a row in the doc. ``--merge A.md B.md`` brings the tables of docs written elsewhere (another machine's copy) into ``--doc``.
 Triton's autotuning cache is the machine's, so a kernel that an earlier family tuned is not tuned again in a later
 family's first step. ``--write_doc`` off by default on a CPU keeps smoke runs' numbers out of the doc. Each family's runs
 stay under ``--work``/<family> (logs, TensorBoard events); their checkpoints and export are removed unless
@@ -44,6 +47,7 @@ stay under ``--work``/<family> (logs, TensorBoard events); their checkpoints and
 """
 
 import argparse
+import dataclasses
 import fcntl
 import json
 import os
@@ -56,6 +60,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -402,6 +407,61 @@ def run_family(family: str, args) -> Row:
     return row
 
 
+ROW_PREFIX = "family row: "
+POLL_S = 1.0
+
+
+def worker_command(family: str, args) -> list[str]:
+    """One family in a process of its own, its row printed as JSON (``--row_json``) and not written to the doc."""
+    options = ["--size", args.size, "--steps", str(args.steps), "--seq_len", str(args.seq_len),
+               "--batch_size", str(args.batch_size), "--lr", str(args.lr), "--anchor_steps", str(args.anchor_steps),
+               "--timeout_s", str(args.timeout_s), "--dataset", str(args.dataset), "--tokenizer", str(args.tokenizer),
+               "--work", str(args.work), "--device", args.device]  # fmt: skip
+    return [sys.executable, str(Path(__file__).resolve()), *options, *["--keep_runs"] * args.keep_runs,
+            "--families", family, "--no-write_doc", "--row_json"]  # fmt: skip
+
+
+def worker_row(family: str, status: int, log: Path) -> Row:
+    """The row a worker printed, or one that says how the worker ended without it."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    printed = [line[len(ROW_PREFIX) :] for line in lines if line.startswith(ROW_PREFIX)]
+    if printed:
+        return Row(**json.loads(printed[-1]))
+    reason = reason_of("\n".join(lines))
+    return Row(family, note=f"its process ended (status {status}) without a row ({log}): {reason}")
+
+
+def run_on_gpus(args, finished: Callable[[Row, float], None]) -> None:
+    """The families, ``args.gpus`` at a time: each in a worker process (worker_command) on a GPU of its own (the
+    visible ones in order), the next family starting on a GPU as soon as its previous family ends. Each worker's
+    output goes to ``args.work``/<family>.log. Stopping this process (SIGTERM) stops the workers, which stop their
+    steps."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",")[: args.gpus] if visible else [str(i) for i in range(args.gpus)]
+    pending, running, free = list(args.family_list), {}, list(gpus)
+    args.work.mkdir(parents=True, exist_ok=True)
+    try:
+        while pending or running:
+            while pending and free:
+                gpu, family = free.pop(0), pending.pop(0)
+                log = args.work / f"{family}.log"
+                with open(log, "w") as output:
+                    process = subprocess.Popen(worker_command(family, args), stdout=output, stderr=subprocess.STDOUT,
+                                               cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu})  # fmt: skip
+                running[gpu] = (process, family, time.perf_counter(), log)
+            time.sleep(POLL_S)
+            for gpu, (process, family, started, log) in list(running.items()):
+                if process.poll() is not None:
+                    del running[gpu]
+                    free.append(gpu)
+                    finished(worker_row(family, process.returncode, log), time.perf_counter() - started)
+    finally:
+        for process, *_ in running.values():
+            process.terminate()
+        for process, *_ in running.values():
+            process.wait()
+
+
 def number(value: float, spec: str) -> str:
     return format(value, spec) if value == value else "n/a"
 
@@ -489,7 +549,9 @@ def run_source(rows: list[Row], run_line: str) -> tuple[dict[str, str], list[str
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--families", default=None, help="comma separated model types (default: every family)"
+        "--families",
+        default=None,
+        help="comma separated model types, or 'missing' for those without a row in --doc (default: every family)",
     )
     parser.add_argument("--size", choices=("tiny", "small"), default="small")
     parser.add_argument("--steps", type=int, default=30, help="training steps (even; a checkpoint half-way)")
@@ -517,6 +579,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="write the table into --doc (default: on CUDA only, so that CPU smoke runs leave the doc alone)",
     )
     parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="run this many families at once, each in its own process on its own GPU (CUDA_VISIBLE_DEVICES)",
+    )
+    parser.add_argument(
         "--merge",
         type=Path,
         nargs="+",
@@ -527,13 +595,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compare_export", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--step", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--anchor_of", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--row_json", action="store_true", help=argparse.SUPPRESS)  # a --gpus worker's rows
     args = parser.parse_args(argv)
     if args.steps < 2 or args.steps % 2:
         parser.error(
             f"--steps {args.steps}: give an even number of at least 2 (a checkpoint is taken half-way)"
         )
     args.work = args.work.resolve()  # the steps run from the repository
-    args.family_list = all_families() if args.families is None else args.families.split(",")
+    if args.gpus < 1:
+        parser.error(f"--gpus {args.gpus}: give the number of GPUs to use, at least 1")
+    if args.families is None:
+        args.family_list = all_families()
+    elif args.families == "missing":  # the families without a row in the doc yet
+        rows = section_of(args.doc.read_text())[0] if args.doc.exists() else {}
+        args.family_list = [family for family in all_families() if family not in rows]
+    else:
+        args.family_list = args.families.split(",")
     if args.write_doc is None:
         args.write_doc = args.device == "cuda"
     return args
@@ -556,15 +633,24 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     command = " ".join(["python bench/families.py", *(sys.argv[1:] if argv is None else argv)])
     rows = []
-    for family in args.family_list:
-        family_start = time.perf_counter()
-        rows.append(run_family(family, args))
-        print(table(rows[-1:]).splitlines()[-1], f"({time.perf_counter() - family_start:.0f} s)", flush=True)
+
+    def finished(row: Row, seconds: float) -> None:
+        rows.append(row)
+        print(table([row]).splitlines()[-1], f"({seconds:.0f} s)", flush=True)
+        if args.row_json:
+            print(ROW_PREFIX + json.dumps(dataclasses.asdict(row)), flush=True)
         if args.write_doc:  # after every family: a run stopped part-way keeps the rows it finished
             run_line = (f"- run: `{command}` on {device_name(torch.device(args.device))}, torch "
                         f"{torch.__version__}, {time.strftime('%Y-%m-%d')}, {time.perf_counter() - started:.0f} s: "
                         + ", ".join(r.family for r in rows))  # fmt: skip
             write_sources(args.doc, [run_source(rows, run_line)], args)
+
+    if args.gpus > 1:
+        run_on_gpus(args, finished)
+    else:
+        for family in args.family_list:
+            family_start = time.perf_counter()
+            finished(run_family(family, args), time.perf_counter() - family_start)
     print("\n" + table(rows))
     return 0
 

@@ -4,6 +4,7 @@ family that cannot be built gets a row with its reason while the others still ru
 this process (train.sh's ranks as flame.train's main, the converter's and the script's own main), so the test
 takes seconds where four train.sh launches would take minutes; the commands are the ones the script launches."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -57,9 +58,26 @@ def in_process(monkeypatch, capsys):
 def test_a_tiny_llama_trains_resumes_exports_and_runs_its_anchor(tmp_path, in_process, capsys):
     doc = tmp_path / "models.md"
     doc.write_text("# Models\n")
-    argv = [*TINY, "--families", "llama", "--work", str(tmp_path), "--doc", str(doc), "--keep_runs"]
+    argv = [
+        *TINY,
+        "--families",
+        "llama",
+        "--work",
+        str(tmp_path),
+        "--doc",
+        str(doc),
+        "--keep_runs",
+        "--row_json",
+    ]
     assert families.main(argv) == 0
     printed = capsys.readouterr().out
+    # A --gpus worker's row, as its parent reads it back.
+    log = tmp_path / "llama.log"
+    log.write_text(printed)
+    assert families.table([families.worker_row("llama", 0, log)]) == families.table(
+        [families.Row(**json.loads(printed.split(families.ROW_PREFIX)[1].splitlines()[0]))]
+    )
+    assert "| llama | 0.6M |" in families.table([families.worker_row("llama", 0, log)])
     assert [c[1].rsplit("/", 1)[-1] if c[0] == "bash" else c[2] for c in in_process] == [
         "train.sh", "train.sh", "flame.cli.convert_dcp_to_hf", "--compare_export", "--anchor_of"]  # fmt: skip
     (row,) = [line for line in printed.splitlines()[-3:] if line.startswith("| llama ")]
@@ -241,3 +259,63 @@ def test_tables_written_elsewhere_merge_into_the_doc(tmp_path, monkeypatch):
     assert [run.rsplit(": ", 1)[1] for run in runs] == ["mla", "gla, llama", "llama, samba"]
     (missing,) = [line for line in doc.read_text().splitlines() if line.startswith("No row yet (not run): ")]
     assert "gla" not in missing.split(": ")[1].rstrip(".").split(", ") and "qwen3, " in missing
+
+
+WORKER = """
+import json, os, sys, time
+family = sys.argv[sys.argv.index("--families") + 1]
+started = time.time()
+time.sleep(0.5)
+if family == "samba":
+    sys.exit("worker error: gone")
+row = {"family": family, "note": f"gpu {os.environ['CUDA_VISIBLE_DEVICES']} {started:.3f} {time.time():.3f}"}
+print("family row: " + json.dumps(row))
+"""
+
+
+def test_families_run_on_several_gpus_one_worker_each(tmp_path, monkeypatch):
+    """--gpus 2: two families at a time, each worker on a visible GPU of its own, the next family starting where
+    one ended; a worker that dies leaves a row that says so; the doc holds every row."""
+    monkeypatch.setattr(
+        families, "worker_command", lambda family, args: [sys.executable, "-c", WORKER, "--families", family]
+    )
+    monkeypatch.setattr(families, "POLL_S", 0.05)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    doc = tmp_path / "models.md"
+    argv = [*TINY, "--work", str(tmp_path), "--doc", str(doc), "--write_doc", "--gpus", "2"]
+    assert families.main([*argv, "--families", "gla,mla,samba,retnet,llama"]) == 0
+    rows, runs = families.section_of(doc.read_text())
+    assert sorted(rows) == ["gla", "llama", "mla", "retnet", "samba"] and len(runs) == 1
+    notes = {family: line.split("|")[-2].strip() for family, line in rows.items()}
+    assert "without a row" in notes["samba"] and "worker error: gone" in notes["samba"]
+    spans = {family: note.split() for family, note in notes.items() if family != "samba"}
+    assert {span[1] for span in spans.values()} == {"3", "5"}  # the first two visible GPUs
+    for gpu in ("3", "5"):  # never two families on one GPU at once
+        on_gpu = sorted((float(s[2]), float(s[3])) for s in spans.values() if s[1] == gpu)
+        assert all(end <= next_start for (_, end), (next_start, _) in zip(on_gpu, on_gpu[1:]))
+    starts = sorted(float(s[2]) for s in spans.values())
+    assert starts[1] - starts[0] < 0.4  # two at once
+    # The families without a row: none of these five.
+    args = families.parse([*argv, "--families", "missing"])
+    assert (
+        not {"gla", "llama", "mla", "retnet", "samba"} & set(args.family_list) and "rwkv7" in args.family_list
+    )
+
+
+def test_a_worker_runs_the_options_it_was_given(tmp_path):
+    args = families.parse([*TINY, "--work", str(tmp_path), "--keep_runs", "--families", "gla"])
+    command = families.worker_command("gla", args)
+    again = families.parse(command[2:])
+    assert again.family_list == ["gla"] and again.row_json and not again.write_doc and again.keep_runs
+    for option in (
+        "size",
+        "steps",
+        "seq_len",
+        "batch_size",
+        "lr",
+        "anchor_steps",
+        "timeout_s",
+        "work",
+        "device",
+    ):
+        assert getattr(again, option) == getattr(args, option), option
