@@ -23,6 +23,10 @@ cases it finished: the bench writes its results after every case. Prints the tab
 docs/performance.md between ``<!-- bench_fsdp_scaling -->`` markers with the command, device and date. Exit status
 0 when every case of every run finished.
 
+``--data_parallel ddp`` runs the same cases with DDP on several GPUs instead (the parameters replicated, the
+gradients all-reduced in buckets by DDP's C++ reducer, so the host issues far less per step than FSDP's Python
+hooks) and writes its table into its own section, "DDP scaling".
+
 A host's models can be measured in several invocations (a device call with a time limit) and written as one table:
 
     python bench/fsdp_scaling.py --models transformer,gated_deltanet --json a.json --no_write
@@ -48,6 +52,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from train_throughput import MODELS, add_run_options, write_section  # noqa: E402
 
 MARKER = "bench_fsdp_scaling"
+DDP_MARKER = "bench_ddp_scaling"
 
 
 def bench_command(gpus: int, args: argparse.Namespace, report: Path) -> list[str]:
@@ -56,8 +61,13 @@ def bench_command(gpus: int, args: argparse.Namespace, report: Path) -> list[str
              args.device, "--no_write", "--json", str(report)]  # fmt: skip
     if args.tiny:
         bench.append("--tiny")
-    if args.job_flags:
-        bench += ["--job_flags", args.job_flags]
+    job_flags = args.job_flags
+    if args.data_parallel == "ddp" and gpus > 1:
+        job_flags += (
+            f" --parallelism.data_parallel_replicate_degree {gpus} --parallelism.data_parallel_shard_degree 1"
+        )
+    if job_flags.strip():
+        bench += ["--job_flags", job_flags.strip()]
     if gpus == 1:
         return [sys.executable, *bench]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus), *bench,
@@ -187,6 +197,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, default=0.95, help="share of one GPU's tokens/s per GPU")
     parser.add_argument("--timeout_s", type=float, default=1200, help="per run")
     parser.add_argument("--job_flags", default="", help="train.sh flags the bench adds to every case's job")
+    parser.add_argument("--data_parallel", default="fsdp", choices=("fsdp", "ddp"),
+                        help="how the runs on several GPUs split the model: FSDP per block, or DDP (replicated "
+                        "parameters, C++ gradient buckets); ddp writes its own section, DDP scaling")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also keep this invocation's runs here")
     parser.add_argument("--merge", type=Path, nargs="+", default=None,
                         help="run nothing: one table from the --json files of earlier invocations on one host")  # fmt: skip
@@ -215,7 +228,8 @@ def measure(args: argparse.Namespace, command: str) -> dict:
         for gpus in args.gpus:
             records[str(gpus)], endings[str(gpus)] = run_bench(gpus, args, Path(work) / f"{gpus}gpu.json")
     return {"command": command, "models": args.models.split(","), "seq_lens": [int(s) for s in args.seq_lens.split(",")],
-            "mode": args.mode, "warmup": args.warmup, "steps": args.steps, "target": args.target,
+            "mode": args.mode, "data_parallel": args.data_parallel, "warmup": args.warmup, "steps": args.steps,
+            "target": args.target,
             "links": gpu_links(args.device), "date": time.strftime("%Y-%m-%d"), "records": records, "endings": endings,
             "seconds": round(time.perf_counter() - started)}  # fmt: skip
 
@@ -243,6 +257,14 @@ def main(argv: list[str] | None = None) -> int:
         runs = [measure(args, command.strip())]
         if args.json:
             args.json.write_text(json.dumps(runs[0], indent=1))
+    kinds = {run.get("data_parallel", "fsdp") for run in runs}  # records from before the option are FSDP's
+    if len(kinds) > 1:
+        print(
+            f"error: the runs to merge used {' and '.join(sorted(kinds))}: merge runs of one kind",
+            file=sys.stderr,
+        )
+        return 2
+    data_parallel = kinds.pop()
     records, endings = combine(runs)
     models = list(dict.fromkeys(model for run in runs for model in run["models"]))
     seq_lens = list(dict.fromkeys(seq_len for run in runs for seq_len in run["seq_lens"]))
@@ -256,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         first = runs[0]
         write_section(
             args.doc,
-            MARKER,
-            "FSDP scaling",
+            MARKER if data_parallel == "fsdp" else DDP_MARKER,
+            f"{data_parallel.upper()} scaling",
             f"Command{'s' * (len(runs) > 1)}: {commands}"
             + (f" (one table by `{command.strip()}`)" if args.merge else "")
             + f" on {max(records)} x {device}, torch {torch_version} ({first['date']}); {first['mode']}, {first['warmup']} warm-up then {first['steps']} timed "

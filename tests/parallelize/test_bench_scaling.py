@@ -93,3 +93,30 @@ def test_links_from_nvidia_smi_topology():
         "NIC0\tPIX\tSYS\tSYS\t X \n\nLegend:\n\n  X    = Self\n  NV#  = Connection traversing a bonded set of # NVLinks\n"
     )
     assert load_script().links_of_matrix(matrix) == "NV18 (0-1); SYS (0-2, 1-2)"
+
+
+def test_ddp_runs_replicate_over_the_gpus_and_write_their_own_section(tmp_path):
+    script = load_script()
+    args = script.parse(["--device", "cpu", "--tiny", "--gpus", "1,2", "--data_parallel", "ddp",
+                         "--job_flags", "--optimizer.implementation foreach"])  # fmt: skip
+    one, two = (script.bench_command(n, args, tmp_path / "r.json") for n in (1, 2))
+    assert one[one.index("--job_flags") + 1] == "--optimizer.implementation foreach"
+    assert two[two.index("--job_flags") + 1] == (
+        "--optimizer.implementation foreach --parallelism.data_parallel_replicate_degree 2 "
+        "--parallelism.data_parallel_shard_degree 1"
+    )
+    ddp = dict(
+        run_record("transformer", {1: 100.0, 2: 99.0}, {1: "finished", 2: "finished"}, "C"),
+        data_parallel="ddp",
+    )
+    fsdp = run_record("transformer", {1: 100.0, 2: 80.0}, {1: "finished", 2: "finished"}, "D")
+    (tmp_path / "ddp.json").write_text(json.dumps(ddp))
+    (tmp_path / "fsdp.json").write_text(json.dumps(fsdp))
+    doc = tmp_path / "performance.md"
+    assert script.main(["--merge", str(tmp_path / "ddp.json"), "--doc", str(doc)]) == 0
+    assert script.main(["--merge", str(tmp_path / "fsdp.json"), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert "## DDP scaling" in text and "| transformer | 2048 | 100 | 99 (99.0%) |" in text
+    assert "## FSDP scaling" in text and "| transformer | 2048 | 100 | 80 (80.0%) |" in text
+    mixed = ["--merge", str(tmp_path / "ddp.json"), str(tmp_path / "fsdp.json"), "--doc", str(doc)]
+    assert script.main(mixed) == 2 and doc.read_text() == text
