@@ -61,13 +61,10 @@ def bench_command(gpus: int, args: argparse.Namespace, report: Path) -> list[str
              args.device, "--no_write", "--json", str(report)]  # fmt: skip
     if args.tiny:
         bench.append("--tiny")
-    job_flags = args.job_flags
-    if args.data_parallel == "ddp" and gpus > 1:
-        job_flags += (
-            f" --parallelism.data_parallel_replicate_degree {gpus} --parallelism.data_parallel_shard_degree 1"
-        )
-    if job_flags.strip():
-        bench += ["--job_flags", job_flags.strip()]
+    if args.job_flags:
+        bench += ["--job_flags", args.job_flags]
+    if args.data_parallel == "ddp":
+        bench += ["--data_parallel", "ddp"]
     if gpus == 1:
         return [sys.executable, *bench]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus), *bench,

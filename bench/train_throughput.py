@@ -22,7 +22,8 @@ host alone: "host s" is the median time the host takes to issue a step whose GPU
 whose host time reaches its step time is bound by the host (Python, FSDP's hooks, the optimizer's dispatch), not
 by its kernels; under FSDP every rank then waits for the slowest host. ``--fake_world N`` runs one process as rank 0
 of N whose collectives do nothing: FSDP's host work alone, measurable on a CPU (``--device cpu --tiny
---fake_world 2``). With ``--cp N`` each row is split
+--fake_world 2``). ``--data_parallel ddp`` replicates the model over the ranks with DDP instead of sharding it with
+FSDP. With ``--cp N`` each row is split
 over the N ranks of a context-parallel group by the step, as in training: a group reads batch = tokens x N //
 seq_len rows, so every GPU still holds ``--tokens_per_gpu`` tokens, and FSDP shards over the data-parallel x cp
 ranks.
@@ -154,12 +155,19 @@ def activation_flags(activations: str) -> list[str]:
             "--activation_offload.mode", "full" if offload else "none"]  # fmt: skip
 
 
+def data_parallel_flags(degree: int, kind: str) -> list[str]:
+    """The job's data-parallel degrees: ``degree`` ranks sharding (FSDP) or replicating (DDP) the model."""
+    shard, replicate = (degree, 1) if kind == "fsdp" or degree == 1 else (1, degree)
+    return ["--parallelism.data_parallel_shard_degree", str(shard),
+            "--parallelism.data_parallel_replicate_degree", str(replicate)]  # fmt: skip
+
+
 def job_config(
     seq_len: int, compiled: bool, world_size: int, args, activations: str = "none", optimizer: str = "AdamW"
 ):
     flags = ["--training.seq_len", str(seq_len), "--training.local_batch_size", str(rows_per_step(args, seq_len)),
              "--training.dataset", args.dataset, "--model.tokenizer_path", args.tokenizer,
-             "--parallelism.data_parallel_shard_degree", str(world_size // args.cp),
+             *data_parallel_flags(world_size // args.cp, args.data_parallel),
              "--parallelism.context_parallel_degree", str(args.cp),
              *activation_flags(activations), "--optimizer.name", optimizer, "--optimizer.lr", "3e-4",
              "--model.attention_backend", args.attention_backend,
@@ -606,10 +614,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--num_layers", type=int, default=None, help="blocks per model (default: its config's)"
     )
     parser.add_argument(
+        "--data_parallel",
+        choices=("fsdp", "ddp"),
+        default="fsdp",
+        help="how several ranks split the model: FSDP per block, or DDP (replicated parameters, gradients "
+        "all-reduced in buckets)",
+    )
+    parser.add_argument(
         "--fake_world",
         type=int,
         default=0,
-        help="one process as rank 0 of a world of this size whose collectives do nothing (FSDP's host cost "
+        help="one process as rank 0 of a world of this size whose collectives do nothing (data parallelism's host cost "
         "without communication, on any machine); prints only",
     )
     parser.add_argument("--peak_tflops", type=float, default=None, help="default: 989 on CUDA, none on CPU")
@@ -678,9 +693,11 @@ def main(argv: list[str] | None = None) -> int:
     if world_size % args.cp:
         print(f"error: --cp {args.cp} does not divide the {world_size} processes", file=sys.stderr)
         return 2
+    data_parallel = world_size // args.cp
+    ddp = args.data_parallel == "ddp" and data_parallel > 1
     parallel_dims = ParallelDims(
-        dp_replicate=1,
-        dp_shard=world_size // args.cp,
+        dp_replicate=data_parallel if ddp else 1,
+        dp_shard=1 if ddp else data_parallel,
         cp=args.cp,
         tp=1,
         pp=1,
@@ -747,7 +764,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + text)
         if args.fake_world:
             print(
-                f"(a fake process group of {world_size}: FSDP's host work without communication; not written)"
+                f"(a fake process group of {world_size}: {args.data_parallel.upper()}'s host work without "
+                "communication; not written)"
             )
         elif not args.no_write:
             # Runs over activation modes or optimizers get their own section beside the plain throughput table.

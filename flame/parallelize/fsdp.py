@@ -77,9 +77,12 @@ def apply_fsdp(
 def _allreduce_sum_hook(
     process_group: dist.ProcessGroup, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: all-reduce SUM (DDP's default hook divides by the world size first)."""
-    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    """DDP communication hook: all-reduce SUM (DDP's default hook divides by the world size first). The
+    all-reduce is in place, so the bucket's own buffer is the result (the future's value is backend-specific: a
+    fake process group's is None)."""
+    buffer = bucket.buffer()
+    work = dist.all_reduce(buffer, group=process_group, async_op=True)
+    return work.get_future().then(lambda _: buffer)
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, compile_enabled: bool = False) -> None:

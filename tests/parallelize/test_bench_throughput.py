@@ -216,9 +216,9 @@ def test_job_flags_reach_every_case_job(monkeypatch):
     assert job_config(64, False, 1, parse(["--device", "cpu", "--tiny"])).optimizer.implementation == "fused"
 
 
-def test_a_fake_world_runs_fsdp_in_one_process_and_writes_nothing(tmp_path, monkeypatch):
-    """--fake_world: FSDP over a process group of 2 whose collectives do nothing, in one process (FSDP's host work
-    alone). The row says 2 GPUs and the doc is left alone; --num_layers sets any model's block count."""
+def test_a_fake_world_runs_fsdp_or_ddp_in_one_process_and_writes_nothing(tmp_path, monkeypatch):
+    """--fake_world: FSDP, or DDP, over a process group of 2 whose collectives do nothing, in one process (their
+    host work alone). The row says 2 GPUs and the doc is left alone; --num_layers sets any model's block count."""
     doc = tmp_path / "performance.md"
     result = run([sys.executable, str(BENCH), "--device", "cpu", "--tiny", "--doc", str(doc), "--models", "transformer",
                   "--modes", "eager", "--fake_world", "2"])  # fmt: skip
@@ -226,9 +226,28 @@ def test_a_fake_world_runs_fsdp_in_one_process_and_writes_nothing(tmp_path, monk
     assert row[1] == "2" and float(row[8]) > 0, row  # GPUs, host s
     assert "(a fake process group of 2: FSDP's host work without communication; not written)" in result.stdout
     assert "link bus bandwidth" not in result.stdout and not doc.exists()
+    # DDP over the same fake world (its gradient hook takes the in-place all-reduce's buffer, whatever the
+    # backend's future holds).
+    result = run([sys.executable, str(BENCH), "--device", "cpu", "--tiny", "--doc", str(doc), "--models", "transformer",
+                  "--modes", "eager", "--fake_world", "2", "--data_parallel", "ddp"])  # fmt: skip
+    row = [c.strip() for c in result.stdout.split("\n| transformer |")[-1].split("\n")[0].split("|")]
+    assert row[1] == "2" and float(row[8]) > 0, row
+    assert "(a fake process group of 2: DDP's host work without communication; not written)" in result.stdout
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     from train_throughput import model_args
 
     for name in ("transformer", "llama"):
         assert model_args(name, True, 24).num_hidden_layers == 24
         assert model_args(name, True).num_hidden_layers == 2
+
+
+def test_data_parallel_degrees_shard_or_replicate(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from train_throughput import data_parallel_flags
+
+    def degrees(flags):
+        return flags[1], flags[3]  # shard, replicate
+
+    assert degrees(data_parallel_flags(4, "fsdp")) == ("4", "1")
+    assert degrees(data_parallel_flags(4, "ddp")) == ("1", "4")
+    assert degrees(data_parallel_flags(1, "ddp")) == ("1", "1")
