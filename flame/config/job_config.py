@@ -319,6 +319,14 @@ class Parallelism:
 
 
 @dataclass
+class Compile:
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    """inductor's mode for the compiled blocks and loss: reduce-overhead replays each compiled graph as a CUDA graph
+    (no per-kernel launch work on the host; the shapes must stay fixed), max-autotune also benchmarks inductor's
+    matmul and kernel choices (long first steps); inductor backend only"""
+
+
+@dataclass
 class ActivationCheckpoint:
     mode: Literal["selective", "full", "memory_budget", "none"] = "none"
     """Activation checkpointing: none, selective, full or memory_budget"""
@@ -359,6 +367,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    compile: Compile = field(default_factory=Compile)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)

@@ -238,6 +238,11 @@ def check_activation_checkpoint(job_config) -> None:
 
 
 def check_compile(compile_config) -> None:
+    if compile_config.mode != "default" and compile_config.backend != "inductor":
+        raise ConfigError(
+            f"compile.mode {compile_config.mode} is inductor's; compile.backend is {compile_config.backend}: "
+            "drop --compile.mode or use --compile.backend inductor"
+        )
     unknown = [c for c in compile_config.components if c not in COMPILE_COMPONENTS]
     if unknown:
         raise ConfigError(

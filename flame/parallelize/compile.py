@@ -9,15 +9,22 @@ from torchtitan.tools.logging import logger
 from flame.models import model_spec
 
 
-def compile_blocks(model: nn.Module, backend: str) -> None:
+def compile_options(backend: str, mode: str = "default") -> dict:
+    """torch.compile's keyword arguments for flame's compiled regions: inductor's mode only where it applies."""
+    return {"backend": backend, **({"mode": mode} if mode != "default" else {})}
+
+
+def compile_blocks(model: nn.Module, backend: str, mode: str = "default") -> None:
     """Compile each block separately: repeated structure compiles once, and FSDP hooks stay outside the graphs
     (pytorch#181924: FSDP2 hooks break fullgraph graphs). Under compile the gated delta rule and the short conv
     (flame's kernel) run as torch.library custom ops and the norms as PyTorch code (flame.ops), so a Gated DeltaNet or attention
     block is one graph; fullgraph stays off because DeltaNet's FLA ops still graph-break."""
     for stack in model_spec(model.args).blocks(model):
         for layer_id, block in stack.named_children():
-            stack.register_module(layer_id, torch.compile(block, backend=backend, fullgraph=False))
-    logger.info("Compiled each block with torch.compile (backend %s)", backend)
+            stack.register_module(
+                layer_id, torch.compile(block, fullgraph=False, **compile_options(backend, mode))
+            )
+    logger.info("Compiled each block with torch.compile (backend %s, mode %s)", backend, mode)
 
 
 def maybe_compile_loss(loss_fn: Callable, compile_config) -> Callable:
@@ -25,5 +32,6 @@ def maybe_compile_loss(loss_fn: Callable, compile_config) -> Callable:
     log-softmax and the gather fuse into a pass over the bf16 logits instead of several over float32 copies."""
     if not (compile_config.enable and "loss" in compile_config.components):
         return loss_fn
-    logger.info("Compiled the loss with torch.compile (backend %s)", compile_config.backend)
-    return torch.compile(loss_fn, backend=compile_config.backend)
+    backend, mode = compile_config.backend, compile_config.mode
+    logger.info("Compiled the loss with torch.compile (backend %s, mode %s)", backend, mode)
+    return torch.compile(loss_fn, **compile_options(backend, mode))

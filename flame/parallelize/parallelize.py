@@ -63,7 +63,7 @@ def parallelize_model(
     if job_config.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(model, job_config)
     if job_config.compile.enable and "model" in job_config.compile.components:
-        compile_blocks(model, job_config.compile.backend)
+        compile_blocks(model, job_config.compile.backend, job_config.compile.mode)
     if job_config.activation_offload.mode == "full":
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         apply_activation_offload(model, device)

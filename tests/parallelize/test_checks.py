@@ -11,7 +11,7 @@ import torch
 
 from flame.config import parse_args
 from flame.errors import ConfigError
-from flame.models import load_model_args
+from flame.models import build_model, load_model_args
 from flame.parallelize import check_parallelism
 from flame.parallelize.float8 import check_converters
 
@@ -374,3 +374,27 @@ def test_fused_linear_cross_entropy_refuses_what_it_cannot_run_in_one_line(tmp_p
     assert "filter_fqns" in refused(1, *float8, config=str(config))
     assert "filter_fqns" not in refused(1, *float8, "--quantize.linear.float8.filter_fqns", "lm_head",
                                         config=str(config))  # fmt: skip
+
+
+def test_compile_mode_reaches_every_compiled_region_and_needs_inductor(monkeypatch):
+    """--compile.mode goes to torch.compile for each block and the loss (inductor's modes only: another backend
+    is refused in one line); the default passes no mode, as before the option."""
+    from flame.loss import loss_sums
+    from flame.parallelize.compile import compile_blocks, maybe_compile_loss
+    from tests.parallelize.harness import model_args
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    config = parse_args(["--compile.enable", "--compile.mode", "reduce-overhead"])
+    model = build_model(model_args("gated_deltanet"))
+    compile_blocks(model, config.compile.backend, config.compile.mode)
+    maybe_compile_loss(loss_sums, config.compile)
+    assert len(calls) == len(model.layers) + 1
+    assert all(c["mode"] == "reduce-overhead" and c["backend"] == "inductor" for c in calls), calls
+    calls.clear()
+    maybe_compile_loss(loss_sums, parse_args(["--compile.enable"]).compile)
+    assert calls == [{"backend": "inductor"}]
+    message = refused(
+        1, "--compile.enable", "--compile.backend", "aot_eager", "--compile.mode", "max-autotune"
+    )
+    assert message.startswith("compile.mode max-autotune is inductor's; compile.backend is aot_eager")
