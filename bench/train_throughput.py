@@ -135,14 +135,19 @@ class Result:
     timelines: tuple[str, ...] = ()
 
 
-def model_args(name: str, tiny: bool, num_layers: int | None = None):
+def model_config(name: str, tiny: bool, num_layers: int | None = None) -> dict:
+    """The bench model's config, as a --model.config JSON holds it."""
     path, overrides = MODELS[name]
     config = {**(read_model_config(REPO / path) if path else {}), **overrides}
     if tiny:
         config.update(TINY, **TINY_FAMILY[name])
     if num_layers:
         config["num_hidden_layers"] = num_layers
-    args, _ = model_args_from_dict(config)
+    return config
+
+
+def model_args(name: str, tiny: bool, num_layers: int | None = None):
+    args, _ = model_args_from_dict(model_config(name, tiny, num_layers))
     return args
 
 

@@ -1,0 +1,187 @@
+"""Time from `bash train.sh` to the end of its first step, for each bench model, on a fresh machine and a warm one.
+
+    python bench/first_step.py                                   # every bench model, one GPU
+    python bench/first_step.py --models gated_deltanet,transformer
+    python bench/first_step.py --device cpu --tiny --models transformer --no_write   # smoke test
+
+A fresh machine is imitated with empty cache folders: each case launches train.sh with its own Triton cache
+(``TRITON_CACHE_DIR``: compiled kernels and autotuning results) and inductor cache (``TORCHINDUCTOR_CACHE_DIR``), so
+nothing an earlier run compiled or tuned is found. Per model, three launches, one after the other:
+
+1. fresh: empty caches and ``FLAME_SHIPPED_TUNING=0``: every kernel is compiled and FLA's are benchmarked, as on a
+   machine without flame's tuning results for its GPU;
+2. fresh, shipped tuning: empty caches, flame's tuning results for the GPU written into the Triton cache at launch
+   (flame/assets/autotune; the log's "wrote N" line gives N, 0 where flame has none for this GPU);
+3. warm: launch 2's caches, now filled: a restart on the same machine.
+
+Each launch is ``NGPU=1 bash train.sh`` with the model's config, ``--training.steps 1``, 8 x 2048 tokens (the bench's
+default), ``--compile.enable`` on a GPU, no checkpoint, the shipped corpus; the time runs from the launch to the
+``step 1/1`` log line (the process's start, imports, model build, compilation, tuning and the step itself), and a
+launch gets ``--timeout_s``. Prints the table and, on a GPU, writes it into docs/performance.md between
+``<!-- bench_first_step -->`` markers with the command, device and date.
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from train_throughput import MODELS, device_name, model_config, write_section  # noqa: E402
+
+MARKER = "bench_first_step"
+FIRST_STEP = re.compile(r"\bstep\s+1/\d+\b")
+SHIPPED = re.compile(r"wrote (\d+) of flame's tuning results")
+CASES = ("fresh", "fresh, shipped tuning", "warm")
+SHIPPED_VOCAB = 4096  # the default job's tokenizer (flame/assets/tokenizer)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(config: Path, dump: Path, args) -> list[str]:
+    flags = ["--model.config", str(config), "--job.dump_folder", str(dump), "--training.steps", "1",
+             "--training.seq_len", str(args.seq_len), "--training.batch_size", str(args.batch_size),
+             "--checkpoint.no-enable", "--metrics.log_freq", "1"]  # fmt: skip
+    if args.device == "cuda":
+        flags.append("--compile.enable")
+    return ["bash", str(REPO / "train.sh"), *flags]
+
+
+def case_env(caches: Path, shipped: bool) -> dict[str, str]:
+    return {"NGPU": "1", "MASTER_PORT": str(free_port()), "FLAME_EXPORT_HF": "0",
+            "TRITON_CACHE_DIR": str(caches / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+            "FLAME_SHIPPED_TUNING": "1" if shipped else "0"}  # fmt: skip
+
+
+def time_to_first_step(
+    command: list[str], env: dict[str, str], log: Path, timeout_s: float
+) -> tuple[float, str]:
+    """(seconds from the launch to the first step's log line, or NaN; what the row needs from the launch: the
+    shipped results written, or why no step came). The launch runs to its end; at ``timeout_s`` its whole process
+    group is killed."""
+    started = time.perf_counter()
+    first = float("nan")
+    lines = []
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                               env={**os.environ, **env}, start_new_session=True)  # fmt: skip
+    timer = threading.Timer(timeout_s, os.killpg, (process.pid, signal.SIGKILL))
+    timer.start()
+    try:
+        for line in process.stdout:  # train.sh prints the ranks' log lines as they come
+            lines.append(line)
+            if first != first and FIRST_STEP.search(line):
+                first = time.perf_counter() - started
+        status = process.wait()
+    except BaseException:  # stopped: the launch goes with this process
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    finally:
+        timer.cancel()
+    timed_out = time.perf_counter() - started >= timeout_s
+    log.write_text("".join(lines))
+    shipped = [int(m[1]) for line in lines if (m := SHIPPED.search(line))]
+    if first == first:
+        note = f"shipped results written: {shipped[0]}" if shipped else ""
+    elif timed_out:
+        note = f"no step within {timeout_s:.0f} s"
+    else:
+        note = next((line.strip() for line in reversed(lines) if line.strip()), f"exit status {status}")
+    return first, note
+
+
+def measure_model(name: str, args, work: Path) -> dict:
+    """The model's three launches; its row as a dict."""
+    folder = work / name
+    folder.mkdir(parents=True)
+    config = folder / "config.json"
+    values = model_config(name, args.tiny)
+    values["vocab_size"] = max(values.get("vocab_size", 0), SHIPPED_VOCAB)  # the tiny models' 256 is too few
+    config.write_text(json.dumps(values))
+    row = {"model": name, "seconds": {}, "notes": {}}
+    fresh_caches, shipped_caches = folder / "caches-fresh", folder / "caches-shipped"
+    for case, caches, shipped in ((CASES[0], fresh_caches, False), (CASES[1], shipped_caches, True),
+                                  (CASES[2], shipped_caches, True)):  # fmt: skip
+        command = launch_command(config, folder / f"dump-{len(row['seconds'])}", args)
+        seconds, note = time_to_first_step(
+            command, case_env(caches, shipped), folder / f"{case}.log", args.timeout_s
+        )
+        row["seconds"][case], row["notes"][case] = seconds, note
+        print(f"{name}, {case}: {seconds:.1f} s {note}".rstrip(), flush=True)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | " + " | ".join(f"{case} s" for case in CASES) + " | notes |",
+             "|---|" + "---:|" * len(CASES) + "---|"]  # fmt: skip
+    for row in rows:
+        cells = [
+            f"{row['seconds'][c]:.1f}" if row["seconds"][c] == row["seconds"][c] else "no step" for c in CASES
+        ]
+        notes = "; ".join(f"{c}: {row['notes'][c]}" for c in CASES if row["notes"][c]).replace("|", "\\|")
+        lines.append(f"| {row['model']} | " + " | ".join(cells) + f" | {notes} |")
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS), help="comma separated: " + ", ".join(MODELS))
+    parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--timeout_s", type=float, default=600, help="per launch")
+    parser.add_argument("--tiny", action="store_true", help="tiny versions of the models (smoke test)")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
+    parser.add_argument("--no_write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    if unknown := set(args.models.split(",")) - set(MODELS):
+        parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwinds through the launch
+    started = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="flame-first-step-") as work:
+        for name in args.models.split(","):
+            rows.append(measure_model(name, args, Path(work)))
+    text = table(rows)
+    print("\n" + text)
+    if not args.no_write and args.device == "cuda":
+        command = " ".join(["python bench/first_step.py", *(sys.argv[1:] if argv is None else argv)])
+        write_section(
+            args.doc,
+            MARKER,
+            "Time to the first step",
+            f"Command: `{command}` on {device_name(torch.device(args.device))}, torch {torch.__version__} "
+            f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - started:.0f} s). Seconds from `bash train.sh` "
+            "to its `step 1/1` line, 8 x 2048 tokens, compiled, in a new process per launch: fresh (empty Triton "
+            "and inductor caches, flame's shipped tuning off), fresh with flame's shipped tuning results for the "
+            "GPU, and warm (the second launch's caches again).",
+            text,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

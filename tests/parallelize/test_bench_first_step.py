@@ -1,0 +1,77 @@
+"""bench/first_step.py (a GPU benchmark) on the CPU: the time to the first step's log line read from a launch's
+output as it comes, the shipped tuning results it reports, a launch past its time limit killed with its children,
+and each case's caches: fresh and fresh-with-shipped-tuning empty and apart, warm the second one's again."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+import first_step  # noqa: E402
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_the_first_step_line_is_timed_as_it_comes(tmp_path):
+    launch = python(
+        "import time\n"
+        "print('[rank0]: wrote 37 of flame\\'s tuning results for NVIDIA H200 into ...', flush=True)\n"
+        "time.sleep(0.5)\n"
+        "print('[rank0]:[titan] step  1/1  loss 8.3606  grad_norm 3.254', flush=True)\n"
+        "time.sleep(1.5)  # the end of the run is not the first step\n"
+    )
+    seconds, note = first_step.time_to_first_step(launch, {}, tmp_path / "a.log", 30)
+    assert 0.5 <= seconds < 1.8 and note == "shipped results written: 37"
+    assert "step  1/1" in (tmp_path / "a.log").read_text()
+
+
+def test_a_launch_without_a_step_says_why(tmp_path):
+    launch = python("print('[rank0]:error: the tokenizer has 4096 tokens'); raise SystemExit(1)")
+    seconds, note = first_step.time_to_first_step(launch, {}, tmp_path / "b.log", 30)
+    assert seconds != seconds and note == "[rank0]:error: the tokenizer has 4096 tokens"
+
+
+def test_a_launch_past_its_limit_is_killed_with_its_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    launch = ["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"]
+    started = time.perf_counter()
+    seconds, note = first_step.time_to_first_step(launch, {}, tmp_path / "c.log", 1)
+    assert time.perf_counter() - started < 10 and seconds != seconds and note == "no step within 1 s"
+    child = int(pid_file.read_text())
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail("the launch's child outlived its limit")
+
+
+def test_fresh_cases_start_from_empty_caches_and_warm_reuses_them(tmp_path, monkeypatch):
+    seen = []
+
+    def time_to_first_step(command, env, log, timeout_s):
+        cache = Path(env["TRITON_CACHE_DIR"])
+        seen.append((env["FLAME_SHIPPED_TUNING"], cache, cache.exists(), command))
+        cache.mkdir(parents=True, exist_ok=True)
+        return 1.0 + len(seen), ""
+
+    monkeypatch.setattr(first_step, "time_to_first_step", time_to_first_step)
+    args = first_step.parse(["--device", "cpu", "--tiny", "--models", "gated_deltanet", "--seq_len", "64"])
+    row = first_step.measure_model("gated_deltanet", args, tmp_path)
+    (fresh, fresh_exists, _), (shipped, shipped_exists, _), (warm, warm_exists, command) = (
+        (s[0], s[2], s[3]) for s in seen
+    )
+    assert (fresh, shipped, warm) == ("0", "1", "1")
+    assert not fresh_exists and not shipped_exists and warm_exists
+    assert seen[0][1] != seen[1][1] == seen[2][1]
+    assert command[command.index("--training.seq_len") + 1] == "64" and "--compile.enable" not in command
+    assert row["seconds"] == dict(zip(first_step.CASES, (2.0, 3.0, 4.0)))
+    assert first_step.table([row]).splitlines()[-1] == "| gated_deltanet | 2.0 | 3.0 | 4.0 |  |"
