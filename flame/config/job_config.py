@@ -321,9 +321,9 @@ class Parallelism:
 @dataclass
 class Compile:
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
-    """inductor's mode for the compiled blocks and loss: reduce-overhead replays each compiled graph as a CUDA graph
+    """inductor's mode for the compiled blocks and loss: reduce-overhead replays each compiled block as a CUDA graph
     (no per-kernel launch work on the host; the shapes must stay fixed), max-autotune also benchmarks inductor's
-    matmul and kernel choices (long first steps); inductor backend only"""
+    matmul and kernel choices (long first steps); the loss compiles without CUDA graphs; inductor backend only"""
 
 
 @dataclass

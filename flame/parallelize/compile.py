@@ -8,10 +8,17 @@ from torchtitan.tools.logging import logger
 
 from flame.models import model_spec
 
+# inductor's modes that replay graphs as CUDA graphs, and each one's mode without them.
+CUDA_GRAPH_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
 
 def compile_options(backend: str, mode: str = "default") -> dict:
     """torch.compile's keyword arguments for flame's compiled regions: inductor's mode only where it applies."""
     return {"backend": backend, **({"mode": mode} if mode != "default" else {})}
+
+
+def uses_cuda_graphs(compile_config) -> bool:
+    return compile_config.enable and compile_config.mode in CUDA_GRAPH_MODES
 
 
 def compile_blocks(model: nn.Module, backend: str, mode: str = "default") -> None:
@@ -32,6 +39,8 @@ def maybe_compile_loss(loss_fn: Callable, compile_config) -> Callable:
     log-softmax and the gather fuse into a pass over the bf16 logits instead of several over float32 copies."""
     if not (compile_config.enable and "loss" in compile_config.components):
         return loss_fn
-    backend, mode = compile_config.backend, compile_config.mode
+    # Without CUDA graphs: a graph's outputs live in memory its next replay overwrites, and the step keeps each
+    # micro-batch's loss sums until all of them have run.
+    backend, mode = compile_config.backend, CUDA_GRAPH_MODES.get(compile_config.mode, compile_config.mode)
     logger.info("Compiled the loss with torch.compile (backend %s, mode %s)", backend, mode)
     return torch.compile(loss_fn, **compile_options(backend, mode))

@@ -28,6 +28,7 @@ from flame.models.common.decoder import fuses_linear_cross_entropy
 from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
 from flame.optim.nonfinite import clip_grad_norm_
+from flame.parallelize.compile import uses_cuda_graphs
 from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
 from flame.train.model_parts import ModelParts, Topology, autocast_context
 from flame.train.objective import LanguageModelObjective
@@ -78,9 +79,14 @@ class TrainStep:
             job_config, fused=fuses_linear_cross_entropy(model.parts[0])
         )
         self.before_update = before_update  # e.g. wait for an async checkpoint to finish copying the weights
+        self.marks_cuda_graph_steps = uses_cuda_graphs(job_config.compile)
 
     def __call__(self, batches: list[Batch]) -> StepResult:
         topology = self.topology
+        if (
+            self.marks_cuda_graph_steps
+        ):  # the blocks' CUDA graphs may reuse the last step's output memory from here
+            torch.compiler.cudagraph_mark_step_begin()
         self.optimizers.zero_grad()
         if topology.cp_group is not None:
             batches = [shard_batch(inputs, labels, topology.cp_group) for inputs, labels in batches]

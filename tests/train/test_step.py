@@ -222,3 +222,19 @@ def test_steps_that_log_nothing_read_no_step_result_on_the_host(make_trainer, mo
     trainer.step = 3
     with pytest.raises(AssertionError, match="read on the host"):  # a log step reads them
         trainer.train_step(trainer.batches)
+
+
+@pytest.mark.parametrize(("mode", "marks"), [("reduce-overhead", 2), ("max-autotune-no-cudagraphs", 0)])
+def test_each_step_marks_a_new_cuda_graph_step_when_the_blocks_replay_graphs(
+    make_trainer, monkeypatch, mode, marks
+):
+    """CUDA graphs reuse a graph's output memory on its next replay: each step tells torch's cudagraph trees that
+    the last step's outputs are dead. (torch.compile is a pass-through here: inductor's CUDA graphs need a GPU.)"""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    calls = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: calls.append("mark"))
+    trainer = make_trainer("--compile.enable", "--compile.mode", mode)
+    inputs, labels = first_rows(trainer, trainer.job_config.training.local_batch_size)
+    run_step(trainer, [(inputs, labels)], step=1)
+    run_step(trainer, [(inputs, labels)], step=2)
+    assert calls == ["mark"] * marks
