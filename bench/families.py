@@ -224,7 +224,7 @@ def run_command(command: list[str], log: Path, timeout_s: float, env: dict[str, 
 
 
 def stop_on_sigterm() -> None:
-    """SIGTERM (``timeout``'s signal) exits through Python's unwinding, so run_command kills the running step."""
+    """SIGTERM (``timeout``'s signal) exits through Python's unwinding, so the running step's launcher kills it."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
@@ -262,6 +262,7 @@ def train_command(dump: Path, config: Path, args) -> list[str]:
 
 
 def train_env() -> dict[str, str]:
+    """The environment of a one-GPU train.sh launch: a free rendezvous port, no HF export at the end."""
     import socket
 
     with socket.socket() as s:  # a free rendezvous port: other jobs may share the machine

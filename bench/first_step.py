@@ -38,6 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
+from families import stop_on_sigterm, train_env  # noqa: E402
 from train_throughput import MODELS, device_name, model_config, write_section  # noqa: E402
 
 MARKER = "bench_first_step"
@@ -45,14 +46,6 @@ FIRST_STEP = re.compile(r"\bstep\s+1/\d+\b")
 SHIPPED = re.compile(r"wrote (\d+) of flame's tuning results")
 CASES = ("fresh", "fresh, shipped tuning", "warm")
 SHIPPED_VOCAB = 4096  # the default job's tokenizer (flame/assets/tokenizer)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def launch_command(config: Path, dump: Path, args) -> list[str]:
@@ -65,9 +58,8 @@ def launch_command(config: Path, dump: Path, args) -> list[str]:
 
 
 def case_env(caches: Path, shipped: bool) -> dict[str, str]:
-    return {"NGPU": "1", "MASTER_PORT": str(free_port()), "FLAME_EXPORT_HF": "0",
-            "TRITON_CACHE_DIR": str(caches / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-            "FLAME_SHIPPED_TUNING": "1" if shipped else "0"}  # fmt: skip
+    return {**train_env(), "TRITON_CACHE_DIR": str(caches / "triton"),
+            "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "FLAME_SHIPPED_TUNING": "1" if shipped else "0"}  # fmt: skip
 
 
 def time_to_first_step(
@@ -159,7 +151,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwinds through the launch
+    stop_on_sigterm()  # unwinds through time_to_first_step, which kills the launch
     started = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="flame-first-step-") as work:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer_helpers import free_port
+from tests.utils.helpers import process_ends
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
@@ -148,9 +149,6 @@ def test_known_reasons_and_verdicts():
 
 
 def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path):
-    import os
-    import time
-
     command = [
         "bash",
         "-c",
@@ -158,13 +156,7 @@ def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path):
     ]  # a child that outlives its parent unless its group dies
     status, stdout, stderr = families.run_command(command, tmp_path / "step.log", 1, {})
     assert status == 124 and stderr.endswith("timed out after 1 s")
-    for _ in range(50):  # until init has reaped it
-        try:
-            os.kill(int(stdout), 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    pytest.fail("the step's child outlived the timeout")
+    assert process_ends(int(stdout)), "the step's child outlived the timeout"
 
 
 def test_rows_written_as_each_family_finishes_and_runs_sharing_the_doc_keep_each_others(
@@ -213,7 +205,6 @@ def test_a_write_waits_for_the_lock_another_run_holds(tmp_path):
 
 
 def test_a_terminated_run_takes_its_steps_processes_with_it(tmp_path):
-    import os
     import signal
     import subprocess
     import time
@@ -231,13 +222,7 @@ def test_a_terminated_run_takes_its_steps_processes_with_it(tmp_path):
     child = int(pid_file.read_text())
     run.send_signal(signal.SIGTERM)
     assert run.wait(timeout=30) == 128 + signal.SIGTERM
-    for _ in range(50):
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    pytest.fail("the step's child outlived the terminated run")
+    assert process_ends(child), "the step's child outlived the terminated run"
 
 
 def test_tables_written_elsewhere_merge_into_the_doc(tmp_path, monkeypatch):

@@ -2,17 +2,16 @@
 output as it comes, the shipped tuning results it reports, a launch past its time limit killed with its children,
 and each case's caches: fresh and fresh-with-shipped-tuning empty and apart, warm the second one's again."""
 
-import os
 import sys
 import time
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
 import first_step  # noqa: E402
+
+from tests.utils.helpers import process_ends  # noqa: E402
 
 
 def python(code: str) -> list[str]:
@@ -45,13 +44,7 @@ def test_a_launch_past_its_limit_is_killed_with_its_children(tmp_path):
     seconds, note = first_step.time_to_first_step(launch, {}, tmp_path / "c.log", 1)
     assert time.perf_counter() - started < 10 and seconds != seconds and note == "no step within 1 s"
     child = int(pid_file.read_text())
-    for _ in range(50):
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    pytest.fail("the launch's child outlived its limit")
+    assert process_ends(child), "the launch's child outlived its limit"
 
 
 def test_fresh_cases_start_from_empty_caches_and_warm_reuses_them(tmp_path, monkeypatch):

@@ -41,3 +41,18 @@ def save_checkpoint(dump: Path, model, step: int = 0, tokenizer: Path | None = T
 
 def tokens(batch: int = 2, length: int = 24, vocab: int = 4096, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def process_ends(pid: int, within_s: float = 5.0) -> bool:
+    """Whether process ``pid`` is gone within ``within_s`` (a killed child is reaped by init shortly after)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
