@@ -25,13 +25,18 @@ docs/performance.md between ``<!-- bench_fsdp_scaling -->`` markers with the com
 
 ``--data_parallel ddp`` runs the same cases with DDP on several GPUs instead (the parameters replicated, the
 gradients all-reduced in buckets by DDP's C++ reducer, so the host issues far less per step than FSDP's Python
-hooks) and writes its table into its own section, "DDP scaling".
+hooks) and writes its table into its own section, "DDP scaling". ``--data_parallel fsdp,ddp`` runs both against one
+one-GPU run. ``--host NAME`` gives the tables sections of their own ("FSDP scaling, host NAME"), beside other
+hosts'.
 
 A host's models can be measured in several invocations (a device call with a time limit) and written as one table:
 
     python bench/fsdp_scaling.py --models transformer,gated_deltanet --json a.json --no_write
     python bench/fsdp_scaling.py --models hybrid,llama --json b.json --no_write
     python bench/fsdp_scaling.py --merge a.json b.json
+
+The --json file is rewritten after every run, so a call stopped by its time limit keeps the runs it finished; SIGTERM
+(``timeout``'s signal) stops the running bench's processes too.
 """
 
 import argparse
@@ -49,13 +54,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
+from families import stop_on_sigterm  # noqa: E402
 from train_throughput import MODELS, add_run_options, write_section  # noqa: E402
 
 MARKER = "bench_fsdp_scaling"
 DDP_MARKER = "bench_ddp_scaling"
 
 
-def bench_command(gpus: int, args: argparse.Namespace, report: Path) -> list[str]:
+def bench_command(gpus: int, args: argparse.Namespace, report: Path, kind: str = "fsdp") -> list[str]:
     bench = [str(REPO / "bench" / "train_throughput.py"), "--models", args.models, "--seq_lens", args.seq_lens,
              "--modes", args.mode, "--warmup", str(args.warmup), "--steps", str(args.steps), "--device",
              args.device, "--no_write", "--json", str(report)]  # fmt: skip
@@ -63,7 +69,7 @@ def bench_command(gpus: int, args: argparse.Namespace, report: Path) -> list[str
         bench.append("--tiny")
     if args.job_flags:
         bench += ["--job_flags", args.job_flags]
-    if args.data_parallel == "ddp":
+    if kind == "ddp" and gpus > 1:
         bench += ["--data_parallel", "ddp"]
     if gpus == 1:
         return [sys.executable, *bench]
@@ -71,23 +77,30 @@ def bench_command(gpus: int, args: argparse.Namespace, report: Path) -> list[str
             "--profile", "1"]  # fmt: skip
 
 
-def run_bench(gpus: int, args: argparse.Namespace, report: Path) -> tuple[dict | None, str]:
-    """One bench run on ``gpus`` GPUs: its JSON record (None if it wrote none) and how it ended."""
+def run_bench(
+    gpus: int, args: argparse.Namespace, report: Path, kind: str = "fsdp"
+) -> tuple[dict | None, str]:
+    """One bench run on ``gpus`` GPUs (``kind``: fsdp or ddp): its JSON record (None if it wrote none) and how it
+    ended."""
     env = dict(os.environ, TRITON_CACHE_AUTOTUNING=os.environ.get("TRITON_CACHE_AUTOTUNING", "1"))
     if args.device == "cuda":
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[:gpus])
-    print(f"== {gpus} GPU{'s' * (gpus > 1)}: {' '.join(bench_command(gpus, args, report))}", flush=True)
-    # Its own process group, which a timeout kills whole (torchrun's ranks would otherwise hold the GPUs).
-    process = subprocess.Popen(bench_command(gpus, args, report), cwd=REPO, env=env, start_new_session=True)
+    command = bench_command(gpus, args, report, kind)
+    print(f"== {gpus} GPU{'s' * (gpus > 1)}: {' '.join(command)}", flush=True)
+    # Its own process group, which a timeout or this script's own end kills whole (torchrun's ranks would otherwise
+    # hold the GPUs).
+    process = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True)
     try:
         status = process.wait(timeout=args.timeout_s)
         ending = "finished" if status == 0 else f"exit status {status}"
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
         ending = f"stopped after {args.timeout_s:.0f} s"
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
     record = json.loads(report.read_text()) if report.is_file() else None
     return record, ending
 
@@ -194,9 +207,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, default=0.95, help="share of one GPU's tokens/s per GPU")
     parser.add_argument("--timeout_s", type=float, default=1200, help="per run")
     parser.add_argument("--job_flags", default="", help="train.sh flags the bench adds to every case's job")
-    parser.add_argument("--data_parallel", default="fsdp", choices=("fsdp", "ddp"),
-                        help="how the runs on several GPUs split the model: FSDP per block, or DDP (replicated "
-                        "parameters, C++ gradient buckets); ddp writes its own section, DDP scaling")  # fmt: skip
+    parser.add_argument("--data_parallel", default="fsdp",
+                        help="how the runs on several GPUs split the model: fsdp (per block), ddp (replicated "
+                        "parameters, C++ gradient buckets; its own section, DDP scaling), or fsdp,ddp: both, "
+                        "against one one-GPU run")  # fmt: skip
+    parser.add_argument(
+        "--host", default="", help="a name for this host: its tables get sections of their own"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also keep this invocation's runs here")
     parser.add_argument("--merge", type=Path, nargs="+", default=None,
                         help="run nothing: one table from the --json files of earlier invocations on one host")  # fmt: skip
@@ -204,6 +221,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.merge:
         return args
+    args.data_parallel = args.data_parallel.split(",")
+    if not args.data_parallel or set(args.data_parallel) - {"fsdp", "ddp"}:
+        parser.error(f"--data_parallel takes fsdp, ddp or fsdp,ddp; got {','.join(args.data_parallel)}")
     if unknown := set(args.models.split(",")) - set(MODELS):
         parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
     available = torch.cuda.device_count() if args.device == "cuda" else 2
@@ -217,18 +237,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def measure(args: argparse.Namespace, command: str) -> dict:
-    """This invocation's runs, one GPU count after the other, as the --json file keeps them."""
-    started = time.perf_counter()
-    records, endings = {}, {}
+def measure(args: argparse.Namespace, command: str) -> list[dict]:
+    """This invocation's runs, one GPU count after the other, as the --json file keeps them: one entry per kind of
+    data parallelism, each with the one-GPU run (its seconds count in each); the file is rewritten after every run."""
+    links = gpu_links(args.device)
+    runs = [{"command": command, "models": args.models.split(","), "seq_lens": [int(s) for s in args.seq_lens.split(",")],
+             "mode": args.mode, "data_parallel": kind, "warmup": args.warmup, "steps": args.steps,
+             "target": args.target, "links": links, "date": time.strftime("%Y-%m-%d"), "records": {}, "endings": {},
+             "seconds": 0} for kind in args.data_parallel]  # fmt: skip
     with tempfile.TemporaryDirectory() as work:
-        for gpus in args.gpus:
-            records[str(gpus)], endings[str(gpus)] = run_bench(gpus, args, Path(work) / f"{gpus}gpu.json")
-    return {"command": command, "models": args.models.split(","), "seq_lens": [int(s) for s in args.seq_lens.split(",")],
-            "mode": args.mode, "data_parallel": args.data_parallel, "warmup": args.warmup, "steps": args.steps,
-            "target": args.target,
-            "links": gpu_links(args.device), "date": time.strftime("%Y-%m-%d"), "records": records, "endings": endings,
-            "seconds": round(time.perf_counter() - started)}  # fmt: skip
+        for gpus, run in [(1, None)] + [(gpus, run) for run in runs for gpus in args.gpus[1:]]:
+            started = time.perf_counter()
+            kind = run["data_parallel"] if run else "fsdp"
+            outcome = run_bench(gpus, args, Path(work) / f"{gpus}gpu-{kind}.json", kind)
+            for target in [run] if run else runs:
+                target["records"][str(gpus)], target["endings"][str(gpus)] = outcome
+                target["seconds"] += round(time.perf_counter() - started)
+            if args.json:
+                args.json.write_text(json.dumps(runs, indent=1))
+    return runs
 
 
 def combine(runs: list[dict]) -> tuple[dict[int, dict | None], dict[int, list[str]]]:
@@ -245,40 +272,51 @@ def combine(runs: list[dict]) -> tuple[dict[int, dict | None], dict[int, list[st
     return records, endings
 
 
+def read_runs(path: Path) -> list[dict]:
+    """A --json file's runs: a list, or one run from before --data_parallel took several kinds."""
+    runs = json.loads(path.read_text())
+    return runs if isinstance(runs, list) else [runs]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    stop_on_sigterm()
     command = "python bench/fsdp_scaling.py " + " ".join(sys.argv[1:] if argv is None else map(str, argv))
-    if args.merge:
-        runs = [json.loads(path.read_text()) for path in args.merge]
-    else:
-        runs = [measure(args, command.strip())]
-        if args.json:
-            args.json.write_text(json.dumps(runs[0], indent=1))
-    kinds = {run.get("data_parallel", "fsdp") for run in runs}  # records from before the option are FSDP's
-    if len(kinds) > 1:
-        print(
-            f"error: the runs to merge used {' and '.join(sorted(kinds))}: merge runs of one kind",
-            file=sys.stderr,
-        )
-        return 2
-    data_parallel = kinds.pop()
+    runs = (
+        [run for path in args.merge for run in read_runs(path)]
+        if args.merge
+        else measure(args, command.strip())
+    )
+    finished = True
+    for kind in ("fsdp", "ddp"):
+        # Records from before --data_parallel are FSDP's.
+        kind_runs = [run for run in runs if run.get("data_parallel", "fsdp") == kind]
+        if kind_runs:
+            finished &= write_table(kind, kind_runs, args, command.strip())
+    return 0 if finished else 1
+
+
+def write_table(kind: str, runs: list[dict], args: argparse.Namespace, command: str) -> bool:
+    """Prints one kind's table (and writes its section); whether every run finished."""
     records, endings = combine(runs)
     models = list(dict.fromkeys(model for run in runs for model in run["models"]))
     seq_lens = list(dict.fromkeys(seq_len for run in runs for seq_len in run["seq_lens"]))
     text = scaling_table(records, endings, models, seq_lens, runs[0]["target"])
-    print("\n" + text)
+    title = f"{kind.upper()} scaling" + (f", host {args.host}" if args.host else "")
+    print(f"\n{title}\n\n{text}")
     device = next((r["device"] for r in records.values() if r), args.device)
     if not args.no_write:
         torch_version = next((r["torch"] for r in records.values() if r), torch.__version__)
-        commands = " then ".join(f"`{run['command']}`" for run in runs)
+        commands = " then ".join(f"`{c}`" for c in dict.fromkeys(run["command"] for run in runs))
         links = next((run["links"] for run in runs if run.get("links")), "")
         first = runs[0]
+        marker = (MARKER if kind == "fsdp" else DDP_MARKER) + (f"_{args.host}" if args.host else "")
         write_section(
             args.doc,
-            MARKER if data_parallel == "fsdp" else DDP_MARKER,
-            f"{data_parallel.upper()} scaling",
+            marker,
+            title,
             f"Command{'s' * (len(runs) > 1)}: {commands}"
-            + (f" (one table by `{command.strip()}`)" if args.merge else "")
+            + (f" (one table by `{command}`)" if args.merge else "")
             + f" on {max(records)} x {device}, torch {torch_version} ({first['date']}); {first['mode']}, {first['warmup']} warm-up then {first['steps']} timed "
             "steps per case, bench/train_throughput.py's default tokens per GPU (random tokens); per-GPU tokens/s "
             "on N GPUs as a share of one GPU's from the same host in the same run. Total "
@@ -286,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             + (f" GPU links (nvidia-smi topo -m): {links}." if links else ""),
             text,
         )
-    finished = all(ending == "finished" for run_endings in endings.values() for ending in run_endings)
-    return 0 if finished else 1
+    return all(ending == "finished" for run_endings in endings.values() for ending in run_endings)
 
 
 if __name__ == "__main__":

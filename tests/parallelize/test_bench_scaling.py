@@ -99,9 +99,11 @@ def test_ddp_runs_replicate_over_the_gpus_and_write_their_own_section(tmp_path):
     script = load_script()
     args = script.parse(["--device", "cpu", "--tiny", "--gpus", "1,2", "--data_parallel", "ddp",
                          "--job_flags", "--optimizer.implementation foreach"])  # fmt: skip
-    two = script.bench_command(2, args, tmp_path / "r.json")
+    two = script.bench_command(2, args, tmp_path / "r.json", "ddp")
     assert two[two.index("--job_flags") + 1] == "--optimizer.implementation foreach"
-    assert two[two.index("--data_parallel") + 1] == "ddp"
+    assert two[two.index("--data_parallel") + 1] == "ddp" and "--data_parallel" not in script.bench_command(
+        1, args, tmp_path / "r.json", "ddp"
+    )
     ddp = dict(
         run_record("transformer", {1: 100.0, 2: 99.0}, {1: "finished", 2: "finished"}, "C"),
         data_parallel="ddp",
@@ -115,5 +117,22 @@ def test_ddp_runs_replicate_over_the_gpus_and_write_their_own_section(tmp_path):
     text = doc.read_text()
     assert "## DDP scaling" in text and "| transformer | 2048 | 100 | 99 (99.0%) |" in text
     assert "## FSDP scaling" in text and "| transformer | 2048 | 100 | 80 (80.0%) |" in text
-    mixed = ["--merge", str(tmp_path / "ddp.json"), str(tmp_path / "fsdp.json"), "--doc", str(doc)]
-    assert script.main(mixed) == 2 and doc.read_text() == text
+    other_host = ["--merge", str(tmp_path / "ddp.json"), str(tmp_path / "fsdp.json"), "--doc", str(doc)]
+    assert script.main([*other_host, "--host", "B"]) == 0
+    both = doc.read_text()
+    assert both.startswith(text.rstrip("\n")), "the first host's sections are kept"
+    assert "## FSDP scaling, host B" in both and "## DDP scaling, host B" in both
+    assert "<!-- bench_ddp_scaling_B -->" in both and "<!-- /bench_fsdp_scaling_B -->" in both
+
+
+def test_fsdp_and_ddp_runs_share_one_single_gpu_run_and_keep_each_run_in_the_json_file(tmp_path):
+    """--data_parallel fsdp,ddp: one one-GPU run, then a 2-rank run of each kind; the --json file holds both kinds."""
+    report = tmp_path / "runs.json"
+    result = scaling("--models", "transformer", "--timeout_s", "0.5", "--no_write", "--data_parallel", "fsdp,ddp",
+                     "--json", str(report))  # fmt: skip
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("== 1 GPU:") == 1 and result.stdout.count("== 2 GPUs:") == 2
+    fsdp, ddp = json.loads(report.read_text())
+    assert (fsdp["data_parallel"], ddp["data_parallel"]) == ("fsdp", "ddp")
+    assert set(fsdp["endings"]) == set(ddp["endings"]) == {"1", "2"}
+    assert "FSDP scaling" in result.stdout and "DDP scaling" in result.stdout
