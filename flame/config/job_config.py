@@ -323,7 +323,8 @@ class Compile:
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     """inductor's mode for the compiled blocks and loss: reduce-overhead replays each compiled block as a CUDA graph
     (no per-kernel launch work on the host; the shapes must stay fixed), max-autotune also benchmarks inductor's
-    matmul and kernel choices (long first steps); the loss compiles without CUDA graphs; inductor backend only"""
+    matmul and kernel choices (long first steps); the loss compiles without CUDA graphs; inductor backend only; the
+    CUDA graph modes with one GPU or DDP, not FSDP (docs/performance.md, "CUDA graphs")"""
 
 
 @dataclass

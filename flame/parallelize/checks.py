@@ -24,6 +24,7 @@ from flame.models.common.spec import MODEL_PARALLELISMS
 from flame.models.layers.attention import Attention
 from flame.models.layers.delta_net import DeltaNet
 from flame.models.layers.gated_deltanet import GatedDeltaNet
+from flame.parallelize.compile import uses_cuda_graphs
 from flame.parallelize.context_parallel import check_context_parallel
 from flame.parallelize.float8 import check_converters, float8_enabled
 from flame.parallelize.generic_tensor_parallel import block_plan
@@ -237,11 +238,19 @@ def check_activation_checkpoint(job_config) -> None:
             )
 
 
-def check_compile(compile_config) -> None:
+def check_compile(compile_config, degrees: dict[str, int]) -> None:
     if compile_config.mode != "default" and compile_config.backend != "inductor":
         raise ConfigError(
             f"compile.mode {compile_config.mode} is inductor's; compile.backend is {compile_config.backend}: "
             "drop --compile.mode or use --compile.backend inductor"
+        )
+    # Measured on an H200 (docs/performance.md, "CUDA graphs"): the blocks' CUDA graphs beside FSDP's parameter
+    # gathering made the step 4.4x slower, where DDP's and one GPU's steps keep their speed with them.
+    if uses_cuda_graphs(compile_config) and degrees["dp_shard"] > 1:
+        raise ConfigError(
+            f"compile.mode {compile_config.mode} replays CUDA graphs, which under FSDP (data_parallel_shard_degree "
+            f"{degrees['dp_shard']}) made training 4.4x slower; use DDP (--parallelism.data_parallel_replicate_degree "
+            "N --parallelism.data_parallel_shard_degree 1) or --compile.mode max-autotune-no-cudagraphs"
         )
     unknown = [c for c in compile_config.components if c not in COMPILE_COMPONENTS]
     if unknown:
@@ -307,7 +316,7 @@ def check_parallelism(job_config, model_args, world_size: int, model=None) -> di
     check_family_support(job_config, model_args, degrees)
     check_fused_loss(job_config, model_args, degrees)
     check_activation_checkpoint(job_config)
-    check_compile(job_config.compile)
+    check_compile(job_config.compile, degrees)
     check_converters(job_config, on_gpu=True)  # the GPU is checked on the ranks
     if degrees["tp"] > 1 and model_args.generic:
         check_generic_tensor_parallel(model_args, degrees["tp"])

@@ -83,9 +83,8 @@ class TrainStep:
 
     def __call__(self, batches: list[Batch]) -> StepResult:
         topology = self.topology
-        if (
-            self.marks_cuda_graph_steps
-        ):  # the blocks' CUDA graphs may reuse the last step's output memory from here
+        # The blocks' CUDA graphs may reuse the last step's output memory from here.
+        if self.marks_cuda_graph_steps:
             torch.compiler.cudagraph_mark_step_begin()
         self.optimizers.zero_grad()
         if topology.cp_group is not None:

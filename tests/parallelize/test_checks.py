@@ -402,3 +402,21 @@ def test_compile_mode_reaches_every_compiled_region_and_needs_inductor(monkeypat
         1, "--compile.enable", "--compile.backend", "aot_eager", "--compile.mode", "max-autotune"
     )
     assert message.startswith("compile.mode max-autotune is inductor's; compile.backend is aot_eager")
+
+
+def test_cuda_graphs_are_refused_under_fsdp_and_kept_with_ddp_and_one_rank():
+    graphs = ("--compile.enable", "--compile.mode", "reduce-overhead")
+    message = refused(2, *graphs)
+    assert message.startswith("compile.mode reduce-overhead replays CUDA graphs, which under FSDP")
+    assert (
+        "--parallelism.data_parallel_replicate_degree N --parallelism.data_parallel_shard_degree 1" in message
+    )
+    ddp = (
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    )
+    assert check(2, *graphs, *ddp)["dp_replicate"] == 2
+    assert check(1, *graphs)["dp_shard"] == 1
+    assert check(2, "--compile.enable", "--compile.mode", "max-autotune-no-cudagraphs")["dp_shard"] == 2
