@@ -128,32 +128,18 @@ def test_fsdp_and_pipeline_on_two_processes_match_one_process(tmp_path, periodic
     assert sorted(text_events(tmp_path / "two", "samples/0")) == [2]
 
 
-def test_context_parallel_with_pipeline_parallelism_matches_one_process(tmp_path):
-    """Four ranks, two pipeline stages x cp 2, each cp rank training on one half of every sequence of the same
-    batch (a GatedDeltaNet / attention hybrid: state relay, short-convolution borders and gathered keys all in use):
-    the trainer slices every pipeline micro-batch and runs the schedule with the cp exchanges. (cp alone, and cp
-    with every other parallelism, on the shared training step: tests/parallelize/test_parallel_training.py.)"""
+def test_packed_documents_through_a_pipeline_with_cp_match_one_process(tmp_path):
+    """Four ranks through train.sh: training.varlen (one packed row per batch, cu_seqlens to every stage) with
+    Interleaved1F1B over two pipeline ranks, two stages each, x cp 2, on a 4-layer GatedDeltaNet / attention hybrid.
+    The trainer slices the one micro-batch for the cp ranks and runs it through all four stages; every stage relays
+    the states of documents that cross the slice border, and the attention layers gather the other half's keys.
+    (cp alone, and cp with every other parallelism, on the shared training step:
+    tests/parallelize/test_parallel_training.py.)"""
     config = tmp_path / "hybrid.json"
     config.write_text(
-        '{"model_type": "gated_deltanet", "hidden_size": 128, "num_hidden_layers": 2, "num_heads": 2,'
-        ' "head_dim": 32, "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2}, "vocab_size": 4096}'
+        '{"model_type": "gated_deltanet", "hidden_size": 128, "num_hidden_layers": 4, "num_heads": 2,'
+        ' "head_dim": 32, "attn": {"layers": [1, 3], "num_heads": 4, "num_kv_heads": 2}, "vocab_size": 4096}'
     )
-    common = ["--model.config", str(config), "--training.seq_len", "128", "--training.batch_size", "2",
-              "--training.steps", "3", "--lr_scheduler.warmup_steps", "1", "--checkpoint.interval", "100",
-              "--training.seed", "7"]  # fmt: skip
-    cp2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
-    runs = {"one": (1, []), "cp_pp": (4, [*cp2, "--parallelism.pipeline_parallel_degree", "2"])}
-    train_from_one_seed(tmp_path, common, runs)
-    assert_runs_match_run_one(tmp_path, ["cp_pp"], GRADIENT_TOLERANCES, min_drop=0.1)
-
-
-def test_packed_documents_through_a_pipeline_with_cp_match_one_process(tmp_path):
-    """training.varlen (one packed row per batch, cu_seqlens to every stage) with Interleaved1F1B over two
-    pipeline ranks, two stages each, on a 4-layer GatedDeltaNet, x cp 2 (four ranks): the one micro-batch runs
-    through all four stages, and every stage relays the states of documents that cross the slice border."""
-    config = tmp_path / "gdn.json"
-    config.write_text('{"model_type": "gated_deltanet", "hidden_size": 128, "num_hidden_layers": 4,'
-                      ' "num_heads": 2, "head_dim": 32, "vocab_size": 4096}')  # fmt: skip
     common = ["--model.config", str(config), "--training.seq_len", "128", "--training.batch_size", "1",
               "--training.varlen", "--training.steps", "3", "--lr_scheduler.warmup_steps", "1",
               "--checkpoint.interval", "100", "--training.seed", "7"]  # fmt: skip
