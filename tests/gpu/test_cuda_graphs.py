@@ -12,7 +12,9 @@ STEPS = 4
 
 
 def curve(make_trainer, mode: str) -> list[tuple[float, float]]:
-    trainer = make_trainer("--compile.enable", "--compile.mode", mode, "--training.gradient_accumulation_steps", "2")
+    trainer = make_trainer(
+        "--compile.enable", "--compile.mode", mode, "--training.gradient_accumulation_steps", "2"
+    )
     device = trainer.topology.device
     generator = torch.Generator(device).manual_seed(3)
     vocab = trainer.model_args.vocab_size
@@ -35,4 +37,7 @@ def test_cuda_graph_steps_train_as_the_plain_compiled_steps(make_trainer):
     graphs = curve(make_trainer, "reduce-overhead")
     assert plain[-1][0] < plain[0][0], plain  # it trains
     for (loss, norm), (graph_loss, graph_norm) in zip(plain, graphs, strict=True):
-        assert abs(graph_loss - loss) <= 1e-4 * abs(loss) and abs(graph_norm - norm) <= 1e-4 * norm, (plain, graphs)
+        assert abs(graph_loss - loss) <= 1e-4 * abs(loss) and abs(graph_norm - norm) <= 1e-4 * norm, (
+            plain,
+            graphs,
+        )
