@@ -8,17 +8,18 @@ pinned versions (3rdparty/) no longer need that shim, and the test names the fun
 Where flame's behaviour deliberately differs from torchtitan's (the checkpoint manager's guarantees, the pipeline
 loss normalised by the global token count: torchtitan#2972), that is flame's design, documented where it lives.
 
-Call :func:`apply` once per process, after importing torch and before building meshes or models.
+Call :func:`apply` once per process, after importing torch and before building meshes or models. Importing this module
+imports no torch: ``import flame`` installs :func:`defer_torchtitan_import_compile` from here.
 """
 
 import contextlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,66 @@ def torchtitan_job_config() -> type:
     from torchtitan.config.job_config import JobConfig
 
     return JobConfig
+
+
+class DeferredCompile:
+    """``torch.compile(fn, **options)`` made at the first call instead of at construction."""
+
+    def __init__(self, compile_fn: Callable, fn: Callable, options: dict):
+        self.compile_fn, self.fn, self.options, self.compiled = compile_fn, fn, options, None
+
+    def __call__(self, *args, **kwargs):
+        if self.compiled is None:
+            self.compiled = self.compile_fn(self.fn, **self.options)
+        return self.compiled(*args, **kwargs)
+
+
+class _DeferCompileLoader(importlib.abc.Loader):
+    """Runs a module with ``torch.compile`` answered by :class:`DeferredCompile` while its body executes."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        import torch
+
+        compile_fn = torch.compile
+        torch.compile = lambda fn, **options: DeferredCompile(compile_fn, fn, options)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            torch.compile = compile_fn
+
+
+class _DeferTorchtitanCompileFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TORCHTITAN_COMPILING_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _DeferCompileLoader(spec.loader)
+        return spec
+
+
+TORCHTITAN_COMPILING_MODULE = "torchtitan.models.attention"
+
+
+def defer_torchtitan_import_compile() -> None:
+    """torchtitan.models.attention calls ``torch.compile(flex_attention, ...)`` in a class body, so every import of
+    torchtitan (its __init__ imports it through the quantization converters and protocols) loads dynamo and inductor:
+    about 3 s of each rank's start on a 2-core machine, also in runs that never compile or use FlexAttention. flame
+    lets that one module's compile wrapper be made at its first call; installed by ``import flame``, before anything
+    imports torchtitan."""
+    if not any(isinstance(finder, _DeferTorchtitanCompileFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _DeferTorchtitanCompileFinder())
+
+
+def _torchtitan_compiles_at_import() -> bool:
+    with open(importlib.util.find_spec(TORCHTITAN_COMPILING_MODULE).origin) as source:
+        return "ClassVar[Callable] = torch.compile(" in source.read()
 
 
 def _torchtitan_init_imports_quantization() -> bool:
@@ -97,6 +158,7 @@ def fsdp_sum_reductions_on_gloo(fsdp_module, mesh) -> None:
 
 
 def _gloo_lacks_premul_sum() -> bool:
+    import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -145,10 +207,14 @@ def _always() -> bool:
 
 
 def _without_accelerator() -> bool:
+    import torch
+
     return not torch.accelerator.is_available()
 
 
 def _without_gpu() -> bool:
+    import torch
+
     return not (torch.cuda.is_available() or torch.xpu.is_available())
 
 
@@ -164,6 +230,8 @@ def _torchtitan_assumes_cuda() -> bool:
 
 
 def _profile_cpu_only_without_gpu() -> None:
+    import torch
+
     # torchtitan's tools/profiling.maybe_enable_profiling passes activities=[CPU, None] when neither CUDA nor XPU is
     # available, and torch.profiler.profile rejects the None ("Expected ProfilerActivity or dict"). Give that module
     # a torch whose profiler drops it.
@@ -189,6 +257,8 @@ def _profile_cpu_only_without_gpu() -> None:
 
 
 def _profiler_rejects_none_activity() -> bool:
+    import torch
+
     try:
         torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, None])
     except TypeError:
@@ -199,6 +269,8 @@ def _profiler_rejects_none_activity() -> bool:
 def serve_gated_dqkwg_on_hopper(kernel: Callable) -> None:
     """Register ``kernel`` (flame's Triton chunk_bwd_dqkwg) with FLA's 'common' backend registry where FLA refuses
     its own (idempotent)."""
+    import torch
+
     global _hopper_backend_registered
     if _hopper_backend_registered or not fla_refuses_gated_dqkwg_here():
         return
@@ -305,6 +377,14 @@ SHIMS = (
         fixed_in=None,
         workaround="torchtitan_job_config",
         reproduces=_torchtitan_init_imports_quantization,
+    ),
+    Shim(
+        name="torchtitan_import_compile",
+        applies=_always,
+        upstream="not filed: torchtitan 0.2.2's models/attention.py compiles flex_attention in a class body at import",
+        fixed_in=None,
+        workaround="defer_torchtitan_import_compile",
+        reproduces=_torchtitan_compiles_at_import,
     ),
     Shim(
         name="fsdp_gloo_premul_sum",

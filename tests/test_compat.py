@@ -55,3 +55,35 @@ def test_gpu_stack_triton_is_one_fla_refuses_on_hopper():
     assert pinned("constraints-gpu.txt", "triton") in SpecifierSet(",".join(compat.HOPPER_DQKWG_TRITON)), (
         "the GPU stack's triton is outside FLA issue 640's range: delete flame.compat.serve_gated_dqkwg_on_hopper"
     )
+
+
+def test_torchtitan_imports_without_loading_inductor_and_compiles_flex_attention_at_first_call():
+    """``import flame`` defers the torch.compile in torchtitan.models.attention's class body: importing torchtitan
+    loads no inductor, and the wrapper holds flex_attention and torchtitan's options until its first call."""
+    probe = (
+        "import sys, flame, torchtitan\n"
+        "from torch.nn.attention.flex_attention import flex_attention\n"
+        "from torchtitan.models.attention import FlexAttentionWrapper\n"
+        "from flame.compat import DeferredCompile\n"
+        "wrapper = FlexAttentionWrapper._compiled_flex_attn\n"
+        "assert 'torch._inductor.compile_fx' not in sys.modules\n"
+        "assert isinstance(wrapper, DeferredCompile) and wrapper.fn is flex_attention\n"
+        "assert wrapper.options['options']['max_autotune'] and wrapper.compiled is None\n"
+        "import torch\n"
+        "assert torch.compile is wrapper.compile_fn\n"  # restored after the module's body ran
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_deferred_compile_compiles_once_at_the_first_call():
+    calls = []
+
+    def compile_fn(fn, **options):
+        calls.append(options)
+        return lambda *args, **kwargs: ("compiled", fn(*args, **kwargs))
+
+    deferred = compat.DeferredCompile(compile_fn, lambda x, y=0: x + y, {"mode": "default"})
+    assert calls == []
+    assert deferred(1, y=2) == ("compiled", 3) and deferred(4) == ("compiled", 4)
+    assert calls == [{"mode": "default"}]
