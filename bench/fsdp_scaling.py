@@ -246,15 +246,20 @@ def measure(args: argparse.Namespace, command: str) -> list[dict]:
              "target": args.target, "links": links, "date": time.strftime("%Y-%m-%d"), "records": {}, "endings": {},
              "seconds": 0} for kind in args.data_parallel]  # fmt: skip
     with tempfile.TemporaryDirectory() as work:
-        for gpus, run in [(1, None)] + [(gpus, run) for run in runs for gpus in args.gpus[1:]]:
+
+        def run(gpus: int, kind: str, targets: list[dict]) -> None:
             started = time.perf_counter()
-            kind = run["data_parallel"] if run else "fsdp"
             outcome = run_bench(gpus, args, Path(work) / f"{gpus}gpu-{kind}.json", kind)
-            for target in [run] if run else runs:
+            for target in targets:
                 target["records"][str(gpus)], target["endings"][str(gpus)] = outcome
                 target["seconds"] += round(time.perf_counter() - started)
             if args.json:
                 args.json.write_text(json.dumps(runs, indent=1))
+
+        run(1, "fsdp", runs)  # one GPU: no data parallelism, the baseline of every kind
+        for kind_runs in runs:
+            for gpus in args.gpus[1:]:
+                run(gpus, kind_runs["data_parallel"], [kind_runs])
     return runs
 
 

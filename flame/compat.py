@@ -56,6 +56,9 @@ def torchtitan_job_config() -> type:
     return JobConfig
 
 
+TORCHTITAN_COMPILING_MODULE = "torchtitan.models.attention"
+
+
 class DeferredCompile:
     """``torch.compile(fn, **options)`` made at the first call instead of at construction."""
 
@@ -96,9 +99,6 @@ class _DeferTorchtitanCompileFinder(importlib.abc.MetaPathFinder):
         if spec is not None and spec.loader is not None:
             spec.loader = _DeferCompileLoader(spec.loader)
         return spec
-
-
-TORCHTITAN_COMPILING_MODULE = "torchtitan.models.attention"
 
 
 def defer_torchtitan_import_compile() -> None:

@@ -244,8 +244,8 @@ def check_compile(compile_config, degrees: dict[str, int]) -> None:
             f"compile.mode {compile_config.mode} is inductor's; compile.backend is {compile_config.backend}: "
             "drop --compile.mode or use --compile.backend inductor"
         )
-    # Measured on an H200 (docs/performance.md, "CUDA graphs"): the blocks' CUDA graphs beside FSDP's parameter
-    # gathering made the step 4.4x slower, where DDP's and one GPU's steps keep their speed with them.
+    # Measured on an H200 with FSDP over a fake process group of 2 (docs/performance.md, "CUDA graphs"): the blocks'
+    # CUDA graphs beside FSDP's parameter gathering made the step 4.4x slower; one GPU's step keeps its speed.
     if uses_cuda_graphs(compile_config) and degrees["dp_shard"] > 1:
         raise ConfigError(
             f"compile.mode {compile_config.mode} replays CUDA graphs, which under FSDP (data_parallel_shard_degree "
