@@ -103,8 +103,8 @@ class _DeferTorchtitanCompileFinder(importlib.abc.MetaPathFinder):
 
 def defer_torchtitan_import_compile() -> None:
     """torchtitan.models.attention calls ``torch.compile(flex_attention, ...)`` in a class body, so every import of
-    torchtitan (its __init__ imports it through the quantization converters and protocols) loads dynamo and inductor:
-    about 3 s of each rank's start on a 2-core machine, also in runs that never compile or use FlexAttention. flame
+    torchtitan (its __init__ imports it through the quantization converters and protocols) loads inductor, also in
+    runs that never compile or use FlexAttention (docs/performance.md, "Start-up imports"). flame
     lets that one module's compile wrapper be made at its first call; installed by ``import flame``, before anything
     imports torchtitan."""
     if not any(isinstance(finder, _DeferTorchtitanCompileFinder) for finder in sys.meta_path):
