@@ -238,7 +238,9 @@ def step(
 ) -> str:
     """Runs one step's command; its standard output, or StepFailed with its reason. A train.sh whose rank died
     without a refusal ends on where its logs are: the reason is then the rank's own last line (``dump``'s logs)."""
+    started = time.perf_counter()
     status, stdout, stderr = run_command(command, folder / f"{name}.log", args.timeout_s, env or {})
+    print(f"{folder.name} {name}: {time.perf_counter() - started:.0f} s (status {status})", flush=True)
     if status != 0:
         output = stdout + stderr
         if dump is not None and "without a message" in reason_of(output):
@@ -404,7 +406,8 @@ def run_family(family: str, args) -> Row:
             not args.keep_runs
         ):  # a small model's checkpoints and export take GBs: keep the logs and events only
             for path in [*folder.glob("*/checkpoint"), *folder.glob("run/*.safetensors")]:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                # A killed step's checkpoint writer (async save) may still be adding files: not this row's business.
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     return row
 
 
@@ -443,6 +446,8 @@ def run_on_gpus(args, finished: Callable[[Row, float], None]) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     try:
         while pending or running:
+            if args.start_until_s is not None and time.perf_counter() - args.started > args.start_until_s:
+                pending.clear()  # a lent machine's time limit: no family starts that could not finish
             while pending and free:
                 gpu, family = free.pop(0), pending.pop(0)
                 log = args.work / f"{family}.log"
@@ -586,6 +591,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="run this many families at once, each in its own process on its own GPU (CUDA_VISIBLE_DEVICES)",
     )
     parser.add_argument(
+        "--start_until_s",
+        type=float,
+        default=None,
+        help="with --gpus: start no family after this many seconds (the families running then finish)",
+    )
+    parser.add_argument(
         "--merge",
         type=Path,
         nargs="+",
@@ -602,6 +613,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--steps {args.steps}: give an even number of at least 2 (a checkpoint is taken half-way)"
         )
+    args.started = time.perf_counter()
     args.work = args.work.resolve()  # the steps run from the repository
     if args.gpus < 1:
         parser.error(f"--gpus {args.gpus}: give the number of GPUs to use, at least 1")

@@ -287,6 +287,19 @@ def test_families_run_on_several_gpus_one_worker_each(tmp_path, monkeypatch):
     )
 
 
+def test_no_family_starts_after_the_start_deadline(tmp_path, monkeypatch):
+    """--start_until_s: the families running at the deadline finish and keep their rows; the rest wait for the
+    next run (``--families missing``)."""
+    monkeypatch.setattr(
+        families, "worker_command", lambda family, args: [sys.executable, "-c", WORKER, "--families", family]
+    )
+    monkeypatch.setattr(families, "POLL_S", 0.05)
+    doc = tmp_path / "models.md"
+    argv = [*TINY, "--work", str(tmp_path), "--doc", str(doc), "--write_doc", "--gpus", "2"]
+    assert families.main([*argv, "--families", "gla,mla,retnet,llama", "--start_until_s", "0.25"]) == 0
+    assert sorted(families.section_of(doc.read_text())[0]) == ["gla", "mla"]
+
+
 def test_a_worker_runs_the_options_it_was_given(tmp_path):
     args = families.parse([*TINY, "--work", str(tmp_path), "--keep_runs", "--families", "gla"])
     command = families.worker_command("gla", args)
