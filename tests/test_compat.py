@@ -87,3 +87,65 @@ def test_deferred_compile_compiles_once_at_the_first_call():
     assert calls == []
     assert deferred(1, y=2) == ("compiled", 3) and deferred(4) == ("compiled", 4)
     assert calls == [{"mode": "default"}]
+
+
+def test_fla_layer_cache_helpers_read_no_layer_idx_without_a_cache():
+    """Without a cache every FLA module's helper answers None before reading ``layer_idx`` (what dynamo guards on,
+    once per layer: tests/gpu/test_fla_compile.py compiles FLA families with it); with one, FLA's own helper runs."""
+    import fla.layers.gla
+    import fla.layers.utils
+
+    compat.fla_layer_cache_without_layer_idx()
+    compat.fla_layer_cache_without_layer_idx()  # idempotent: one wrapper, over FLA's function
+
+    class Layer:
+        reads = 0
+
+        @property
+        def layer_idx(self) -> int:
+            self.reads += 1
+            return 0
+
+    layer = Layer()
+    for module in (fla.layers.gla, fla.layers.utils):
+        assert module.get_layer_cache(layer, None) is None
+        assert module.update_layer_cache(layer, None, recurrent_state=1) is None
+        assert module.get_layer_cache.flame_wraps.__module__ == "fla.layers.utils"
+    assert layer.reads == 0
+    assert fla.layers.gla.get_layer_cache(layer, [{"recurrent_state": 1}]) == {"recurrent_state": 1}
+    assert layer.reads == 1
+    with pytest.raises(ValueError):  # FLA's refusal of a layer without an index, with a cache
+        fla.layers.gla.get_layer_cache(object(), past_key_values=[])
+
+
+def test_fla_layers_compile_once_for_all_layers_without_a_cache():
+    """Twelve layers that look their cache up through FLA's helpers, each with its own layer_idx and a graph break
+    (as FLA's disabled ops make) between the lookup and the update: two frames for all of them. torch 2.11 (the GPU
+    stack) with FLA's helpers alone compiled 16, a pair per layer until the recompile limit, on an H200 on
+    2026-11-27; torch 2.13's dynamo guards on the integer only where it is used, so on the CPU stack this holds
+    either way."""
+    import fla.layers.gla
+    import torch
+    from torch._dynamo.testing import CompileCounter
+
+    compat.fla_layer_cache_without_layer_idx()
+
+    class Layer(torch.nn.Module):
+        def __init__(self, layer_idx: int):
+            super().__init__()
+            self.layer_idx = layer_idx
+
+        def forward(self, x, past_key_values=None):
+            state = fla.layers.gla.get_layer_cache(self, past_key_values)
+            x = x + 1 if state is None else x + state
+            torch._dynamo.graph_break()
+            fla.layers.gla.update_layer_cache(self, past_key_values, recurrent_state=x)
+            return x * 2
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    x = torch.zeros(2)
+    for layer in [Layer(i) for i in range(12)]:
+        x = torch.compile(layer, backend=counter)(x)
+    torch._dynamo.reset()
+    assert counter.frame_count == 2

@@ -26,7 +26,12 @@ def compile_blocks(model: nn.Module, backend: str, mode: str = "default") -> Non
     (pytorch#181924: FSDP2 hooks break fullgraph graphs). Under compile the gated delta rule and the short conv
     (flame's kernel) run as torch.library custom ops and the norms as PyTorch code (flame.ops), so a Gated DeltaNet or attention
     block is one graph; fullgraph stays off because DeltaNet's FLA ops still graph-break."""
-    for stack in model_spec(model.args).blocks(model):
+    stacks = model_spec(model.args).blocks(model)
+    # Blocks whose code branches on a per-layer constant (FLA's HGRN on layer_idx > 0) compile once per layer; past
+    # dynamo's recompile limit (8) the later blocks would run eagerly without a word.
+    blocks = sum(len(stack) for stack in stacks)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, blocks)
+    for stack in stacks:
         for layer_id, block in stack.named_children():
             stack.register_module(
                 layer_id, torch.compile(block, fullgraph=False, **compile_options(backend, mode))

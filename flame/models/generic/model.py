@@ -6,7 +6,7 @@ import functools
 import torch
 from torch import nn
 
-from flame.compat import fla_attention_on_flame
+from flame.compat import fla_attention_on_flame, fla_layer_cache_without_layer_idx
 from flame.errors import ModelConfigError
 from flame.models.generic.args import GenericArgs, is_fla_class
 from flame.models.generic.initialization import check_initialized, initialize_as_constructed
@@ -117,6 +117,7 @@ def instantiate(lm_class: type, config) -> nn.Module:
     cls = flame_class(lm_class)
     if not is_fla_class(lm_class):
         return cls(config)
+    fla_layer_cache_without_layer_idx()
     try:
         with fla_attention_on_flame(FLA_ATTENTION_REPLACEMENTS):
             return cls(config)
