@@ -2,8 +2,8 @@
 # Launch a flame training job: NGPU=8 bash train.sh --job.config_file job.toml --model.config configs/x.json ...
 #
 # Environment: NGPU (processes per node; default: visible GPUs, 1 without GPU — CPU processes then),
-# NNODE (nodes, default 1), NODE_RANK (default 0), MASTER_ADDR (default localhost), MASTER_PORT (default 29500),
-# LOG_RANK (ranks whose output the console shows, comma separated, default 0).
+# NNODE (nodes, default 1), NODE_RANK (default 0), MASTER_ADDR (default localhost), MASTER_PORT (one node: a free port;
+# several nodes: 29500), LOG_RANK (ranks whose output the console shows, comma separated, default 0).
 # Every rank's full output is kept under <dump_folder>/logs, torchrun's own messages in <dump_folder>/logs/launcher.log.
 set -uo pipefail
 
@@ -23,7 +23,6 @@ NGPU=${NGPU:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 1)}
 NNODE=${NNODE:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-29500}
 LOG_RANK=${LOG_RANK:-0}
 export NGPU
 
@@ -42,7 +41,8 @@ rc=$?
 if [ "$rc" -eq 10 ]; then exit 0; fi
 if [ "$rc" -ne 0 ]; then exit "$rc"; fi
 # shellcheck disable=SC1090
-source "$env_file"
+source "$env_file"  # DUMP_FOLDER; on one node without MASTER_PORT, a free port
+MASTER_PORT=${MASTER_PORT:-29500}
 
 mkdir -p "$DUMP_FOLDER/logs"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import shlex
+import socket
 import sys
 from pathlib import Path
 
@@ -137,10 +138,19 @@ def preflight(argv: list[str]) -> int:
             lock = DumpFolderLock(job_config.job.dump_folder, pid=os.getppid())  # held by train.sh
             lock.acquire()
             lines.append(f"export {HELD_BY_LAUNCHER}={shlex.quote(str(lock.path.resolve()))}")
+        if "MASTER_PORT" not in os.environ and os.environ.get("NNODE", "1") == "1":
+            # One node: a port nobody holds, so that jobs on one machine never meet on torchrun's default.
+            lines.append(f"MASTER_PORT={free_port()}")
         if job_config.debug.enable:  # read when CUDA starts: exported before any rank does
             lines.append("export CUDA_LAUNCH_BLOCKING=1")
         Path(env_file).write_text("\n".join(lines) + "\n")
     return 0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
 
 
 def main() -> int:

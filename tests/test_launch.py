@@ -224,6 +224,37 @@ def test_a_global_batch_the_ranks_can_split_passes_the_preflight(monkeypatch):
     assert preflight(["--training.global_batch_size", "32"]) == 0  # 8 x 2 ranks x 2 accumulation steps
 
 
+def test_one_node_launches_on_a_free_port_unless_told(monkeypatch, tmp_path):
+    """The pre-flight hands train.sh a port nobody holds on one node (two jobs on a machine never meet on
+    torchrun's default); MASTER_PORT given, or several nodes, and train.sh keeps the given port or 29500."""
+    import socket
+
+    from flame.launch import preflight
+
+    env_file = tmp_path / "env"
+    monkeypatch.setenv("FLAME_LAUNCH_ENV", str(env_file))
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.delenv("NNODE", raising=False)
+
+    def port_line() -> list[str]:
+        return [line for line in env_file.read_text().splitlines() if line.startswith("MASTER_PORT=")]
+
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        ports = set()
+        for run in range(3):
+            assert preflight(["--job.dump_folder", str(tmp_path / f"run{run}")]) == 0
+            (line,) = port_line()
+            ports.add(int(line.split("=")[1]))
+        assert held.getsockname()[1] not in ports
+    for name, value in (("MASTER_PORT", "29611"), ("NNODE", "2")):
+        monkeypatch.setenv(name, value)
+        assert preflight(["--job.dump_folder", str(tmp_path / name)]) == 0
+        assert port_line() == []
+        monkeypatch.delenv(name)
+
+
 def test_the_preflight_does_not_import_the_data_loader():
     """flame.data's loader imports datasets (seconds): the pre-flight checks the data options without it."""
     code = (
@@ -297,7 +328,7 @@ def test_under_torchrun_a_rank_refusal_is_the_last_line_without_launcher_traceba
     dump = tmp_path / "dump"
     result = train_sh(
         "--training.dataset", str(data), "--job.dump_folder", str(dump), "--training.steps", "30",
-        env={"NGPU": "2", "FLAME_EXPORT_HF": "0", "MASTER_PORT": str(29500 + os.getpid() % 1000)}, timeout=300,
+        env={"NGPU": "2", "FLAME_EXPORT_HF": "0"}, timeout=300,
     )  # fmt: skip
     assert result.returncode != 0
     assert re.match(

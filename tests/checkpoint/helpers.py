@@ -1,14 +1,13 @@
 """Running flame's trainer on 2 CPU ranks for the checkpoint tests, and reading back what it logged."""
 
-import itertools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.trainer_helpers import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-# A fresh rendezvous port for every launch (apart from tests/test_train.py's): a killed run's port may linger.
-PORTS = itertools.count(29731)
 
 
 def run(command: list[str], env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -22,7 +21,6 @@ def train_sh(dump: Path, *args: str, ngpu: int = 2, export_hf: bool = True) -> s
         ["bash", str(REPO / "train.sh"), "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *args],
         env={
             "NGPU": str(ngpu),
-            "MASTER_PORT": str(next(PORTS)),
             "FLAME_EXPORT_HF": "1" if export_hf else "0",
         },
     )
@@ -31,7 +29,7 @@ def train_sh(dump: Path, *args: str, ngpu: int = 2, export_hf: bool = True) -> s
 def killed_run(dump: Path, kill: str, *args: str, ngpu: int = 2, env_name: str = "FLAME_TEST_KILL"):
     """flame.train under torchrun with FLAME_TEST_KILL=kill, or another of crash_run.py's variables."""
     return run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ngpu), "--master_port", str(next(PORTS)),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ngpu), "--master_port", str(free_port()),
          "-m", "tests.checkpoint.crash_run", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *args],
         env={env_name: kill, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip

@@ -17,7 +17,7 @@ import torch
 from flame.checkpoint.layout import list_steps
 from flame.checkpoint.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_UNSAVED, Preempted, parse_signals
 from flame.errors import ConfigError
-from tests.checkpoint.helpers import PORTS, REPO, killed_run, output
+from tests.checkpoint.helpers import REPO, killed_run, output
 
 FLAGS = ["--checkpoint.enable", "--checkpoint.interval", "100", "--training.steps", "6"]
 
@@ -76,7 +76,7 @@ def test_train_sh_exits_76_when_the_ranks_stop_without_the_save(tmp_path):
     process = subprocess.Popen(
         ["bash", "train.sh", "--job.dump_folder", str(dump), "--training.steps", "2000", "--training.seq_len", "64",
          "--training.batch_size", "2", "--checkpoint.interval", "2000", "--checkpoint.preempt_timeout", "0.001", "--metrics.log_freq", "1"],
-        cwd=REPO, env={**os.environ, "NGPU": "1", "MASTER_PORT": str(next(PORTS)), "PYTHONUNBUFFERED": "1"},
+        cwd=REPO, env={**os.environ, "NGPU": "1", "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     for line in process.stdout:  # the console shows rank 0's log as it is written

@@ -29,7 +29,6 @@ def run_train_sh(dump: Path, ngpu: int, *args: str, export_hf: bool = False) -> 
         env={
             **os.environ,
             "NGPU": str(ngpu),
-            "MASTER_PORT": str(29500 + ngpu),
             "FLAME_EXPORT_HF": "1" if export_hf else "0",
         },
         cwd=REPO,
