@@ -400,6 +400,28 @@ def _fla_layer_cache_reads_layer_idx() -> bool:
     return layer.read
 
 
+FLA_DELTAFORMER_LAYER_MODULE = "fla.layers.deltaformer"
+
+
+def fla_deltaformer_on_flame(attention_op: Callable) -> None:
+    """Where flash-attn is not importable, FLA's DeltaFormer layer calls ``attention_op`` (flame's
+    ``deltaformer_attention``: FLA's op with its last step on flame's attention) in place of FLA's
+    ``deltaformer_attn``, which raises there at the first forward. The layer's module is patched for the process,
+    so FLA's own DeltaFormer class (an export loaded by transformers) runs on it too; where flash-attn imports,
+    nothing changes."""
+    layer_module = sys.modules.get(FLA_DELTAFORMER_LAYER_MODULE)
+    op_module = sys.modules.get("fla.ops.deltaformer.parallel")
+    if layer_module is None or op_module is None or getattr(op_module, "flash_attn_func", None) is not None:
+        return
+    layer_module.deltaformer_attn = attention_op
+
+
+def _fla_deltaformer_needs_flash_attn() -> bool:
+    with open(importlib.util.find_spec("fla.ops.deltaformer.parallel").origin) as source:
+        text = source.read()
+    return "if flash_attn_func is None:" in text and "flash_attn_func(q, k, u" in text
+
+
 # FLA 0.6.0's layer modules that call flash-attn: each refuses to build or run when it is not importable.
 FLA_FLASH_ATTN_MODULES = ("fla.layers.attn", "fla.layers.bitattn")
 
@@ -485,6 +507,14 @@ SHIMS = (
         fixed_in=None,
         workaround="fla_layer_cache_without_layer_idx",
         reproduces=_fla_layer_cache_reads_layer_idx,
+    ),
+    Shim(
+        name="fla_deltaformer_flash_attn",
+        applies=_always,
+        upstream="not filed: FLA 0.6.0's deltaformer_attn runs its last softmax attention only on flash-attn",
+        fixed_in=None,
+        workaround="fla_deltaformer_on_flame",
+        reproduces=_fla_deltaformer_needs_flash_attn,
     ),
     Shim(
         name="fla_attention_flash_attn",

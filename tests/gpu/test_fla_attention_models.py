@@ -80,3 +80,26 @@ def test_fla_attention_layer_float32_on_gpu():
     )
     alone = torch.cat([layer(x[:1, :40].cuda())[0], layer(x[:1, 40:].cuda())[0]], dim=1)
     assert err_ratio(alone.cpu(), packed.cpu()) < FP32_LIMIT
+
+
+def test_deltaformer_attention_on_flame_equals_flas_naive_op():
+    """FLA's DeltaFormer op with its last step on flame's attention (flame.compat.fla_deltaformer_on_flame) against
+    FLA's naive_deltaformer_attn, float32 inputs of odd sizes: outputs and input gradients within a relative 0.01
+    (FLA's Triton u multiplies in TF32; a wrong scale, mask or step order differs by order one)."""
+    from fla.ops.deltaformer.naive import naive_deltaformer_attn
+
+    from flame.models.layers.fla_attention import deltaformer_attention
+
+    generator = torch.Generator("cuda").manual_seed(0)
+    shape = (2, 301, 3, 64)
+    inputs = [torch.randn(shape, device="cuda", generator=generator) for _ in range(3)]
+    inputs.append(torch.rand(shape[:3], device="cuda", generator=generator))
+    grad = torch.randn(shape, device="cuda", generator=generator)
+    results = []
+    for op in (deltaformer_attention, naive_deltaformer_attn):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = op(*leaves)
+        out.backward(grad)
+        results.append([out, *(x.grad for x in leaves)])
+    for name, ours, reference in zip(("o", "dq", "dk", "dv", "dbeta"), *results, strict=True):
+        assert err_ratio(reference, ours) < 0.01, name

@@ -6,11 +6,11 @@ import functools
 import torch
 from torch import nn
 
-from flame.compat import fla_attention_on_flame, fla_layer_cache_without_layer_idx
+from flame.compat import fla_attention_on_flame, fla_deltaformer_on_flame, fla_layer_cache_without_layer_idx
 from flame.errors import ModelConfigError
 from flame.models.generic.args import GenericArgs, is_fla_class
 from flame.models.generic.initialization import check_initialized, initialize_as_constructed
-from flame.models.layers.fla_attention import FLAAttention, FLABitAttention
+from flame.models.layers.fla_attention import FLAAttention, FLABitAttention, deltaformer_attention
 
 # FLA's attention layers that flame builds in their place while flash-attn is not importable (same parameters).
 FLA_ATTENTION_REPLACEMENTS = {
@@ -118,6 +118,7 @@ def instantiate(lm_class: type, config) -> nn.Module:
     if not is_fla_class(lm_class):
         return cls(config)
     fla_layer_cache_without_layer_idx()
+    fla_deltaformer_on_flame(deltaformer_attention)
     try:
         with fla_attention_on_flame(FLA_ATTENTION_REPLACEMENTS):
             return cls(config)

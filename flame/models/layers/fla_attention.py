@@ -5,6 +5,9 @@ to be built without the flash-attn package, and ``fla.layers.bitattn.BitAttentio
 forward. :class:`FLAAttention` and :class:`FLABitAttention` take the same constructor arguments and hold the same
 parameters under the same names and shapes, so checkpoints and HF exports are interchangeable with FLA's layers; the
 generic family builds them in place of FLA's while flash-attn is not importable (flame.compat.fla_attention_on_flame).
+DeltaFormer's layer (``fla.layers.deltaformer``) has no flash-attn in its parameters, only in its op's last step:
+:func:`deltaformer_attention` is that op with the last step on flame's attention
+(flame.compat.fla_deltaformer_on_flame).
 
 What they reproduce of FLA's layer (each a property of FLA's code, not a choice made here):
 - head_dim = hidden_size // num_heads; q/o projections hidden -> hidden, k/v hidden -> num_kv_heads * head_dim
@@ -215,3 +218,31 @@ class FLABitAttention(FLAAttention):
         self.k_proj = FusedBitLinear(self.hidden_size, self.kv_dim, bias=False)
         self.v_proj = FusedBitLinear(self.hidden_size, self.kv_dim, bias=False)
         self.o_proj = FusedBitLinear(self.hidden_size, self.hidden_size, bias=False)
+
+
+def deltaformer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    C: int | None = None,
+) -> torch.Tensor:
+    """``fla.ops.deltaformer.deltaformer_attn`` (FLA 0.6.0) with its last step on flame's attention: FLA's
+    ParallelDeltaformerFunction gives u ([B, T, H, D]), then causal softmax attention of q over (k, u) with scale
+    1/sqrt(D), where FLA calls flash-attn. ``attention_mask`` [B, T] (1 = real token, contiguous padding): u is FLA's
+    over the padded rows, padded keys are hidden and padded queries output 0, as FLA's unpad/pad does."""
+    from fla.ops.deltaformer.parallel import BLOCK_SIZE_C, ParallelDeltaformerFunction
+
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(
+            f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`. "
+            "Please flatten variable-length inputs before processing."
+        )
+    chunk = min(BLOCK_SIZE_C if C is None else C, k.shape[1])
+    u = ParallelDeltaformerFunction.apply(q, k, v, beta, chunk, cu_seqlens)
+    if attention_mask is not None:  # FLA's order: the mask before cu_seqlens
+        real = attention_mask.bool()
+        return reference_attention(q, k, u, impl="softmax", key_mask=real) * real[:, :, None, None]
+    return attention(q, k, u, impl="softmax", causal=True, cu_seqlens=cu_seqlens)

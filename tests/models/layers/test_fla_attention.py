@@ -168,3 +168,100 @@ def test_left_padded_decoding_with_fla_cache_equals_each_row_alone(window_size):
     torch.testing.assert_close(out[0, 3:], module(x[:1, 3:])[0][0], rtol=0, atol=1e-10)
     torch.testing.assert_close(out[0, :3], torch.zeros(3, HIDDEN, dtype=torch.float64), rtol=0, atol=0)
     torch.testing.assert_close(out[1], module(x[1:])[0][0], rtol=0, atol=1e-10)
+
+
+def deltaformer_u(q, k, v, beta, cu_seqlens=None):
+    """DeltaFormer's u in float64, one position at a time within each document: u_t = v_t - beta_t sum_{s<t} w_ts u_s,
+    w_t the softmax over s < t of q_t . k_s / sqrt(D) (u_0 = v_0)."""
+    q, k, v, beta = (x.double() for x in (q, k, v, beta))
+    edges = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    u = torch.empty_like(v)
+    for start, end in zip(edges, edges[1:]):
+        for t in range(start, end):
+            if t == start:
+                u[:, t] = v[:, t]
+                continue
+            scores = torch.einsum("bhd,bshd->bhs", q[:, t], k[:, start:t]) / math.sqrt(q.shape[-1])
+            mixed = torch.einsum("bhs,bshd->bhd", scores.softmax(-1), u[:, start:t])
+            u[:, t] = v[:, t] - beta[:, t, :, None] * mixed
+    return u
+
+
+@pytest.fixture
+def deltaformer_u_on_cpu(monkeypatch):
+    """FLA's ParallelDeltaformerFunction (Triton) answered by deltaformer_u, so the composition runs on the CPU."""
+    from fla.ops.deltaformer import parallel
+
+    def apply(q, k, v, beta, chunk, cu_seqlens):
+        assert 1 <= chunk <= k.shape[1]
+        return deltaformer_u(q, k, v, beta, cu_seqlens)
+
+    monkeypatch.setattr(parallel.ParallelDeltaformerFunction, "apply", staticmethod(apply))
+
+
+def deltaformer_inputs(batch: int, seq_len: int, heads: int = 3, dim: int = 7):
+    generator = torch.Generator().manual_seed(seq_len)
+    q, k, v = (
+        torch.randn(batch, seq_len, heads, dim, dtype=torch.float64, generator=generator) for _ in range(3)
+    )
+    return q, k, v, torch.rand(batch, seq_len, heads, dtype=torch.float64, generator=generator)
+
+
+# FLA's naive_deltaformer_attn computes u in float32 (up to ~1e-7 from float64 here, at unit-scale inputs).
+NAIVE_FLOAT32 = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def test_deltaformer_attention_equals_flas_naive_op(deltaformer_u_on_cpu):
+    """flame's last step (causal softmax attention of q over k and u) against FLA's own float64 reference of the
+    whole op, naive_deltaformer_attn; with packed documents, each document alone; with right padding, the real
+    prefix alone and zeros after it. The reference computes u in float32 whatever its inputs (NAIVE_FLOAT32); a
+    wrong scale, mask or order of the steps differs by order one."""
+    from fla.ops.deltaformer.naive import naive_deltaformer_attn
+
+    from flame.models.layers.fla_attention import deltaformer_attention
+
+    q, k, v, beta = deltaformer_inputs(2, 37)
+    torch.testing.assert_close(
+        deltaformer_attention(q, k, v, beta), naive_deltaformer_attn(q, k, v, beta), **NAIVE_FLOAT32
+    )
+
+    q, k, v, beta = deltaformer_inputs(1, 41)
+    edges = [0, 13, 14, 41]
+    packed = deltaformer_attention(q, k, v, beta, cu_seqlens=torch.tensor(edges, dtype=torch.int32))
+    alone = torch.cat(
+        [naive_deltaformer_attn(*(x[:, s:e] for x in (q, k, v, beta))) for s, e in zip(edges, edges[1:])],
+        dim=1,
+    )
+    torch.testing.assert_close(packed, alone, **NAIVE_FLOAT32)
+
+    q, k, v, beta = deltaformer_inputs(2, 29)
+    mask = torch.ones(2, 29, dtype=torch.long)
+    mask[1, 20:] = 0
+    padded = deltaformer_attention(q, k, v, beta, attention_mask=mask)
+    torch.testing.assert_close(
+        padded[0], naive_deltaformer_attn(q[:1], k[:1], v[:1], beta[:1])[0], **NAIVE_FLOAT32
+    )
+    row = naive_deltaformer_attn(*(x[1:, :20] for x in (q, k, v, beta)))[0]
+    torch.testing.assert_close(padded[1, :20], row, **NAIVE_FLOAT32)
+    assert not padded[1, 20:].any()
+    with pytest.raises(ValueError, match="batch size is expected to be 1"):
+        deltaformer_attention(q, k, v, beta, cu_seqlens=torch.tensor([0, 29], dtype=torch.int32))
+
+
+def test_fla_deltaformer_models_call_flames_op_without_flash_attn():
+    import fla.layers.deltaformer
+
+    from flame.models import build_model, model_args_from_dict
+    from flame.models.layers.fla_attention import deltaformer_attention
+
+    config = {
+        "model_type": "deltaformer",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_heads": 2,
+    }
+    args, _ = model_args_from_dict(config, impl="fla")
+    with torch.device("meta"):
+        build_model(args)
+    assert fla.layers.deltaformer.deltaformer_attn is deltaformer_attention
