@@ -320,6 +320,18 @@ def _fla_ops_disable_compile() -> bool:
     return getattr(chunk_gated_delta_rule, "_torchdynamo_disable", False)
 
 
+def _fla_globals_holding(value: object, package: str) -> list[tuple[types.ModuleType, str]]:
+    """(module, attribute) of every imported module of ``package`` (a dotted FLA package) that holds ``value``:
+    FLA's modules import its classes and functions by name, so a replacement has to reach each one."""
+    return [
+        (module, attribute)
+        for name, module in list(sys.modules.items())
+        if (name == package or name.startswith(package + ".")) and module is not None
+        for attribute, held in list(vars(module).items())
+        if held is value
+    ]
+
+
 @contextlib.contextmanager
 def fla_attention_on_flame(replacements: dict[str, type]) -> Iterator[None]:
     """While FLA's model classes are built inside this context, the FLA layers named in ``replacements``
@@ -336,13 +348,9 @@ def fla_attention_on_flame(replacements: dict[str, type]) -> Iterator[None]:
             if layer_module is None or getattr(layer_module, "flash_attn_func", None) is not None:
                 continue
             fla_class = getattr(layer_module, class_name)
-            for name, module in list(sys.modules.items()):
-                if not name.startswith("fla.models") or module is None:
-                    continue
-                for attribute, value in list(vars(module).items()):
-                    if value is fla_class:
-                        setattr(module, attribute, replacement)
-                        swapped.append((module, attribute, fla_class))
+            for module, attribute in _fla_globals_holding(fla_class, "fla.models"):
+                setattr(module, attribute, replacement)
+                swapped.append((module, attribute, fla_class))
         yield
     finally:
         for module, attribute, fla_class in swapped:
@@ -376,10 +384,8 @@ def fla_layer_cache_without_layer_idx() -> None:
         helper = getattr(utils, helper_name)
         original = getattr(helper, "flame_wraps", helper)
         wrapper = helper if original is not helper else _without_a_cache_returns_none(helper)
-        for name, module in list(sys.modules.items()):
-            is_fla = name == "fla" or name.startswith("fla.")
-            if is_fla and module is not None and vars(module).get(helper_name) is original:
-                setattr(module, helper_name, wrapper)
+        for module, attribute in _fla_globals_holding(original, "fla"):
+            setattr(module, attribute, wrapper)
 
 
 def _fla_layer_cache_reads_layer_idx() -> bool:
@@ -400,20 +406,17 @@ def _fla_layer_cache_reads_layer_idx() -> bool:
     return layer.read
 
 
-FLA_DELTAFORMER_LAYER_MODULE = "fla.layers.deltaformer"
-
-
 def fla_deltaformer_on_flame(attention_op: Callable) -> None:
     """Where flash-attn is not importable, FLA's DeltaFormer layer calls ``attention_op`` (flame's
     ``deltaformer_attention``: FLA's op with its last step on flame's attention) in place of FLA's
-    ``deltaformer_attn``, which raises there at the first forward. The layer's module is patched for the process,
+    ``deltaformer_attn``, which raises there at the first forward. FLA's layer modules are patched for the process,
     so FLA's own DeltaFormer class (an export loaded by transformers) runs on it too; where flash-attn imports,
     nothing changes."""
-    layer_module = sys.modules.get(FLA_DELTAFORMER_LAYER_MODULE)
     op_module = sys.modules.get("fla.ops.deltaformer.parallel")
-    if layer_module is None or op_module is None or getattr(op_module, "flash_attn_func", None) is not None:
+    if op_module is None or getattr(op_module, "flash_attn_func", None) is not None:
         return
-    layer_module.deltaformer_attn = attention_op
+    for module, attribute in _fla_globals_holding(op_module.deltaformer_attn, "fla.layers"):
+        setattr(module, attribute, attention_op)
 
 
 def _fla_deltaformer_needs_flash_attn() -> bool:

@@ -1,20 +1,15 @@
 """Driving flame's Trainer in-process (one CPU rank, gloo) on the tiny default model with short sequences."""
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from flame.launch import free_port  # noqa: F401  (the tests' rendezvous ports)
+
 TINY = ["--training.seq_len", "64", "--training.batch_size", "2", "--training.steps", "4",
         "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--checkpoint.no-enable",
         "--training.seed", "7"]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
