@@ -56,8 +56,13 @@ def dry_runs(tmp_path_factory) -> dict[tuple[int, int], tuple[subprocess.Complet
     """Every README command dry-run with NGPU=1 and NGPU=8, two at a time (each is one CPU-bound process), each with
     its own HOME: {(index, ngpu): (result, HOME)}."""
 
+    keys = [(index, ngpu) for index in range(len(COMMANDS)) for ngpu in NGPUS]
+    # Made here, not in the threads: tmp_path_factory is not thread-safe (two threads creating a worker's first
+    # temporary folder at once collide).
+    homes = {(index, ngpu): tmp_path_factory.mktemp(f"home{index}_{ngpu}") for index, ngpu in keys}
+
     def dry_run(index: int, ngpu: int) -> tuple[subprocess.CompletedProcess, Path]:
-        home = tmp_path_factory.mktemp(f"home{index}_{ngpu}")
+        home = homes[index, ngpu]
         command = re.sub(r"^NGPU=8 ", "", COMMANDS[index])
         result = subprocess.run(
             ["bash", "-c", f"{command} --job.dry_run"],
@@ -69,7 +74,6 @@ def dry_runs(tmp_path_factory) -> dict[tuple[int, int], tuple[subprocess.Complet
         )
         return result, home
 
-    keys = [(index, ngpu) for index in range(len(COMMANDS)) for ngpu in NGPUS]
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(keys, pool.map(lambda key: dry_run(*key), keys), strict=True))
 
