@@ -4,7 +4,6 @@ import json
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -23,21 +22,29 @@ def train_sh(*args, env=None, timeout=120):
     )
 
 
-def test_unknown_option_fails_fast_with_one_line():
-    start = time.monotonic()
-    result = train_sh("--training.stepz", "3")
-    elapsed = time.monotonic() - start
+def preflight_only(tmp_path, *args, env=None):
+    """Run train.sh with a stub torchrun that leaves a mark: a refusal must come before any rank starts."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    mark = tmp_path / "torchrun-started"
+    stub = bin_dir / "torchrun"
+    stub.write_text(f'#!/bin/sh\ntouch "{mark}"\n')
+    stub.chmod(0o755)
+    result = train_sh(*args, env={**(env or {}), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert not mark.exists(), "the refusal came after torchrun started the ranks"
+    return result
+
+
+def test_unknown_option_fails_in_the_preflight_with_one_line(tmp_path):
+    result = preflight_only(tmp_path, "--training.stepz", "3")
     assert result.returncode == 2
     assert result.stderr.strip() == "error: unknown option --training.stepz; did you mean 'training.steps'?"
-    assert elapsed < 5, f"took {elapsed:.1f}s"
 
 
-def test_unknown_toml_key_fails_fast(tmp_path):
+def test_unknown_toml_key_fails_in_the_preflight(tmp_path):
     toml = tmp_path / "job.toml"
     toml.write_text("[optimizer]\nlearning_rate = 1e-3\n")
-    start = time.monotonic()
-    result = train_sh("--job.config_file", str(toml))
-    assert time.monotonic() - start < 5
+    result = preflight_only(tmp_path, "--job.config_file", str(toml))
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1
     assert "unknown key 'optimizer.learning_rate'" in result.stderr
@@ -181,15 +188,14 @@ def test_ranks_cache_triton_autotuning_unless_told_not_to(tmp_path, preset, expe
     assert f"ranks see TRITON_CACHE_AUTOTUNING={expected}\n" in result.stdout
 
 
-def test_context_len_over_seq_len_stops_in_the_preflight_within_5s(tmp_path):
-    start = time.monotonic()
-    result = train_sh("--training.context_len", "4096", "--training.seq_len", "256", env={"NGPU": "2"})
-    elapsed = time.monotonic() - start
+def test_context_len_over_seq_len_stops_in_the_preflight(tmp_path):
+    result = preflight_only(
+        tmp_path, "--training.context_len", "4096", "--training.seq_len", "256", env={"NGPU": "2"}
+    )
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "error: training.context_len (4096) must not exceed training.seq_len (256)"
     ]
-    assert elapsed < 5, f"took {elapsed:.1f}s"
 
 
 @pytest.mark.parametrize(

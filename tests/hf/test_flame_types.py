@@ -126,20 +126,18 @@ print(type(AutoModelForCausalLM.from_pretrained({str(softpick)!r})).__name__)
 
 def test_import_flame_is_light_and_registers_when_transformers_loads():
     script = """
-import sys, time
-start = time.perf_counter()
+import sys
 import flame
-elapsed = time.perf_counter() - start
 assert "transformers" not in sys.modules and "torch" not in sys.modules, sorted(sys.modules)
 from transformers import AutoConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 config = AutoConfig.for_model("flame_gated_deltanet", hidden_size=64, num_heads=2, head_dim=16)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-print(round(elapsed, 3), "flame_transformer" in CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__)
+print("flame_transformer" in CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__)
 """
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    elapsed, registered, model_class = result.stdout.split()
-    assert float(elapsed) < 0.5 and registered == "True" and model_class == "FlameGatedDeltaNetForCausalLM"
+    registered, model_class = result.stdout.split()
+    assert registered == "True" and model_class == "FlameGatedDeltaNetForCausalLM"
