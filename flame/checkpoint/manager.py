@@ -204,6 +204,10 @@ class CheckpointManager(TorchTitanCheckpointManager):
         self._async_wait()
         self._finish_if_written()
 
+    def due(self, step: int, last_step: bool = False) -> bool:
+        """``save(step, last_step)`` will write a checkpoint."""
+        return self._should_save(step, last_step)
+
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
         return (self._forced and self.enable and not self.load_only) or super()._should_save(
             curr_step, last_step

@@ -1,6 +1,13 @@
 """Steps skipped for a non-finite gradient norm (``training.skip_nan_inf``): which parameters had NaN or Inf
 gradients on the first step of a streak, and a stop after ``training.skip_nan_inf_limit`` consecutive skips (a run
-whose every step is skipped learns nothing; it stops before saving another checkpoint)."""
+whose every step is skipped learns nothing; it stops before saving another checkpoint).
+
+Fused Adam and AdamW skip the update on the device (``skip_on_device``): the step never reads the gradient norm back,
+and ``NonFiniteSteps`` reads a step's verdict once the next step's kernels are queued, so that the host never waits
+for a step's backward before queuing the rest. Other optimizers (Muon, foreach or for-loop AdamW) need the verdict on
+the host before they step: the training step reads it there (one wait per step)."""
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -14,17 +21,50 @@ class NonFiniteGradients(FlameError):
     """Too many consecutive steps had a non-finite gradient norm."""
 
 
-def nonfinite_parameters(model_parts: list[torch.nn.Module]) -> list[str]:
-    """Names of the parameters whose gradient holds a NaN or Inf on any rank (the same list on every rank)."""
-    names = []
+def skips_on_device(optimizers: list[torch.optim.Optimizer]) -> bool:
+    """Every optimizer skips its update where its ``found_inf`` tensor is 1, on the device (torch's fused Adam and
+    AdamW, which torch's GradScaler drives the same way)."""
+    return all(
+        isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and optimizer.defaults.get("fused")
+        for optimizer in optimizers
+    )
+
+
+def skip_on_device(optimizers: list[torch.optim.Optimizer], nonfinite: torch.Tensor) -> None:
+    """The optimizers' next step leaves parameters and state (step counts included) as they are where
+    ``nonfinite`` (a device tensor) is true."""
+    found_inf = nonfinite.float()
+    for optimizer in optimizers:
+        optimizer.found_inf = found_inf
+
+
+@dataclasses.dataclass
+class Verdict:
+    step: int
+    skipped: torch.Tensor | bool  # a device tensor until read
+    grad_norm: torch.Tensor
+    names: list[str]  # the parameters with a gradient on this rank, in the order of ``nonfinite``
+    nonfinite: torch.Tensor  # per parameter: its local gradient holds a NaN or Inf
+
+
+def gradient_flags(model_parts: list[torch.nn.Module]) -> tuple[list[str], torch.Tensor]:
+    """Per parameter with a gradient, whether this rank's part of it holds a NaN or Inf: one foreach norm over the
+    gradients, queued on the device (their norm is finite exactly where they are)."""
+    names, grads = [], []
     for part in model_parts:
         for name, param in part.named_parameters():
-            grad = param.grad
-            if grad is None:
-                continue
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            if not torch.isfinite(local).all():
+            if param.grad is not None:
                 names.append(name)
+                grads.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+    if not grads:
+        return names, torch.zeros(0, dtype=torch.bool)
+    norms = torch._foreach_norm(grads)
+    return names, ~torch.stack([norm.float() for norm in norms]).isfinite()
+
+
+def named_on_any_rank(verdict: Verdict) -> list[str]:
+    """Names of the parameters whose gradient held a NaN or Inf on any rank (the same list on every rank)."""
+    names = [name for name, bad in zip(verdict.names, verdict.nonfinite.tolist()) if bad]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, names)
@@ -53,24 +93,45 @@ def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float, pp_me
 
 
 class NonFiniteSteps:
-    def __init__(self, limit: int):
+    """The verdicts of training.skip_nan_inf: ``record`` keeps a step's on the device and reads the one before
+    (whose step has finished by then, or nearly); ``settle`` reads the last one now (before it is logged or saved).
+    Every rank records and settles at the same steps (the naming gathers over ranks)."""
+
+    def __init__(self, enabled: bool, limit: int):
+        self.enabled = enabled
         self.limit = limit
         self.consecutive = 0
+        self.skipped_steps = 0
+        self.pending: Verdict | None = None
 
-    def finite(self) -> None:
-        self.consecutive = 0
+    def record(self, step: int, skipped: torch.Tensor | bool, grad_norm: torch.Tensor, model_parts) -> None:
+        if not self.enabled:
+            return
+        self.settle()
+        names, nonfinite = gradient_flags(model_parts)
+        self.pending = Verdict(step, skipped, grad_norm, names, nonfinite)
 
-    def skipped(self, step: int, model_parts: list[torch.nn.Module]) -> None:
+    def settle(self) -> None:
+        verdict, self.pending = self.pending, None
+        if verdict is None:
+            return
+        if not bool(verdict.skipped):
+            self.consecutive = 0
+            return
+        self.skipped_steps += 1
         self.consecutive += 1
+        logger.warning(
+            f"step {verdict.step}: gradient norm is {verdict.grad_norm.item()}; the update was skipped"
+        )
         if self.consecutive == 1:
-            names = nonfinite_parameters(model_parts)
+            names = named_on_any_rank(verdict)
             shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
             logger.warning(
-                f"step {step}: non-finite gradients in {len(names)} parameter(s): {shown or 'none'}"
+                f"step {verdict.step}: non-finite gradients in {len(names)} parameter(s): {shown or 'none'}"
             )
         if self.limit and self.consecutive >= self.limit:
             raise NonFiniteGradients(
-                f"{self.consecutive} consecutive steps (to step {step}) had a non-finite gradient norm and were "
-                f"skipped (training.skip_nan_inf_limit {self.limit}); nothing after the last checkpoint was saved. "
-                "Lower the learning rate or resume from an earlier checkpoint"
+                f"{self.consecutive} consecutive steps (to step {verdict.step}) had a non-finite gradient norm and "
+                f"were skipped (training.skip_nan_inf_limit {self.limit}); nothing after the last checkpoint was "
+                "saved. Lower the learning rate or resume from an earlier checkpoint"
             )

@@ -9,7 +9,8 @@ same step.
    schedule when there are stages). A model with fuse_linear_cross_entropy returns its final hidden states, and
    the objective computes the loss from them through lm_head without the logits.
 4. Clip the gradient norm (the norm before clipping is what the step reports).
-5. Step the optimizer, unless the norm is not finite and training.skip_nan_inf says to skip; step the schedule.
+5. Step the optimizer, unless the norm is not finite and training.skip_nan_inf says to skip (fused Adam and AdamW
+   skip on the device, without reading the norm back: flame/optim/nonfinite.py); step the schedule.
 
 Steps 3, 4 and 5 are profiler regions (``STEP_REGIONS``): a profile tells how long the host takes to issue each.
 """
@@ -27,7 +28,7 @@ from torch.profiler import record_function
 from flame.models.common.decoder import fuses_linear_cross_entropy
 from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
-from flame.optim.nonfinite import clip_grad_norm_
+from flame.optim.nonfinite import clip_grad_norm_, skip_on_device, skips_on_device
 from flame.parallelize.compile import uses_cuda_graphs
 from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
 from flame.train.model_parts import ModelParts, Topology, autocast_context
@@ -51,7 +52,9 @@ class StepResult:
     )  # this rank's part of what the step averages over (its tokens / all ranks' tokens)
     grad_norm: torch.Tensor  # before clipping
     tokens: int  # tokens this device trained on
-    skipped: bool  # the update was skipped (non-finite gradient norm)
+    # The update was skipped (non-finite gradient norm): a device tensor where the optimizers skipped it on the
+    # device (reading it waits for the step's backward).
+    skipped: torch.Tensor | bool
 
 
 class TrainStep:
@@ -80,6 +83,7 @@ class TrainStep:
         )
         self.before_update = before_update  # e.g. wait for an async checkpoint to finish copying the weights
         self.marks_cuda_graph_steps = uses_cuda_graphs(job_config.compile)
+        self.skips_on_device = skips_on_device(optimizers.optimizers)
 
     def __call__(self, batches: list[Batch]) -> StepResult:
         topology = self.topology
@@ -103,9 +107,16 @@ class TrainStep:
 
         with record_function(STEP_REGIONS[1]):
             grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, pp_mesh=topology.pp_mesh)
-        skipped = self.skip_nan_inf and not torch.isfinite(grad_norm)
+        skipped = False
+        if self.skip_nan_inf:
+            nonfinite = ~grad_norm.isfinite()
+            if self.skips_on_device:
+                skip_on_device(self.optimizers.optimizers, nonfinite)
+                skipped = nonfinite
+            else:
+                skipped = bool(nonfinite)  # the host decides: waits for this step's backward
         with record_function(STEP_REGIONS[2]):
-            if not skipped:
+            if skipped is not True:
                 if self.before_update is not None:
                     self.before_update()
                 self.optimizers.step()
@@ -116,7 +127,7 @@ class TrainStep:
             local_share=local_count / global_count,
             grad_norm=grad_norm,
             tokens=sum(labels.numel() for _, labels in batches),
-            skipped=bool(skipped),
+            skipped=skipped,
         )
 
     def forward_backward(

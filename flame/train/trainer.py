@@ -137,7 +137,7 @@ class Trainer(Stateful):
             self.device if self.topology.cp_group is None else None,
             ahead=self.accumulation,
         )
-        self.nonfinite_steps = NonFiniteSteps(training.skip_nan_inf_limit)
+        self.nonfinite_steps = NonFiniteSteps(training.skip_nan_inf, training.skip_nan_inf_limit)
         self.train_step_fn = build_train_step(self.model, self.topology, job_config, objective=objective)
         self.optimizers = self.train_step_fn.optimizers
         self.lr_schedulers = self.train_step_fn.lr_schedulers
@@ -147,7 +147,6 @@ class Trainer(Stateful):
         # random generators of every rank). flame.json in each step directory records the model config.
         self.step = 0
         self.ntokens_seen = 0
-        self.skipped_steps = 0
         self.hub_uploader = self._build_hub_uploader()  # checkpoints to the hub, in the background
         self.checkpointer = self._build_checkpointer()
         checkpoint = job_config.checkpoint
@@ -232,14 +231,12 @@ class Trainer(Stateful):
         self.metrics.window_data_time += self.batches.wait_seconds
         self.batches.wait_seconds = 0.0
         self.metrics.window_tokens += result.tokens
-        if result.skipped:
-            self.skipped_steps += 1
-            logger.warning(
-                f"step {self.step}: gradient norm is {result.grad_norm.item()}; skipping the update"
-            )
-            self.nonfinite_steps.skipped(self.step, self.model_parts)  # names them; stops at the limit
-        else:
-            self.nonfinite_steps.finite()
+        # training.skip_nan_inf: the last step's verdict is read now that this step's kernels are queued (it names
+        # the parameters and stops at the limit); this step's where it is logged or saved.
+        self.nonfinite_steps.record(self.step, result.skipped, result.grad_norm, self.model_parts)
+        last_step = self.step == self.last_step
+        if self.metrics.should_log(self.step) or self.checkpointer.due(self.step, last_step) or last_step:
+            self.nonfinite_steps.settle()
         if self.metrics.should_log(self.step):
             means = self.train_step_fn.global_metrics(result)
             metrics = {
@@ -302,6 +299,7 @@ class Trainer(Stateful):
                 self.train_step(self.batches)
                 self.checkpointer.save(self.step, last_step=self.step == self.last_step)
                 if self.step < self.last_step and self.preemption.requested():
+                    self.nonfinite_steps.settle()
                     self.preemption.save_and_stop(self.checkpointer, self.step)  # raises Preempted
                 if self.validator and self.validator.should_validate(self.step, self.last_step):
                     self.validate()
@@ -332,13 +330,17 @@ class Trainer(Stateful):
         self.checkpointer.save(curr_step=0, last_step=True)
         logger.info(f"Saved the seed checkpoint in {self.checkpointer.folder}/step-0")
 
+    @property
+    def skipped_steps(self) -> int:
+        return self.nonfinite_steps.skipped_steps
+
     def state_dict(self) -> dict:
         return {"step": self.step, "ntokens_seen": self.ntokens_seen, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.step = state_dict["step"]
         self.ntokens_seen = state_dict["ntokens_seen"]
-        self.skipped_steps = state_dict.get("skipped_steps", 0)
+        self.nonfinite_steps.skipped_steps = state_dict.get("skipped_steps", 0)
 
     def close(self) -> None:
         self.checkpointer.close()  # finishes the last save, which the hub uploader then gets
