@@ -26,6 +26,45 @@ def labelled_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORE_INDEX).sum()
 
 
+class _L2Warp(torch.autograd.Function):
+    """The loss unchanged; its backward adds ``factor`` x the largest logit x the loss's gradient to the gradient of
+    each position's largest logit (the logits' own L2 pull towards 0 at their maximum)."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, logits: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        top, index = logits.detach().max(-1, keepdim=True)
+        ctx.save_for_backward(top * factor, index)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        pull, index = ctx.saved_tensors
+        grad_logits = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad_loss.device)
+        grad_logits.scatter_(-1, index, (pull * grad_loss).to(ctx.dtype))
+        return grad_loss, grad_logits, None
+
+
+def l2_warp(loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, factor: float) -> torch.Tensor:
+    """RWKV's L2Wrap as FLA's ``use_l2warp`` applies it (fla/modules/l2warp.py): the summed loss ``loss`` of
+    ``logits`` unchanged, and in backward every position's largest logit gets a gradient of ``factor`` x its value
+    per labelled token's gradient weight, times the micro-batch's labelled share of positions. FLA divides by the
+    positions of a batch whose loss is a mean over its labelled tokens: the same ratio of the pull to the
+    cross-entropy's per-token gradient."""
+    share = labelled_tokens(labels).to(torch.promote_types(logits.dtype, torch.float32)) / labels.numel()
+    return _L2Warp.apply(loss, logits, factor * share)
+
+
+def l2warp_factor(model_args, job_config) -> float:
+    """The strength of ``l2_warp`` in training (0: none): on with the model config's ``use_l2warp`` (FLA's key, true
+    by default in RWKV7's config) or upstream flame's ``--training.enable_l2wrap``, at ``--training.l2wrap_factor``
+    (FLA's 1e-4 unless set)."""
+    training = job_config.training
+    if not (model_args.use_l2warp or training.enable_l2wrap):
+        return 0.0
+    return 1e-4 if training.l2wrap_factor is None else training.l2wrap_factor
+
+
 class TokenNormalizedLoss:
     """Summed cross-entropy of a micro-batch / ``global_tokens`` (set by the training step before the pipeline
     schedule runs): the sum over micro-batches and ranks is the step's mean loss, as without pipelining."""

@@ -86,3 +86,55 @@ def test_dpo_loss_is_log_2_where_the_policy_is_the_reference():
     losses, chosen, rejected = dpo_losses(logprobs, logprobs, beta=0.1)
     torch.testing.assert_close(losses, torch.full((2,), math.log(2), dtype=torch.float64))
     assert chosen.abs().max() == rejected.abs().max() == 0
+
+
+@pytest.mark.parametrize("ignored", [0, 7])
+def test_l2_warp_gives_flas_gradients_for_a_batch_whose_loss_is_a_mean(ignored):
+    """One micro-batch of 3 x 11 positions, vocabulary 13, float64: FLA's mean cross-entropy with its l2_warp
+    (fla/modules/l2warp.py) and flame's summed loss with l2_warp, divided by the labelled tokens as the step does,
+    have the same gradient (rtol = atol = 1e-12), with and without ignored labels."""
+    fla_l2warp = pytest.importorskip("fla.modules.l2warp")
+    from flame.loss import l2_warp
+
+    generator = torch.Generator().manual_seed(3)
+    logits = (4 * torch.randn(3, 11, 13, generator=generator, dtype=torch.float64)).requires_grad_()
+    labels = torch.randint(0, 13, (3, 11), generator=generator)
+    labels.view(-1)[torch.randperm(33, generator=generator)[:ignored]] = IGNORE_INDEX
+    mean = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+    )
+    (expected,) = torch.autograd.grad(fla_l2warp.l2_warp(mean, logits), logits)
+    cross_entropy, _ = loss_sums(logits, labels, z_loss=False)
+    loss = l2_warp(cross_entropy, logits, labels, 1e-4)
+    assert loss.item() == cross_entropy.item()  # the loss itself is unchanged
+    (grad,) = torch.autograd.grad(loss / labelled_tokens(labels), logits, retain_graph=True)
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+    (plain,) = torch.autograd.grad(cross_entropy / labelled_tokens(labels), logits)
+    top = logits.detach().argmax(-1, keepdim=True)
+    pull = (grad - plain).gather(-1, top)
+    torch.testing.assert_close(pull, 1e-4 * logits.detach().gather(-1, top) / 33, rtol=1e-9, atol=0)
+    assert torch.count_nonzero(grad - plain) == 33  # the largest logit of each position only
+
+
+def test_l2warp_is_on_with_the_config_key_or_upstreams_flag():
+    """FLA's use_l2warp (RWKV7's config has it on by default) or upstream flame's --training.enable_l2wrap, at
+    --training.l2wrap_factor or FLA's 1e-4."""
+    from flame.config import parse_args
+    from flame.loss import l2warp_factor
+    from flame.models import model_args_from_dict
+
+    shapes = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1}
+    transformer, _ = model_args_from_dict({"model_type": "transformer", "num_heads": 2, **shapes})
+    warped, _ = model_args_from_dict(
+        {"model_type": "transformer", "num_heads": 2, "use_l2warp": True, **shapes}
+    )
+    rwkv7, _ = model_args_from_dict({"model_type": "rwkv7", "head_dim": 16, **shapes})
+    llama, _ = model_args_from_dict({"model_type": "llama", "num_attention_heads": 2, **shapes})
+    plain, flag = parse_args([]), parse_args(["--training.enable_l2wrap", "--training.l2wrap_factor", "3e-4"])
+    assert [l2warp_factor(args, plain) for args in (transformer, warped, rwkv7, llama)] == [
+        0.0,
+        1e-4,
+        1e-4,
+        0.0,
+    ]
+    assert [l2warp_factor(args, flag) for args in (transformer, llama)] == [3e-4, 3e-4]

@@ -75,6 +75,11 @@ def _check_training(job_config) -> None:
         math.isfinite(training.z_loss) and training.z_loss >= 0,
         f"training.z_loss must be >= 0 (0 disables it), got {training.z_loss}",
     )
+    factor = training.l2wrap_factor
+    _require(
+        factor is None or (math.isfinite(factor) and factor >= 0),
+        f"training.l2wrap_factor must be >= 0, got {factor}",
+    )
     _require(training.gc_freq >= 1, f"training.gc_freq must be >= 1, got {training.gc_freq}")
     problem = varlen_batch_problem(bool(training.varlen), training.local_batch_size)
     _require(problem is None, problem)

@@ -434,10 +434,10 @@ class UpstreamTraining:
     """Upstream's name of parallelism.fsdp_reshard_after_forward"""
 
     enable_l2wrap: bool = False
-    """Upstream's L2Wrap logit regularization (not implemented in flame: --training.z_loss regularizes the logits)"""
+    """L2Wrap on the logits for any model, as the model config's use_l2warp (FLA's key) turns it on"""
 
     l2wrap_factor: float | None = None
-    """Upstream's L2Wrap coefficient (not implemented in flame)"""
+    """L2Wrap's strength (default FLA's 1e-4)"""
 
 
 @dataclass
@@ -570,6 +570,4 @@ NO_EFFECT: dict[str, str] = {
     "model.print_after_conversion": "flame logs the model's size, not its definition",
     "fault_tolerance.enable": "flame does not run TorchFT",
     "memory_estimation.disable_fake_mode": "flame has no FSDP memory estimator",
-    "training.enable_l2wrap": "L2Wrap is not implemented; --training.z_loss is flame's regularizer of the logits",
-    "training.l2wrap_factor": "L2Wrap is not implemented; --training.z_loss is flame's regularizer of the logits",
 }

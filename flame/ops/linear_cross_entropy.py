@@ -52,10 +52,14 @@ def _chunked_loss(
     z_loss: float,
     chunk_size: int,
     with_grads: bool,
+    l2warp: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Summed cross-entropy and z-term of ``hidden`` [N, H] @ ``weight.T`` [H, V] against ``labels`` [N], chunk by
-    chunk; with ``with_grads`` also the gradients of cross_entropy + z_loss x z_term w.r.t. hidden and weight."""
+    chunk; with ``with_grads`` also the gradients of cross_entropy + z_loss x z_term w.r.t. hidden and weight, with
+    ``l2warp``'s pull on each position's largest logit added (flame/loss.py's ``l2_warp``)."""
     accumulate = _softmax_dtype(hidden.dtype)
+    if with_grads and l2warp > 0:
+        pull = l2warp * (labels != ignore_index).sum().to(accumulate) / labels.numel()
     cross_entropy = torch.zeros((), dtype=accumulate, device=hidden.device)
     z_term = torch.zeros((), dtype=accumulate, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else None
@@ -74,11 +78,15 @@ def _chunked_loss(
             z_term += torch.where(labelled, lse.square(), 0).sum()
         if not with_grads:
             continue
+        if l2warp > 0:
+            top, top_index = logits.max(-1, keepdim=True)
         # d/dlogits of (lse - logit_y) + z_loss lse^2 = softmax x (1 + 2 z_loss lse) - onehot(y), labelled rows
         # only. In place: the float32 logits become their gradient.
         grad_logits = logits.sub_(lse[:, None]).exp_()
         grad_logits.mul_(torch.where(labelled, 1 + 2 * z_loss * lse, 0)[:, None])
         grad_logits.scatter_add_(1, targets[:, None], -labelled.to(accumulate)[:, None])
+        if l2warp > 0:
+            grad_logits.scatter_add_(1, top_index, top * pull)
         grad_logits = grad_logits.to(weight.dtype)
         grad_hidden[start : start + chunk_size] = grad_logits @ weight
         grad_weight += grad_logits.T @ chunk_hidden
@@ -89,9 +97,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Gradients taken in forward, chunk by chunk; backward scales them by the loss's incoming gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, z_loss, chunk_size):
+    def forward(ctx, hidden, weight, labels, ignore_index, z_loss, chunk_size, l2warp):
         cross_entropy, z_term, grad_hidden, grad_weight = _chunked_loss(
-            hidden, weight, labels, ignore_index, z_loss, chunk_size, with_grads=True
+            hidden, weight, labels, ignore_index, z_loss, chunk_size, with_grads=True, l2warp=l2warp
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -108,6 +116,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -118,10 +127,11 @@ def linear_cross_entropy_torch(
     ignore_index: int,
     z_loss: float,
     chunk_size: int,
+    l2warp: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """flame's PyTorch implementation (the CPU path and the reference); hidden [N, H], weight [V, H], labels [N]."""
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, z_loss, chunk_size)
+        return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, z_loss, chunk_size, l2warp)
     cross_entropy, z_term, _, _ = _chunked_loss(
         hidden, weight, labels, ignore_index, z_loss, chunk_size, with_grads=False
     )
@@ -135,6 +145,7 @@ def fla_linear_cross_entropy(
     ignore_index: int,
     z_loss: float,
     chunk_size: int,
+    l2warp: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FLA 0.6.0's Triton fused linear cross-entropy (summed), imported on first use."""
     from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
@@ -151,8 +162,11 @@ def fla_linear_cross_entropy(
     return loss, loss.detach(), torch.zeros_like(loss.detach())
 
 
-def fla_refuses(hidden, weight, labels, ignore_index, z_loss, chunk_size) -> str | None:
-    return "has no z-loss" if z_loss > 0 else None
+def fla_refuses(hidden, weight, labels, ignore_index, z_loss, chunk_size, l2warp) -> str | None:
+    if z_loss > 0:
+        return "has no z-loss"
+    # FLA's use_l2warp divides by the positions of a mean loss; flame's sums take flame's L2-warp.
+    return "takes flame's L2-warp in flame's implementation" if l2warp > 0 else None
 
 
 LINEAR_CROSS_ENTROPY = dispatch.register_op(
@@ -172,10 +186,11 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     z_loss: float = 0.0,
     chunk_size: int | None = None,
+    l2warp: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(cross_entropy + z_loss x z_term, cross_entropy, z_term) of the logits ``hidden @ weight.T`` against
     ``labels``, summed over the tokens whose label is not ``ignore_index``; hidden [..., H], weight [V, H],
-    labels [...] (already shifted).
+    labels [...] (already shifted). ``l2warp`` > 0 adds flame/loss.py's ``l2_warp`` to the gradients.
     ``chunk_size`` tokens per chunk (default: :func:`default_chunk_size`). Under autocast the matmuls run in the
     autocast dtype, as lm_head's would."""
     hidden = hidden.flatten(0, -2)
@@ -193,4 +208,4 @@ def linear_cross_entropy(
         dtype = torch.promote_types(hidden.dtype, weight.dtype)
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        return LINEAR_CROSS_ENTROPY(hidden, weight, labels, ignore_index, z_loss, chunk_size)
+        return LINEAR_CROSS_ENTROPY(hidden, weight, labels, ignore_index, z_loss, chunk_size, l2warp)

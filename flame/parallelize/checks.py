@@ -19,6 +19,7 @@ pre-flight stays fast.
 import torch
 
 from flame.errors import ConfigError
+from flame.loss import l2warp_factor
 from flame.models import build_model, model_spec
 from flame.models.common.spec import MODEL_PARALLELISMS
 from flame.models.layers.attention import Attention
@@ -289,6 +290,24 @@ def check_fused_loss(job_config, model_args, degrees: dict[str, int]) -> None:
         )
 
 
+def check_l2warp(job_config, model_args, degrees: dict[str, int]) -> None:
+    """The L2-warp (flame/loss.py) takes each position's largest logit over the whole vocabulary, from the
+    objective's logits."""
+    if l2warp_factor(model_args, job_config) == 0 or job_config.job.task == "dpo":
+        return
+    off = "set use_l2warp false in the model config (and drop --training.enable_l2wrap)"
+    if degrees["tp"] > 1:
+        raise ConfigError(
+            f"the L2-warp needs each position's logits over the whole vocabulary, which tensor parallelism shards: "
+            f"use tensor_parallel_degree 1 or {off}"
+        )
+    if degrees["pp"] > 1:
+        raise ConfigError(
+            "the L2-warp is not applied by the pipeline schedule's loss: use pipeline_parallel_degree 1 or "
+            + off
+        )
+
+
 def check_parallelism(job_config, model_args, world_size: int, model=None) -> dict[str, int]:
     """Raise ConfigError (one line) if the job's parallelism cannot run on ``world_size`` ranks with this model;
     return the resolved degrees. ``model``: the model built on the meta device, if the caller has it."""
@@ -315,6 +334,7 @@ def check_parallelism(job_config, model_args, world_size: int, model=None) -> di
         )
     check_family_support(job_config, model_args, degrees)
     check_fused_loss(job_config, model_args, degrees)
+    check_l2warp(job_config, model_args, degrees)
     check_activation_checkpoint(job_config)
     check_compile(job_config.compile, degrees)
     check_converters(job_config, on_gpu=True)  # the GPU is checked on the ranks

@@ -10,8 +10,17 @@ accumulation and data parallelism give the gradient and the means of one big bat
 import contextlib
 
 import torch
+from torchtitan.tools.logging import logger
 
-from flame.loss import IGNORE_INDEX, dpo_losses, labelled_tokens, loss_sums, sequence_logprobs
+from flame.loss import (
+    IGNORE_INDEX,
+    dpo_losses,
+    l2_warp,
+    l2warp_factor,
+    labelled_tokens,
+    loss_sums,
+    sequence_logprobs,
+)
 from flame.models.common.args import ModelArgs
 from flame.parallelize.compile import maybe_compile_loss
 from flame.train.model_parts import ModelParts, Topology, autocast_context, build_model_parts
@@ -19,13 +28,15 @@ from flame.train.model_parts import ModelParts, Topology, autocast_context, buil
 
 class LanguageModelObjective:
     """Next-token cross-entropy over the labelled tokens, plus training.z_loss x logsumexp(logits)^2
-    (job.task pretrain and sft: sft data labels the assistant's tokens only). ``fused``: the step passes the final
-    hidden states instead of the logits, and lm_head computes the same sums from them without the logits
-    (compile.components' loss does not apply: the fused loss is its matmuls, run eagerly)."""
+    (job.task pretrain and sft: sft data labels the assistant's tokens only), with the L2-warp of ``l2warp``
+    (flame.loss.l2warp_factor) on the gradients. ``fused``: the step passes the final hidden states instead of the logits, and
+    lm_head computes the same sums from them without the logits (compile.components' loss does not apply: the
+    fused loss is its matmuls, run eagerly)."""
 
-    def __init__(self, job_config, fused: bool = False):
+    def __init__(self, job_config, fused: bool = False, l2warp: float = 0.0):
         self.z_loss = job_config.training.z_loss
         self.fused = fused
+        self.l2warp = l2warp
         self.loss_fn = loss_sums if fused else maybe_compile_loss(loss_sums, job_config.compile)
 
     def count(self, labels: torch.Tensor) -> torch.Tensor:
@@ -34,11 +45,13 @@ class LanguageModelObjective:
     def __call__(self, output, labels, inputs, lm_head=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.fused:
             loss, cross_entropy, z_term = lm_head(
-                output, labels, ignore_index=IGNORE_INDEX, z_loss=self.z_loss
+                output, labels, ignore_index=IGNORE_INDEX, z_loss=self.z_loss, l2warp=self.l2warp
             )
         else:
             cross_entropy, z_term = self.loss_fn(output, labels, z_loss=self.z_loss > 0)
             loss = cross_entropy + self.z_loss * z_term
+            if self.l2warp > 0:
+                loss = l2_warp(loss, output, labels, self.l2warp)
         metrics = {"loss": cross_entropy}
         if self.z_loss > 0:
             metrics["z_loss"] = self.z_loss * z_term
@@ -87,8 +100,12 @@ def build_objective(
 ) -> LanguageModelObjective | DPOObjective:
     """job.task's objective. DPO's reference model is built and sharded like the policy, frozen, in eval mode; it
     holds random weights until the caller copies the starting weights in (or loads them from a checkpoint)."""
+    l2warp = l2warp_factor(model_args, job_config)
     if job_config.job.task != "dpo":
-        return LanguageModelObjective(job_config, fused=model_args.fuse_linear_cross_entropy)
+        return LanguageModelObjective(job_config, model_args.fuse_linear_cross_entropy, l2warp)
+    if l2warp > 0:
+        # As FLA's class, which applies it only to the loss it computes from labels.
+        logger.info("DPO's loss is trained without the L2-warp (use_l2warp, training.enable_l2wrap)")
     reference = build_model_parts(model_args, topology, job_config)
     for part in reference.parts:
         part.eval()

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import record_function
 
+from flame.loss import l2warp_factor
 from flame.models.common.decoder import fuses_linear_cross_entropy
 from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
@@ -79,7 +80,9 @@ class TrainStep:
         self.max_norm = job_config.training.max_norm
         self.skip_nan_inf = job_config.training.skip_nan_inf
         self.objective = objective or LanguageModelObjective(
-            job_config, fused=fuses_linear_cross_entropy(model.parts[0])
+            job_config,
+            fused=fuses_linear_cross_entropy(model.parts[0]),
+            l2warp=l2warp_factor(model.parts[0].args, job_config),
         )
         self.before_update = before_update  # e.g. wait for an async checkpoint to finish copying the weights
         self.marks_cuda_graph_steps = uses_cuda_graphs(job_config.compile)

@@ -345,7 +345,6 @@ def test_train_sh_h_lists_upstream_options():
 @pytest.mark.parametrize(
     "argv, option",
     [
-        (["--training.enable_l2wrap", "--training.l2wrap_factor", "1e-4"], "training.enable_l2wrap"),
         (["--model.name", "fla"], "model.name"),
         (["--fault_tolerance.enable"], "fault_tolerance.enable"),
     ],

@@ -63,7 +63,7 @@ REFUSED = {
     "gelu": ("transformer", {"hidden_act": "gelu"}, 'hidden_act "gelu": flame\'s MLP is SwiGLU', False),
     "powlu": ("gated_deltanet", {"hidden_act": "powlu"}, 'hidden_act "powlu"', True),
     "attnres": ("delta_net", {"attnres_block_size": 4}, "attnres_block_size 4: flame's blocks have no attention residuals", True),
-    "l2warp": ("transformer", {"use_l2warp": True}, "use_l2warp true: flame's loss has no L2-warp", False),
+    "l2warp": ("transformer", {"use_l2warp": 1}, "use_l2warp must be true or false, got 1", False),
     "affine": ("transformer", {"elementwise_affine": False}, "elementwise_affine false", False),
     "output-norm": ("delta_net", {"use_output_norm": False}, "use_output_norm false", False),
     "attention-bias": ("transformer", {"attention_bias": True}, "attention_bias true", False),

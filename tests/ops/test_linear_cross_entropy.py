@@ -154,3 +154,25 @@ def test_cuda_calls_pinned_to_fla_reach_its_kernel_with_arguments_it_accepts(mon
     expected = linear_cross_entropy(hidden, weight, labels, z_loss=1e-2, chunk_size=8)
     for actual, value in zip(with_z, expected):
         torch.testing.assert_close(actual.as_subclass(torch.Tensor), value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk_size", [5, 64])
+def test_l2_warp_in_the_chunks_matches_l2_warp_on_the_logits(dtype, chunk_size):
+    """flame/loss.py's l2_warp on the materialised logits (the unfused objective) against the pull added chunk by
+    chunk, ignored tokens included."""
+    from flame.loss import l2_warp
+
+    hidden, weight, labels = inputs(dtype)
+    logits = hidden @ weight.T
+    cross_entropy, _ = loss_sums(logits, labels, z_loss=False)
+    expected = torch.autograd.grad(
+        l2_warp(cross_entropy, logits, labels, 1e-2), (hidden, weight), retain_graph=True
+    )
+    fused = linear_cross_entropy(hidden, weight, labels, IGNORE_INDEX, 0.0, chunk_size, l2warp=1e-2)
+    grads = torch.autograd.grad(fused[0], (hidden, weight))
+    unwarped = torch.autograd.grad(cross_entropy, (hidden, weight))
+    rtol, atol = TOLERANCES[dtype]
+    for grad, want, plain in zip(grads, expected, unwarped):
+        torch.testing.assert_close(grad, want, rtol=rtol, atol=atol)
+        assert not torch.allclose(grad, plain, rtol=rtol, atol=atol)  # the pull is there

@@ -376,6 +376,24 @@ def test_fused_linear_cross_entropy_refuses_what_it_cannot_run_in_one_line(tmp_p
                                         config=str(config))  # fmt: skip
 
 
+def test_l2warp_refuses_sharded_logits_and_the_pipelines_loss_in_one_line(tmp_path):
+    config = tmp_path / "l2warp.json"
+    config.write_text('{"model_type": "transformer", "hidden_size": 64, "num_hidden_layers": 4, "num_heads": 2,'
+                      ' "use_l2warp": true}')  # fmt: skip
+    assert check(4, "--parallelism.context_parallel_degree", "2", config=str(config))["cp"] == 2
+    assert check(1, "--job.task", "dpo", config=str(config))["tp"] == 1  # DPO's loss goes without it
+    assert refused(2, "--parallelism.tensor_parallel_degree", "2", config=str(config)).startswith(
+        "the L2-warp needs each position's logits over the whole vocabulary"
+    )
+    assert refused(2, "--parallelism.pipeline_parallel_degree", "2", config=str(config)).startswith(
+        "the L2-warp is not applied by the pipeline schedule's loss"
+    )
+    # upstream flame's flag turns it on for any model
+    assert refused(2, "--parallelism.tensor_parallel_degree", "2", "--training.enable_l2wrap").startswith(
+        "the L2-warp needs"
+    )
+
+
 def test_compile_mode_reaches_every_compiled_region_and_needs_inductor(monkeypatch):
     """--compile.mode goes to torch.compile for each block and the loss, without CUDA graphs for the loss
     (inductor's modes only: another backend is refused in one line); the default passes no mode."""

@@ -1,6 +1,7 @@
 """fuse_linear_cross_entropy in the model config: the objective gets the final hidden states and lm_head computes the
 loss chunk by chunk. Per family (tied transformer, Gated DeltaNet hybrid, DeltaNet) the loss and every parameter's
-gradient equal the unfused objective's in float64 (rtol = atol = 1e-10: the same sums in another order); the
+gradient equal the unfused objective's in float64 (rtol = atol = 1e-10: the same sums in another order), with and
+without the L2-warp; the
 Trainer validates alike and trains the same curves of loss, z-loss and gradient norm fused and unfused in float32 (rtol 1e-5), with
 z-loss and ignored tokens."""
 
@@ -27,7 +28,8 @@ ASSETS = Path(__file__).resolve().parents[2] / "flame" / "assets"
         ("delta_net", {"num_heads": 2}),
     ],
 )
-def test_fused_objective_gives_the_unfused_loss_and_gradients(model_type, overrides):
+@pytest.mark.parametrize("l2warp", [0.0, 1e-2])
+def test_fused_objective_gives_the_unfused_loss_and_gradients(model_type, overrides, l2warp):
     model = tiny_model(model_type, torch.float64, vocab_size=61, fuse_linear_cross_entropy=True, **overrides)
     assert fuses_linear_cross_entropy(model)
     job_config = parse_args(["--training.z_loss", "1e-3"])
@@ -36,7 +38,10 @@ def test_fused_objective_gives_the_unfused_loss_and_gradients(model_type, overri
     labels = torch.randint(0, 61, (2, 19), generator=generator)
     labels[0, :5] = labels[1, 11:] = IGNORE_INDEX
     results = []
-    for objective in (LanguageModelObjective(job_config), LanguageModelObjective(job_config, fused=True)):
+    for objective in (
+        LanguageModelObjective(job_config, l2warp=l2warp),
+        LanguageModelObjective(job_config, fused=True, l2warp=l2warp),
+    ):
         model.zero_grad()
         output = model(tokens, return_hidden=objective.fused)
         loss, metrics = objective(output, labels, {"input": tokens}, model.lm_head)

@@ -1,14 +1,18 @@
 """One training step in-process: token-weighted accumulation, non-finite steps skipped, z-loss, gradient norm
 before clipping, hard stop, profiler and debug switches."""
 
+import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from flame.loss import IGNORE_INDEX
 from tests.trainer_helpers import tensorboard_scalars
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def captured_metrics(trainer) -> list[dict]:
@@ -238,3 +242,15 @@ def test_each_step_marks_a_new_cuda_graph_step_when_the_blocks_replay_graphs(
     run_step(trainer, [(inputs, labels)], step=1)
     run_step(trainer, [(inputs, labels)], step=2)
     assert calls == ["mark"] * marks
+
+
+def test_the_trainers_objective_takes_the_l2warp_of_the_model_config_or_the_flag(make_trainer, tmp_path):
+    config = json.loads((REPO / "flame" / "assets" / "tiny.json").read_text())
+    path = tmp_path / "l2warp.json"
+    path.write_text(json.dumps({**config, "use_l2warp": True}))
+    trainers = [make_trainer("--model.config", str(path)), make_trainer("--training.enable_l2wrap",
+                "--training.l2wrap_factor", "2e-4"), make_trainer()]  # fmt: skip
+    assert [t.train_step_fn.objective.l2warp for t in trainers] == [1e-4, 2e-4, 0.0]
+    logged = captured_metrics(trainers[0])
+    run_step(trainers[0], [next(iter(trainers[0].dataloader))])
+    assert math.isfinite(logged[0]["loss/train"])

@@ -80,9 +80,6 @@ RESTRICTED_KEYS = {
     "attnres_block_size": RestrictedKey(
         (None,), "flame's blocks have no attention residuals (FLA's AttnRes)", fla_reads=None
     ),
-    "use_l2warp": RestrictedKey(
-        (False,), "flame's loss has no L2-warp (FLA adds it in its class's own loss, which flame never calls)"
-    ),
     "elementwise_affine": RestrictedKey(
         (True, None), "flame's norms always have weights (FLA 0.6.0's too: its models never read this key)"
     ),
@@ -116,6 +113,8 @@ class ModelArgs:
     # Training computes the loss from the final hidden states and lm_head's weight chunk by chunk, never holding
     # the whole batch's logits (flame/ops/linear_cross_entropy.py); FLA's key of the same meaning.
     fuse_linear_cross_entropy: bool = False
+    # FLA's key: the training loss pulls each position's largest logit towards 0 (flame/loss.py's l2_warp).
+    use_l2warp: bool = False
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> tuple["ModelArgs", list[str]]:
@@ -146,10 +145,9 @@ class ModelArgs:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not isinstance(self.fuse_linear_cross_entropy, bool):
-            raise ModelConfigError(
-                f"fuse_linear_cross_entropy must be true or false, got {self.fuse_linear_cross_entropy!r}"
-            )
+        for name in ("fuse_linear_cross_entropy", "use_l2warp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     def layer_flops_per_token(self, seq_len: int) -> int:
         """Sequence-mixing FLOPs per token (forward + backward) that parameters do not account for."""

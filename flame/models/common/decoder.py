@@ -69,10 +69,11 @@ class LMHead(nn.Linear):
         ignore_index: int = -100,
         z_loss: float = 0.0,
         chunk_size: int | None = None,
+        l2warp: float = 0.0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if labels is None:
             return F.linear(hidden, self.weight)
-        return linear_cross_entropy(hidden, self.weight, labels, ignore_index, z_loss, chunk_size)
+        return linear_cross_entropy(hidden, self.weight, labels, ignore_index, z_loss, chunk_size, l2warp)
 
 
 def fuses_linear_cross_entropy(model: nn.Module) -> bool:

@@ -163,6 +163,8 @@ class GenericArgs(ModelArgs):
             hidden_size=getattr(hf_config, "hidden_size", 0),
             num_hidden_layers=getattr(hf_config, "num_hidden_layers", 0),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # FLA's classes apply it in their own loss, which flame's objective replaces (RWKV7's default: true).
+            use_l2warp=bool(getattr(hf_config, "use_l2warp", False)),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_id=getattr(hf_config, "eos_token_id", None),
             model_type=model_type,
