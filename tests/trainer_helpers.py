@@ -62,3 +62,16 @@ def text_events(dump: Path, tag: str) -> dict[int, str]:
     accumulator = EventAccumulator(str(folder), size_guidance={"tensors": 0})
     accumulator.Reload()
     return {e.step: e.tensor_proto.string_val[0].decode() for e in accumulator.Tensors(f"{tag}/text_summary")}
+
+
+class GivenBatches:
+    """Micro-batches given by a test, in place of the trainer's prefetcher."""
+
+    def __init__(self, batches: list):
+        self._batches = iter(batches)
+
+    def __next__(self):
+        return next(self._batches)
+
+    def prefetch(self) -> None:
+        pass

@@ -6,7 +6,8 @@ same step.
    data-parallel and cp rank: each micro-batch's summed loss is divided by that count, so accumulation and
    sharding give the gradient of one big batch.
 3. Forward + backward of each micro-batch with the objective (flame/train/objective.py; through the pipeline
-   schedule when there are stages). A model with fuse_linear_cross_entropy returns its final hidden states, and
+   schedule when there are stages), plus the model's auxiliary loss where it has one (a generic-path
+   mixture-of-experts class's load balancing). A model with fuse_linear_cross_entropy returns its final hidden states, and
    the objective computes the loss from them through lm_head without the logits.
 4. Clip the gradient norm (the norm before clipping is what the step reports).
 5. Step the optimizer, unless the norm is not finite and training.skip_nan_inf says to skip (fused Adam and AdamW
@@ -158,6 +159,13 @@ class TrainStep:
                     **fused,
                 )
                 loss, metrics = self.objective(output, labels, inputs, model.lm_head if fused else None)
+                # A generic-path model's own extra loss term (mixture-of-experts load balancing), a mean over the
+                # micro-batch: weighted by the micro-batch's share of the step, as its cross-entropy is.
+                auxiliary = getattr(model, "auxiliary_loss", None)
+                if auxiliary is not None:
+                    count = self.objective.count(labels)
+                    loss = loss + auxiliary * count
+                    metrics["aux_loss"] = auxiliary.detach() * count
             del output  # free before backward
             (loss / global_count).backward()
         return {name: value.detach() / global_count for name, value in metrics.items()}

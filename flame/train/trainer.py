@@ -250,6 +250,8 @@ class Trainer(Stateful):
             }
             if "z_loss" in means:
                 metrics["loss/z_loss"] = means.pop("z_loss")
+            if "aux_loss" in means:
+                metrics["loss/aux"] = means.pop("aux_loss")
             metrics.update(means)
             self.metrics.log(self.step, metrics)
 

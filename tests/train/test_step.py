@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flame.loss import IGNORE_INDEX
-from tests.trainer_helpers import tensorboard_scalars
+from tests.trainer_helpers import GivenBatches, tensorboard_scalars
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,19 +26,6 @@ def captured_metrics(trainer) -> list[dict]:
 
     trainer.metrics.log = log
     return logged
-
-
-class GivenBatches:
-    """Micro-batches given by a test, in place of the trainer's prefetcher."""
-
-    def __init__(self, batches: list):
-        self._batches = iter(batches)
-
-    def __next__(self):
-        return next(self._batches)
-
-    def prefetch(self) -> None:
-        pass
 
 
 def run_step(trainer, batches, step: int = 1) -> None:

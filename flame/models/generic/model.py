@@ -21,7 +21,9 @@ FLA_ATTENTION_REPLACEMENTS = {
 
 class FlameCausalLM:
     """Mixed in front of a transformers causal-LM class: ``forward`` returns the logits of every position (flame's
-    data holds the labels already shifted, and flame's loss reads the logits, so the class never sees labels).
+    data holds the labels already shifted, and flame's loss reads the logits, so the class never sees labels), and
+    keeps in ``auxiliary_loss`` what the class's own loss would add to the cross-entropy (``class_auxiliary_loss``;
+    None without), which the training step adds to flame's.
     The trainer's ``init_weights()`` after ``to_empty`` gives the values ``from_config`` gives on a real device: the
     constructor's own (``initialization.py``), then transformers' ``init_weights`` (the class's ``_init_weights``
     over every module its constructor did not mark initialised, then the ties as the class declares). The class's
@@ -50,7 +52,25 @@ class FlameCausalLM:
         # With --training.varlen, position_ids restarting at each document are what keeps the documents apart
         # (PACKED_DOCUMENT_MODEL_TYPES); cu_seqlens says the same and these classes do not take it.
         positions = {} if position_ids is None else {"position_ids": position_ids}
-        return super().forward(input_ids=input_ids, **positions).logits
+        output = super().forward(input_ids=input_ids, **positions)
+        self.auxiliary_loss = class_auxiliary_loss(self, output)
+        return output.logits
+
+
+def class_auxiliary_loss(model: nn.Module, output) -> torch.Tensor | None:
+    """The term beside the cross-entropy that the class adds to its loss, which flame's objective replaces: the
+    router load balancing of transformers' mixture-of-experts classes (router_aux_loss_coef x aux_loss, computed
+    where the config's output_router_logits is true) and of FLA's MoM (aux_loss_scale x its load balancing, always:
+    fla/models/mom/modeling_mom.py adds it whenever it has labels)."""
+    aux = getattr(output, "aux_loss", None)
+    if aux is not None and hasattr(model, "router_aux_loss_coef"):
+        return model.router_aux_loss_coef * aux
+    if is_fla_class(model.flame_lm_class) and model.config.model_type == "mom":
+        from fla.models.mom.modeling_mom import load_balancing_loss_func
+
+        aux = load_balancing_loss_func(output.router_logits, model.num_memories, model.topk)
+        return model.aux_loss_scale * aux if isinstance(aux, torch.Tensor) else None
+    return None
 
 
 @functools.cache

@@ -152,3 +152,23 @@ def test_fla_layers_are_fla_own_where_flash_attn_imports(monkeypatch):
     with torch.device("meta"):
         model = build_model(args)
     assert type(model.model.layers[1].attn) is fla.layers.attn.Attention
+
+
+def test_mom_gives_the_load_balancing_its_class_adds_to_its_loss():
+    """FLA's MoM adds aux_loss_scale x its routers' load balancing whenever it computes its loss; flame's generic
+    model hands the same term to the training step (FLA's function on random router logits, on the CPU)."""
+    from fla.models.mom.modeling_mom import MomCausalLMOutputWithPast, load_balancing_loss_func
+
+    from flame.models import build_model, model_args_from_dict
+    from flame.models.generic.model import class_auxiliary_loss
+
+    config = {"model_type": "mom", "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2,
+              "num_memories": 4, "topk": 2, "aux_loss_scale": 0.05}  # fmt: skip
+    args, _ = model_args_from_dict(config)
+    with torch.device("meta"):
+        model = build_model(args)
+    generator = torch.Generator().manual_seed(0)
+    routers = tuple(torch.randn(30, 4, generator=generator) for _ in range(2))
+    output = MomCausalLMOutputWithPast(logits=torch.zeros(1), router_logits=routers)
+    expected = 0.05 * load_balancing_loss_func(routers, 4, 2)
+    assert torch.equal(class_auxiliary_loss(model, output), expected) and expected > 0

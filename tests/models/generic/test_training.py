@@ -15,7 +15,7 @@ from flame.hf.load import load
 from flame.models import build_model, load_model_args
 from tests.checkpoint.helpers import output
 from tests.models.generic.helpers import train_sh, write_config
-from tests.trainer_helpers import tensorboard_scalars
+from tests.trainer_helpers import GivenBatches, tensorboard_scalars
 
 pytestmark = pytest.mark.slow
 
@@ -109,3 +109,38 @@ def test_activation_checkpointing_and_compile_wrap_each_block(tmp_path, make_tra
     expected = tensorboard_scalars(tmp_path / "plain", "loss/train")
     assert sorted(expected) == [1, 2, 3, 4]
     assert tensorboard_scalars(tmp_path / "wrapped", "loss/train") == expected
+
+
+MIXTRAL = {"model_type": "mixtral", "vocab_size": 4096, "hidden_size": 32, "intermediate_size": 48,
+           "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "router_aux_loss_coef": 0.05}  # fmt: skip
+
+
+@pytest.mark.parametrize("router_logits", [True, False])
+def test_a_mixture_of_experts_trains_with_its_classes_load_balancing(tmp_path, make_trainer, router_logits):
+    """Mixtral with output_router_logits: the step's gradient is that of transformers' own loss, mean cross-entropy
+    + router_aux_loss_coef x the router's load balancing (float64, rtol = atol = 1e-10), and the log shows the term;
+    without it, the cross-entropy alone, as transformers computes it."""
+    import copy
+    import math
+
+    path = tmp_path / "mixtral.json"
+    path.write_text(json.dumps({**MIXTRAL, "output_router_logits": router_logits}))
+    trainer = make_trainer("--model.config", str(path), "--training.max_norm", "1e9")
+    model = trainer.model_parts[0].double()
+    reference = copy.deepcopy(model)
+    inputs, labels = next(iter(trainer.dataloader))
+    logged = []
+    trainer.metrics.log = lambda step, metrics: logged.append(metrics)
+    trainer.step = 1
+    trainer.train_step(GivenBatches([(inputs, labels)]))
+    output = reference.flame_lm_class.forward(reference, input_ids=inputs["input"])  # the class itself
+    expected = torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), labels.flatten())
+    if router_logits:
+        expected = expected + reference.router_aux_loss_coef * output.aux_loss
+    expected.backward()
+    for (name, param), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, want.grad, rtol=1e-10, atol=1e-10, msg=name)
+    assert ("loss/aux" in logged[0]) == router_logits
+    if router_logits:
+        assert math.isclose(logged[0]["loss/aux"], 0.05 * output.aux_loss.item(), rel_tol=1e-9)
