@@ -165,6 +165,8 @@ class GenericArgs(ModelArgs):
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             # FLA's classes apply it in their own loss, which flame's objective replaces (RWKV7's default: true).
             use_l2warp=bool(getattr(hf_config, "use_l2warp", False)),
+            # FLA's key: flame's fused loss from the decoder's output and lm_head (generic/model.py, fuse_lm_head).
+            fuse_linear_cross_entropy=bool(getattr(hf_config, "fuse_linear_cross_entropy", False)),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_id=getattr(hf_config, "eos_token_id", None),
             model_type=model_type,

@@ -8,6 +8,7 @@ from torch import nn
 
 from flame.compat import fla_attention_on_flame, fla_deltaformer_on_flame, fla_layer_cache_without_layer_idx
 from flame.errors import ModelConfigError
+from flame.models.common.decoder import LMHead
 from flame.models.generic.args import GenericArgs, is_fla_class
 from flame.models.generic.initialization import check_initialized, initialize_as_constructed
 from flame.models.layers.fla_attention import FLAAttention, FLABitAttention, deltaformer_attention
@@ -47,11 +48,21 @@ class FlameCausalLM:
         check_initialized(self, left)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cu_seqlens=None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens=None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         # With --training.varlen, position_ids restarting at each document are what keeps the documents apart
         # (PACKED_DOCUMENT_MODEL_TYPES); cu_seqlens says the same and these classes do not take it.
         positions = {} if position_ids is None else {"position_ids": position_ids}
+        if (
+            return_hidden
+        ):  # fuse_linear_cross_entropy: what the class applies lm_head to, its decoder's output
+            output = self.base_model(input_ids=input_ids, **positions)
+            self.auxiliary_loss = class_auxiliary_loss(self, output)
+            return output[0]
         output = super().forward(input_ids=input_ids, **positions)
         self.auxiliary_loss = class_auxiliary_loss(self, output)
         return output.logits
@@ -158,7 +169,23 @@ def build_generic_model(args: GenericArgs) -> nn.Module:
     model = instantiate(causal_lm_class(config), config)
     model.args = args
     model.flame_blocks = find_blocks(model)
+    if args.fuse_linear_cross_entropy:
+        fuse_lm_head(model)
     return model
+
+
+def fuse_lm_head(model: nn.Module) -> None:
+    """``fuse_linear_cross_entropy`` (FLA's key; FLA's classes compute logits = lm_head(decoder output)): the class's
+    lm_head becomes flame's LMHead, whose call with labels computes the loss chunk by chunk without the batch's
+    logits (flame/ops/linear_cross_entropy.py). The module keeps its weight, its ties and its place in the model;
+    only its forward gains that call."""
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear or head.bias is not None:
+        raise ModelConfigError(
+            f"fuse_linear_cross_entropy needs an lm_head that is a bias-free nn.Linear, and "
+            f"{type(model).__name__}'s is {head}; set fuse_linear_cross_entropy false in the model config"
+        )
+    head.__class__ = LMHead
 
 
 def generic_blocks(model: nn.Module) -> list[nn.Module]:
