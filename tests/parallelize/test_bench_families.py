@@ -200,7 +200,7 @@ def test_a_write_waits_for_the_lock_another_run_holds(tmp_path):
         writer.start()
         writer.join(timeout=1.0)
         assert writer.is_alive() and "bench_families" not in doc.read_text()
-    writer.join(timeout=10.0)
+    writer.join(timeout=60.0)
     assert not writer.is_alive() and "| gla |" in doc.read_text()
 
 

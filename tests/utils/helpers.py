@@ -43,7 +43,7 @@ def tokens(batch: int = 2, length: int = 24, vocab: int = 4096, seed: int = 1) -
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def process_ends(pid: int, within_s: float = 5.0) -> bool:
+def process_ends(pid: int, within_s: float = 30.0) -> bool:
     """Whether process ``pid`` is gone within ``within_s`` (a killed child is reaped by init shortly after)."""
     import os
     import time
