@@ -106,6 +106,14 @@ PACKED_DOCUMENT_MODEL_TYPES = frozenset(
 )
 
 
+# FLA's classes whose every layer keeps packed documents apart given cu_seqlens, which flame hands to the class's
+# forward for its layers (as upstream flame does with --training.varlen). Each is checked against its documents run
+# alone: tests/gpu/test_fla_varlen.py on the GPU, and FLA's transformer (its attention on flame's) on the CPU too
+# (tests/models/generic/test_varlen.py). ``python scripts/fla_varlen_survey.py`` on a GPU checks every FLA family:
+# one whose layer ignores cu_seqlens would mix documents, so a family is listed only once that check passes.
+FLA_PACKED_DOCUMENT_MODEL_TYPES = frozenset({"transformer"})
+
+
 # transformers' classes whose declared tensor-parallel plan (``base_model_tp_plan``) flame applies
 # (flame/parallelize/generic_tensor_parallel.py); tests/parallelize/test_generic_tensor_parallel.py trains each
 # with it against one process.
@@ -113,9 +121,13 @@ TENSOR_PARALLEL_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "
 
 
 def config_parallelisms(args: "GenericArgs") -> frozenset[str]:
-    """Varlen for transformers' own classes of PACKED_DOCUMENT_MODEL_TYPES, tensor parallelism for those of
-    TENSOR_PARALLEL_MODEL_TYPES (FLA's and users' classes: none)."""
-    if not config_class(args.model_type, args.impl).__module__.startswith("transformers.models."):
+    """Varlen for transformers' own classes of PACKED_DOCUMENT_MODEL_TYPES and FLA's of
+    FLA_PACKED_DOCUMENT_MODEL_TYPES, tensor parallelism for transformers' classes of TENSOR_PARALLEL_MODEL_TYPES
+    (users' classes: none)."""
+    cls = config_class(args.model_type, args.impl)
+    if is_fla_class(cls):
+        return frozenset({"varlen"} if args.model_type in FLA_PACKED_DOCUMENT_MODEL_TYPES else ())
+    if not cls.__module__.startswith("transformers.models."):
         return frozenset()
     return frozenset(
         name

@@ -54,16 +54,18 @@ class FlameCausalLM:
         cu_seqlens=None,
         return_hidden: bool = False,
     ) -> torch.Tensor:
-        # With --training.varlen, position_ids restarting at each document are what keeps the documents apart
-        # (PACKED_DOCUMENT_MODEL_TYPES); cu_seqlens says the same and these classes do not take it.
-        positions = {} if position_ids is None else {"position_ids": position_ids}
-        if (
-            return_hidden
-        ):  # fuse_linear_cross_entropy: what the class applies lm_head to, its decoder's output
-            output = self.base_model(input_ids=input_ids, **positions)
+        # With --training.varlen, position_ids restarting at each document are what keeps the documents apart in
+        # transformers' classes (PACKED_DOCUMENT_MODEL_TYPES); FLA's hand cu_seqlens to their layers
+        # (FLA_PACKED_DOCUMENT_MODEL_TYPES).
+        documents = {} if position_ids is None else {"position_ids": position_ids}
+        if cu_seqlens is not None and is_fla_class(self.flame_lm_class):
+            documents["cu_seqlens"] = cu_seqlens
+        if return_hidden:
+            # fuse_linear_cross_entropy: what the class applies lm_head to, its decoder's output.
+            output = self.base_model(input_ids=input_ids, **documents)
             self.auxiliary_loss = class_auxiliary_loss(self, output)
             return output[0]
-        output = super().forward(input_ids=input_ids, **positions)
+        output = super().forward(input_ids=input_ids, **documents)
         self.auxiliary_loss = class_auxiliary_loss(self, output)
         return output.logits
 

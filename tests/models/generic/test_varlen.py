@@ -1,5 +1,8 @@
-"""--training.varlen on the generic family: transformers' attention-only decoders keep packed documents apart
-(each document's logits equal those of the document run alone); the others are refused before launch."""
+"""--training.varlen on the generic family: transformers' attention-only decoders (position ids) and FLA's listed
+classes (cu_seqlens) keep packed documents apart (each document's logits equal those of the document run alone);
+the others are refused before launch."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,3 +63,52 @@ def test_varlen_is_refused_where_documents_would_mix(config):
     job_config = parse_args(["--training.varlen", "--training.batch_size", "1"])
     with pytest.raises(ConfigError, match="do not support packed documents"):
         check_family_support(job_config, args, {"tp": 1, "pp": 1, "cp": 1})
+
+
+def test_flas_transformer_class_keeps_packed_documents_apart_with_cu_seqlens(monkeypatch):
+    """FLA's classes of FLA_PACKED_DOCUMENT_MODEL_TYPES take cu_seqlens to their layers; FLA's transformer (its
+    attention on flame's, its SwiGLU kernel replaced by the same function in PyTorch to run on the CPU), float64."""
+    import fla.modules.mlp
+    import torch.nn.functional as F
+
+    from flame.models.generic.args import FLA_PACKED_DOCUMENT_MODEL_TYPES
+
+    monkeypatch.setattr(fla.modules.mlp, "swiglu", lambda gate, up: F.silu(gate) * up)
+    config = {"model_type": "transformer", "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2,
+              "num_heads": 2, "fuse_norm": False, "fuse_swiglu": False, "fuse_cross_entropy": False}  # fmt: skip
+    args, _ = model_args_from_dict(config, impl="fla")
+    assert "transformer" in FLA_PACKED_DOCUMENT_MODEL_TYPES and "varlen" in model_spec(args).supported(args)
+    torch.manual_seed(0)
+    model = build_model(args)
+    model.init_weights()
+    model = model.double().eval()
+    tokens = torch.randint(0, 97, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(1))
+    cu_seqlens = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    position_ids = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
+    with torch.no_grad():
+        packed = model(tokens, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        alone = torch.cat([model(doc) for doc in tokens.split(LENGTHS, dim=1)], dim=1)
+        unpacked = model(tokens)
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-12)
+    assert (unpacked[0, LENGTHS[0] :] - alone[0, LENGTHS[0] :]).abs().max() > 1e-3
+
+
+def test_the_gpu_survey_passes_flas_transformer_on_the_cpu(monkeypatch):
+    """scripts/fla_varlen_survey.py's check (what tests/gpu/test_fla_varlen.py runs per listed family) on the one
+    FLA class that runs on the CPU."""
+    import sys
+
+    import fla.modules.mlp
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(fla.modules.mlp, "swiglu", lambda gate, up: F.silu(gate) * up)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3] / "scripts"))
+    import fla_varlen_survey
+
+    unfused = {"fuse_norm": False, "fuse_swiglu": False, "fuse_cross_entropy": False}  # FLA's PyTorch modules
+    monkeypatch.setattr(fla_varlen_survey, "SHAPE", {**fla_varlen_survey.SHAPE, **unfused})
+    assert (
+        fla_varlen_survey.packed_difference("transformer", torch.device("cpu")) <= fla_varlen_survey.TOLERANCE
+    )
+    assert fla_varlen_survey.main([]) == 2  # the survey itself needs a GPU
+    del sys.modules["fla_varlen_survey"]
