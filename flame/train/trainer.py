@@ -5,6 +5,7 @@ its metrics, then a checkpoint, validation, text samples and lm-eval's tasks (fl
 training.stop_at_step. ``Trainer.__init__`` assembles the parts, one call each.
 """
 
+import dataclasses
 import os
 import sys
 import time
@@ -40,7 +41,7 @@ from flame.samples import SampleGenerator
 from flame.train.evaluator import Evaluator
 from flame.train.model_parts import Topology, build_model_parts
 from flame.train.objective import DPOObjective, build_objective
-from flame.train.step import build_train_step
+from flame.train.step import StepResult, build_train_step
 from flame.validate import Validator
 
 
@@ -96,6 +97,14 @@ def accumulation_steps(training, dp_degree: int) -> int:
     return training.global_batch_size // per_step
 
 
+@dataclasses.dataclass
+class PendingLog:
+    step: int
+    result: StepResult
+    lr: float
+    tokens_seen: int
+
+
 class Trainer(Stateful):
     def __init__(self, job_config):
         validate_job(job_config)
@@ -147,6 +156,7 @@ class Trainer(Stateful):
         # random generators of every rank). flame.json in each step directory records the model config.
         self.step = 0
         self.ntokens_seen = 0
+        self.pending_log: PendingLog | None = None  # a log step's metrics, read back during the next step
         self.hub_uploader = self._build_hub_uploader()  # checkpoints to the hub, in the background
         self.checkpointer = self._build_checkpointer()
         checkpoint = job_config.checkpoint
@@ -226,34 +236,50 @@ class Trainer(Stateful):
         batches = [next(data) for _ in range(self.accumulation)]
         self.ntokens_seen += sum(labels.numel() for _, labels in batches)
         result = self.train_step_fn(batches)
-        # The step's kernels are queued: the next step's batches load and copy while they run.
+        # The step's kernels are queued: the next step's batches load and copy while they run, and the last log
+        # step's metrics are read back (which waits for that step only, not for this one).
         data.prefetch()
+        self.write_log()
         self.metrics.window_data_time += self.batches.wait_seconds
         self.batches.wait_seconds = 0.0
         self.metrics.window_tokens += result.tokens
-        # training.skip_nan_inf: the last step's verdict is read now that this step's kernels are queued (it names
-        # the parameters and stops at the limit); this step's where it is logged or saved.
+        # training.skip_nan_inf: the last step's verdict is read now too (it names the parameters and stops at the
+        # limit); this step's where it is logged or saved.
         self.nonfinite_steps.record(self.step, result.skipped, result.grad_norm, self.model_parts)
-        last_step = self.step == self.last_step
-        if self.metrics.should_log(self.step) or self.checkpointer.due(self.step, last_step) or last_step:
-            self.nonfinite_steps.settle()
+        final = self.step == self.last_step
+        saves = self.checkpointer.due(self.step, final)
         if self.metrics.should_log(self.step):
-            means = self.train_step_fn.global_metrics(result)
-            metrics = {
-                "loss/train": means.pop("loss"),
-                # This rank's own mean, whose maximum over ranks the metrics logger reports (global_max_loss).
-                RANK_LOSS: float(result.metrics["loss"] / result.local_share.clamp(min=1e-12)),
-                "grad_norm": float(result.grad_norm),
-                "lr": lr,
-                "skipped_steps": self.skipped_steps,
-                "tokens_seen": self.ntokens_seen * self.dp_degree,
-            }
-            if "z_loss" in means:
-                metrics["loss/z_loss"] = means.pop("z_loss")
-            if "aux_loss" in means:
-                metrics["loss/aux"] = means.pop("aux_loss")
-            metrics.update(means)
-            self.metrics.log(self.step, metrics)
+            self.pending_log = PendingLog(self.step, result, lr, self.ntokens_seen * self.dp_degree)
+            # At once: the first step's time is the time to it, the last has no next step, and a save waits for
+            # its step anyway (its line is then on record before the save, should the save be cut short).
+            if self.step == 1 or final or saves:
+                self.write_log()
+        if saves or final:
+            self.nonfinite_steps.settle()
+
+    def write_log(self) -> None:
+        """Read back and log the metrics of the pending log step (every rank at the same step: collectives)."""
+        if self.pending_log is None:
+            return
+        pending, self.pending_log = self.pending_log, None
+        self.nonfinite_steps.settle()  # skipped_steps as of that step
+        result = pending.result
+        means = self.train_step_fn.global_metrics(result)
+        metrics = {
+            "loss/train": means.pop("loss"),
+            # This rank's own mean, whose maximum over ranks the metrics logger reports (global_max_loss).
+            RANK_LOSS: float(result.metrics["loss"] / result.local_share.clamp(min=1e-12)),
+            "grad_norm": float(result.grad_norm),
+            "lr": pending.lr,
+            "skipped_steps": self.skipped_steps,
+            "tokens_seen": pending.tokens_seen,
+        }
+        if "z_loss" in means:
+            metrics["loss/z_loss"] = means.pop("z_loss")
+        if "aux_loss" in means:
+            metrics["loss/aux"] = means.pop("aux_loss")
+        metrics.update(means)
+        self.metrics.log(pending.step, metrics)
 
     def validate(self) -> None:
         start = time.perf_counter()
@@ -301,13 +327,17 @@ class Trainer(Stateful):
                 self.train_step(self.batches)
                 self.checkpointer.save(self.step, last_step=self.step == self.last_step)
                 if self.step < self.last_step and self.preemption.requested():
+                    self.write_log()
                     self.nonfinite_steps.settle()
                     self.preemption.save_and_stop(self.checkpointer, self.step)  # raises Preempted
                 if self.validator and self.validator.should_validate(self.step, self.last_step):
+                    self.write_log()  # this step's line first
                     self.validate()
                 if self.sampler and self.sampler.should_sample(self.step):
+                    self.write_log()
                     self.sample()
                 if self.evaluator and self.evaluator.should_evaluate(self.step, self.last_step):
+                    self.write_log()
                     self.evaluate()
                 if torch_profiler:
                     torch_profiler.step()

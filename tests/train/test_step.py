@@ -210,8 +210,10 @@ def test_steps_that_log_nothing_read_no_step_result_on_the_host(make_trainer, mo
     iter(trainer.batches)
     for trainer.step in (2, 4, 5):  # not log steps (1, every 3rd, the last)
         trainer.train_step(trainer.batches)
-    trainer.step = 3
-    with pytest.raises(AssertionError, match="read on the host"):  # a log step reads them
+    trainer.step = 3  # a log step: its results are read once the next step is queued
+    trainer.train_step(trainer.batches)
+    trainer.step = 4
+    with pytest.raises(AssertionError, match="read on the host"):
         trainer.train_step(trainer.batches)
 
 
@@ -241,3 +243,26 @@ def test_the_trainers_objective_takes_the_l2warp_of_the_model_config_or_the_flag
     logged = captured_metrics(trainers[0])
     run_step(trainers[0], [next(iter(trainers[0].dataloader))])
     assert math.isfinite(logged[0]["loss/train"])
+
+
+def test_a_log_step_is_written_once_the_next_step_is_queued(make_trainer):
+    """Reading a step's loss back waits for that step: it is read after the next step's kernels are queued, so the
+    host never idles the device; the first step (its time is the time to it) and the last are written at once."""
+    trainer = make_trainer("--training.steps", "4", "--validation.enable", "--validation.freq", "2",
+                           "--validation.steps", "1")  # fmt: skip
+    written = []
+    log, log_validation = trainer.metrics.log, trainer.metrics.log_validation
+
+    def spy(step, metrics):
+        written.append(("train", step, trainer.step))
+        log(step, metrics)
+
+    def spy_validation(step, metrics, seconds):
+        written.append(("validation", step, trainer.step))
+        log_validation(step, metrics, seconds)
+
+    trainer.metrics.log, trainer.metrics.log_validation = spy, spy_validation
+    trainer.train()
+    # step 2's line is written before its validation's; step 3's during step 4
+    assert written == [("train", 1, 1), ("train", 2, 2), ("validation", 2, 2), ("train", 3, 4), ("train", 4, 4),
+                       ("validation", 4, 4)]  # fmt: skip
