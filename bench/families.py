@@ -264,13 +264,9 @@ def train_command(dump: Path, config: Path, args) -> list[str]:
 
 
 def train_env() -> dict[str, str]:
-    """The environment of a one-GPU train.sh launch: a free rendezvous port, no HF export at the end."""
-    import socket
-
-    with socket.socket() as s:  # a free rendezvous port: other jobs may share the machine
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    return {"NGPU": "1", "MASTER_PORT": str(port), "FLAME_EXPORT_HF": "0"}
+    """The environment of a one-GPU train.sh launch (which takes a free rendezvous port itself): no HF export at
+    the end."""
+    return {"NGPU": "1", "FLAME_EXPORT_HF": "0"}
 
 
 def read_run(dump: Path) -> dict[str, dict[int, float]]:

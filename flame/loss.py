@@ -21,9 +21,16 @@ def loss_sums(logits: torch.Tensor, labels: torch.Tensor, z_loss: bool) -> tuple
     return cross_entropy, (logits.logsumexp(-1).square() * (labels != IGNORE_INDEX)).sum()
 
 
-def labelled_tokens(labels: torch.Tensor) -> torch.Tensor:
+def labelled_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """How many positions have a target."""
-    return (labels != IGNORE_INDEX).sum()
+    return (labels != ignore_index).sum()
+
+
+def l2_warp_pull(labels: torch.Tensor, factor: float, dtype: torch.dtype, ignore_index: int = IGNORE_INDEX):
+    """``l2_warp``'s gradient per unit of a position's largest logit, per unit of the summed loss's gradient:
+    ``factor`` x the labelled share of the positions. FLA divides by the positions of a batch whose loss is a
+    mean over its labelled tokens: the same ratio of the pull to the cross-entropy's per-token gradient."""
+    return factor * labelled_tokens(labels, ignore_index).to(dtype) / labels.numel()
 
 
 class _L2Warp(torch.autograd.Function):
@@ -47,12 +54,10 @@ class _L2Warp(torch.autograd.Function):
 
 def l2_warp(loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, factor: float) -> torch.Tensor:
     """RWKV's L2Wrap as FLA's ``use_l2warp`` applies it (fla/modules/l2warp.py): the summed loss ``loss`` of
-    ``logits`` unchanged, and in backward every position's largest logit gets a gradient of ``factor`` x its value
-    per labelled token's gradient weight, times the micro-batch's labelled share of positions. FLA divides by the
-    positions of a batch whose loss is a mean over its labelled tokens: the same ratio of the pull to the
-    cross-entropy's per-token gradient."""
-    share = labelled_tokens(labels).to(torch.promote_types(logits.dtype, torch.float32)) / labels.numel()
-    return _L2Warp.apply(loss, logits, factor * share)
+    ``logits`` unchanged, and in backward every position's largest logit gets a gradient of its value x
+    ``l2_warp_pull``."""
+    pull = l2_warp_pull(labels, factor, torch.promote_types(logits.dtype, torch.float32))
+    return _L2Warp.apply(loss, logits, pull)
 
 
 def l2warp_factor(model_args, job_config) -> float:

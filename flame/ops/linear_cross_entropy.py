@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from flame.loss import l2_warp_pull
 from flame.ops import dispatch
 
 
@@ -59,7 +60,7 @@ def _chunked_loss(
     ``l2warp``'s pull on each position's largest logit added (flame/loss.py's ``l2_warp``)."""
     accumulate = _softmax_dtype(hidden.dtype)
     if with_grads and l2warp > 0:
-        pull = l2warp * (labels != ignore_index).sum().to(accumulate) / labels.numel()
+        pull = l2_warp_pull(labels, l2warp, accumulate, ignore_index)
     cross_entropy = torch.zeros((), dtype=accumulate, device=hidden.device)
     z_term = torch.zeros((), dtype=accumulate, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else None

@@ -8,6 +8,7 @@ for a step's backward before queuing the rest. Other optimizers (Muon, foreach o
 the host before they step: the training step reads it there (one wait per step)."""
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -43,28 +44,18 @@ class Verdict:
     step: int
     skipped: torch.Tensor | bool  # a device tensor until read
     grad_norm: torch.Tensor
-    names: list[str]  # the parameters with a gradient on this rank, in the order of ``nonfinite``
-    nonfinite: torch.Tensor  # per parameter: its local gradient holds a NaN or Inf
+    # This rank's norm of each gradient, in the order of the parameters that have one (from clip_grad_norm_).
+    gradient_norms: torch.Tensor
 
 
-def gradient_flags(model_parts: list[torch.nn.Module]) -> tuple[list[str], torch.Tensor]:
-    """Per parameter with a gradient, whether this rank's part of it holds a NaN or Inf: one foreach norm over the
-    gradients, queued on the device (their norm is finite exactly where they are)."""
-    names, grads = [], []
-    for part in model_parts:
-        for name, param in part.named_parameters():
-            if param.grad is not None:
-                names.append(name)
-                grads.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
-    if not grads:
-        return names, torch.zeros(0, dtype=torch.bool)
-    norms = torch._foreach_norm(grads)
-    return names, ~torch.stack([norm.float() for norm in norms]).isfinite()
-
-
-def named_on_any_rank(verdict: Verdict) -> list[str]:
-    """Names of the parameters whose gradient held a NaN or Inf on any rank (the same list on every rank)."""
-    names = [name for name, bad in zip(verdict.names, verdict.nonfinite.tolist()) if bad]
+def named_on_any_rank(verdict: Verdict, model_parts: list[torch.nn.Module]) -> list[str]:
+    """Names of the parameters whose gradient held a NaN or Inf on any rank (the same list on every rank). Read
+    when the verdict is settled, from the parameters that have a gradient then: the same ones, in the same order."""
+    with_grads = [
+        name for part in model_parts for name, param in part.named_parameters() if param.grad is not None
+    ]
+    norms = verdict.gradient_norms.tolist()
+    names = [name for name, norm in zip(with_grads, norms, strict=True) if not math.isfinite(norm)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, names)
@@ -73,12 +64,19 @@ def named_on_any_rank(verdict: Verdict) -> list[str]:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float, pp_mesh=None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: list[torch.nn.Parameter], max_norm: float, pp_mesh=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """torchtitan's clip_grad_norm_ (2-norm, foreach, no expert parallelism), except that a non-finite norm leaves
-    the gradients as they are: clipping by a NaN factor would make every gradient NaN and hide which parameters
-    went bad (the step is skipped, or the optimizer spreads the NaN, either way)."""
+        the gradients as they are: clipping by a NaN factor would make every gradient NaN and hide which parameters
+        went bad (the step is skipped, or the optimizer spreads the NaN, either way). Returns the total norm and, from
+        the same foreach norm, this rank's norm of each gradient (not finite where this rank's part of it holds a NaN or
+    an Inf)."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, 2.0, False, True)
+    if not grads:
+        return torch.tensor(0.0), torch.zeros(0)
+    norms = torch._foreach_norm(grads, 2.0)
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
     if isinstance(total, DTensor):  # the norm of this rank's shards: the full norm over every rank
         total = total.full_tensor()
     if pp_mesh is not None:  # each pipeline stage holds some of the parameters
@@ -89,7 +87,8 @@ def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float, pp_me
     torch.nn.utils.clip_grads_with_norm_(
         parameters, max_norm, torch.where(total.isfinite(), total, 0.0), True
     )
-    return total
+    local = torch.stack([norm.to_local() if isinstance(norm, DTensor) else norm for norm in norms])
+    return total, local
 
 
 class NonFiniteSteps:
@@ -97,19 +96,21 @@ class NonFiniteSteps:
     (whose step has finished by then, or nearly); ``settle`` reads the last one now (before it is logged or saved).
     Every rank records and settles at the same steps (the naming gathers over ranks)."""
 
-    def __init__(self, enabled: bool, limit: int):
+    def __init__(self, enabled: bool, limit: int, model_parts: list[torch.nn.Module]):
         self.enabled = enabled
         self.limit = limit
+        self.model_parts = model_parts
         self.consecutive = 0
         self.skipped_steps = 0
         self.pending: Verdict | None = None
 
-    def record(self, step: int, skipped: torch.Tensor | bool, grad_norm: torch.Tensor, model_parts) -> None:
+    def record(
+        self, step: int, skipped: torch.Tensor | bool, grad_norm: torch.Tensor, gradient_norms: torch.Tensor
+    ) -> None:
         if not self.enabled:
             return
         self.settle()
-        names, nonfinite = gradient_flags(model_parts)
-        self.pending = Verdict(step, skipped, grad_norm, names, nonfinite)
+        self.pending = Verdict(step, skipped, grad_norm, gradient_norms)
 
     def settle(self) -> None:
         verdict, self.pending = self.pending, None
@@ -124,7 +125,7 @@ class NonFiniteSteps:
             f"step {verdict.step}: gradient norm is {verdict.grad_norm.item()}; the update was skipped"
         )
         if self.consecutive == 1:
-            names = named_on_any_rank(verdict)
+            names = named_on_any_rank(verdict, self.model_parts)
             shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
             logger.warning(
                 f"step {verdict.step}: non-finite gradients in {len(names)} parameter(s): {shown or 'none'}"

@@ -53,6 +53,9 @@ class StepResult:
         torch.Tensor
     )  # this rank's part of what the step averages over (its tokens / all ranks' tokens)
     grad_norm: torch.Tensor  # before clipping
+    gradient_norms: (
+        torch.Tensor
+    )  # this rank's norm of each gradient (flame/optim/nonfinite.py names the bad ones)
     tokens: int  # tokens this device trained on
     # The update was skipped (non-finite gradient norm): a device tensor where the optimizers skipped it on the
     # device (reading it waits for the step's backward).
@@ -110,7 +113,9 @@ class TrainStep:
             shares = [self.forward_backward(inputs, labels, global_count) for inputs, labels in batches]
 
         with record_function(STEP_REGIONS[1]):
-            grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, pp_mesh=topology.pp_mesh)
+            grad_norm, gradient_norms = clip_grad_norm_(
+                self.model.parameters(), self.max_norm, pp_mesh=topology.pp_mesh
+            )
         skipped = False
         if self.skip_nan_inf:
             nonfinite = ~grad_norm.isfinite()
@@ -130,6 +135,7 @@ class TrainStep:
             metrics={name: sum(share[name] for share in shares) for name in shares[0]},
             local_share=local_count / global_count,
             grad_norm=grad_norm,
+            gradient_norms=gradient_norms,
             tokens=sum(labels.numel() for _, labels in batches),
             skipped=skipped,
         )

@@ -146,7 +146,9 @@ class Trainer(Stateful):
             self.device if self.topology.cp_group is None else None,
             ahead=self.accumulation,
         )
-        self.nonfinite_steps = NonFiniteSteps(training.skip_nan_inf, training.skip_nan_inf_limit)
+        self.nonfinite_steps = NonFiniteSteps(
+            training.skip_nan_inf, training.skip_nan_inf_limit, self.model_parts
+        )
         self.train_step_fn = build_train_step(self.model, self.topology, job_config, objective=objective)
         self.optimizers = self.train_step_fn.optimizers
         self.lr_schedulers = self.train_step_fn.lr_schedulers
@@ -245,7 +247,7 @@ class Trainer(Stateful):
         self.metrics.window_tokens += result.tokens
         # training.skip_nan_inf: the last step's verdict is read now too (it names the parameters and stops at the
         # limit); this step's where it is logged or saved.
-        self.nonfinite_steps.record(self.step, result.skipped, result.grad_norm, self.model_parts)
+        self.nonfinite_steps.record(self.step, result.skipped, result.grad_norm, result.gradient_norms)
         final = self.step == self.last_step
         saves = self.checkpointer.due(self.step, final)
         if self.metrics.should_log(self.step):
@@ -282,6 +284,7 @@ class Trainer(Stateful):
         self.metrics.log(pending.step, metrics)
 
     def validate(self) -> None:
+        self.write_log()  # its step's line first
         start = time.perf_counter()
         results = self.validator.validate(self.model_parts[0], self.device, self.amp)
         seconds = time.perf_counter() - start
@@ -289,12 +292,14 @@ class Trainer(Stateful):
         self.metrics.log_validation(self.step, results, seconds)
 
     def sample(self) -> None:
+        self.write_log()  # its step's line first
         start = time.perf_counter()
         samples = self.sampler.generate(self.model_parts[0], self.device, self.amp, self.step)
         self.metrics.window_other_time += time.perf_counter() - start
         self.metrics.log_samples(self.step, samples)
 
     def evaluate(self) -> None:
+        self.write_log()  # its step's line first
         start = time.perf_counter()
         results = self.evaluator.evaluate(self.model_parts[0], self.step)
         seconds = time.perf_counter() - start
@@ -331,13 +336,10 @@ class Trainer(Stateful):
                     self.nonfinite_steps.settle()
                     self.preemption.save_and_stop(self.checkpointer, self.step)  # raises Preempted
                 if self.validator and self.validator.should_validate(self.step, self.last_step):
-                    self.write_log()  # this step's line first
                     self.validate()
                 if self.sampler and self.sampler.should_sample(self.step):
-                    self.write_log()
                     self.sample()
                 if self.evaluator and self.evaluator.should_evaluate(self.step, self.last_step):
-                    self.write_log()
                     self.evaluate()
                 if torch_profiler:
                     torch_profiler.step()

@@ -129,7 +129,7 @@ def _fsdp_worker(rank: int, rendezvous: str, out: str) -> None:
         model = build_model_parts(harness.model_args("transformer"), topology, config)
         step = build_train_step(model, topology, config)
         inputs, labels = harness.data_shard(dims)
-        verdicts = NonFiniteSteps(enabled=True, limit=0)
+        verdicts = NonFiniteSteps(enabled=True, limit=0, model_parts=model.parts)
         original = step.forward_backward
         parameters = dict(model.parts[0].named_parameters())
         history = {"on_device": step.skips_on_device, "changed": []}
@@ -144,9 +144,9 @@ def _fsdp_worker(rank: int, rendezvous: str, out: str) -> None:
         for number in (1, 2, 3):
             before = [p.to_local().clone() for p in parameters.values()]
             result = step([({"input": inputs}, labels)])
-            verdicts.record(number, result.skipped, result.grad_norm, model.parts)
+            verdicts.record(number, result.skipped, result.grad_norm, result.gradient_norms)
             if number == 2:
-                history["named"] = named_on_any_rank(verdicts.pending)
+                history["named"] = named_on_any_rank(verdicts.pending, model.parts)
             history["changed"].append(
                 any(not torch.equal(a, p.to_local()) for a, p in zip(before, parameters.values()))
             )
