@@ -13,7 +13,6 @@ imports no torch: ``import flame`` installs :func:`defer_torchtitan_import_compi
 """
 
 import contextlib
-import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -357,55 +356,6 @@ def fla_attention_on_flame(replacements: dict[str, type]) -> Iterator[None]:
             setattr(module, attribute, fla_class)
 
 
-# FLA 0.6.0's helpers (fla.layers.utils) that every recurrent layer calls for its cache, whether it has one or not.
-FLA_LAYER_CACHE_HELPERS = ("get_layer_cache", "update_layer_cache")
-
-
-def _without_a_cache_returns_none(helper: Callable) -> Callable:
-    @functools.wraps(helper)
-    def wrapper(module, past_key_values, **kwargs):
-        if past_key_values is None:  # what the helper returns then, without reading module.layer_idx
-            return None
-        return helper(module, past_key_values, **kwargs)
-
-    wrapper.flame_wraps = helper
-    return wrapper
-
-
-def fla_layer_cache_without_layer_idx() -> None:
-    """FLA's layers look their cache up through ``get_layer_cache`` / ``update_layer_cache``, which read
-    ``module.layer_idx`` even when there is no cache (training). Under torch.compile dynamo guards on that integer, so
-    a layer's code compiles once per layer, and past torch._dynamo.config.recompile_limit (8) the later layers run
-    eagerly. Every imported ``fla`` module that holds a helper gets one that returns None without a cache before
-    reading anything (the helpers' own answer then); with a cache, FLA's helper runs (idempotent)."""
-    import fla.layers.utils as utils
-
-    for helper_name in FLA_LAYER_CACHE_HELPERS:
-        helper = getattr(utils, helper_name)
-        original = getattr(helper, "flame_wraps", helper)
-        wrapper = helper if original is not helper else _without_a_cache_returns_none(helper)
-        for module, attribute in _fla_globals_holding(original, "fla"):
-            setattr(module, attribute, wrapper)
-
-
-def _fla_layer_cache_reads_layer_idx() -> bool:
-    from fla.layers.utils import get_layer_cache
-
-    get_layer_cache = getattr(get_layer_cache, "flame_wraps", get_layer_cache)
-
-    class Layer:
-        read = False
-
-        @property
-        def layer_idx(self) -> int:
-            self.read = True
-            return 0
-
-    layer = Layer()
-    get_layer_cache(layer, None)
-    return layer.read
-
-
 def fla_deltaformer_on_flame(attention_op: Callable) -> None:
     """Where flash-attn is not importable, FLA's DeltaFormer layer calls ``attention_op`` (flame's
     ``deltaformer_attention``: FLA's op with its last step on flame's attention) in place of FLA's
@@ -502,14 +452,6 @@ SHIMS = (
         fixed_in=None,
         workaround="flame.ops.fla_library (FLA's gated delta rule as torch.library custom ops)",
         reproduces=_fla_ops_disable_compile,
-    ),
-    Shim(
-        name="fla_layer_cache_layer_idx",
-        applies=_always,
-        upstream="not filed: FLA 0.6.0's get_layer_cache reads layer_idx without a cache (dynamo recompiles per layer)",
-        fixed_in=None,
-        workaround="fla_layer_cache_without_layer_idx",
-        reproduces=_fla_layer_cache_reads_layer_idx,
     ),
     Shim(
         name="fla_deltaformer_flash_attn",

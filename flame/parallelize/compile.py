@@ -25,10 +25,16 @@ def compile_blocks(model: nn.Module, backend: str, mode: str = "default") -> Non
     """Compile each block separately: repeated structure compiles once, and FSDP hooks stay outside the graphs
     (pytorch#181924: FSDP2 hooks break fullgraph graphs). Under compile the gated delta rule and the short conv
     (flame's kernel) run as torch.library custom ops and the norms as PyTorch code (flame.ops), so a Gated DeltaNet or attention
-    block is one graph; fullgraph stays off because DeltaNet's FLA ops still graph-break."""
-    stacks = model_spec(model.args).blocks(model)
-    # Blocks whose code branches on a per-layer constant (FLA's HGRN on layer_idx > 0) compile once per layer; past
-    # dynamo's recompile limit (8) the later blocks would run eagerly without a word.
+    block is one graph; fullgraph stays off because DeltaNet's FLA ops still graph-break. A family may leave its
+    blocks eager where compiling them was measured to be slower (``ModelSpec.eager_blocks``): one log line says why."""
+    spec = model_spec(model.args)
+    reason = spec.eager_reason(model.args)
+    if reason is not None:
+        logger.info("torch.compile leaves the blocks eager: %s", reason)
+        return
+    stacks = spec.blocks(model)
+    # Blocks whose code branches on a per-layer constant (a layer index, transformers' hybrids' layer types) compile
+    # once per value; past dynamo's recompile limit (8) the later blocks would run eagerly without a word.
     blocks = sum(len(stack) for stack in stacks)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, blocks)
     for stack in stacks:

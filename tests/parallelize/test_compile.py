@@ -7,7 +7,7 @@ from flame.parallelize import compile as compile_module
 
 
 class LayerBranchingBlock(nn.Module):
-    """A block whose code branches on its layer's index, as FLA's HGRN does on ``layer_idx > 0``."""
+    """A block whose code branches on its layer's index (FLA's HGRN does on ``layer_idx > 0``)."""
 
     def __init__(self, layer_idx: int):
         super().__init__()
@@ -27,7 +27,11 @@ def test_every_block_is_compiled_past_dynamos_recompile_limit(monkeypatch):
     model = nn.Module()
     model.layers = nn.ModuleList(LayerBranchingBlock(i) for i in range(12))
     model.args = None
-    spec = type("Spec", (), {"blocks": staticmethod(lambda m: [m.layers])})()
+    spec = type(
+        "Spec",
+        (),
+        {"blocks": staticmethod(lambda m: [m.layers]), "eager_reason": staticmethod(lambda args: None)},
+    )()
     monkeypatch.setattr(compile_module, "model_spec", lambda args: spec)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     torch._dynamo.reset()
@@ -38,3 +42,28 @@ def test_every_block_is_compiled_past_dynamos_recompile_limit(monkeypatch):
         x = block(x)
     assert counters["stats"]["unique_graphs"] == 12
     torch._dynamo.reset()
+
+
+def test_fla_classes_blocks_stay_eager_and_transformers_classes_compile(caplog):
+    """The generic family leaves FLA's classes' blocks eager (ModelSpec.eager_blocks: their Triton autograd functions
+    split each block into graphs that cost more than they save) with one log line, and compiles a transformers
+    class's blocks."""
+    from flame.models import build_model, model_args_from_dict, model_spec
+
+    shape = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2}
+    configs = {
+        "gla": {"model_type": "gla", **shape, "num_heads": 2},
+        "llama": {"model_type": "llama", **shape, "intermediate_size": 64, "num_attention_heads": 2},
+    }
+    compiled = {}
+    for name, config in configs.items():
+        args, _ = model_args_from_dict(config)
+        with torch.device("meta"):
+            model = build_model(args)
+        with caplog.at_level("INFO"):
+            compile_module.compile_blocks(model, backend="eager")
+        blocks = [block for stack in model_spec(args).blocks(model) for block in stack]
+        compiled[name] = [isinstance(block, torch._dynamo.eval_frame.OptimizedModule) for block in blocks]
+    assert compiled == {"gla": [False, False], "llama": [True, True]}
+    eager_lines = [r.message for r in caplog.records if "leaves the blocks eager" in r.message]
+    assert len(eager_lines) == 1 and "model_type 'gla' is FLA's class" in eager_lines[0]

@@ -12,6 +12,8 @@
   generic family: varlen for the transformers classes that keep packed documents apart).
 - ``needs_cuda``: for models that cannot run without a CUDA GPU, why (read from the model's args; the generic
   family: FLA's classes, whose layers run Triton kernels only); None where the model also trains on the CPU.
+- ``eager_blocks``: for models whose blocks ``--compile.enable`` leaves eager, why (measured slower compiled than
+  eager: the generic family's FLA classes); None where the blocks are compiled.
 """
 
 from collections.abc import Callable
@@ -43,10 +45,15 @@ class ModelSpec:
     parallelisms: frozenset[str] = frozenset(MODEL_PARALLELISMS)
     config_parallelisms: Callable[[ModelArgs], frozenset[str]] | None = None
     needs_cuda: Callable[[ModelArgs], str | None] | None = None
+    eager_blocks: Callable[[ModelArgs], str | None] | None = None
 
     def cuda_reason(self, args: ModelArgs) -> str | None:
         """Why a model of these args needs a CUDA GPU, or None when it also runs on the CPU."""
         return self.needs_cuda(args) if self.needs_cuda else None
+
+    def eager_reason(self, args: ModelArgs) -> str | None:
+        """Why --compile.enable leaves a model of these args' blocks eager, or None where it compiles them."""
+        return self.eager_blocks(args) if self.eager_blocks else None
 
     def supported(self, args: ModelArgs) -> frozenset[str]:
         """What a model of these args supports beyond data parallelism."""

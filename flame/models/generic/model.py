@@ -6,7 +6,7 @@ import functools
 import torch
 from torch import nn
 
-from flame.compat import fla_attention_on_flame, fla_deltaformer_on_flame, fla_layer_cache_without_layer_idx
+from flame.compat import fla_attention_on_flame, fla_deltaformer_on_flame
 from flame.errors import ModelConfigError
 from flame.models.common.decoder import LMHead
 from flame.models.generic.args import GenericArgs, is_fla_class
@@ -150,7 +150,6 @@ def instantiate(lm_class: type, config) -> nn.Module:
     cls = flame_class(lm_class)
     if not is_fla_class(lm_class):
         return cls(config)
-    fla_layer_cache_without_layer_idx()
     fla_deltaformer_on_flame(deltaformer_attention)
     try:
         with fla_attention_on_flame(FLA_ATTENTION_REPLACEMENTS):
