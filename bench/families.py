@@ -110,6 +110,7 @@ FIELDS = {
         "hgrn2": {"expand_ratio": 16},
         "lightnet": {"expand_ratio": 16},
         "rodimus": {"ska_attn": {"num_heads": 4}},
+        "path_attn": {"num_heads": 4},
         "samba": {"attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 4, "window_size": 2048}},
         "qwen3": {"head_dim": 16},
         "gemma3_text": {"head_dim": 16},
@@ -120,6 +121,8 @@ FIELDS = {
     },
     "small": {
         "rodimus": {"ska_attn": {"num_heads": 12}},
+        # PaTH attention's kernel takes heads of 16, 32, 64 or 128 channels; FLA's default 32 heads give 24.
+        "path_attn": {"num_heads": 12},
         # Samba's default attention has 18 heads (its 1B model's 2304 / 128): 12 of 64 here, every other layer.
         "samba": {"attn": {"layers": [1, 3, 5, 7, 9, 11], "num_heads": 12, "num_kv_heads": 12, "window_size": 2048}},
         # Mamba's blocks have no MLP: 24 of them, as Mamba's 130M model has.
@@ -142,6 +145,9 @@ KNOWN_REASONS = (
     (r"CompilationError", "Triton CompilationError in FLA's kernels (seen for log_linear_mamba2, FLA 0.6.0, H100)"),
     (r"active drivers|Triton is not supported|Found no NVIDIA driver|Torch not compiled with CUDA",
      "FLA's Triton kernels need a GPU"),
+    (r"in (slow_forward|torch_forward)\b",
+     "FLA's Mamba layers ran their PyTorch fallback: the fast path needs mamba_ssm and causal_conv1d, CUDA extensions "
+     "that flame does not install (the package index has no wheels of them)"),
     (r"OutOfMemoryError|CUDA out of memory", "out of memory"),
 )  # fmt: skip
 CPU_RESUME_RTOL = 0.0  # the same float32 ops in the same order: bit for bit
@@ -193,10 +199,12 @@ class StepFailed(Exception):
 
 
 def reason_of(output: str) -> str:
-    """The last non-empty line of a failed step's output (without torchrun's rank prefix), after the known
-    reason when the output matches one."""
-    lines = [re.sub(r"^\[rank\d+\]:", "", line).strip() for line in output.splitlines()]
-    last = next((line for line in reversed(lines) if line), "no output")
+    """The last exception line of a failed step's output (``SomeError: message``, without torchrun's rank prefixes;
+    dynamo follows its errors with advice lines), else its last non-empty line, after the known reason when the
+    output matches one."""
+    lines = [re.sub(r"^(\[rank\d+\]:)+", "", line).strip() for line in output.splitlines()]
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
+    last = errors[-1] if errors else next((line for line in reversed(lines) if line), "no output")
     for pattern, reason in KNOWN_REASONS:
         if re.search(pattern, output):
             return f"{reason}: {last}"

@@ -35,7 +35,8 @@ adds train.sh flags to every case's job (``--job_flags "--optimizer.implementati
 configs transformer_340M, the softpick recipes (softpick, rectified, scaled softpick), gated_deltanet_340M, and a
 hybrid: gated_deltanet_340M with attention (16 heads, QK-norm) at every fourth layer (3, 7, 11, 15, 19), the OLMo-3
 hybrid pattern, gated_deltanet_k128 (gated_deltanet_340M with K = V = 128 heads), and llama: transformers'
-LlamaForCausalLM through flame's generic family at transformer_340M's shape. ``--anchor`` (one GPU) first times each model and length in the naive loop a user writes without
+LlamaForCausalLM through flame's generic family at transformer_340M's shape. A path ending in ``.json`` in
+``--models`` is any ``--model.config`` file (an FLA family's config, say), built as train.sh builds it. ``--anchor`` (one GPU) first times each model and length in the naive loop a user writes without
 flame (the class of the model's HF export, eager, bf16 autocast, fused AdamW, the class's own loss on the same
 random tokens) and gives every row its ratio to that loop.
 
@@ -49,6 +50,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import importlib.util
 import itertools
 import json
 import os
@@ -136,8 +138,8 @@ class Result:
 
 
 def model_config(name: str, tiny: bool, num_layers: int | None = None) -> dict:
-    """The bench model's config, as a --model.config JSON holds it."""
-    path, overrides = MODELS[name]
+    """The bench model's config, as a --model.config JSON holds it: one of MODELS, or a config file's path."""
+    path, overrides = MODELS.get(name, (name, {}))
     config = {**(read_model_config(REPO / path) if path else {}), **overrides}
     if tiny:
         config.update(TINY, **TINY_FAMILY[name])
@@ -310,11 +312,12 @@ def run_naive_hf_loop(name: str, seq_len: int, args, device, margs=None) -> Resu
     flame.hf.register()
     if hf_config["model_type"] in fla_model_types():
         import fla  # noqa: F401  (FLA's classes)
+    if device.type == "cuda" and importlib.util.find_spec("fla") is not None:
+        # FLA's gated backward on Hopper (flame.compat's fla_hopper_dqkwg), for FLA's classes and for transformers'
+        # classes that call FLA's kernels where FLA is installed (qwen3_next, olmo_hybrid).
+        from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
 
-        if device.type == "cuda":  # FLA's gated backward on Hopper (flame.compat's fla_hopper_dqkwg)
-            from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
-
-            serve_where_fla_refuses()
+        serve_where_fla_refuses()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**hf_config)
@@ -545,7 +548,11 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS), help="comma separated: " + ", ".join(MODELS))
+    parser.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help="comma separated: " + ", ".join(MODELS) + ", or a --model.config file (a path ending in .json)",
+    )
     parser.add_argument("--seq_lens", default=None, help="comma separated (default 2048,4096; --tiny: 64)")
     parser.add_argument("--modes", default="eager,compiled", help="eager, compiled or both")
     parser.add_argument(
@@ -657,8 +664,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.peak_tflops is None and args.device == "cuda":
         args.peak_tflops = H100_BF16_PEAK_TFLOPS
     for name in args.models.split(","):
-        if name not in MODELS:
-            parser.error(f"unknown model {name}; choose from {', '.join(MODELS)}")
+        if name.endswith(".json"):
+            if args.tiny:
+                parser.error(f"--tiny takes the bench's own models, not a config file ({name})")
+            if not (REPO / name).is_file():
+                parser.error(f"model config {name} does not exist")
+        elif name not in MODELS:
+            parser.error(
+                f"unknown model {name}; choose from {', '.join(MODELS)} or give a config file (.json)"
+            )
     for activations in args.activations.split(","):
         if activations not in ACTIVATIONS:
             parser.error(f"unknown --activations {activations}; choose from {', '.join(ACTIVATIONS)}")

@@ -135,6 +135,12 @@ def test_known_reasons_and_verdicts():
         "FLA's Hopper guard on its gated backward (fla-org/flash-linear"
     )
     assert families.reason_of("a\n\n[rank0]:error: last words\n") == "error: last words"
+    dynamo = (
+        "[rank0]:[rank0]: torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:\n"
+        "[rank0]:[rank0]: RuntimeError: Output 0 of AsStridedBackward0 is a view\n\n"
+        "[rank0]:[rank0]: Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n"
+    )
+    assert families.reason_of(dynamo) == "RuntimeError: Output 0 of AsStridedBackward0 is a view"
     assert families.resume_verdict({1: 2.0, 2: 1.0}, {2: 1.0}, "cpu") == "equal (max rel 0.0e+00)"
     assert families.resume_verdict({1: 2.0, 2: 1.0}, {2: 1.0005}, "cpu").startswith(
         "differs (max rel 5.0e-04"
