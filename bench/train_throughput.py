@@ -332,13 +332,19 @@ def run_naive_hf_loop(name: str, seq_len: int, args, device, margs=None) -> Resu
     tokens = torch.randint(0, margs.vocab_size, (batch, seq_len), device=device, generator=generator)
 
     def step():
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        # The trainer's profiler regions (STEP_REGIONS), so that --profile compares the host's phases side by side.
+        with torch.profiler.record_function("flame.forward_backward"):
+            with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+        with torch.profiler.record_function("flame.optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
     measure(result, step, batch * seq_len, flops_per_token, args, device)
+    if args.profile:
+        result.profile, timeline = profile_steps(step, args.profile, device)
+        result.timelines = (timeline,)
     return result
 
 
