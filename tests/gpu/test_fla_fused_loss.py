@@ -1,7 +1,7 @@
 """FLA families on the GPU with the loss terms flame computes in place of their classes' own loss: with
 fuse_linear_cross_entropy (GLA; MoM, whose router load balancing comes from its decoder's output then) the fused
 objective's loss and gradients equal the unfused objective's on the class's logits, and MoM's step adds its class's
-load balancing. float32 with TF32 off: the same decoder forward, the loss summed in another order (rtol 1e-4,
+load balancing. float32 without TF32 (tests/gpu/conftest.py's exact_float32): the same decoder forward, the loss summed in another order (rtol 1e-4,
 atol 1e-6 on the gradients)."""
 
 import pytest
@@ -22,8 +22,7 @@ FAMILIES = {"gla": {}, "mom": {"num_memories": 4, "topk": 2}}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_fused_objective_gives_the_unfused_gradients(family, monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+def test_fused_objective_gives_the_unfused_gradients(family, exact_float32):
     prepare_gpu_kernels(torch.device("cuda"))
     args, _ = model_args_from_dict({"model_type": family, **SHAPES, **FAMILIES[family]})
     torch.manual_seed(0)
