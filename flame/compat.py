@@ -332,20 +332,23 @@ def _fla_globals_holding(value: object, package: str) -> list[tuple[types.Module
 
 
 @contextlib.contextmanager
-def fla_attention_on_flame(replacements: dict[str, type]) -> Iterator[None]:
+def fla_layers_on_flame(replacements: dict[str, tuple[str, str]]) -> Iterator[None]:
     """While FLA's model classes are built inside this context, the FLA layers named in ``replacements``
-    ("module.Class") whose module found no flash-attn are built as the given class instead (the generic family passes
-    flame's layers of the same parameters, flame.models.layers.fla_attention); where flash-attn imports, FLA's own
-    layers are built. Every ``fla.models`` module that holds the layer class under any name sees the replacement until
-    the context exits, so FLA's classes built outside it (an export loaded by transformers) are FLA's own."""
+    ("module.Class" -> ("flame.module.Class", fast-path attribute)) whose module's fast-path attribute is missing or
+    empty (flash-attn's ``flash_attn_func``, mamba_ssm's ``is_fast_path_available``) are built as flame's class of the
+    same parameters instead (the generic family passes FLA_LAYER_REPLACEMENTS); where the fast path imports, FLA's own
+    layers are built. Every ``fla.models`` module that holds the layer class under any name sees the replacement
+    until the context exits, so FLA's classes built outside it (an export loaded by transformers) are FLA's own."""
     swapped = []
     try:
-        for qualified_name, replacement in replacements.items():
+        for qualified_name, (replacement_name, fast_path) in replacements.items():
             module_name, class_name = qualified_name.rsplit(".", 1)
             layer_module = sys.modules.get(module_name)
             # Not imported: no FLA model class is registered that could build it (fla.models imports every layer).
-            if layer_module is None or getattr(layer_module, "flash_attn_func", None) is not None:
+            if layer_module is None or getattr(layer_module, fast_path, None):
                 continue
+            replacement_module, replacement_class = replacement_name.rsplit(".", 1)
+            replacement = getattr(importlib.import_module(replacement_module), replacement_class)
             fla_class = getattr(layer_module, class_name)
             for module, attribute in _fla_globals_holding(fla_class, "fla.models"):
                 setattr(module, attribute, replacement)
@@ -377,6 +380,14 @@ def _fla_deltaformer_needs_flash_attn() -> bool:
 
 # FLA 0.6.0's layer modules that call flash-attn: each refuses to build or run when it is not importable.
 FLA_FLASH_ATTN_MODULES = ("fla.layers.attn", "fla.layers.bitattn")
+
+
+def _fla_mamba2_scan_materialises_pairs() -> bool:
+    import inspect
+
+    from fla.layers.mamba2 import Mamba2
+
+    return "G_intermediate" in inspect.getsource(Mamba2.torch_forward)
 
 
 def _fla_attention_needs_flash_attn() -> bool:
@@ -466,7 +477,15 @@ SHIMS = (
         applies=_always,
         upstream="not filed: FLA 0.6.0's Attention and BitAttention run only on flash-attn (no SDPA path)",
         fixed_in=None,
-        workaround="fla_attention_on_flame",
+        workaround="fla_layers_on_flame",
         reproduces=_fla_attention_needs_flash_attn,
+    ),
+    Shim(
+        name="fla_mamba2_scan_without_mamba_ssm",
+        applies=_always,
+        upstream="not filed: FLA 0.6.0's Mamba2 without mamba_ssm scans with a state-sized product per token pair",
+        fixed_in=None,
+        workaround="fla_layers_on_flame (flame.models.layers.fla_mamba2 on flame.ops.ssd)",
+        reproduces=_fla_mamba2_scan_materialises_pairs,
     ),
 )

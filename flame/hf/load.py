@@ -115,11 +115,11 @@ def load_transformers_model(path: str | Path, device: str = "cpu", dtype: torch.
         import fla  # noqa: F401  (FLA's model types)
     from transformers import AutoModelForCausalLM
 
-    from flame.compat import fla_attention_on_flame
-    from flame.models.generic.model import FLA_ATTENTION_REPLACEMENTS
+    from flame.compat import fla_layers_on_flame
+    from flame.models.generic.model import FLA_LAYER_REPLACEMENTS
 
-    # FLA's classes build their flash-attn attention layers as flame's where flash-attn does not import.
-    with fla_attention_on_flame(FLA_ATTENTION_REPLACEMENTS):
+    # FLA's classes build their flash-attn attention layers and Mamba2 as flame's where their fast path does not import.
+    with fla_layers_on_flame(FLA_LAYER_REPLACEMENTS):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval()
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from flame.cli import convert_dcp_to_hf
-from flame.compat import fla_attention_on_flame
-from flame.models.generic.model import FLA_ATTENTION_REPLACEMENTS
+from flame.compat import fla_layers_on_flame
+from flame.models.generic.model import FLA_LAYER_REPLACEMENTS
 from tests.utils.helpers import save_checkpoint, tiny_model, tokens
 
 LIMIT = 0.02
@@ -53,7 +53,7 @@ def test_exported_model_on_gpu_matches_flame(tmp_path, model_type, overrides, fm
     x = tokens(length=100)  # past one 64-token chunk
     with torch.no_grad():
         reference = model(x)
-        with fla_attention_on_flame(FLA_ATTENTION_REPLACEMENTS):
+        with fla_layers_on_flame(FLA_LAYER_REPLACEMENTS):
             hf = AutoModelForCausalLM.from_pretrained(out).cuda().eval()
         assert (
             type(hf).__module__.split(".")[0]

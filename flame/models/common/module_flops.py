@@ -65,7 +65,7 @@ FLA_DELTA_RULE = {
     "MomAttention",
 }
 # Mamba2's SSD: chunked linear attention with a state of ssm_state_size x head_dim per head.
-FLA_SSD = {"Mamba2"}
+FLA_SSD = {"Mamba2", "FLAMamba2"}  # flame.models.layers.fla_mamba2: FLA's layer on flame's scan
 # Modules of a block that are not its sequence mixer.
 NOT_MIXERS = ("Norm", "MLP", "Mlp", "FeedForward", "Moe", "MoE", "Expert", "Dropout", "Identity")
 
@@ -163,10 +163,14 @@ def attention_window(module: nn.Module) -> int | None:
     return getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
 
 
+# flame's modules that stand in for FLA's layers (FLA_LAYER_REPLACEMENTS): counted as the layers they replace.
+FLAME_FLA_LAYERS = ("flame.models.layers.fla_attention", "flame.models.layers.fla_mamba2")
+
+
 def mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
     """Training FLOPs per token of a sequence mixer beyond its weights, None where its class is not classified."""
     where = type(module).__module__
-    if where.startswith("fla.layers.") or where == "flame.models.layers.fla_attention":
+    if where.startswith("fla.layers.") or where in FLAME_FLA_LAYERS:
         return fla_mixer_flops_per_token(module, seq_len)
     if where.startswith("transformers.models."):
         return transformers_mixer_flops_per_token(module, seq_len)

@@ -6,17 +6,23 @@ import functools
 import torch
 from torch import nn
 
-from flame.compat import fla_attention_on_flame, fla_deltaformer_on_flame
+from flame.compat import fla_deltaformer_on_flame, fla_layers_on_flame
 from flame.errors import ModelConfigError
 from flame.models.common.decoder import LMHead
 from flame.models.generic.args import GenericArgs, is_fla_class
 from flame.models.generic.initialization import check_initialized, initialize_as_constructed
-from flame.models.layers.fla_attention import FLAAttention, FLABitAttention, deltaformer_attention
+from flame.models.layers.fla_attention import deltaformer_attention
 
-# FLA's attention layers that flame builds in their place while flash-attn is not importable (same parameters).
-FLA_ATTENTION_REPLACEMENTS = {
-    "fla.layers.attn.Attention": FLAAttention,
-    "fla.layers.bitattn.BitAttention": FLABitAttention,
+# FLA's layers that flame builds in their place (same parameters) while their fast path does not import: FLA's
+# softmax attention without flash-attn, Mamba2 without mamba_ssm. Values: flame's class, the attribute of FLA's layer
+# module that holds the fast path (flame.compat.fla_layers_on_flame).
+FLA_LAYER_REPLACEMENTS = {
+    "fla.layers.attn.Attention": ("flame.models.layers.fla_attention.FLAAttention", "flash_attn_func"),
+    "fla.layers.bitattn.BitAttention": (
+        "flame.models.layers.fla_attention.FLABitAttention",
+        "flash_attn_func",
+    ),
+    "fla.layers.mamba2.Mamba2": ("flame.models.layers.fla_mamba2.FLAMamba2", "is_fast_path_available"),
 }
 
 
@@ -144,15 +150,15 @@ def refusing_layer(error: ImportError) -> str:
 
 
 def instantiate(lm_class: type, config) -> nn.Module:
-    """flame's class over ``lm_class``, built; FLA's classes build their flash-attn attention layers as flame's
-    (FLA_ATTENTION_REPLACEMENTS) where flash-attn is not importable, and a layer flame has no replacement for stops
-    with one line naming it."""
+    """flame's class over ``lm_class``, built; FLA's classes build their flash-attn attention layers and Mamba2 as
+    flame's (FLA_LAYER_REPLACEMENTS) where flash-attn or mamba_ssm is not importable, and a flash-attn layer flame has
+    no replacement for stops with one line naming it."""
     cls = flame_class(lm_class)
     if not is_fla_class(lm_class):
         return cls(config)
     fla_deltaformer_on_flame(deltaformer_attention)
     try:
-        with fla_attention_on_flame(FLA_ATTENTION_REPLACEMENTS):
+        with fla_layers_on_flame(FLA_LAYER_REPLACEMENTS):
             return cls(config)
     except ImportError as e:
         if "flash" not in str(e).lower():

@@ -4,7 +4,7 @@
 to be built without the flash-attn package, and ``fla.layers.bitattn.BitAttention`` (bitnet) fails at its first
 forward. :class:`FLAAttention` and :class:`FLABitAttention` take the same constructor arguments and hold the same
 parameters under the same names and shapes, so checkpoints and HF exports are interchangeable with FLA's layers; the
-generic family builds them in place of FLA's while flash-attn is not importable (flame.compat.fla_attention_on_flame).
+generic family builds them in place of FLA's while flash-attn is not importable (flame.compat.fla_layers_on_flame).
 DeltaFormer's layer (``fla.layers.deltaformer``) has no flash-attn in its parameters, only in its op's last step:
 :func:`deltaformer_attention` is that op with the last step on flame's attention
 (flame.compat.fla_deltaformer_on_flame).

@@ -1,0 +1,127 @@
+"""flame.models.layers.fla_mamba2: FLA's Mamba2 layer with its training scan on flame.ops.ssd, against FLA's own
+PyTorch path (``torch_forward``) on the CPU, float64 inputs and weights. FLA's path computes its scan in float32
+whatever the input, in another order than flame's chunks: the two agree to float32's rounding (the largest
+difference within 1e-4 of the tensor's largest value; up to 3.3e-5 measured, for A_log's gradient, a sum over every
+token whose terms cancel); a wrong split, gate, skip or step differs at
+order one. flame's scan
+itself is checked in float64 against the recurrence (tests/ops/test_ssd.py). FLA's gated RMSNorm is a Triton kernel, so both layers get
+the same PyTorch gated RMSNorm in its place, and FLA's Triton SiLU torch's (neither is what is compared)."""
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("fla")
+
+from fla.layers.mamba2 import Mamba2  # noqa: E402
+
+from flame.models import build_model, model_args_from_dict  # noqa: E402
+from flame.models.layers import fla_mamba2  # noqa: E402
+from flame.models.layers.fla_mamba2 import FLAMamba2  # noqa: E402
+
+FLOAT32_SCAN = 1e-4
+
+
+def assert_scan_close(ours: torch.Tensor, reference: torch.Tensor, name: str = "") -> None:
+    difference = (ours - reference).abs().max() / reference.abs().max()
+    assert difference <= FLOAT32_SCAN, f"{name}: {difference:.1e} of the largest value"
+
+
+class GatedRMSNorm(nn.Module):
+    """FLA's RMSNormGated with norm_before_gate False: rmsnorm(y * silu(gate)) * weight."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, y, gate):
+        y = y * nn.functional.silu(gate.to(y.dtype))
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def layers(n_groups: int = 1, rmsnorm: bool = True):
+    options = dict(hidden_size=24, head_dim=8, state_size=5, expand=2, n_groups=n_groups, chunk_size=16,
+                   rmsnorm=rmsnorm)  # fmt: skip
+    torch.manual_seed(0)
+    fla_layer = Mamba2(**options).double()
+    flame_layer = FLAMamba2(**options).double()
+    flame_layer.load_state_dict(fla_layer.state_dict())
+    with torch.no_grad():  # FLA leaves these to its model's initialisation: values of the trained range
+        for layer in (fla_layer, flame_layer):
+            layer.dt_bias.copy_(torch.linspace(-2.0, 1.0, layer.num_heads))
+            layer.A_log.copy_(torch.linspace(0.0, 2.0, layer.num_heads))
+            layer.act = nn.functional.silu
+            if rmsnorm:
+                layer.norm = GatedRMSNorm(layer.norm.weight, layer.norm_eps)
+    return fla_layer, flame_layer
+
+
+@pytest.mark.parametrize("rmsnorm", [True, False])
+def test_training_forward_and_gradients_equal_flas_pytorch_path(rmsnorm):
+    """37 tokens (FLA pads them to its 16-token chunks; flame chunks by 64): output and every parameter's and the
+    input's gradient, with and without the gated norm."""
+    fla_layer, flame_layer = layers(rmsnorm=rmsnorm)
+    x = torch.randn(2, 37, 24, dtype=torch.float64)
+    grad = torch.randn(2, 37, 24, dtype=torch.float64)
+    results = []
+    for layer in (fla_layer, flame_layer):
+        leaf = x.clone().requires_grad_()
+        out = layer(leaf)[0]
+        out.backward(grad)
+        results.append((out, leaf.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    (fla_out, fla_dx, fla_grads), (out, dx, grads) = results
+    assert_scan_close(out, fla_out, "output")
+    assert_scan_close(dx, fla_dx, "input gradient")
+    assert grads.keys() == fla_grads.keys()
+    for name in grads:
+        assert_scan_close(grads[name], fla_grads[name], name)
+
+
+def test_heads_read_their_groups_b_and_c_as_mamba_ssm_does(monkeypatch):
+    """With 2 groups of 3 heads, heads 0-2 read group 0's B and C and heads 3-5 group 1's (mamba_ssm's layout)."""
+    _, layer = layers(n_groups=2, rmsnorm=False)
+    seen, ssd = {}, fla_mamba2.ssd
+
+    def recording_ssd(x, dt, A, B, C):
+        seen["B"], seen["C"] = B, C
+        return ssd(x, dt, A, B, C)
+
+    monkeypatch.setattr(fla_mamba2, "ssd", recording_ssd)
+    layer(torch.randn(1, 9, 24, dtype=torch.float64))
+    for name in ("B", "C"):
+        per_head = seen[name]
+        assert per_head.shape[2] == 6
+        for head in range(6):
+            torch.testing.assert_close(per_head[:, :, head], per_head[:, :, 3 * (head // 3)], rtol=0, atol=0)
+        assert not torch.equal(per_head[:, :, 0], per_head[:, :, 3])
+
+
+def test_decoding_with_a_cache_stays_flas(monkeypatch):
+    """A forward with a cache (use_cache) is FLA's own torch_forward."""
+    _, layer = layers(rmsnorm=False)
+    calls = []
+    monkeypatch.setattr(Mamba2, "torch_forward", lambda self, *a, **k: calls.append(a) or (None, None, None))
+    layer.torch_forward(torch.zeros(1, 2, 24, dtype=torch.float64), None, True, None)
+    assert len(calls) == 1
+
+
+def test_generic_mamba2_builds_flames_layer_with_flas_state_dict():
+    """mamba2 through the generic family (no mamba_ssm here) builds FLAMamba2 layers; FLA's class, built outside
+    flame, keeps FLA's; the state dicts have the same keys, shapes and dtypes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = {"model_type": "mamba2", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "head_dim": 16,
+              "state_size": 8}  # fmt: skip
+    args, _ = model_args_from_dict(config)
+    with torch.device("meta"):
+        model = build_model(args)
+        reference = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model("mamba2", **{k: v for k, v in config.items() if k != "model_type"})
+        )
+    assert sum(isinstance(m, FLAMamba2) for m in model.modules()) == 2
+    assert not any(isinstance(m, FLAMamba2) for m in reference.modules())
+
+    def layout(m):
+        return {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()}
+
+    assert layout(model) == layout(reference)
