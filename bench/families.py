@@ -344,7 +344,7 @@ def anchor_tokens_per_s(config: Path, seq_len: int, batch_size: int, steps: int,
 
     margs, _ = model_args_from_dict(read_model_config(config))
     options = argparse.Namespace(tokens_per_gpu=seq_len * batch_size, cp=1, warmup=2, steps=steps,
-                                 peak_tflops=None, tiny=False)  # fmt: skip
+                                 peak_tflops=None, tiny=False, profile=0)  # fmt: skip
     return run_naive_hf_loop(
         margs.model_type, seq_len, options, torch.device(device), margs=margs
     ).tokens_per_s
