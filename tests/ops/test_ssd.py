@@ -24,16 +24,18 @@ def inputs(batch: int, length: int, heads: int, head_dim: int, state: int, seed:
     [(2, 37, 3, 5, 7, 8), (1, 64, 2, 4, 3, 64), (1, 1, 1, 3, 2, 16), (2, 100, 2, 6, 5, 64)],
 )
 def test_chunked_scan_equals_the_recurrence_and_its_gradients(batch, length, heads, head_dim, state, chunk):
-    """Lengths that the chunk does not divide, shorter than one chunk, and exactly one; outputs and the gradients of
-    every input within 1e-10 in float64."""
+    """Lengths that the chunk does not divide, shorter than one chunk, and exactly one; outputs, the last state and the
+    gradients of every input within 1e-10 in float64."""
     leaves = [t.requires_grad_() for t in inputs(batch, length, heads, head_dim, state)]
     grad = torch.randn(batch, length, heads, head_dim, dtype=torch.float64)
     results = []
     for op in (lambda *a: ssd(*a, chunk=chunk), ssd_recurrent):
-        out = op(*leaves)
+        out, state = op(*leaves)
         grads = torch.autograd.grad(out, leaves, grad)
-        results.append((out, *grads))
-    for name, ours, reference in zip(("y", "dx", "ddt", "dA", "dB", "dC"), *results, strict=True):
+        results.append((out, state, *grads))
+    for name, ours, reference in zip(
+        ("y", "last state", "dx", "ddt", "dA", "dB", "dC"), *results, strict=True
+    ):
         torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
 
 
@@ -44,5 +46,7 @@ def test_scan_carries_state_across_chunks():
     A = A / 100  # slow decay: the first token's share of the last output is far above rounding
     changed = x.clone()
     changed[:, 0] += 1.0
-    difference = (ssd(changed, dt, A, B, C, chunk=10) - ssd(x, dt, A, B, C, chunk=10))[:, -1].abs().max()
+    difference = (
+        (ssd(changed, dt, A, B, C, chunk=10)[0] - ssd(x, dt, A, B, C, chunk=10)[0])[:, -1].abs().max()
+    )
     assert difference > 1e-6

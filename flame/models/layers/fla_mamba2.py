@@ -4,13 +4,16 @@
 no wheels of them) and otherwise ``torch_forward``, whose scan materialises a state-sized product for every pair of
 tokens in a chunk: a 97M Mamba2 ran out of an H200's 140 GiB in its first step at 8 x 2048 tokens. :class:`FLAMamba2`
 is FLA's class (same constructor, parameters and cache path) whose ``torch_forward`` computes a forward without a
-cache with flame.ops.ssd: the in-projection, the short convolution and activation, the SSD scan, the D skip, the
-gated RMSNorm and the out-projection, each as FLA's code does them. The generic family builds it in place of FLA's
-layer while mamba_ssm's fast path is missing (flame.compat.fla_layers_on_flame); decoding with a cache stays FLA's.
+cache (training) or starting one (a prompt's prefill) with flame.ops.ssd: the in-projection, the short convolution
+and activation, the SSD scan, the D skip, the gated RMSNorm and the out-projection, each as FLA's code does them,
+and with a cache the convolution's inputs and the scan's last state as FLA keeps them. Decoding token by token from
+the cache stays FLA's. The generic family builds it in place of FLA's layer while mamba_ssm's fast path is missing
+(flame.compat.fla_layers_on_flame).
 
 Heads share B and C in ``n_groups`` groups of consecutive heads (head h reads group h // (heads / n_groups)), as
-mamba_ssm's kernels do; FLA's ``torch_forward`` tiles the groups instead (head h reads group h % n_groups), so the two
-agree for the default ``n_groups`` 1 only.
+mamba_ssm's kernels and FLA's own decoding step do; FLA's ``torch_forward`` over a whole sequence tiles the groups
+instead (head h reads group h % n_groups), so the two agree for the default ``n_groups`` 1 only, and a prefill here
+continues consistently into FLA's decoding step for any ``n_groups``.
 """
 
 import torch
@@ -22,7 +25,7 @@ from flame.ops.ssd import ssd
 
 class FLAMamba2(Mamba2):
     def torch_forward(self, input_states, last_state=None, use_cache: bool = False, attention_mask=None):
-        if last_state is not None or use_cache:
+        if last_state is not None:
             return super().torch_forward(input_states, last_state, use_cache, attention_mask)
         batch, length, _ = input_states.shape
         dtype = input_states.dtype
@@ -33,6 +36,9 @@ class FLAMamba2(Mamba2):
             [d_mlp, d_mlp, self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
         )
         x_B_C = apply_mask_to_padding_states(x_B_C, attention_mask)
+        conv_state = None
+        if use_cache:  # the last conv_kernel_size inputs of the convolution, left-padded with zeros
+            conv_state = F.pad(x_B_C.transpose(1, 2), (self.conv_kernel_size - length, 0))
         x_B_C = self.act(self.conv1d(x_B_C.transpose(1, 2))[..., :length].transpose(1, 2))
         if attention_mask is not None and attention_mask.shape == x_B_C.shape[:2]:
             x_B_C = (x_B_C * attention_mask[:, :, None]).to(x_B_C.dtype)
@@ -48,7 +54,7 @@ class FLAMamba2(Mamba2):
             .repeat_interleave(per_group, dim=2)
             for t in (B, C)
         )
-        y = ssd(x, dt, A, B, C) + x * self._get_D(expand_to_head_dim=True)
-        y = y.reshape(batch, length, -1)
+        y, ssm_state = ssd(x, dt, A, B, C)
+        y = (y + x * self._get_D(expand_to_head_dim=True)).reshape(batch, length, -1)
         scan_output = self.norm(y, gate) if self.rmsnorm else y * self.act(gate)
-        return self.out_proj(scan_output.to(dtype)), None, None
+        return self.out_proj(scan_output.to(dtype)), conv_state, ssm_state

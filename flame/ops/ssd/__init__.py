@@ -14,8 +14,9 @@ CHUNK = 64
 
 def ssd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk: int = CHUNK
-) -> torch.Tensor:
-    """The SSD scan of ``naive.ssd_recurrent`` (same arguments and result), chunk by chunk, in x's dtype."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD scan of ``naive.ssd_recurrent`` (same arguments and results), chunk by chunk, in x's dtype: y and the
+    state after the last token."""
     batch, length, heads, head_dim = x.shape
     pad = -length % chunk
     # Padding at the end: zero input adds nothing and decay exp(0) = 1 changes no earlier token.
@@ -42,4 +43,4 @@ def ssd(
         state = chunk_decay[:, :, c, None, None] * state + chunk_states[:, c]
     entering = torch.stack(entering, dim=1)  # [b, c, h, p, n]
     y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", C, entering, torch.exp(cumulative))
-    return y.reshape(batch, chunks * chunk, heads, head_dim)[:, :length]
+    return y.reshape(batch, chunks * chunk, heads, head_dim)[:, :length], state

@@ -96,13 +96,21 @@ def test_heads_read_their_groups_b_and_c_as_mamba_ssm_does(monkeypatch):
         assert not torch.equal(per_head[:, :, 0], per_head[:, :, 3])
 
 
-def test_decoding_with_a_cache_stays_flas(monkeypatch):
-    """A forward with a cache (use_cache) is FLA's own torch_forward."""
-    _, layer = layers(rmsnorm=False)
-    calls = []
-    monkeypatch.setattr(Mamba2, "torch_forward", lambda self, *a, **k: calls.append(a) or (None, None, None))
-    layer.torch_forward(torch.zeros(1, 2, 24, dtype=torch.float64), None, True, None)
-    assert len(calls) == 1
+@pytest.mark.parametrize("n_groups", [1, 2])
+def test_prefill_continues_into_flas_decoding_step(n_groups):
+    """A prompt's prefill keeps the cache FLA's decoding step reads (the convolution's last inputs, the scan's last
+    state): prefill of 36 tokens then FLA's step for the 37th gives the 37th output of the whole sequence's forward,
+    for one and for two groups of B and C (float64 inputs, the scans in float32 on both sides: within 1e-6 relative,
+    4.8e-7 measured; heads reading the wrong group would differ at order one)."""
+    _, layer = layers(n_groups=n_groups)
+    x = torch.randn(2, 37, 24, dtype=torch.float64)
+    with torch.no_grad():
+        whole = layer.torch_forward(x, None, False, None)[0]
+        _, conv_state, ssm_state = layer.torch_forward(x[:, :-1], None, True, None)
+        cache = {"conv_state": conv_state, "recurrent_state": ssm_state}
+        last = layer.torch_forward(x[:, -1:], cache, True, None)[0]
+    assert conv_state.shape == (2, layer.conv_dim, layer.conv_kernel_size)
+    torch.testing.assert_close(last[:, 0], whole[:, -1], rtol=1e-6, atol=1e-7)
 
 
 def test_generic_mamba2_builds_flames_layer_with_flas_state_dict():
