@@ -136,21 +136,25 @@ def config_parallelisms(args: "GenericArgs") -> frozenset[str]:
     )
 
 
+def builds_fla_class(args: "GenericArgs") -> bool:
+    """Whether the model is FLA's class (rather than transformers' own or a user's)."""
+    return is_fla_class(config_class(args.model_type, args.impl))
+
+
 def fla_kernels_need_cuda(args: "GenericArgs") -> str | None:
     """FLA's classes run FLA's Triton kernels in every layer (norms, gated MLPs, mixers), with no CPU path: on a
     machine without a GPU Triton finds no driver in the first forward."""
-    if is_fla_class(config_class(args.model_type, args.impl)):
+    if builds_fla_class(args):
         return f"model_type '{args.model_type}' is FLA's class, whose layers run Triton kernels only"
     return None
 
 
 def fla_blocks_run_eagerly(args: "GenericArgs") -> str | None:
-    """FLA's classes call FLA's Triton kernels through autograd functions that dynamo cannot trace, so a compiled
-    block is several graphs (about 8 per block for gated_deltaproduct) whose guards and wrappers cost the host more
-    than inductor saves; at ~100M parameters the step is bound by the host. Measured on an H200 (docs/performance.md,
-    bench/train_throughput.py): compiled blocks took hgrn from 199,540 to 137,327 tokens/s and gated_deltaproduct
-    from 165,335 to 97,283, and rwkv7's class fails in inductor (a view of a custom Function modified in place)."""
-    if is_fla_class(config_class(args.model_type, args.impl)):
+    """FLA's classes call FLA's Triton kernels through autograd functions that dynamo does not trace, so a compiled
+    block is several graphs whose guards and wrappers cost the host more than inductor saves, and at the family
+    table's sizes the step is bound by the host (docs/performance.md, "FLA classes, compiled and eager"); rwkv7's
+    class also fails in inductor (a view of a custom Function modified in place)."""
+    if builds_fla_class(args):
         return (
             f"model_type '{args.model_type}' is FLA's class, whose Triton autograd functions split a compiled block "
             "into several graphs that cost more host time than they save"
