@@ -326,6 +326,12 @@ class Compile:
     matmul and kernel choices (long first steps); the loss compiles without CUDA graphs; inductor backend only; the
     CUDA graph modes with one GPU or DDP, not FSDP (docs/performance.md, "CUDA graphs")"""
 
+    graph_eager_blocks: bool = True
+    """Blocks that torch.compile leaves eager (FLA's classes) replay as CUDA graphs, captured at the first training
+    step: one GPU, no activation checkpointing or offloading; a step's first micro-batch replays, other calls (later
+    micro-batches, evaluation, another shape, blocks given tensors besides the hidden states such as packed
+    documents' boundaries) run eagerly (docs/performance.md, "FLA classes, compiled and eager")"""
+
 
 @dataclass
 class ActivationCheckpoint:

@@ -7,6 +7,7 @@ from torch import nn
 from torchtitan.tools.logging import logger
 
 from flame.models import model_spec
+from flame.parallelize.cuda_graphs import graph_blocks
 
 # inductor's modes that replay graphs as CUDA graphs, and each one's mode without them.
 CUDA_GRAPH_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
@@ -21,16 +22,40 @@ def uses_cuda_graphs(compile_config) -> bool:
     return compile_config.enable and compile_config.mode in CUDA_GRAPH_MODES
 
 
-def compile_blocks(model: nn.Module, backend: str, mode: str = "default") -> None:
+def graphs_eager_blocks(job_config, world_size: int, on_gpu: bool) -> bool:
+    """Whether blocks that torch.compile leaves eager replay as CUDA graphs: on one GPU, where nothing runs between
+    the blocks (no data-parallel hooks or collectives, no activation checkpointing or offloading)."""
+    return (
+        job_config.compile.graph_eager_blocks
+        and on_gpu
+        and world_size == 1
+        and job_config.activation_checkpoint.mode == "none"
+        and job_config.activation_offload.mode != "full"
+    )
+
+
+def compile_blocks(
+    model: nn.Module, backend: str, mode: str = "default", graph_eager_blocks: bool = False
+) -> None:
     """Compile each block separately: repeated structure compiles once, and FSDP hooks stay outside the graphs
     (pytorch#181924: FSDP2 hooks break fullgraph graphs). Under compile the gated delta rule and the short conv
     (flame's kernel) run as torch.library custom ops and the norms as PyTorch code (flame.ops), so a Gated DeltaNet or attention
     block is one graph; fullgraph stays off because DeltaNet's FLA ops still graph-break. A family may leave its
-    blocks eager where compiling them was measured to be slower (``ModelSpec.eager_blocks``): one log line says why."""
+    blocks eager where compiling them was measured to be slower (``ModelSpec.eager_blocks``): one log line says why;
+    with ``graph_eager_blocks`` (one GPU, no activation checkpointing or offloading) they replay as CUDA graphs
+    instead (flame.parallelize.cuda_graphs)."""
     spec = model_spec(model.args)
     reason = spec.eager_reason(model.args)
     if reason is not None:
-        logger.info("torch.compile leaves the blocks eager: %s", reason)
+        if graph_eager_blocks:
+            graph_blocks(spec.blocks(model))
+            logger.info(
+                "torch.compile leaves the blocks eager and they replay as CUDA graphs, captured at the first "
+                "training step: %s",
+                reason,
+            )
+        else:
+            logger.info("torch.compile leaves the blocks eager: %s", reason)
         return
     stacks = spec.blocks(model)
     # Blocks whose code branches on a per-layer constant (a layer index, transformers' hybrids' layer types) compile

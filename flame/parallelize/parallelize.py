@@ -13,7 +13,7 @@ from flame.models import model_spec
 from flame.parallelize.activation_checkpoint import apply_activation_checkpointing
 from flame.parallelize.activation_offload import apply_activation_offload
 from flame.parallelize.checks import check_parallelism
-from flame.parallelize.compile import compile_blocks
+from flame.parallelize.compile import compile_blocks, graphs_eager_blocks
 from flame.parallelize.float8 import apply_float8
 from flame.parallelize.fsdp import apply_ddp, apply_fsdp
 from flame.parallelize.generic_tensor_parallel import apply_generic_tp
@@ -63,7 +63,12 @@ def parallelize_model(
     if job_config.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(model, job_config)
     if job_config.compile.enable and "model" in job_config.compile.components:
-        compile_blocks(model, job_config.compile.backend, job_config.compile.mode)
+        compile_blocks(
+            model,
+            job_config.compile.backend,
+            job_config.compile.mode,
+            graph_eager_blocks=graphs_eager_blocks(job_config, parallel_dims.world_size, on_gpu),
+        )
     if job_config.activation_offload.mode == "full":
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         apply_activation_offload(model, device)

@@ -1,0 +1,133 @@
+"""FLA classes' blocks replayed as CUDA graphs (flame/parallelize/cuda_graphs.py) against the same blocks run
+eagerly, on random inputs of odd sizes under bf16 autocast: losses and every gradient agree to 1e-5 relative
+(the graphs replay the eager blocks' kernels on the same inputs; the tolerance leaves room for kernels whose
+atomics add in another order), through two micro-batches accumulated into one gradient (the second runs eagerly:
+a replay would overwrite the first one's gradients, which live in the graphs' pool), a second forward begun before
+the first one's backward (the DPO objective's order), a call of another shape, and the trainer's step."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from flame.loss import IGNORE_INDEX
+from flame.models import build_model, model_args_from_dict, model_spec
+from flame.parallelize.cuda_graphs import BlockGraphs
+from flame.train.model_parts import prepare_gpu_kernels
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CONFIG = {"model_type": "gla", "vocab_size": 4096, "hidden_size": 128, "num_hidden_layers": 3, "num_heads": 2}
+RTOL = 1e-5
+
+
+def models():
+    prepare_gpu_kernels(torch.device("cuda"))
+    args, _ = model_args_from_dict(CONFIG)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        eager = build_model(args)
+    eager.init_weights()
+    graphed = copy.deepcopy(eager)
+    (stack,) = model_spec(args).blocks(graphed)
+    owner = BlockGraphs(list(stack.children()))
+    return eager, graphed, owner
+
+
+def batches(lengths):
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    return [
+        torch.randint(0, CONFIG["vocab_size"], (2, length), device="cuda", generator=generator)
+        for length in lengths
+    ]
+
+
+def loss_of(model, tokens):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(tokens)
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.roll(-1, 1).flatten())
+
+
+def assert_same_gradients(eager, graphed):
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters(), strict=True):
+        assert q.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=RTOL * p.grad.abs().max().item(), msg=name)
+
+
+def test_accumulated_micro_batches_and_an_interleaved_forward_give_the_eager_gradients():
+    eager, graphed, owner = models()
+    for step, order in enumerate(("sequential", "interleaved", "sequential")):
+        micro = batches([509, 509])
+        for model in (eager, graphed):
+            model.zero_grad()
+            if order == "sequential":  # forward, backward, forward, backward (gradient accumulation)
+                losses = []
+                for tokens in micro:
+                    loss = loss_of(model, tokens)
+                    loss.backward()
+                    losses.append(loss.detach())
+            else:  # both forwards, then one backward: the second forward must not overwrite the first's graph memory
+                losses = [loss_of(model, tokens) for tokens in micro]
+                sum(losses).backward()
+            model.losses = torch.stack([loss.detach() for loss in losses])
+        assert owner.graphs, "the graphs were not captured"
+        torch.testing.assert_close(graphed.losses, eager.losses, rtol=RTOL, atol=0, msg=f"step {step}")
+        assert_same_gradients(eager, graphed)
+        with torch.no_grad():  # the same update for both
+            for p, q in zip(eager.parameters(), graphed.parameters(), strict=True):
+                p.sub_(1e-2 * p.grad.sign())
+                q.sub_(1e-2 * q.grad.sign())
+
+
+def test_another_shape_runs_eagerly_and_the_captured_shape_still_replays():
+    eager, graphed, owner = models()
+    for length in (257, 131, 257):
+        (tokens,) = batches([length])
+        for model in (eager, graphed):
+            model.zero_grad()
+            model.loss = loss_of(model, tokens)
+            model.loss.backward()
+        torch.testing.assert_close(graphed.loss, eager.loss, rtol=RTOL, atol=0, msg=f"length {length}")
+        assert_same_gradients(eager, graphed)
+    assert owner.graphs[0].hidden.shape[1] == 257
+
+
+def test_the_trainer_step_with_graphed_blocks_trains_as_with_eager_blocks(make_trainer, tmp_path):
+    config = tmp_path / "gla.json"
+    config.write_text(json.dumps(CONFIG))
+
+    def curve(*flags):
+        trainer = make_trainer(
+            "--model.config",
+            str(config),
+            "--compile.enable",
+            "--training.gradient_accumulation_steps",
+            "2",
+            *flags,
+        )
+        blocks = model_spec(trainer.model_args).blocks(trainer.model_parts[0])[0]
+        generator = torch.Generator("cuda").manual_seed(3)
+        micro = []
+        for _ in range(2):
+            tokens = torch.randint(0, CONFIG["vocab_size"], (2, 65), device="cuda", generator=generator)
+            labels = tokens[:, 1:].clone()
+            labels[0, :20] = IGNORE_INDEX
+            micro.append(({"input": tokens[:, :-1]}, labels))
+        values = []
+        for step in range(1, 5):
+            trainer.step = step
+            result = trainer.train_step_fn(micro)
+            values.append((trainer.train_step_fn.global_metrics(result)["loss"], float(result.grad_norm)))
+        owner = getattr(blocks[0].forward, "func", None)
+        return values, bool(owner and owner.__self__.graphs)
+
+    eager, eager_graphed = curve("--compile.no-graph_eager_blocks")
+    graphs, graphed = curve()
+    assert (eager_graphed, graphed) == (False, True)
+    assert eager[-1][0] < eager[0][0], eager  # it trains
+    for (loss, norm), (graph_loss, graph_norm) in zip(eager, graphs, strict=True):
+        assert abs(graph_loss - loss) <= RTOL * abs(loss) and abs(graph_norm - norm) <= RTOL * norm, (
+            eager,
+            graphs,
+        )
