@@ -28,15 +28,18 @@ def assert_scan_close(ours: torch.Tensor, reference: torch.Tensor, name: str = "
 
 
 class GatedRMSNorm(nn.Module):
-    """FLA's RMSNormGated with norm_before_gate False: rmsnorm(y * silu(gate)) * weight."""
+    """FLA's RMSNormGated with norm_before_gate False: rmsnorm(y * silu(gate)) * weight, the mean of squares over
+    each group of ``group_size`` channels (Mamba2 builds it with intermediate_size // n_groups)."""
 
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, weight: torch.Tensor, eps: float, group_size: int):
         super().__init__()
-        self.weight, self.eps = weight, eps
+        self.weight, self.eps, self.group_size = weight, eps, group_size
 
     def forward(self, y, gate):
         y = y * nn.functional.silu(gate.to(y.dtype))
-        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        groups = y.unflatten(-1, (-1, self.group_size))
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return groups.flatten(-2) * self.weight
 
 
 def layers(n_groups: int = 1, rmsnorm: bool = True):
@@ -52,8 +55,25 @@ def layers(n_groups: int = 1, rmsnorm: bool = True):
             layer.A_log.copy_(torch.linspace(0.0, 2.0, layer.num_heads))
             layer.act = nn.functional.silu
             if rmsnorm:
-                layer.norm = GatedRMSNorm(layer.norm.weight, layer.norm_eps)
+                layer.norm = GatedRMSNorm(
+                    layer.norm.weight, layer.norm_eps, layer.intermediate_size // n_groups
+                )
     return fla_layer, flame_layer
+
+
+def test_the_gated_norm_stand_in_is_flas_reference_with_groups():
+    """GatedRMSNorm (this file's CPU stand-in for FLA's Triton RMSNormGated) equals FLA's own reference function with
+    the group size Mamba2 gives it (tests/gpu/test_fla_mamba2.py compares the Triton norm's layer against it)."""
+    from fla.modules.layernorm_gated import rms_norm_ref
+
+    torch.manual_seed(0)
+    y, gate, weight = torch.randn(3, 7, 48, dtype=torch.float64), torch.randn(3, 7, 48), torch.randn(48)
+    for group_size in (48, 24, 12):
+        ours = GatedRMSNorm(weight.double(), 1e-5, group_size)(y, gate)
+        reference = rms_norm_ref(
+            y, weight, None, z=gate, eps=1e-5, group_size=group_size, norm_before_gate=False
+        )
+        torch.testing.assert_close(ours, reference.double(), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("rmsnorm", [True, False])
