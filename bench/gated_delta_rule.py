@@ -13,8 +13,9 @@ Each variant runs in a process of its own, because FLA reads its backend switche
 another's timing:
 
 - ``flame``: flame's dispatch (flame/ops/dispatch.py) as a training job meets the call: the first backend that is
-  installed and takes it (the table says which served), with FLA's own backend switches off, so that flame's
-  ``fla`` backend is FLA's Triton kernels with flame's Hopper dq/dk/dw/dg kernel;
+  installed and takes it (the table says which served), with FLA's backend switches unset, so that flame's ``fla``
+  backend is FLA's op as FLA configures itself (on Hopper its gated dq/dk/dw/dg is FLA's TileLang kernel where
+  tilelang and nvcc are installed, else flame's Triton kernel);
 - ``fla+tilelang``, ``fla+flash-qla``: FLA 0.6.0's ``chunk_gated_delta_rule`` with that backend of FLA's switched
   on (it falls back to FLA's Triton kernels for calls the backend refuses);
 - ``fla``: FLA's op with its backends off: FLA's Triton kernels alone (which refuse the gated backward on Hopper
@@ -47,10 +48,9 @@ from train_throughput import device_name, device_synchronize, write_section  # n
 
 MARKER = "bench_gated_delta_rule"
 SHAPES = "16x128x128,6x256x512,16x96x192"
-# FLA's backend switches per variant; the flame variant turns FLA's own dispatch off so that its "fla" backend is
-# FLA's Triton kernels (with flame's Hopper kernel) whatever else is installed.
+# FLA's backend switches per variant (None: unset, FLA's default, as in a training job).
 VARIANTS = {
-    "flame": {"FLA_TILELANG": "0", "FLA_FLASH_QLA": "0"},
+    "flame": {"FLA_TILELANG": None, "FLA_FLASH_QLA": None},
     "fla+tilelang": {"FLA_TILELANG": "1", "FLA_FLASH_QLA": "0"},
     "fla+flash-qla": {"FLA_TILELANG": "0", "FLA_FLASH_QLA": "1"},
     "fla": {"FLA_TILELANG": "0", "FLA_FLASH_QLA": "0"},
@@ -174,7 +174,7 @@ def run_variant(variant: str, args: argparse.Namespace, work: Path) -> list[dict
     command = [sys.executable, __file__, "--variant", variant, "--json", str(out), "--device", args.device,
                "--shapes", args.shapes, "--batch", str(args.batch), "--seq_len", str(args.seq_len),
                "--repeats", str(args.repeats)]  # fmt: skip
-    env = dict(os.environ, **VARIANTS[variant])
+    env = {name: value for name, value in {**os.environ, **VARIANTS[variant]}.items() if value is not None}
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     print(f"== {variant}", flush=True)
     try:

@@ -268,18 +268,21 @@ def _profiler_rejects_none_activity() -> bool:
 
 def serve_gated_dqkwg_on_hopper(kernel: Callable) -> None:
     """Register ``kernel`` (flame's Triton chunk_bwd_dqkwg) with FLA's 'common' backend registry where FLA refuses
-    its own (idempotent)."""
+    its own (idempotent), behind FLA's TileLang kernel for the same call, which FLA turns on by default on Hopper
+    where tilelang and nvcc are there and which ran the whole gated delta rule 1.08-1.43x faster on an H200
+    (docs/performance.md, "Gated delta rule, every implementation"): flame's kernel serves where TileLang cannot."""
     import torch
 
     global _hopper_backend_registered
     if _hopper_backend_registered or not fla_refuses_gated_dqkwg_here():
         return
-    from fla.backends import BaseBackend, register
+    from fla.backends import BaseBackend, TileLangBackend, register
 
     @register("common")
     class FlameHopperBackend(BaseBackend):
         backend_type = "flame_hopper_dqkwg"
-        priority = 0  # ahead of FLA's own backends: only this one is known correct here
+        # After FLA's TileLang backend (5), before FLA's Triton default, which refuses the call here.
+        priority = TileLangBackend.priority + 1
 
         def chunk_bwd_dqkwg_verifier(self, *args, g=None, g_gamma=None, **kwargs) -> tuple[bool, str | None]:
             if g is None or g_gamma is not None:

@@ -59,7 +59,9 @@ def test_every_launch_setting(launch):
     check(*CASES[2], torch.bfloat16, launch)
 
 
-def check(key_dim, value_dim, heads, v_heads, shape, v_first, with_w, dtype, launch):
+def check(key_dim, value_dim, heads, v_heads, shape, v_first, with_w, dtype, launch, kernel=None):
+    """One case against the float64 reference: flame's Triton kernel with ``launch``, or ``kernel`` (the same
+    arguments as chunk_bwd_dqkwg_torch)."""
     torch.manual_seed(0)
     dev, chunk = "cuda", 64
     varlen = shape[0] == 1 and len(shape) > 2
@@ -90,7 +92,10 @@ def check(key_dim, value_dim, heads, v_heads, shape, v_first, with_w, dtype, lau
     expected = chunk_bwd_dqkwg_torch(
         *map(f64, (q, k, v, do, h, dh)), **{n: f64(x) for n, x in kwargs.items()}
     )
-    result = chunk_bwd_dqkwg_triton(q, k, v, do, h, dh, **kwargs, launch=launch)
+    if kernel is None:
+        result = chunk_bwd_dqkwg_triton(q, k, v, do, h, dh, **kwargs, launch=launch)
+    else:
+        result = kernel(q, k, v, do, h, dh, **kwargs)
     ratios = {}
     for name, got, want in zip(("dq", "dk", "dw", "dg"), result, expected):
         if want is None:
