@@ -198,11 +198,22 @@ class StepFailed(Exception):
     """A step of a family failed; the message is the row's reason."""
 
 
+# A train.sh log line's step and throughput: "step  7/30  loss ... tok/s 436 ...".
+STEP_LINE = re.compile(r"step\s+(\d+)/(\d+)\b.*?tok/s\s+([\d,]+)")
+
+
 def reason_of(output: str) -> str:
     """The last exception line of a failed step's output (``SomeError: message``, without torchrun's rank prefixes;
     dynamo follows its errors with advice lines), else its last non-empty line, after the known reason when the
-    output matches one."""
+    output matches one. A step that timed out says how far its training had got (its last logged step)."""
     lines = [re.sub(r"^(\[rank\d+\]:)+", "", line).strip() for line in output.splitlines()]
+    final = next((line for line in reversed(lines) if line), "")
+    if re.fullmatch(r"timed out after \d+ s", final):
+        logged = STEP_LINE.findall(output)
+        if not logged:
+            return f"{final}, before its first logged step"
+        number, total, tokens_per_s = logged[-1]
+        return f"{final}, at step {number} of {total} ({tokens_per_s} tokens/s)"
     errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
     last = errors[-1] if errors else next((line for line in reversed(lines) if line), "no output")
     for pattern, reason in KNOWN_REASONS:
@@ -312,9 +323,10 @@ def resume_verdict(expected: dict[int, float], resumed: dict[int, float], device
     return f"{'equal' if worst <= tolerance else 'differs'} (max rel {worst:.1e})"
 
 
-def export_logit_difference(dump: Path, step_number: int, device: str) -> tuple[float, float]:
-    """(max |exported - flame's| logit, max |flame's logit|) on a fixed batch: the HF folder in ``dump`` loaded
-    by transformers alone (FLA's types registered by ``import fla``), flame's model from its DCP checkpoint."""
+def export_logit_difference(dump: Path, step_number: int, device: str) -> tuple[float, float, str]:
+    """(max |exported - flame's| logit, max |flame's logit|, the precision they ran in) on a fixed batch: the HF
+    folder in ``dump`` loaded by transformers alone (FLA's types registered by ``import fla``), flame's model from
+    its DCP checkpoint."""
     from transformers import AutoModelForCausalLM
 
     import flame.hf
@@ -327,15 +339,31 @@ def export_logit_difference(dump: Path, step_number: int, device: str) -> tuple[
     exported = AutoModelForCausalLM.from_pretrained(dump, dtype=torch.float32).to(device).eval()
     flame_model = load(dump, step=step_number, device=device).model
     tokens = torch.randint(0, exported.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
-    tokens = tokens.to(device)
-    with torch.no_grad():
-        theirs, ours = exported(tokens).logits.float(), flame_model(tokens).float()
-    return float((theirs - ours).abs().max()), float(ours.abs().max())
+    (theirs, ours), precision = compared_logits(
+        lambda: (exported(tokens.to(device)).logits, flame_model(tokens.to(device))), device
+    )
+    return float((theirs - ours).abs().max()), float(ours.abs().max()), precision
 
 
-def export_verdict(difference: float, scale: float, device: str) -> str:
+def compared_logits(forward: Callable[[], tuple[torch.Tensor, ...]], device: str) -> tuple[tuple, str]:
+    """``forward()``'s logits in float32, and "float32"; where a kernel refuses float32 (FLA's stick-breaking
+    attention takes half precision only), under bf16 autocast, and which error the float32 forward raised."""
+    try:
+        with torch.no_grad():
+            return tuple(logits.float() for logits in forward()), "float32"
+    except (TypeError, RuntimeError, AssertionError, ValueError) as error:
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+            logits = tuple(logits.float() for logits in forward())
+        return logits, f"bf16 autocast, float32 refused: {type(error).__name__}"
+
+
+def export_verdict(difference: float, scale: float, device: str, precision: str = "float32") -> str:
     relative = difference / max(scale, 1e-12)
-    return f"{'pass' if relative <= EXPORT_RTOL[device] else 'fail'} (max diff {difference:.1e}, rel {relative:.1e})"
+    where = "" if precision == "float32" else f"; {precision}"
+    return (
+        f"{'pass' if relative <= EXPORT_RTOL[device] else 'fail'} (max diff {difference:.1e}, rel {relative:.1e}"
+        f"{where})"
+    )
 
 
 def anchor_tokens_per_s(config: Path, seq_len: int, batch_size: int, steps: int, device: str) -> float:
@@ -393,8 +421,8 @@ def run_family(family: str, args) -> Row:
         )
         output = step("compare", [*script, "--compare_export", str(dump), "--step", str(args.steps),
                                   "--device", args.device], folder, args)  # fmt: skip
-        difference, scale = json.loads(output.strip().splitlines()[-1])
-        row.export = export_verdict(difference, scale, args.device)
+        difference, scale, precision = json.loads(output.strip().splitlines()[-1])
+        row.export = export_verdict(difference, scale, args.device, precision)
 
         output = step("anchor", [*script, "--anchor_of", str(config_path), "--seq_len", str(args.seq_len),
                                  "--batch_size", str(args.batch_size), "--anchor_steps", str(args.anchor_steps),

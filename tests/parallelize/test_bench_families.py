@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.trainer_helpers import free_port
 from tests.utils.helpers import process_ends
@@ -141,6 +142,15 @@ def test_known_reasons_and_verdicts():
         "[rank0]:[rank0]: Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n"
     )
     assert families.reason_of(dynamo) == "RuntimeError: Output 0 of AsStridedBackward0 is a view"
+    logged = (
+        "[rank0]:[titan] ... step  6/30  loss  7.9  grad_norm 2.1  lr 1e-3  tok/s 411  mem 3.1GiB\n"
+        "[rank0]:[titan] ... step  7/30  loss  7.8  grad_norm 2.0  lr 1e-3  tok/s 436  mem 3.1GiB\n"
+        "UserWarning: something\ntimed out after 400 s"
+    )
+    assert families.reason_of(logged) == "timed out after 400 s, at step 7 of 30 (436 tokens/s)"
+    assert families.reason_of("autotuning ...\ntimed out after 300 s") == (
+        "timed out after 300 s, before its first logged step"
+    )
     assert families.resume_verdict({1: 2.0, 2: 1.0}, {2: 1.0}, "cpu") == "equal (max rel 0.0e+00)"
     assert families.resume_verdict({1: 2.0, 2: 1.0}, {2: 1.0005}, "cpu").startswith(
         "differs (max rel 5.0e-04"
@@ -152,6 +162,27 @@ def test_known_reasons_and_verdicts():
         families.resume_verdict({1: 2.0, 2: 1.0, 3: 1.0, 4: 1.0}, {4: 1.0}, "cpu")
         == "failed: resumed steps [4]"
     )
+
+
+def test_export_logits_compared_in_bf16_where_a_kernel_refuses_float32():
+    """The export check's forward runs in float32; a model whose kernel takes half precision only (FLA's stick-breaking
+    attention raises TypeError) is compared under bf16 autocast, and the verdict says so."""
+    linear = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+
+    def half_only():
+        if not torch.is_autocast_enabled("cpu"):
+            raise TypeError("Stick-breaking projections require matching fp16/bf16 tensors")
+        return linear(x), linear(x)
+
+    (theirs, ours), precision = families.compared_logits(half_only, "cpu")
+    assert precision == "bf16 autocast, float32 refused: TypeError" and theirs.dtype == torch.float32
+    torch.testing.assert_close(ours, linear(x).detach(), rtol=2e-2, atol=2e-2)
+    (plain, _), precision = families.compared_logits(lambda: (linear(x), linear(x)), "cpu")
+    assert precision == "float32" and torch.equal(plain, linear(x).detach())
+    assert families.export_verdict(
+        0.0, 1.0, "cuda", precision="bf16 autocast, float32 refused: TypeError"
+    ) == ("pass (max diff 0.0e+00, rel 0.0e+00; bf16 autocast, float32 refused: TypeError)")
 
 
 def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path):
