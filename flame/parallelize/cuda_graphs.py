@@ -35,8 +35,9 @@ class BlockGraphs:
 
     A call is served when it is a training call (module in training mode, grad enabled) on CUDA whose only tensor is
     the hidden states (first positional argument) and whose other arguments, the hidden states' shape, dtype and
-    ``requires_grad`` and the autocast state equal the captured call's. Every other call runs the block's own
-    forward, as does every call after a capture that failed (one log line says why)."""
+    ``requires_grad`` and the autocast state equal the captured call's, and when no parameter holds a gradient yet
+    (a step's first micro-batch) and the last replayed forward's backward has run. Every other call runs the
+    block's own forward, as does every call after a capture that failed (one log line says why)."""
 
     def __init__(self, blocks: list[nn.Module]):
         self.blocks = blocks
@@ -68,7 +69,8 @@ class BlockGraphs:
     def serves(self, args: tuple, kwargs: dict) -> bool:
         """Whether a forward starting with this call of the first block replays the graphs (capturing them first
         if it is the first such call)."""
-        if self.failed:
+        signature = None if self.failed else call_signature(self.blocks[0], args, kwargs)
+        if signature is None:
             return False
         if self.backward_pending or (self.graphs and self.graphs[0].gradients_held()):
             # A replay writes into the graphs' memory pool, where the last replayed forward keeps what its backward
@@ -80,9 +82,6 @@ class BlockGraphs:
                     "A forward before the last replayed one's backward, or a step's later micro-batch, runs its "
                     "blocks eagerly (CUDA graphs replay a step's first micro-batch)"
                 )
-            return False
-        signature = call_signature(self.blocks[0], args, kwargs)
-        if signature is None:
             return False
         if not self.graphs:
             self.capture(args, kwargs)
@@ -177,11 +176,8 @@ class _BlockGraph:
         self.outputs = tuple(leaves[i] for i in self.tensor_positions)
 
     def gradients_held(self) -> bool:
-        """Whether a parameter holds a gradient (of an earlier micro-batch of the step): read from a parameter the
-        backward graph computes a gradient for."""
-        return next(
-            (p.grad is not None for p, g in zip(self.params, self.param_grads) if g is not None), False
-        )
+        """Whether a parameter holds a gradient (an earlier micro-batch's: the step's optimizer has not run)."""
+        return any(p.grad is not None for p in self.params)
 
     def unflatten(self, outputs: tuple[torch.Tensor, ...]):
         leaves = list(self.leaves)

@@ -8,7 +8,7 @@ from torch import nn
 
 from flame.config import parse_args
 from flame.parallelize import compile as compile_module
-from flame.parallelize.cuda_graphs import BlockGraphs, call_signature
+from flame.parallelize.cuda_graphs import BlockGraphs, _BlockGraph, call_signature
 
 
 class Block(nn.Module):
@@ -65,6 +65,44 @@ def test_call_signature_names_the_calls_a_graph_serves(monkeypatch):
     assert call_signature(block, (x,), {"cu_seqlens": torch.tensor([0, 5])}) is None
     block.eval()
     assert call_signature(block, (x,), {}) is None
+
+
+def test_which_forwards_replay(monkeypatch, caplog):
+    """The replay rule, with the capture stood in for (CUDA graphs need a GPU): the first training forward captures
+    and replays; a forward before the last replayed one's backward, or while a parameter holds a gradient (a step's
+    later micro-batch, whose replay would overwrite the gradients in the graphs' pool), runs eagerly with one log
+    line; so do another shape and a forward without grad, silently."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    blocks = [Block() for _ in range(2)]
+    owner = BlockGraphs(blocks)
+    captures = []
+
+    def capture(args, kwargs):
+        captures.append(args[0].shape)
+        owner.graphs = []
+        for block in blocks:
+            graph = object.__new__(_BlockGraph)  # its CUDA graphs aside
+            graph.params = tuple(block.parameters())
+            graph.param_grads = [torch.zeros_like(p) for p in graph.params]
+            graph.signature = call_signature(block, args, kwargs)
+            owner.graphs.append(graph)
+
+    monkeypatch.setattr(owner, "capture", capture)
+    x = torch.randn(2, 5, 6, requires_grad=True)
+    with caplog.at_level("INFO"):
+        assert owner.serves((x,), {}) and captures == [x.shape]
+        owner.backward_pending = True  # a replayed forward whose backward has not run
+        assert not owner.serves((x,), {})
+        owner.backward_pending = False
+        blocks[0].linear.bias.grad = torch.zeros(6)  # the step's first micro-batch's gradient
+        assert not owner.serves((x,), {})
+        with torch.no_grad():
+            assert not owner.serves((x,), {})
+        blocks[0].linear.bias.grad = None  # the optimizer's zero_grad
+        assert owner.serves((x,), {})
+        assert not owner.serves((torch.randn(2, 7, 6, requires_grad=True),), {})
+    assert captures == [x.shape]
+    assert len([r for r in caplog.records if "runs its blocks eagerly" in r.message]) == 1
 
 
 @pytest.mark.parametrize(
