@@ -54,11 +54,10 @@ class BlockGraphs:
             block.forward = functools.partial(self.call, index)
 
     def call(self, index: int, *args, **kwargs):
+        signature = call_signature(self.blocks[index], args, kwargs)
         if index == 0:
-            self.replaying = self.serves(args, kwargs)
-        if self.replaying and self.graphs[index].signature == call_signature(
-            self.blocks[index], args, kwargs
-        ):
+            self.replaying = self.serves(signature, args, kwargs)
+        if self.replaying and self.graphs[index].signature == signature:
             graph = self.graphs[index]
             if index == 0:
                 self.backward_pending = True
@@ -66,11 +65,10 @@ class BlockGraphs:
         self.replaying = False
         return self.eager_forwards[index](*args, **kwargs)
 
-    def serves(self, args: tuple, kwargs: dict) -> bool:
-        """Whether a forward starting with this call of the first block replays the graphs (capturing them first
-        if it is the first such call)."""
-        signature = None if self.failed else call_signature(self.blocks[0], args, kwargs)
-        if signature is None:
+    def serves(self, signature: tuple | None, args: tuple, kwargs: dict) -> bool:
+        """Whether a forward starting with this call of the first block (of ``signature``) replays the graphs
+        (capturing them first if it is the first such call)."""
+        if self.failed or signature is None:
             return False
         if self.backward_pending or (self.graphs and self.graphs[0].gradients_held()):
             # A replay writes into the graphs' memory pool, where the last replayed forward keeps what its backward
@@ -156,6 +154,8 @@ class BlockGraphs:
                 graph.capture_backward(grad_output)
             grad_output = graph.grad_input
         torch.cuda.synchronize()
+        for graph in graphs:
+            graph.release_autograd()
         return graphs
 
 
@@ -172,8 +172,15 @@ class _BlockGraph:
     def set_outputs(self, structure) -> None:
         leaves, self.spec = tree_flatten(structure)
         self.tensor_positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
-        self.leaves = leaves
         self.outputs = tuple(leaves[i] for i in self.tensor_positions)
+        self.leaves = [
+            None if torch.is_tensor(leaf) else leaf for leaf in leaves
+        ]  # the tensors come from replays
+
+    def release_autograd(self) -> None:
+        """Drop the capture's autograd graph, which the outputs' grad_fn held: its nodes would otherwise go on
+        serving the parameters' gradient accumulation in training, bound to the capture's stream."""
+        self.outputs = tuple(o.detach() for o in self.outputs)
 
     def gradients_held(self) -> bool:
         """Whether a parameter holds a gradient (an earlier micro-batch's: the step's optimizer has not run)."""
