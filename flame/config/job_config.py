@@ -327,10 +327,11 @@ class Compile:
     CUDA graph modes with one GPU or DDP, not FSDP (docs/performance.md, "CUDA graphs")"""
 
     graph_eager_blocks: bool = True
-    """Blocks that torch.compile leaves eager (FLA's classes) replay as CUDA graphs, captured at the first training
-    step: one GPU, no activation checkpointing or offloading; a step's first micro-batch replays, other calls (later
-    micro-batches, evaluation, another shape, blocks given tensors besides the hidden states such as packed
-    documents' boundaries) run eagerly (docs/performance.md, "FLA classes, compiled and eager")"""
+    """Blocks that torch.compile leaves eager (FLA's classes) replay as CUDA graphs, captured beside the first
+    training forward (which runs eagerly) and replayed from the second: one GPU, no activation checkpointing or
+    offloading; a step's first micro-batch replays, other calls (later micro-batches, evaluation, another shape,
+    blocks given integer tensors such as packed documents' boundaries) run eagerly (docs/performance.md, "FLA
+    classes, compiled and eager")"""
 
 
 @dataclass

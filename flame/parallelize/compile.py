@@ -50,7 +50,7 @@ def compile_blocks(
         if graph_eager_blocks:
             graph_blocks(spec.blocks(model))
             logger.info(
-                "torch.compile leaves the blocks eager and they replay as CUDA graphs, captured at the first "
+                "torch.compile leaves the blocks eager and they replay as CUDA graphs, captured beside the first "
                 "training step: %s",
                 reason,
             )

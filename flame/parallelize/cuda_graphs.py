@@ -6,9 +6,14 @@ classes, compiled and eager").
 The idea is torch.cuda.make_graphed_callables': warm every block up, capture each block's forward in order and each
 backward in reverse into one memory pool (the order the training step replays them in, so a replay never
 overwrites memory a later one still reads), and replay them from an autograd Function. flame captures its own so
-that one block's output buffer is the next block's input buffer and its input-gradient buffer the previous block's
-output-gradient buffer (nothing is copied between blocks), and so that a call unlike the captured one (another
-shape, evaluation, no grad, packed documents' tensors) runs the block's own forward.
+that each block is captured at its own first training call, with the tensors that call passes (a per-layer tensor
+such as HGRN's ``lower_bound``, or RWKV7's ``v_first`` that the first block returns and every later one reads);
+so that one block's output buffer is the next block's input buffer and its input-gradient buffer the previous
+block's output-gradient buffer (nothing is copied between blocks); and so that a call unlike the captured one
+(another shape, evaluation, no grad, packed documents' boundaries) runs the block's own forward. The forward that
+captures runs its blocks eagerly: replaying the graphs in it would refill the input buffers that the capture's
+autograd graph saved, whose backward capture then refuses them (seen on an H200: "modified by an inplace
+operation").
 
 A step's first micro-batch replays; the later ones run eagerly. The backward graphs' parameter gradients live in
 the pool, autograd adopts them as ``.grad``, and a later micro-batch's forward replay would overwrite them before
@@ -31,18 +36,27 @@ WARMUP_ITERATIONS = 2  # Triton's compilation and autotuning, cuBLAS's workspace
 
 class BlockGraphs:
     """The blocks of one stack (called in order, each on the previous one's first output), replayed as CUDA
-    graphs from the first training call of the first block that the graphs can serve.
+    graphs. The first training forward that the graphs can serve runs its blocks eagerly and captures each one
+    beside its call, with that call's tensors; once the last block, or the first block the graphs cannot serve, is
+    reached, the captured blocks' backward graphs are captured too (the captured blocks form a prefix of the stack),
+    and the graphs replay from the next forward on. Nothing of that first forward runs in the graphs, so a failed
+    capture leaves it as it is: one log line says why, and every later forward runs eagerly. That forward holds its
+    own activations beside the graphs' pool.
 
-    A call is served when it is a training call (module in training mode, grad enabled) on CUDA whose only tensor is
-    the hidden states (first positional argument) and whose other arguments, the hidden states' shape, dtype and
-    ``requires_grad`` and the autocast state equal the captured call's, and when no parameter holds a gradient yet
-    (a step's first micro-batch) and the last replayed forward's backward has run. Every other call runs the
-    block's own forward, as does every call after a capture that failed (one log line says why)."""
+    A call is served when it is a training call (module in training mode, grad enabled) on CUDA whose structure,
+    constants, tensors' shapes, dtypes, strides and ``requires_grad``, and autocast state equal the captured
+    call's, when no parameter holds a gradient yet (a step's first micro-batch) and the last replayed forward's
+    backward has run. Every other call runs the block's own forward."""
 
     def __init__(self, blocks: list[nn.Module]):
         self.blocks = blocks
         self.eager_forwards = [block.forward for block in blocks]
-        self.graphs: list[_BlockGraph] = []  # empty before the capture
+        self.graphs: list[_BlockGraph] = []  # the captured prefix of the stack
+        self.pool = None
+        self.capturing = False  # a forward is capturing its blocks as they are called
+        # While capturing: each eager output so far, by output_key, with the graph's buffer that holds it in a
+        # replay (the eager tensor kept so that its memory is not reused by another tensor in the meantime).
+        self.written: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.failed = False
         # The forward being run replays the graphs (decided at its first block); a replayed forward's backward has
         # not run yet (another forward's replay would overwrite what that backward reads: it runs eagerly).
@@ -56,18 +70,32 @@ class BlockGraphs:
     def call(self, index: int, *args, **kwargs):
         signature = call_signature(self.blocks[index], args, kwargs)
         if index == 0:
-            self.replaying = self.serves(signature, args, kwargs)
-        if self.replaying and self.graphs[index].signature == signature:
+            self.replaying = self.serves(signature)
+        if self.capturing:
+            captured = (
+                index == len(self.graphs)
+                and signature is not None
+                and self.capture(index, args, kwargs, signature)
+            )
+            outputs = self.eager_forwards[index](*args, **kwargs)
+            if captured:
+                self.remember(self.graphs[index], outputs)
+            if not captured or index == len(self.blocks) - 1:
+                self.finish_capture()
+            return outputs
+        if self.replaying and index < len(self.graphs) and self.graphs[index].signature == signature:
             graph = self.graphs[index]
             if index == 0:
                 self.backward_pending = True
-            return graph.unflatten(_Replay.apply(self, graph, args[0], *graph.params))
+            return graph.unflatten(_Replay.apply(self, graph, *tensor_leaves(args, kwargs), *graph.params))
         self.replaying = False
         return self.eager_forwards[index](*args, **kwargs)
 
-    def serves(self, signature: tuple | None, args: tuple, kwargs: dict) -> bool:
-        """Whether a forward starting with this call of the first block (of ``signature``) replays the graphs
-        (capturing them first if it is the first such call)."""
+    def serves(self, signature: tuple | None) -> bool:
+        """Whether a forward whose first block call has this signature replays the graphs; the first one that
+        could, while none are captured, captures them instead."""
+        if self.capturing:  # a capturing forward that stopped before its stack's last block
+            self.finish_capture()
         if self.failed or signature is None:
             return False
         if self.backward_pending or (self.graphs and self.graphs[0].gradients_held()):
@@ -82,88 +110,130 @@ class BlockGraphs:
                 )
             return False
         if not self.graphs:
-            self.capture(args, kwargs)
-        return bool(self.graphs) and self.graphs[0].signature == signature
+            self.capturing = True
+            return False
+        return self.graphs[0].signature == signature
 
-    def capture(self, args: tuple, kwargs: dict) -> None:
-        hidden = args[0]
-        rest = args[1:]
+    def capture(self, index: int, args: tuple, kwargs: dict, signature: tuple) -> bool:
+        """Capture block ``index``'s forward for this call; on failure, drop every graph."""
         try:
             # Autocast's cache would hand the capture the weights it cast before (a replay would then read those,
-            # never the updated weights): off while the blocks warm up and are captured.
+            # never the updated weights): off while the block warms up and is captured.
             with torch.autocast(
                 "cuda",
                 dtype=torch.get_autocast_dtype("cuda"),
                 enabled=torch.is_autocast_enabled("cuda"),
                 cache_enabled=False,
             ):
-                graphs = self._capture(hidden, rest, kwargs)
-        except Exception as error:  # a kernel that syncs with the host, or outputs that do not chain
-            self.failed = True
-            torch.cuda.synchronize()
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[-1]
-            logger.warning(
-                "The blocks run eagerly: capturing them as CUDA graphs failed (%s: %s)",
-                type(error).__name__,
-                reason,
-            )
-            return
-        self.graphs = graphs
-        logger.info(
-            "Captured %d blocks as CUDA graphs for hidden states of shape %s",
-            len(graphs),
-            tuple(hidden.shape),
-        )
+                graph = self._capture_forward(index, args, kwargs, signature)
+        except Exception as error:  # a kernel that syncs with the host, outputs that do not chain, memory
+            self.fail(f"capturing block {index} as a CUDA graph", error)
+            return False
+        self.graphs.append(graph)
+        return True
 
-    def _capture(self, hidden: torch.Tensor, rest: tuple, kwargs: dict) -> list["_BlockGraph"]:
-        sample = hidden.detach().clone().requires_grad_(hidden.requires_grad)
+    def remember(self, graph: "_BlockGraph", outputs) -> None:
+        """Where a replay of ``graph`` leaves each of this eager call's output tensors."""
+        eager = [o for o in tree_flatten(outputs)[0] if torch.is_tensor(o)]
+        if len(eager) != len(graph.outputs):
+            self.fail("capturing the blocks as CUDA graphs", ValueError("the captured outputs differ"))
+            return
+        for tensor, buffer in zip(eager, graph.outputs, strict=True):
+            self.written[output_key(tensor)] = (tensor, buffer)
+
+    def fail(self, what: str, error: Exception) -> None:
+        self.failed, self.capturing, self.graphs, self.written = True, False, [], {}
+        torch.cuda.synchronize()
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[-1]
+        logger.warning("The blocks run eagerly: %s failed (%s: %s)", what, type(error).__name__, reason)
+
+    def _capture_forward(self, index: int, args: tuple, kwargs: dict, signature: tuple) -> "_BlockGraph":
+        block, forward = self.blocks[index], self.eager_forwards[index]
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
+        # An input that an earlier block returned (the previous block's hidden states, RWKV7's v_first) is read from
+        # that block's graph's output buffer; any other is copied into a buffer of its own at each replay.
+        inputs = []
+        for position in positions:
+            tensor = leaves[position]
+            _, buffer = self.written.get(output_key(tensor), (None, None))
+            if buffer is None:
+                buffer = tensor.detach().clone()
+            inputs.append(buffer.detach().requires_grad_(tensor.requires_grad))
+
+        def run(tensors):
+            call_leaves = list(leaves)
+            for position, tensor in zip(positions, tensors, strict=True):
+                call_leaves[position] = tensor
+            call_args, call_kwargs = tree_unflatten(call_leaves, spec)
+            return forward(*call_args, **call_kwargs)
+
+        params = trainable(block)
         torch.cuda.synchronize()
         with torch.cuda.stream(torch.cuda.Stream()):
-            x = sample
-            for forward, block in zip(self.eager_forwards, self.blocks, strict=True):
-                for _ in range(WARMUP_ITERATIONS):
-                    outputs = [o for o in tree_flatten(forward(x, *rest, **kwargs))[0] if torch.is_tensor(o)]
-                    if not outputs or outputs[0].shape != x.shape or outputs[0].dtype != x.dtype:
-                        raise ValueError("a block's first output is not hidden states shaped as its input")
-                    differentiable = [o for o in outputs if o.requires_grad]
-                    inputs = [t for t in (x, *trainable(block)) if t.requires_grad]
-                    if differentiable:
-                        torch.autograd.grad(
-                            differentiable,
-                            inputs,
-                            [torch.ones_like(o) for o in differentiable],
-                            allow_unused=True,
-                        )
-                x = outputs[0].detach().requires_grad_(outputs[0].requires_grad)
-                del outputs, differentiable
+            for _ in range(WARMUP_ITERATIONS):
+                sample = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+                outputs = [o for o in tree_flatten(run(sample))[0] if torch.is_tensor(o)]
+                if not outputs or outputs[0].shape != sample[0].shape or outputs[0].dtype != sample[0].dtype:
+                    raise ValueError("a block's first output is not hidden states shaped as its input")
+                differentiable = [o for o in outputs if o.requires_grad]
+                wrt = [t for t in (*sample, *params) if t.requires_grad]
+                if differentiable:
+                    torch.autograd.grad(
+                        differentiable, wrt, [torch.ones_like(o) for o in differentiable], allow_unused=True
+                    )
+                del sample, outputs, differentiable, wrt
         torch.cuda.synchronize()
 
-        pool = torch.cuda.graph_pool_handle()
-        graphs = []
-        x = sample
-        for forward, block in zip(self.eager_forwards, self.blocks, strict=True):
-            graph = _BlockGraph(x, trainable(block), call_signature(block, (x, *rest), kwargs))
-            with torch.cuda.graph(graph.forward, pool=pool, capture_error_mode="thread_local"):
-                structure = forward(x, *rest, **kwargs)
-            graph.set_outputs(structure)
-            graphs.append(graph)
-            x = graph.outputs[0].detach().requires_grad_(graph.outputs[0].requires_grad)
-        grad_output = None
-        for graph in reversed(graphs):
-            with torch.cuda.graph(graph.backward, pool=pool, capture_error_mode="thread_local"):
-                graph.capture_backward(grad_output)
-            grad_output = graph.grad_input
+        graph = _BlockGraph(tuple(inputs), params, signature)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph.forward, pool=self.pool, capture_error_mode="thread_local"):
+            structure = run(inputs)
+        graph.set_outputs(structure)
+        return graph
+
+    def finish_capture(self) -> None:
+        """Capture the captured blocks' backward graphs, in reverse, after all their forwards (the replay order)."""
+        self.capturing, self.written = False, {}
+        if not self.graphs:
+            return
+        try:
+            self._capture_backward()
+        except Exception as error:
+            self.fail("capturing the blocks' backward as CUDA graphs", error)
+            return
+        logger.info(
+            "Captured %d of %d blocks as CUDA graphs for hidden states of shape %s; they replay from the next "
+            "training forward",
+            len(self.graphs),
+            len(self.blocks),
+            tuple(self.graphs[0].inputs[0].shape),
+        )
+
+    def _capture_backward(self) -> None:
+        with torch.autocast(
+            "cuda",
+            dtype=torch.get_autocast_dtype("cuda"),
+            enabled=torch.is_autocast_enabled("cuda"),
+            cache_enabled=False,
+        ):
+            later = None
+            for graph in reversed(self.graphs):
+                chained = later is not None and output_key(later.inputs[0]) == output_key(graph.outputs[0])
+                with torch.cuda.graph(graph.backward, pool=self.pool, capture_error_mode="thread_local"):
+                    graph.capture_backward(later.input_grads[0] if chained else None)
+                later = graph
         torch.cuda.synchronize()
-        for graph in graphs:
+        for graph in self.graphs:
             graph.release_autograd()
-        return graphs
 
 
 class _BlockGraph:
     """One block's forward and backward graphs and the tensors they read and write."""
 
-    def __init__(self, hidden: torch.Tensor, params: tuple[nn.Parameter, ...], signature: tuple):
-        self.hidden = hidden  # the forward's input buffer (the previous block's output buffer)
+    def __init__(self, inputs: tuple[torch.Tensor, ...], params: tuple[nn.Parameter, ...], signature: tuple):
+        self.inputs = inputs  # the call's tensors, hidden states first: the forward's input buffers
         self.params = params
         self.signature = signature  # of the calls this graph serves
         self.forward = torch.cuda.CUDAGraph()
@@ -202,27 +272,28 @@ class _BlockGraph:
             for i, o in enumerate(self.outputs)
         ]
         differentiable = [o for o in self.outputs if o.requires_grad]
-        inputs = [t for t in (self.hidden, *self.params) if t.requires_grad]
+        wrt = [t for t in (*self.inputs, *self.params) if t.requires_grad]
         grads = iter(
             torch.autograd.grad(
                 differentiable,
-                inputs,
+                wrt,
                 [g for g in self.grad_outputs if g is not None],
                 allow_unused=True,
             )
             if differentiable
-            else [None] * len(inputs)
+            else [None] * len(wrt)
         )
-        self.grad_input = next(grads) if self.hidden.requires_grad else None
+        self.input_grads = [next(grads) if t.requires_grad else None for t in self.inputs]
         self.param_grads = [next(grads) if p.requires_grad else None for p in self.params]
 
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, owner: BlockGraphs, graph: _BlockGraph, hidden: torch.Tensor, *params: torch.Tensor):
+    def forward(ctx, owner: BlockGraphs, graph: _BlockGraph, *tensors: torch.Tensor):
         ctx.owner, ctx.graph = owner, graph
-        if hidden.data_ptr() != graph.hidden.data_ptr():
-            graph.hidden.copy_(hidden)
+        for buffer, tensor in zip(graph.inputs, tensors, strict=False):  # the parameters follow the inputs
+            if buffer.data_ptr() != tensor.data_ptr():
+                buffer.copy_(tensor)
         graph.forward.replay()
         return tuple(o.detach() for o in graph.outputs)
 
@@ -236,12 +307,25 @@ class _Replay(torch.autograd.Function):
         graph.backward.replay()
         if graph is ctx.owner.graphs[0]:
             ctx.owner.backward_pending = False
-        grad_input = None if graph.grad_input is None else graph.grad_input.detach()
-        return None, None, grad_input, *(None if g is None else g.detach() for g in graph.param_grads)
+        return (
+            None,
+            None,
+            *(None if g is None else g.detach() for g in graph.input_grads),
+            *(None if g is None else g.detach() for g in graph.param_grads),
+        )
 
 
 def trainable(block: nn.Module) -> tuple[nn.Parameter, ...]:
     return tuple(p for p in block.parameters() if p.requires_grad)
+
+
+def tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_flatten((args, kwargs))[0] if torch.is_tensor(leaf)]
+
+
+def output_key(tensor: torch.Tensor) -> tuple:
+    """Tensors with equal keys are the same memory seen the same way."""
+    return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
 
 
 def call_signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
@@ -250,14 +334,20 @@ def call_signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         args and torch.is_tensor(args[0]) and args[0].is_cuda and block.training and torch.is_grad_enabled()
     ):
         return None
-    leaves, spec = tree_flatten((args[1:], kwargs))
-    if any(torch.is_tensor(leaf) for leaf in leaves):
-        return None
-    hidden = args[0]
+    leaves, spec = tree_flatten((args, kwargs))
+    described = []
+    for leaf in leaves:
+        if not torch.is_tensor(leaf):
+            described.append(leaf)
+        elif leaf.is_cuda and leaf.dtype.is_floating_point:
+            described.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+        else:
+            # Integer tensors (packed documents' boundaries, a mask) steer kernels from the host: not graph inputs.
+            return None
     autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-    return (spec, tuple(leaves), hidden.shape, hidden.dtype, hidden.device, hidden.requires_grad, autocast)
+    return (spec, tuple(described), autocast)
 
 
 def graph_blocks(stacks: list[nn.Module]) -> list[BlockGraphs]:
-    """Replay each stack's blocks as CUDA graphs (captured at the first training step)."""
+    """Replay each stack's blocks as CUDA graphs (each block captured at its first training call)."""
     return [BlockGraphs(list(stack.children())) for stack in stacks]

@@ -22,9 +22,9 @@ CONFIG = {"model_type": "gla", "vocab_size": 4096, "hidden_size": 128, "num_hidd
 RTOL = 1e-5
 
 
-def models():
+def models(config=CONFIG):
     prepare_gpu_kernels(torch.device("cuda"))
-    args, _ = model_args_from_dict(CONFIG)
+    args, _ = model_args_from_dict(config)
     torch.manual_seed(0)
     with torch.device("cuda"):
         eager = build_model(args)
@@ -90,7 +90,40 @@ def test_another_shape_runs_eagerly_and_the_captured_shape_still_replays():
             model.loss.backward()
         torch.testing.assert_close(graphed.loss, eager.loss, rtol=RTOL, atol=0, msg=f"length {length}")
         assert_same_gradients(eager, graphed)
-    assert owner.graphs[0].hidden.shape[1] == 257
+    assert owner.graphs[0].inputs[0].shape[1] == 257
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        # HGRN's blocks each take a slice of the model's lower_bounds parameter, whose gradient flows back through it.
+        {"model_type": "hgrn", "vocab_size": 4096, "hidden_size": 128, "num_hidden_layers": 3},
+        # RWKV7's first block returns v_first, which every later block reads (and returns as it is).
+        {
+            "model_type": "rwkv7",
+            "vocab_size": 4096,
+            "hidden_size": 128,
+            "num_hidden_layers": 3,
+            "head_dim": 64,
+        },
+    ],
+    ids=lambda config: config["model_type"],
+)
+def test_blocks_given_per_layer_tensors_replay_with_the_eager_gradients(config):
+    eager, graphed, owner = models(config)
+    for step in range(3):
+        (tokens,) = batches([331])
+        for model in (eager, graphed):
+            model.zero_grad()
+            model.loss = loss_of(model, tokens)
+            model.loss.backward()
+        assert len(owner.graphs) == config["num_hidden_layers"], "not every block was captured"
+        torch.testing.assert_close(graphed.loss, eager.loss, rtol=RTOL, atol=0, msg=f"step {step}")
+        assert_same_gradients(eager, graphed)
+        with torch.no_grad():
+            for p, q in zip(eager.parameters(), graphed.parameters(), strict=True):
+                p.sub_(1e-2 * p.grad.sign())
+                q.sub_(1e-2 * q.grad.sign())
 
 
 def test_the_trainer_step_with_graphed_blocks_trains_as_with_eager_blocks(make_trainer, tmp_path):

@@ -8,6 +8,7 @@ from torch import nn
 
 from flame.config import parse_args
 from flame.parallelize import compile as compile_module
+from flame.parallelize import cuda_graphs
 from flame.parallelize.cuda_graphs import BlockGraphs, _BlockGraph, call_signature
 
 
@@ -53,47 +54,55 @@ def test_call_signature_names_the_calls_a_graph_serves(monkeypatch):
         call_signature(block, (x.detach().clone().requires_grad_(),), {"attention_mask": None, "scale": 0.5})
         == base
     )
+    lower = torch.rand(6, requires_grad=True)
+    with_lower = call_signature(block, (x,), {"attention_mask": None, "scale": 0.5, "lower": lower})
+    assert with_lower is not None and with_lower == call_signature(
+        block, (x,), {"attention_mask": None, "scale": 0.5, "lower": torch.rand(6, requires_grad=True)}
+    )
     differs = {
         "another constant": call_signature(block, (x,), {"attention_mask": None, "scale": 0.25}),
         "another shape": call_signature(block, (torch.randn(2, 7, 6, requires_grad=True),), {"scale": 0.5}),
         "another dtype": call_signature(block, (x.double(),), {"attention_mask": None, "scale": 0.5}),
+        "a per-layer tensor": with_lower,
+        "its shape": call_signature(
+            block, (x,), {"attention_mask": None, "scale": 0.5, "lower": torch.rand(7)}
+        ),
+        "its requires_grad": call_signature(
+            block, (x,), {"attention_mask": None, "scale": 0.5, "lower": lower.detach()}
+        ),
+        "a transposed view": call_signature(
+            block, (x.transpose(0, 1),), {"attention_mask": None, "scale": 0.5}
+        ),
     }
     assert all(signature is not None and signature != base for signature in differs.values()), differs
+    assert len(set(differs.values())) == len(differs)
     with torch.no_grad():
         assert call_signature(block, (x,), {}) is None
-    # Tensors beyond the hidden states (packed documents' boundaries, a mask) are not graph inputs.
+    # Integer tensors (packed documents' boundaries, a mask) steer kernels from the host: not graph inputs.
     assert call_signature(block, (x,), {"cu_seqlens": torch.tensor([0, 5])}) is None
     block.eval()
     assert call_signature(block, (x,), {}) is None
 
 
 def test_which_forwards_replay(monkeypatch, caplog):
-    """The replay rule, with the capture stood in for (CUDA graphs need a GPU): the first training forward captures
-    and replays; a forward before the last replayed one's backward, or while a parameter holds a gradient (a step's
-    later micro-batch, whose replay would overwrite the gradients in the graphs' pool), runs eagerly with one log
-    line; so do another shape and a forward without grad, silently."""
+    """The replay rule: the first training forward captures, later ones replay; a forward before the last replayed one's backward, or
+    while a parameter holds a gradient (a step's later micro-batch, whose replay would overwrite the gradients in
+    the graphs' pool), runs eagerly with one log line; so do another shape and a forward without grad, silently."""
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     blocks = [Block() for _ in range(2)]
     owner = BlockGraphs(blocks)
-    captures = []
-
-    def capture(args, kwargs):
-        captures.append(args[0].shape)
-        owner.graphs = []
-        for block in blocks:
-            graph = object.__new__(_BlockGraph)  # its CUDA graphs aside
-            graph.params = tuple(block.parameters())
-            graph.signature = call_signature(block, args, kwargs)
-            owner.graphs.append(graph)
-
-    monkeypatch.setattr(owner, "capture", capture)
 
     def serves(hidden):  # as a forward's first block call asks it
-        return owner.serves(call_signature(blocks[0], (hidden,), {}), (hidden,), {})
+        return owner.serves(call_signature(blocks[0], (hidden,), {}))
 
     x = torch.randn(2, 5, 6, requires_grad=True)
+    assert not serves(x) and owner.capturing  # the first training forward runs eagerly and captures
+    owner.capturing = False  # the forward captured its blocks:
+    graph = object.__new__(_BlockGraph)  # a graph without its CUDA graphs
+    graph.params = tuple(blocks[0].parameters())
+    graph.signature = call_signature(blocks[0], (x,), {})
+    owner.graphs = [graph]
     with caplog.at_level("INFO"):
-        assert serves(x) and captures == [x.shape]
         owner.backward_pending = True  # a replayed forward whose backward has not run
         assert not serves(x)
         owner.backward_pending = False
@@ -102,10 +111,133 @@ def test_which_forwards_replay(monkeypatch, caplog):
         with torch.no_grad():
             assert not serves(x)
         blocks[0].linear.bias.grad = None  # the optimizer's zero_grad
-        assert serves(x)
+        assert serves(x) and not owner.capturing
         assert not serves(torch.randn(2, 7, 6, requires_grad=True))
-    assert captures == [x.shape]
     assert len([r for r in caplog.records if "runs its blocks eagerly" in r.message]) == 1
+
+
+class LayerBlock(nn.Module):
+    """A block that takes a per-layer tensor (as HGRN's lower_bound) and, optionally, packed documents'
+    boundaries."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, hidden, lower=None, cu_seqlens=None):
+        return hidden + torch.tanh(self.linear(hidden)) * lower
+
+
+def stand_in_graphs(monkeypatch, owner, fail_at=None):
+    """Capture and replay stood in for (CUDA graphs need a GPU): each forward capture (F<block>:<how many of its
+    input tensors an earlier block returned>), replay (R<block>) and backward capture (B<blocks>) is recorded; the
+    graph's outputs are the block's own outputs on the capture's inputs, and a replay runs the block's own forward
+    on the tensors it is given."""
+    events = []
+
+    def capture_forward(index, args, kwargs, signature):
+        if index == fail_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        tensors = cuda_graphs.tensor_leaves(args, kwargs)
+        events.append(f"F{index}:{sum(cuda_graphs.output_key(t) in owner.written for t in tensors)}")
+        graph = object.__new__(_BlockGraph)
+        graph.index, graph.signature, graph.inputs = index, signature, tuple(tensors)
+        graph.params = tuple(owner.blocks[index].parameters())
+        graph.outputs = (owner.eager_forwards[index](*args, **kwargs).detach(),)
+        graph.unflatten = lambda outputs: outputs[0]
+        return graph
+
+    def capture_backward():
+        events.append("B" + "".join(str(graph.index) for graph in reversed(owner.graphs)))
+
+    def replay(_, graph, hidden, lower, *params):
+        events.append(f"R{graph.index}")
+        return (owner.eager_forwards[graph.index](hidden, lower=lower),)
+
+    monkeypatch.setattr(owner, "_capture_forward", capture_forward)
+    monkeypatch.setattr(owner, "_capture_backward", capture_backward)
+    monkeypatch.setattr(cuda_graphs._Replay, "apply", staticmethod(replay))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    return events
+
+
+def run_stack(blocks, x, lowers, packed_from=None):
+    h = x
+    for index, (block, lower) in enumerate(zip(blocks, lowers, strict=True)):
+        packed = packed_from is not None and index >= packed_from
+        h = block(h, lower=lower, cu_seqlens=torch.tensor([0, 5]) if packed else None)
+    return h
+
+
+def test_blocks_are_captured_one_by_one_beside_their_first_training_call(monkeypatch, caplog):
+    """The first training forward runs eagerly and captures each block at its call, with the tensors it is given (a
+    per-layer tensor; the hidden states read from the previous block's graph), and the backward graphs after the
+    last block; a later forward replays the captured blocks up to the first call they cannot serve, which runs
+    eagerly with every block after it; a capture stopped by such a call keeps the blocks before it."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    torch.manual_seed(0)
+    plain = [LayerBlock() for _ in range(3)]
+    x = torch.randn(2, 5, 6, requires_grad=True)
+    lowers = [torch.rand(6, requires_grad=True) for _ in range(3)]
+    want = run_stack(plain, x, lowers)
+
+    blocks = [LayerBlock() for _ in range(3)]
+    for block, source in zip(blocks, plain, strict=True):
+        block.load_state_dict(source.state_dict())
+    owner = BlockGraphs(blocks)
+    events = stand_in_graphs(monkeypatch, owner)
+    with caplog.at_level("INFO"):
+        got = run_stack(blocks, x, lowers)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert got.grad_fn is not None and "Replay" not in type(got.grad_fn).__name__
+    assert events == ["F0:0", "F1:1", "F2:1", "B210"]
+    assert [r.message for r in caplog.records if "Captured" in r.message] == [
+        "Captured 3 of 3 blocks as CUDA graphs for hidden states of shape (2, 5, 6); they replay from the next "
+        "training forward"
+    ]
+    assert owner.written == {} and not owner.capturing and not owner.backward_pending
+    events.clear()
+    torch.testing.assert_close(run_stack(blocks, x, lowers), want, rtol=0, atol=0)
+    assert events == ["R0", "R1", "R2"] and owner.backward_pending
+    owner.backward_pending = False  # the replayed forward's backward
+    events.clear()
+    torch.testing.assert_close(run_stack(blocks, x, lowers, packed_from=1), want, rtol=0, atol=0)
+    assert events == ["R0"]  # block 1's packed call runs eagerly, and block 2 after it
+
+    stopped = BlockGraphs([LayerBlock() for _ in range(3)])
+    events = stand_in_graphs(monkeypatch, stopped)
+    run_stack(stopped.blocks, x, lowers, packed_from=1)
+    assert events == ["F0:0", "B0"] and not stopped.capturing
+    events.clear()
+    run_stack(stopped.blocks, x, lowers)
+    assert events == ["R0"]  # the captured prefix replays; the rest runs eagerly
+
+    open_ended = BlockGraphs([LayerBlock() for _ in range(3)])
+    events = stand_in_graphs(monkeypatch, open_ended)
+    run_stack(open_ended.blocks[:2], x, lowers[:2])  # a forward that stops before the stack's last block
+    assert events == ["F0:0", "F1:1"] and open_ended.capturing
+    run_stack(open_ended.blocks, x, lowers)  # the next forward finishes that capture first
+    assert events == ["F0:0", "F1:1", "B10", "R0", "R1"]
+
+
+def test_a_failed_capture_leaves_its_forward_eager_and_later_ones_too(monkeypatch, caplog):
+    torch.manual_seed(0)
+    owner = BlockGraphs([LayerBlock() for _ in range(3)])
+    x = torch.randn(2, 5, 6, requires_grad=True)
+    lowers = [torch.rand(6) for _ in range(3)]
+    want = run_stack(owner.blocks, x, lowers)  # on the CPU: the blocks' own forward
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    events = stand_in_graphs(monkeypatch, owner, fail_at=1)
+    with caplog.at_level("INFO"):
+        torch.testing.assert_close(run_stack(owner.blocks, x, lowers), want, rtol=0, atol=0)
+    assert events == ["F0:0"] and owner.graphs == [] and owner.failed
+    assert [r.message for r in caplog.records if r.levelname == "WARNING"] == [
+        "The blocks run eagerly: capturing block 1 as a CUDA graph failed (RuntimeError: operation not permitted "
+        "when stream is capturing)"
+    ]
+    events.clear()
+    run_stack(owner.blocks, x, lowers)
+    assert events == []
 
 
 @pytest.mark.parametrize(
