@@ -26,6 +26,8 @@ import weakref
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torchtitan.tools.logging import logger
 
 from flame.models import model_spec
@@ -119,7 +121,8 @@ class ActivationOffload:
     def pack(self, tensor: torch.Tensor):
         group = self.current
         if (
-            tensor.numel() * tensor.element_size() < self.min_bytes
+            traced(tensor)
+            or tensor.numel() * tensor.element_size() < self.min_bytes
             or tensor.untyped_storage().data_ptr() in self.parameter_storages
             or tensor.device.type != self.device.type
         ):
@@ -169,6 +172,14 @@ class ActivationOffload:
         compute.wait_event(group.copied_back)
         packed.device.record_stream(compute)  # allocated on the side stream, used and freed on this one
         return packed.device
+
+
+def traced(tensor: torch.Tensor) -> bool:
+    """A tensor of a compiler's trace: AOTAutograd runs the ambient hooks when an op it traces saves a tensor in
+    Python (a custom op's autograd), and a copy or ``record_stream`` there fails to functionalize (seen on an H200
+    with torch 2.11: compiled attention blocks with varlen batches). The compiled block's own saved tensors go
+    through the hooks at run time."""
+    return torch.compiler.is_compiling() or isinstance(tensor, (FakeTensor, FunctionalTensor))
 
 
 def apply_activation_offload(

@@ -86,6 +86,22 @@ def test_a_tensor_saved_twice_is_copied_once_and_parameters_and_small_tensors_st
     assert torch.equal(x.grad, want_x) and torch.equal(linear.weight.grad, want_w)
 
 
+def test_a_compilers_traced_tensors_stay_where_they_are(monkeypatch):
+    """AOTAutograd runs the hooks on its fake tensors when a traced op saves one in Python: they pass through (the
+    compiled block's saved tensors are offloaded at run time)."""
+    offload = ActivationOffload(CPU, min_bytes=0)
+    offload.enter(nn.Linear(2, 2), 0)
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        fake = torch.randn(64, 40)
+        assert offload.pack(fake) is fake
+    real = torch.randn(64, 40)
+    assert offload.pack(real) is not real  # a stash in host memory
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert offload.pack(real) is real
+    offload.exit()
+    assert offload.offloaded_bytes == 64 * 40 * 4
+
+
 def test_training_with_offload_repeats_the_run_without(make_trainer, tmp_path, monkeypatch):
     from flame.parallelize import parallelize
 
