@@ -87,7 +87,7 @@ def dry_run(job_config, model_args) -> None:
     print(json.dumps(dataclasses.asdict(job_config), indent=2, default=str))
     with torch.device("meta"):
         model = build_model(model_args)
-    nparams, flops = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
+    nparams, flops = model_args.get_nparams_and_flops(model, job_config.training.attention_context())
     print(f"params: {nparams}")
     print(f"flops_per_token: {flops}")
 

@@ -142,6 +142,25 @@ def test_dry_run_prints_config_params_and_flops_without_touching_dump(tmp_path):
     assert merged["job"]["dry_run"] is True and merged["job"]["dump_folder"] == str(dump)
 
 
+def test_dry_run_counts_varlen_attention_over_one_document(tmp_path):
+    """With --training.varlen no query attends past its document of at most context_len tokens: the attention
+    terms count that span, as a run of context_len-token rows would."""
+
+    def flops(*flags):
+        result = train_sh("--job.dry_run", "--job.dump_folder", str(tmp_path), "--model.config",
+                          str(REPO / "configs/transformer_340M.json"), *flags)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return int(re.search(r"^flops_per_token: (\d+)$", result.stdout, re.M).group(1))
+
+    row = ("--training.batch_size", "1", "--training.seq_len", "8192")
+    rows = flops(*row)
+    assert flops(*row, "--training.varlen", "--training.context_len", "1024") == flops(
+        "--training.seq_len", "1024"
+    )
+    assert flops("--training.seq_len", "1024") < rows
+    assert flops(*row, "--training.varlen") == rows  # documents as long as the row
+
+
 def fla_transformer_param_count(config_path: Path, monkeypatch) -> int:
     """FLA's TransformerForCausalLM on the meta device (its Attention only checks that flash_attn imported; the
     placeholder is removed after the test, so that later tests see FLA as it is)."""

@@ -158,6 +158,13 @@ class Training:
     """With training.skip_nan_inf: stop the run (saving nothing new) after this many consecutive skipped steps;
     0: never stop"""
 
+    def attention_context(self) -> int:
+        """The most keys a query attends to, for the FLOPs per token: with varlen, a document of at most
+        context_len tokens (an upper bound for shorter ones); otherwise the row."""
+        if self.varlen and self.context_len:
+            return min(self.seq_len, self.context_len)
+        return self.seq_len
+
 
 @dataclass
 class Optimizer:

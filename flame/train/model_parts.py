@@ -107,7 +107,9 @@ def build_model_parts(
     prepare_gpu_kernels(topology.device)
     with torch.device("meta"):
         model = build_model(model_args)
-    nparams, flops_per_token = model_args.get_nparams_and_flops(model, job_config.training.seq_len)
+    nparams, flops_per_token = model_args.get_nparams_and_flops(
+        model, job_config.training.attention_context()
+    )
     logger.info(f"Model {model_args.model_type}: {nparams:,} parameters, {flops_per_token:,} FLOPs/token")
     parallel_dims = topology.parallel_dims
     if parallel_dims.pp_enabled:
