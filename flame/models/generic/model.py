@@ -2,6 +2,7 @@
 with flame's calling convention mixed in front of it."""
 
 import functools
+import importlib
 
 import torch
 from torch import nn
@@ -24,6 +25,43 @@ FLA_LAYER_REPLACEMENTS = {
     ),
     "fla.layers.mamba2.Mamba2": ("flame.models.layers.fla_mamba2.FLAMamba2", "is_fast_path_available"),
 }
+
+# FLA's layers that call flash-attn in their forward (not when they are built), for which flame has no replacement:
+# "module.Class" -> (the module holding flash-attn's function, its name there, whether this layer calls it).
+FLASH_ATTN_IN_FORWARD = {
+    "fla.layers.moba.MoBA": ("fla.ops.moba.parallel", "flash_attn_varlen_func", lambda layer: True),
+    # its sliding-window branch
+    "fla.layers.nsa.NativeSparseAttention": (
+        "fla.ops.nsa.parallel",
+        "flash_attn_func",
+        lambda layer: bool(layer.window_size),
+    ),
+    "fla.layers.rodimus.SlidingWindowSharedKeyAttention": (
+        "fla.layers.rodimus",
+        "flash_attn_func",
+        lambda layer: True,
+    ),
+}
+
+
+def needs_flash_attn(model_type: str, layer: str, when: str) -> ModelConfigError:
+    return ModelConfigError(
+        f"model_type '{model_type}' needs flash-attn, which is not installed: FLA's {layer} {when} (flame runs "
+        "FLA's Attention and BitAttention on its own attention, not this layer); install flash-attn or choose "
+        "another model_type"
+    )
+
+
+def check_flash_attn_layers(model: nn.Module) -> None:
+    """Refuse a model with an FLA layer that would call flash-attn in its forward where flash-attn does not
+    import (FLA's layer raises there only at the first forward)."""
+    for module in model.modules():
+        layer = f"{type(module).__module__}.{type(module).__name__}"
+        if layer not in FLASH_ATTN_IN_FORWARD:
+            continue
+        holder, attribute, calls = FLASH_ATTN_IN_FORWARD[layer]
+        if getattr(importlib.import_module(holder), attribute, None) is None and calls(module):
+            raise needs_flash_attn(model.config.model_type, layer, "calls it in its forward")
 
 
 class FlameCausalLM:
@@ -163,11 +201,7 @@ def instantiate(lm_class: type, config) -> nn.Module:
     except ImportError as e:
         if "flash" not in str(e).lower():
             raise
-        raise ModelConfigError(
-            f"model_type '{config.model_type}' needs flash-attn, which is not installed: FLA's {refusing_layer(e)} "
-            "runs only on it (flame runs FLA's Attention and BitAttention on its own attention, not this layer); "
-            "install flash-attn or choose another model_type"
-        ) from e
+        raise needs_flash_attn(config.model_type, refusing_layer(e), "runs only on it") from e
 
 
 def build_generic_model(args: GenericArgs) -> nn.Module:

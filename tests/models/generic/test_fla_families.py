@@ -2,6 +2,7 @@
 with the parameter count of FLA's own class (FLA's kernels need a GPU; building needs none), and a FLOPs count
 between its weights' and a bound."""
 
+import importlib
 import warnings
 
 import pytest
@@ -112,6 +113,42 @@ def test_flame_builds_its_own_families_and_flash_attn_families_say_so():
         ):
             build_model(args)
         assert "fla.layers.mla.MultiheadLatentAttention" in str(e.value)
+
+
+FLASH_ATTN_IN_FORWARD = {
+    "moba": "fla.layers.moba.MoBA",
+    "nsa": "fla.layers.nsa.NativeSparseAttention",
+    "rodimus": "fla.layers.rodimus.SlidingWindowSharedKeyAttention",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(FLASH_ATTN_IN_FORWARD))
+def test_families_whose_layers_call_flash_attn_in_forward_are_refused_once_built(model_type, monkeypatch):
+    """They build (the parameter count test above covers them) but their layer raises only at the first forward
+    without flash-attn: the built model is refused in one line; with flash-attn's function there, it is not."""
+    from flame.models import check_built_model, check_runnable
+    from flame.models.generic.model import FLASH_ATTN_IN_FORWARD as HOLDERS
+
+    args, _ = model_args_from_dict({"model_type": model_type, **TINY, **OVERRIDES.get(model_type, {})})
+    with torch.device("meta"):
+        model = build_model(args)
+    layer = FLASH_ATTN_IN_FORWARD[model_type]
+    with pytest.raises(ModelConfigError, match=f"'{model_type}' needs flash-attn") as e:
+        check_built_model(model)
+    assert f"FLA's {layer} calls it in its forward" in str(e.value)
+    with pytest.raises(ModelConfigError, match="needs flash-attn"):
+        check_runnable(args)
+    holder, attribute, _ = HOLDERS[layer]
+    monkeypatch.setattr(importlib.import_module(holder), attribute, object())
+    check_built_model(model)
+
+
+def test_native_sparse_attention_without_its_sliding_window_runs_without_flash_attn():
+    from flame.models import check_built_model
+
+    args, _ = model_args_from_dict({"model_type": "nsa", **TINY, "window_size": 0})
+    with torch.device("meta"):
+        check_built_model(build_model(args))
 
 
 ATTENTION_CONFIGS = {
