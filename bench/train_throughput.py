@@ -85,6 +85,7 @@ DEFAULT_DATASET = REPO / "flame" / "assets" / "corpus"  # the embedded default j
 DEFAULT_TOKENIZER = REPO / "flame" / "assets" / "tokenizer"
 H100_BF16_PEAK_TFLOPS = 989.0  # dense bf16, H100 SXM and H200 alike
 ACTIVATIONS = ("none", "full", "selective", "offload", "full+offload")
+LONG_CONTEXT = 8192  # longer sequences get sections of their own (the seed recipe's 65536-token varlen job)
 HYBRID_ATTN = {"every": 4, "offset": 3, "num_heads": 16, "qk_norm": True}
 MODELS = {
     "transformer": ("configs/transformer_340M.json", {}),
@@ -795,12 +796,14 @@ def main(argv: list[str] | None = None) -> int:
         elif not args.no_write:
             # Runs over activation modes or optimizers get their own section beside the plain throughput table.
             memory_study = args.activations != "none" or args.optimizers != "AdamW"
+            long_context = max(int(s) for s in args.seq_lens.split(",")) > LONG_CONTEXT
             marker = (
                 f"bench_train_throughput_{world_size}gpu"
                 + (f"_cp{args.cp}" if args.cp > 1 else "")
                 + ("_real_data" if args.data == "real" else "")
                 + ("_memory" if memory_study else "")
                 + ("_anchor" if args.anchor else "")
+                + ("_long_context" if long_context else "")
             )
             command = " ".join(
                 (["torchrun --nproc_per_node", str(world_size)] if world_size > 1 else ["python"])
@@ -823,6 +826,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"Training throughput{' beside the naive HF loop' if args.anchor else ''}, {world_size} {device.type.upper()}{'s' * (world_size > 1)}"
                 + (f", context parallel {args.cp}" if args.cp > 1 else "")
                 + (", flame's data path" if args.data == "real" else "")
+                + (", long context" if long_context else "")
                 + (": activation memory and optimizers" if memory_study else ""),
                 f"Command: `{command}` on {world_size} x {device_name(device)}, torch {torch.__version__} "
                 f"({time.strftime('%Y-%m-%d')}); {parallelism}, {data_description(args)}, "
