@@ -1,7 +1,7 @@
 """FLA's TileLang chunk_bwd_dqkwg, which serves the gated delta rule's backward ahead of flame's Triton kernel on
 Hopper where tilelang and nvcc are installed (flame.compat.serve_gated_dqkwg_on_hopper), against the float64
 PyTorch reference: test_dqkwg_triton.py's cases and limits in bf16 (TileLang's kernel takes the state in the
-inputs' dtype, so not float32 inputs with a float32 state)."""
+inputs' dtype, and the state's gradient too, as FLA's backward passes it)."""
 
 import pytest
 import torch
@@ -30,4 +30,5 @@ def test_tilelang_kernel_matches_pytorch(key_dim, value_dim, heads, v_heads, sha
         torch.bfloat16,
         None,
         backend.chunk_bwd_dqkwg,
+        dh_dtype=torch.bfloat16,
     )

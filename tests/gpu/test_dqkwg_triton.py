@@ -59,9 +59,21 @@ def test_every_launch_setting(launch):
     check(*CASES[2], torch.bfloat16, launch)
 
 
-def check(key_dim, value_dim, heads, v_heads, shape, v_first, with_w, dtype, launch, kernel=None):
+def check(
+    key_dim,
+    value_dim,
+    heads,
+    v_heads,
+    shape,
+    v_first,
+    with_w,
+    dtype,
+    launch,
+    kernel=None,
+    dh_dtype=torch.float32,
+):
     """One case against the float64 reference: flame's Triton kernel with ``launch``, or ``kernel`` (the same
-    arguments as chunk_bwd_dqkwg_torch)."""
+    arguments as chunk_bwd_dqkwg_torch) with the state's gradient in ``dh_dtype``."""
     torch.manual_seed(0)
     dev, chunk = "cuda", 64
     varlen = shape[0] == 1 and len(shape) > 2
@@ -79,7 +91,7 @@ def check(key_dim, value_dim, heads, v_heads, shape, v_first, with_w, dtype, lau
     g = g.view(batch, seq_len, v_heads)
     state = (value_dim, key_dim) if v_first else (key_dim, value_dim)
     h = torch.randn(1, len(starts), v_heads, *state, device=dev).to(dtype)
-    dh = torch.randn(1, len(starts), v_heads, *state, device=dev)
+    dh = torch.randn(1, len(starts), v_heads, *state, device=dev).to(dh_dtype)
     do = torch.randn_like(v)
     dv = torch.randn_like(v) if with_w else None
     kwargs = dict(

@@ -26,7 +26,7 @@ def test_layer_on_the_gpu_equals_the_float64_layer(exact_float32):
     grad = torch.randn(2, 301, 24, dtype=torch.float64)
     results = []
     for layer, device, dtype in ((reference, "cpu", torch.float64), (gpu, "cuda", torch.float32)):
-        leaf = x.to(device, dtype).requires_grad_()
+        leaf = x.detach().to(device, dtype).requires_grad_()  # a leaf on each device
         out = layer(leaf)[0]
         out.backward(grad.to(device, dtype))
         results.append(
