@@ -381,6 +381,35 @@ def _fla_deltaformer_needs_flash_attn() -> bool:
     return "if flash_attn_func is None:" in text and "flash_attn_func(q, k, u" in text
 
 
+# FLA 0.6.0's modules that call flash-attn's functions for causal (sliding-window) attention in a forward and have
+# no other path: rodimus' sliding-window shared-key attention, NativeSparseAttention's sliding-window branch.
+FLA_FLASH_ATTN_CALLERS = ("fla.layers.rodimus", "fla.ops.nsa.parallel")
+
+
+def fla_flash_attn_calls_on_flame(functions: dict[str, Callable]) -> None:
+    """Where flash-attn is not importable, the modules of FLA_FLASH_ATTN_CALLERS call ``functions`` (flame's
+    ``flash_attn_func`` and ``flash_attn_varlen_func``, on flame's attention) in place of flash-attn's, which they
+    hold as None or not at all; for the process, as fla_deltaformer_on_flame. Where flash-attn imports, nothing changes."""
+    for module_name in FLA_FLASH_ATTN_CALLERS:
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        for name, function in functions.items():
+            if (
+                getattr(module, name, None) is None
+            ):  # rodimus binds no flash_attn_varlen_func without flash-attn
+                setattr(module, name, function)
+
+
+def _fla_flash_attn_callers_need_flash_attn() -> bool:
+    for module_name in FLA_FLASH_ATTN_CALLERS:
+        with open(importlib.util.find_spec(module_name).origin) as source:
+            text = source.read()
+        if "from flash_attn import" not in text or "flash_attn_func(" not in text:
+            return False
+    return True
+
+
 # FLA 0.6.0's layer modules that call flash-attn: each refuses to build or run when it is not importable.
 FLA_FLASH_ATTN_MODULES = ("fla.layers.attn", "fla.layers.bitattn")
 
@@ -474,6 +503,14 @@ SHIMS = (
         fixed_in=None,
         workaround="fla_deltaformer_on_flame",
         reproduces=_fla_deltaformer_needs_flash_attn,
+    ),
+    Shim(
+        name="fla_windowed_attention_flash_attn",
+        applies=_always,
+        upstream="not filed: FLA 0.6.0's rodimus and NSA layers run their sliding-window attention only on flash-attn",
+        fixed_in=None,
+        workaround="fla_flash_attn_calls_on_flame",
+        reproduces=_fla_flash_attn_callers_need_flash_attn,
     ),
     Shim(
         name="fla_attention_flash_attn",

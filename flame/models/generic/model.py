@@ -7,12 +7,12 @@ import importlib
 import torch
 from torch import nn
 
-from flame.compat import fla_deltaformer_on_flame, fla_layers_on_flame
+from flame.compat import fla_deltaformer_on_flame, fla_flash_attn_calls_on_flame, fla_layers_on_flame
 from flame.errors import ModelConfigError
 from flame.models.common.decoder import LMHead
 from flame.models.generic.args import GenericArgs, is_fla_class
 from flame.models.generic.initialization import check_initialized, initialize_as_constructed
-from flame.models.layers.fla_attention import deltaformer_attention
+from flame.models.layers.fla_attention import deltaformer_attention, flash_attn_func, flash_attn_varlen_func
 
 # FLA's layers that flame builds in their place (same parameters) while their fast path does not import: FLA's
 # softmax attention without flash-attn, Mamba2 without mamba_ssm. Values: flame's class, the attribute of FLA's layer
@@ -27,21 +27,8 @@ FLA_LAYER_REPLACEMENTS = {
 }
 
 # FLA's layers that call flash-attn in their forward (not when they are built), for which flame has no replacement:
-# "module.Class" -> (the module holding flash-attn's function, its name there, whether this layer calls it).
-FLASH_ATTN_IN_FORWARD = {
-    "fla.layers.moba.MoBA": ("fla.ops.moba.parallel", "flash_attn_varlen_func", lambda layer: True),
-    # its sliding-window branch
-    "fla.layers.nsa.NativeSparseAttention": (
-        "fla.ops.nsa.parallel",
-        "flash_attn_func",
-        lambda layer: bool(layer.window_size),
-    ),
-    "fla.layers.rodimus.SlidingWindowSharedKeyAttention": (
-        "fla.layers.rodimus",
-        "flash_attn_func",
-        lambda layer: True,
-    ),
-}
+# "module.Class" -> (the module holding flash-attn's function, its name there).
+FLASH_ATTN_IN_FORWARD = {"fla.layers.moba.MoBA": ("fla.ops.moba.parallel", "flash_attn_varlen_func")}
 
 
 def needs_flash_attn(model_type: str, layer: str, when: str) -> ModelConfigError:
@@ -59,8 +46,8 @@ def check_flash_attn_layers(model: nn.Module) -> None:
         layer = f"{type(module).__module__}.{type(module).__name__}"
         if layer not in FLASH_ATTN_IN_FORWARD:
             continue
-        holder, attribute, calls = FLASH_ATTN_IN_FORWARD[layer]
-        if getattr(importlib.import_module(holder), attribute, None) is None and calls(module):
+        holder, attribute = FLASH_ATTN_IN_FORWARD[layer]
+        if getattr(importlib.import_module(holder), attribute, None) is None:
             raise needs_flash_attn(model.config.model_type, layer, "calls it in its forward")
 
 
@@ -195,6 +182,9 @@ def instantiate(lm_class: type, config) -> nn.Module:
     if not is_fla_class(lm_class):
         return cls(config)
     fla_deltaformer_on_flame(deltaformer_attention)
+    fla_flash_attn_calls_on_flame(
+        {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func}
+    )
     try:
         with fla_layers_on_flame(FLA_LAYER_REPLACEMENTS):
             return cls(config)

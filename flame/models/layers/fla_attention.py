@@ -7,7 +7,9 @@ parameters under the same names and shapes, so checkpoints and HF exports are in
 generic family builds them in place of FLA's while flash-attn is not importable (flame.compat.fla_layers_on_flame).
 DeltaFormer's layer (``fla.layers.deltaformer``) has no flash-attn in its parameters, only in its op's last step:
 :func:`deltaformer_attention` is that op with the last step on flame's attention
-(flame.compat.fla_deltaformer_on_flame).
+(flame.compat.fla_deltaformer_on_flame). :func:`flash_attn_func` and :func:`flash_attn_varlen_func` take
+flash-attn's arguments for the causal sliding-window attention that rodimus' and NSA's modules call
+(flame.compat.fla_flash_attn_calls_on_flame).
 
 What they reproduce of FLA's layer (each a property of FLA's code, not a choice made here):
 - head_dim = hidden_size // num_heads; q/o projections hidden -> hidden, k/v hidden -> num_kv_heads * head_dim
@@ -246,3 +248,80 @@ def deltaformer_attention(
         real = attention_mask.bool()
         return reference_attention(q, k, u, impl="softmax", key_mask=real) * real[:, :, None, None]
     return attention(q, k, u, impl="softmax", causal=True, cu_seqlens=cu_seqlens)
+
+
+def flash_window(window_size: tuple[int, int], causal: bool) -> int | None:
+    """flash-attn's (left, right) window as flame's: the keys a query sees, its own included; None for no window.
+    Causal attention sees no key to the right whatever ``right`` says (as in flash-attn)."""
+    left, right = window_size
+    if causal:
+        return None if left < 0 else left + 1
+    if left < 0 and right < 0:
+        return None
+    raise ValueError(
+        f"flame's attention runs a sliding window only with causal=True, got window_size {window_size}"
+    )
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    **unsupported,
+) -> torch.Tensor:
+    """flash-attn's ``flash_attn_func`` (q [B, Tq, H, D], k/v [B, Tk, HKV, D], a causal sliding window
+    (left, 0)) on flame's attention, for FLA layers that call it in their forward (flame.compat.
+    fla_flash_attn_calls_on_flame)."""
+    check_flash_arguments(dropout_p, unsupported)
+    return attention(
+        q,
+        k,
+        v,
+        impl="softmax",
+        causal=causal,
+        window_size=flash_window(window_size, causal),
+        scale=softmax_scale,
+    )
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    **unsupported,
+) -> torch.Tensor:
+    """flash-attn's ``flash_attn_varlen_func`` (documents packed along the first dimension: q [total, H, D]) on
+    flame's attention, where the queries and the keys are the same documents (training's packed batches)."""
+    check_flash_arguments(dropout_p, unsupported)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or not torch.equal(cu_seqlens_q, cu_seqlens_k):
+        raise ValueError("flame's attention runs packed documents whose queries and keys are the same tokens")
+    window = flash_window(window_size, causal)
+    return attention(
+        q[None], k[None], v[None], impl="softmax", causal=causal, window_size=window, cu_seqlens=cu_seqlens_q,
+        scale=softmax_scale,
+    )[0]  # fmt: skip
+
+
+def check_flash_arguments(dropout_p: float, unsupported: dict) -> None:
+    if dropout_p:
+        raise ValueError(f"flame's attention has no dropout, got dropout_p {dropout_p}")
+    # flash-attn's defaults: no ALiBi slopes, no softcap, no deterministic flag, no attention probabilities back.
+    given = [
+        name
+        for name, value in unsupported.items()
+        if torch.is_tensor(value) or value not in (None, False, 0.0)
+    ]
+    if given:
+        raise ValueError(f"flame's attention does not take flash-attn's {', '.join(sorted(given))}")

@@ -115,40 +115,38 @@ def test_flame_builds_its_own_families_and_flash_attn_families_say_so():
         assert "fla.layers.mla.MultiheadLatentAttention" in str(e.value)
 
 
-FLASH_ATTN_IN_FORWARD = {
-    "moba": "fla.layers.moba.MoBA",
-    "nsa": "fla.layers.nsa.NativeSparseAttention",
-    "rodimus": "fla.layers.rodimus.SlidingWindowSharedKeyAttention",
-}
-
-
-@pytest.mark.parametrize("model_type", sorted(FLASH_ATTN_IN_FORWARD))
-def test_families_whose_layers_call_flash_attn_in_forward_are_refused_once_built(model_type, monkeypatch):
-    """They build (the parameter count test above covers them) but their layer raises only at the first forward
-    without flash-attn: the built model is refused in one line; with flash-attn's function there, it is not."""
+def test_moba_without_flash_attn_is_refused_once_built(monkeypatch):
+    """Its layer builds (the parameter count test above covers it) but raises only at its first forward without
+    flash-attn: the built model is refused in one line; with flash-attn's function there, it is not."""
     from flame.models import check_built_model, check_runnable
-    from flame.models.generic.model import FLASH_ATTN_IN_FORWARD as HOLDERS
 
-    args, _ = model_args_from_dict({"model_type": model_type, **TINY, **OVERRIDES.get(model_type, {})})
+    args, _ = model_args_from_dict({"model_type": "moba", **TINY})
     with torch.device("meta"):
         model = build_model(args)
-    layer = FLASH_ATTN_IN_FORWARD[model_type]
-    with pytest.raises(ModelConfigError, match=f"'{model_type}' needs flash-attn") as e:
+    with pytest.raises(ModelConfigError, match="'moba' needs flash-attn") as e:
         check_built_model(model)
-    assert f"FLA's {layer} calls it in its forward" in str(e.value)
+    assert "FLA's fla.layers.moba.MoBA calls it in its forward" in str(e.value)
     with pytest.raises(ModelConfigError, match="needs flash-attn"):
         check_runnable(args)
-    holder, attribute, _ = HOLDERS[layer]
-    monkeypatch.setattr(importlib.import_module(holder), attribute, object())
+    monkeypatch.setattr(importlib.import_module("fla.ops.moba.parallel"), "flash_attn_varlen_func", object())
     check_built_model(model)
 
 
-def test_native_sparse_attention_without_its_sliding_window_runs_without_flash_attn():
+@pytest.mark.parametrize("model_type", ["nsa", "rodimus"])
+def test_sliding_window_attention_of_nsa_and_rodimus_runs_on_flames_attention(model_type):
+    """Their FLA modules call flash-attn's functions for a causal sliding window: without flash-attn, flame's
+    (tests/models/layers/test_fla_attention.py checks them) after the family is built, and the model is not refused."""
+    from flame.compat import FLA_FLASH_ATTN_CALLERS
     from flame.models import check_built_model
+    from flame.models.layers import fla_attention
 
-    args, _ = model_args_from_dict({"model_type": "nsa", **TINY, "window_size": 0})
+    args, _ = model_args_from_dict({"model_type": model_type, **TINY, **OVERRIDES.get(model_type, {})})
     with torch.device("meta"):
         check_built_model(build_model(args))
+    for module_name in FLA_FLASH_ATTN_CALLERS:
+        module = importlib.import_module(module_name)
+        assert module.flash_attn_func is fla_attention.flash_attn_func, module_name
+        assert module.flash_attn_varlen_func is fla_attention.flash_attn_varlen_func, module_name
 
 
 ATTENTION_CONFIGS = {

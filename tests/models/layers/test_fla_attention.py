@@ -265,3 +265,82 @@ def test_fla_deltaformer_models_call_flames_op_without_flash_attn():
     with torch.device("meta"):
         build_model(args)
     assert fla.layers.deltaformer.deltaformer_attn is deltaformer_attention
+
+
+def naive_flash_attention(q, k, v, causal, left, cu_seqlens=None, scale=None):
+    """flash-attn's documented semantics, in float64 loops: query i (aligned to the end of the keys) sees key j when
+    j <= i (causal), j >= i - left (left >= 0) and both are in one document; query head h reads key/value head
+    h // (H // HKV)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    batch, q_len, heads, dim = q.shape
+    k_len, kv_heads = k.shape[1], k.shape[2]
+    scale = dim**-0.5 if scale is None else scale
+    documents = torch.zeros(k_len, dtype=torch.long)
+    if cu_seqlens is not None:
+        for start in cu_seqlens[1:-1].tolist():
+            documents[start:] += 1
+    rows = []
+    for b in range(batch):
+        for i in range(q_len):
+            at = i + k_len - q_len
+            keys = [
+                j
+                for j in range(k_len)
+                if (not causal or j <= at) and (left < 0 or j >= at - left) and documents[j] == documents[at]
+            ]
+            for h in range(heads):
+                g = h // (heads // kv_heads)
+                weights = torch.softmax(k[b, keys, g] @ q[b, i, h] * scale, 0)
+                rows.append(weights @ v[b, keys, g])
+    return torch.stack(rows).view(batch, q_len, heads, dim)
+
+
+@pytest.mark.parametrize(
+    "causal, window_size, scale",
+    [(True, (5, 0), None), (True, (-1, -1), 0.3), (True, (0, 0), None), (False, (-1, -1), None)],
+)
+def test_flash_attn_func_on_flame_equals_flash_attns_semantics(causal, window_size, scale):
+    """flame's flash_attn_func (FLA's rodimus and NSA call it for their sliding windows without flash-attn) against
+    flash-attn's semantics written out in float64 (GQA, odd sizes), outputs and gradients to 1e-5 in float32."""
+    from flame.models.layers.fla_attention import flash_attn_func
+
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 37, 4, 8, generator=generator, requires_grad=True)
+    k, v = (torch.randn(2, 37, 2, 8, generator=generator, requires_grad=True) for _ in range(2))
+    out = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window_size)
+    want = naive_flash_attention(q, k, v, causal, window_size[0], scale=scale)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), grad.float())
+    expected = torch.autograd.grad(want, (q, k, v), grad)
+    for name, g, e in zip("qkv", got, expected, strict=True):
+        torch.testing.assert_close(g.double(), e.double(), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_flash_attn_varlen_func_on_flame_keeps_documents_apart():
+    from flame.models.layers.fla_attention import flash_attn_varlen_func
+
+    generator = torch.Generator().manual_seed(4)
+    cu_seqlens = torch.tensor([0, 11, 12, 30], dtype=torch.int32)
+    q = torch.randn(30, 4, 8, generator=generator)
+    k, v = (torch.randn(30, 4, 8, generator=generator) for _ in range(2))
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, 18, 18, causal=True, window_size=(3, 0))
+    want = naive_flash_attention(q[None], k[None], v[None], True, 3, cu_seqlens=cu_seqlens)[0]
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_flash_attn_functions_on_flame_refuse_what_flames_attention_does_not_compute():
+    from flame.models.layers.fla_attention import flash_attn_func, flash_attn_varlen_func
+
+    q = torch.randn(1, 5, 2, 4)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="dropout"):
+        flash_attn_func(q, q, q, dropout_p=0.1, causal=True)
+    with pytest.raises(ValueError, match="only with causal=True"):
+        flash_attn_func(q, q, q, causal=False, window_size=(2, 2))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        flash_attn_func(q, q, q, causal=True, alibi_slopes=torch.ones(2))
+    with pytest.raises(ValueError, match="same tokens"):
+        flash_attn_varlen_func(
+            q[0], q[0], q[0], cu, torch.tensor([0, 4, 5], dtype=torch.int32), 5, 4, causal=True
+        )
