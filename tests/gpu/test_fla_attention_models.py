@@ -1,7 +1,9 @@
 """FLA's transformer (--model.impl fla) and samba built by flame's generic family run their attention layers on
 flame's attention where flash-attn is not importable: a bf16 forward and backward of the whole model on the GPU
 (FLA's Triton norms, MLPs and Mamba around flame's layer), and the attention layer's output inside it against the
-float64 attention of tests/models/layers/test_fla_attention.py on the same inputs and weights."""
+float64 attention of tests/models/layers/test_fla_attention.py on the same inputs and weights; rodimus and NSA,
+whose sliding windows call flame's flash_attn_func there, train a bf16 step, and those functions match flash-attn's
+semantics in bf16."""
 
 import importlib.util
 
@@ -104,3 +106,55 @@ def test_deltaformer_attention_on_flame_equals_flas_naive_op():
         results.append([out, *(x.grad for x in leaves)])
     for name, ours, reference in zip(("o", "dq", "dk", "dv", "dbeta"), *results, strict=True):
         assert err_ratio(reference, ours) < 0.01, name
+
+
+SLIDING_WINDOW_CALLERS = {
+    "rodimus": (
+        {"model_type": "rodimus", **TINY, "ska_attn": {"num_heads": 4}},
+        "SlidingWindowSharedKeyAttention",
+    ),
+    "nsa": (
+        {"model_type": "nsa", **TINY, "num_heads": 4, "num_kv_heads": 1, "head_dim": 64, "window_size": 32},
+        "NativeSparseAttention",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SLIDING_WINDOW_CALLERS)
+def test_fla_sliding_window_callers_train_in_bf16_on_flames_functions(name):
+    """rodimus and NSA call flash-attn's functions for their sliding windows; without flash-attn, flame's
+    (flame.compat.fla_flash_attn_calls_on_flame): a bf16 forward and backward of the whole model, finite, every
+    parameter of the layers that call them given a finite gradient."""
+    config, layer_class = SLIDING_WINDOW_CALLERS[name]
+    args, _ = model_args_from_dict(config)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = build_model(args)
+    model = model.to(torch.bfloat16).train()
+    input_ids = torch.randint(0, TINY["vocab_size"], (2, 100), device="cuda")
+    logits = model(input_ids)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+    loss.backward()
+    assert torch.isfinite(loss)
+    layers = [m for m in model.modules() if type(m).__name__ == layer_class]
+    assert layers
+    for layer in layers:
+        for param_name, param in layer.named_parameters():
+            assert param.grad is not None and torch.isfinite(param.grad).all(), param_name
+
+
+def test_flash_attn_func_on_flame_in_bf16_equals_flash_attns_semantics():
+    from flame.models.layers.fla_attention import flash_attn_func, flash_attn_varlen_func
+    from tests.models.layers.test_fla_attention import naive_flash_attention
+
+    generator = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(2, 301, 8, 64, device="cuda", generator=generator, dtype=torch.bfloat16)
+    k, v = (
+        torch.randn(2, 301, 2, 64, device="cuda", generator=generator, dtype=torch.bfloat16) for _ in range(2)
+    )
+    out = flash_attn_func(q, k, v, causal=True, window_size=(63, 0))
+    assert err_ratio(naive_flash_attention(q.cpu(), k.cpu(), v.cpu(), True, 63), out.cpu()) < BF16_LIMIT
+    cu = torch.tensor([0, 100, 101, 301], device="cuda", dtype=torch.int32)
+    packed = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 200, 200, causal=True, window_size=(63, 0))
+    want = naive_flash_attention(q[:1].cpu(), k[:1].cpu(), v[:1].cpu(), True, 63, cu_seqlens=cu.cpu())[0]
+    assert err_ratio(want, packed.cpu()) < BF16_LIMIT
