@@ -401,13 +401,18 @@ def fla_flash_attn_calls_on_flame(functions: dict[str, Callable]) -> None:
                 setattr(module, name, function)
 
 
-def _fla_flash_attn_callers_need_flash_attn() -> bool:
-    for module_name in FLA_FLASH_ATTN_CALLERS:
+def _sources_contain(module_names: tuple[str, ...], *texts: str) -> bool:
+    """Whether each module's source file holds every one of ``texts``."""
+    for module_name in module_names:
         with open(importlib.util.find_spec(module_name).origin) as source:
             text = source.read()
-        if "from flash_attn import" not in text or "flash_attn_func(" not in text:
+        if not all(needle in text for needle in texts):
             return False
     return True
+
+
+def _fla_flash_attn_callers_need_flash_attn() -> bool:
+    return _sources_contain(FLA_FLASH_ATTN_CALLERS, "from flash_attn import", "flash_attn_func(")
 
 
 # FLA 0.6.0's layer modules that call flash-attn: each refuses to build or run when it is not importable.
@@ -423,12 +428,9 @@ def _fla_mamba2_scan_materialises_pairs() -> bool:
 
 
 def _fla_attention_needs_flash_attn() -> bool:
-    for module_name in FLA_FLASH_ATTN_MODULES:
-        with open(importlib.util.find_spec(module_name).origin) as source:
-            text = source.read()
-        if "from flash_attn import" not in text or "Please install Flash Attention" not in text:
-            return False
-    return True
+    return _sources_contain(
+        FLA_FLASH_ATTN_MODULES, "from flash_attn import", "Please install Flash Attention"
+    )
 
 
 SHIMS = (

@@ -117,14 +117,7 @@ class BlockGraphs:
     def capture(self, index: int, args: tuple, kwargs: dict, signature: tuple) -> bool:
         """Capture block ``index``'s forward for this call; on failure, drop every graph."""
         try:
-            # Autocast's cache would hand the capture the weights it cast before (a replay would then read those,
-            # never the updated weights): off while the block warms up and is captured.
-            with torch.autocast(
-                "cuda",
-                dtype=torch.get_autocast_dtype("cuda"),
-                enabled=torch.is_autocast_enabled("cuda"),
-                cache_enabled=False,
-            ):
+            with uncached_autocast():
                 graph = self._capture_forward(index, args, kwargs, signature)
         except Exception as error:  # a kernel that syncs with the host, outputs that do not chain, memory
             self.fail(f"capturing block {index} as a CUDA graph", error)
@@ -212,12 +205,7 @@ class BlockGraphs:
         )
 
     def _capture_backward(self) -> None:
-        with torch.autocast(
-            "cuda",
-            dtype=torch.get_autocast_dtype("cuda"),
-            enabled=torch.is_autocast_enabled("cuda"),
-            cache_enabled=False,
-        ):
+        with uncached_autocast():
             later = None
             for graph in reversed(self.graphs):
                 chained = later is not None and output_key(later.inputs[0]) == output_key(graph.outputs[0])
@@ -313,6 +301,17 @@ class _Replay(torch.autograd.Function):
             *(None if g is None else g.detach() for g in graph.input_grads),
             *(None if g is None else g.detach() for g in graph.param_grads),
         )
+
+
+def uncached_autocast() -> torch.autocast:
+    """The current CUDA autocast state without its cache: with it, a capture would read the weights autocast cast
+    before (a replay would then read those, never the weights the optimizer updates in place)."""
+    return torch.autocast(
+        "cuda",
+        dtype=torch.get_autocast_dtype("cuda"),
+        enabled=torch.is_autocast_enabled("cuda"),
+        cache_enabled=False,
+    )
 
 
 def trainable(block: nn.Module) -> tuple[nn.Parameter, ...]:
