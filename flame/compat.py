@@ -382,8 +382,9 @@ def _fla_deltaformer_needs_flash_attn() -> bool:
 
 
 # FLA 0.6.0's modules that call flash-attn's functions for causal (sliding-window) attention in a forward and have
-# no other path: rodimus' sliding-window shared-key attention, NativeSparseAttention's sliding-window branch.
-FLA_FLASH_ATTN_CALLERS = ("fla.layers.rodimus", "fla.ops.nsa.parallel")
+# no other path: rodimus' sliding-window shared-key attention, NativeSparseAttention's sliding-window branch, MoBA's
+# padded and decoding paths.
+FLA_FLASH_ATTN_CALLERS = ("fla.layers.rodimus", "fla.ops.nsa.parallel", "fla.layers.moba")
 
 
 def fla_flash_attn_calls_on_flame(functions: dict[str, Callable]) -> None:
@@ -409,6 +410,21 @@ def _sources_contain(module_names: tuple[str, ...], *texts: str) -> bool:
         if not all(needle in text for needle in texts):
             return False
     return True
+
+
+def fla_moba_on_flame(moba_op: Callable) -> None:
+    """Where flash-attn is not importable, FLA's MoBA layer calls ``moba_op`` (flame's ``parallel_moba``, one masked
+    attention per document) in place of FLA's, which raises there at the first forward; for the process, as
+    fla_deltaformer_on_flame. Where flash-attn imports, nothing changes."""
+    op_module = sys.modules.get("fla.ops.moba.parallel")
+    if op_module is None or getattr(op_module, "flash_attn_varlen_func", None) is not None:
+        return
+    for module, attribute in _fla_globals_holding(op_module.parallel_moba, "fla.layers"):
+        setattr(module, attribute, moba_op)
+
+
+def _fla_moba_needs_flash_attn() -> bool:
+    return _sources_contain(("fla.ops.moba.parallel",), "`parallel_moba` requires `flash-attn`")
 
 
 def _fla_flash_attn_callers_need_flash_attn() -> bool:
@@ -509,10 +525,18 @@ SHIMS = (
     Shim(
         name="fla_windowed_attention_flash_attn",
         applies=_always,
-        upstream="not filed: FLA 0.6.0's rodimus and NSA layers run their sliding-window attention only on flash-attn",
+        upstream="not filed: FLA 0.6.0's rodimus, NSA and MoBA layers call flash-attn's functions with no other path",
         fixed_in=None,
         workaround="fla_flash_attn_calls_on_flame",
         reproduces=_fla_flash_attn_callers_need_flash_attn,
+    ),
+    Shim(
+        name="fla_moba_flash_attn",
+        applies=_always,
+        upstream="not filed: FLA 0.6.0's parallel_moba runs only on flash-attn",
+        fixed_in=None,
+        workaround="fla_moba_on_flame",
+        reproduces=_fla_moba_needs_flash_attn,
     ),
     Shim(
         name="fla_attention_flash_attn",

@@ -82,12 +82,11 @@ def check_launch(job_config, degrees: dict[str, int], world_size: int, gpus: int
 def dry_run(job_config, model_args) -> None:
     import torch
 
-    from flame.models import build_model, check_built_model
+    from flame.models import build_model
 
     print(json.dumps(dataclasses.asdict(job_config), indent=2, default=str))
     with torch.device("meta"):
         model = build_model(model_args)
-    check_built_model(model)
     nparams, flops = model_args.get_nparams_and_flops(model, job_config.training.attention_context())
     print(f"params: {nparams}")
     print(f"flops_per_token: {flops}")
@@ -99,7 +98,7 @@ def preflight(argv: list[str]) -> int:
         print(notice, file=sys.stderr)
     check_data_options(job_config)
     # flame.models imports torch (seconds): the checks above answer first.
-    from flame.models import check_device, check_runnable, load_model_args
+    from flame.models import check_device, load_model_args
     from flame.models.custom import import_custom_modules
 
     validate_job(job_config)
@@ -131,7 +130,6 @@ def preflight(argv: list[str]) -> int:
         return EXIT_DONE
     check_devices(ngpu)
     check_device(model_args, "cuda" if torch.cuda.device_count() else "cpu")
-    check_runnable(model_args)
     if job_config.job.print_config:
         print(json.dumps(dataclasses.asdict(job_config), indent=2, default=str))
     if env_file := os.environ.get("FLAME_LAUNCH_ENV"):

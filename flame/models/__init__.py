@@ -117,22 +117,6 @@ def build_model(args: ModelArgs):
     return model_spec(args).model_cls(args)
 
 
-def check_built_model(model) -> None:
-    """Refuse, in one line, a model (built on the meta device) that builds but cannot run here."""
-    spec = model_spec(model.args)
-    if spec.check_built is not None:
-        spec.check_built(model)
-
-
-def check_runnable(args: ModelArgs) -> None:
-    """check_built_model for the model of ``args``, built on the meta device where its family checks one."""
-    if model_spec(args).check_built is not None:
-        import torch
-
-        with torch.device("meta"):
-            check_built_model(build_model(args))
-
-
 def check_device(args: ModelArgs, device_type: str) -> None:
     """Refuse, in one line, to train a model that needs a CUDA GPU on another device."""
     if device_type != "cuda" and (reason := model_spec(args).cuda_reason(args)):

@@ -13,7 +13,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 
 from flame.loss import TokenNormalizedLoss
-from flame.models import build_model, check_built_model
+from flame.models import build_model
 from flame.models.common.args import ModelArgs
 from flame.ops.attention import set_attention_backend
 from flame.ops.autotune import tune_once_per_host, use_shipped_results
@@ -107,7 +107,6 @@ def build_model_parts(
     prepare_gpu_kernels(topology.device)
     with torch.device("meta"):
         model = build_model(model_args)
-    check_built_model(model)
     nparams, flops_per_token = model_args.get_nparams_and_flops(
         model, job_config.training.attention_context()
     )

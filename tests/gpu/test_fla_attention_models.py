@@ -1,9 +1,9 @@
 """FLA's transformer (--model.impl fla) and samba built by flame's generic family run their attention layers on
 flame's attention where flash-attn is not importable: a bf16 forward and backward of the whole model on the GPU
 (FLA's Triton norms, MLPs and Mamba around flame's layer), and the attention layer's output inside it against the
-float64 attention of tests/models/layers/test_fla_attention.py on the same inputs and weights; rodimus and NSA,
-whose sliding windows call flame's flash_attn_func there, train a bf16 step, and those functions match flash-attn's
-semantics in bf16."""
+float64 attention of tests/models/layers/test_fla_attention.py on the same inputs and weights; rodimus, NSA and MoBA,
+which call flame's flash_attn_func and parallel_moba there, train a bf16 step, and flame's flash-attn functions
+match flash-attn's semantics in bf16."""
 
 import importlib.util
 
@@ -108,7 +108,7 @@ def test_deltaformer_attention_on_flame_equals_flas_naive_op():
         assert err_ratio(reference, ours) < 0.01, name
 
 
-SLIDING_WINDOW_CALLERS = {
+FLASH_ATTN_CALLERS = {
     "rodimus": (
         {"model_type": "rodimus", **TINY, "ska_attn": {"num_heads": 4}},
         "SlidingWindowSharedKeyAttention",
@@ -117,15 +117,16 @@ SLIDING_WINDOW_CALLERS = {
         {"model_type": "nsa", **TINY, "num_heads": 4, "num_kv_heads": 1, "head_dim": 64, "window_size": 32},
         "NativeSparseAttention",
     ),
+    "moba": ({"model_type": "moba", **TINY, "moba_chunk_size": 16, "moba_topk": 3}, "MoBA"),
 }
 
 
-@pytest.mark.parametrize("name", SLIDING_WINDOW_CALLERS)
-def test_fla_sliding_window_callers_train_in_bf16_on_flames_functions(name):
-    """rodimus and NSA call flash-attn's functions for their sliding windows; without flash-attn, flame's
-    (flame.compat.fla_flash_attn_calls_on_flame): a bf16 forward and backward of the whole model, finite, every
-    parameter of the layers that call them given a finite gradient."""
-    config, layer_class = SLIDING_WINDOW_CALLERS[name]
+@pytest.mark.parametrize("name", FLASH_ATTN_CALLERS)
+def test_fla_flash_attn_callers_train_in_bf16_on_flames_functions(name):
+    """rodimus and NSA call flash-attn's functions for their sliding windows, MoBA its parallel_moba; without
+    flash-attn, flame's (flame.compat.fla_flash_attn_calls_on_flame, fla_moba_on_flame): a bf16 forward and backward
+    of the whole model, finite, every parameter of the layers that call them given a finite gradient."""
+    config, layer_class = FLASH_ATTN_CALLERS[name]
     args, _ = model_args_from_dict(config)
     torch.manual_seed(0)
     with torch.device("cuda"):

@@ -14,8 +14,6 @@
   family: FLA's classes, whose layers run Triton kernels only); None where the model also trains on the CPU.
 - ``eager_blocks``: for models whose blocks ``--compile.enable`` leaves eager, why (measured slower compiled than
   eager: the generic family's FLA classes); None where the blocks are compiled.
-- ``check_built``: raises ModelConfigError (one line) for a model, built on the meta device, that builds but cannot
-  run here (the generic family: FLA layers that call flash-attn in their forward where it does not import).
 """
 
 from collections.abc import Callable
@@ -48,7 +46,6 @@ class ModelSpec:
     config_parallelisms: Callable[[ModelArgs], frozenset[str]] | None = None
     needs_cuda: Callable[[ModelArgs], str | None] | None = None
     eager_blocks: Callable[[ModelArgs], str | None] | None = None
-    check_built: Callable[[nn.Module], None] | None = None
 
     def cuda_reason(self, args: ModelArgs) -> str | None:
         """Why a model of these args needs a CUDA GPU, or None when it also runs on the CPU."""

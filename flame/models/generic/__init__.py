@@ -11,7 +11,7 @@ from flame.models.generic.args import (
     fla_blocks_run_eagerly,
     fla_kernels_need_cuda,
 )
-from flame.models.generic.model import build_generic_model, check_flash_attn_layers, generic_blocks
+from flame.models.generic.model import build_generic_model, generic_blocks
 
 SPEC = ModelSpec(
     args_cls=GenericArgs,
@@ -21,5 +21,4 @@ SPEC = ModelSpec(
     config_parallelisms=config_parallelisms,
     needs_cuda=fla_kernels_need_cuda,
     eager_blocks=fla_blocks_run_eagerly,
-    check_built=check_flash_attn_layers,
 )

@@ -2,17 +2,22 @@
 with flame's calling convention mixed in front of it."""
 
 import functools
-import importlib
 
 import torch
 from torch import nn
 
-from flame.compat import fla_deltaformer_on_flame, fla_flash_attn_calls_on_flame, fla_layers_on_flame
+from flame.compat import (
+    fla_deltaformer_on_flame,
+    fla_flash_attn_calls_on_flame,
+    fla_layers_on_flame,
+    fla_moba_on_flame,
+)
 from flame.errors import ModelConfigError
 from flame.models.common.decoder import LMHead
 from flame.models.generic.args import GenericArgs, is_fla_class
 from flame.models.generic.initialization import check_initialized, initialize_as_constructed
 from flame.models.layers.fla_attention import deltaformer_attention, flash_attn_func, flash_attn_varlen_func
+from flame.models.layers.fla_moba import parallel_moba
 
 # FLA's layers that flame builds in their place (same parameters) while their fast path does not import: FLA's
 # softmax attention without flash-attn, Mamba2 without mamba_ssm. Values: flame's class, the attribute of FLA's layer
@@ -25,30 +30,6 @@ FLA_LAYER_REPLACEMENTS = {
     ),
     "fla.layers.mamba2.Mamba2": ("flame.models.layers.fla_mamba2.FLAMamba2", "is_fast_path_available"),
 }
-
-# FLA's layers that call flash-attn in their forward (not when they are built), for which flame has no replacement:
-# "module.Class" -> (the module holding flash-attn's function, its name there).
-FLASH_ATTN_IN_FORWARD = {"fla.layers.moba.MoBA": ("fla.ops.moba.parallel", "flash_attn_varlen_func")}
-
-
-def needs_flash_attn(model_type: str, layer: str, when: str) -> ModelConfigError:
-    return ModelConfigError(
-        f"model_type '{model_type}' needs flash-attn, which is not installed: FLA's {layer} {when} (flame runs "
-        "FLA's Attention and BitAttention on its own attention, not this layer); install flash-attn or choose "
-        "another model_type"
-    )
-
-
-def check_flash_attn_layers(model: nn.Module) -> None:
-    """Refuse a model with an FLA layer that would call flash-attn in its forward where flash-attn does not
-    import (FLA's layer raises there only at the first forward)."""
-    for module in model.modules():
-        layer = f"{type(module).__module__}.{type(module).__name__}"
-        if layer not in FLASH_ATTN_IN_FORWARD:
-            continue
-        holder, attribute = FLASH_ATTN_IN_FORWARD[layer]
-        if getattr(importlib.import_module(holder), attribute, None) is None:
-            raise needs_flash_attn(model.config.model_type, layer, "calls it in its forward")
 
 
 class FlameCausalLM:
@@ -182,6 +163,7 @@ def instantiate(lm_class: type, config) -> nn.Module:
     if not is_fla_class(lm_class):
         return cls(config)
     fla_deltaformer_on_flame(deltaformer_attention)
+    fla_moba_on_flame(parallel_moba)
     fla_flash_attn_calls_on_flame(
         {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func}
     )
@@ -191,7 +173,11 @@ def instantiate(lm_class: type, config) -> nn.Module:
     except ImportError as e:
         if "flash" not in str(e).lower():
             raise
-        raise needs_flash_attn(config.model_type, refusing_layer(e), "runs only on it") from e
+        raise ModelConfigError(
+            f"model_type '{config.model_type}' needs flash-attn, which is not installed: FLA's {refusing_layer(e)} "
+            "runs only on it (flame runs FLA's Attention and BitAttention on its own attention, not this layer); "
+            "install flash-attn or choose another model_type"
+        ) from e
 
 
 def build_generic_model(args: GenericArgs) -> nn.Module:

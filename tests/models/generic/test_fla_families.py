@@ -115,38 +115,22 @@ def test_flame_builds_its_own_families_and_flash_attn_families_say_so():
         assert "fla.layers.mla.MultiheadLatentAttention" in str(e.value)
 
 
-def test_moba_without_flash_attn_is_refused_once_built(monkeypatch):
-    """Its layer builds (the parameter count test above covers it) but raises only at its first forward without
-    flash-attn: the built model is refused in one line; with flash-attn's function there, it is not."""
-    from flame.models import check_built_model, check_runnable
-
-    args, _ = model_args_from_dict({"model_type": "moba", **TINY})
-    with torch.device("meta"):
-        model = build_model(args)
-    with pytest.raises(ModelConfigError, match="'moba' needs flash-attn") as e:
-        check_built_model(model)
-    assert "FLA's fla.layers.moba.MoBA calls it in its forward" in str(e.value)
-    with pytest.raises(ModelConfigError, match="needs flash-attn"):
-        check_runnable(args)
-    monkeypatch.setattr(importlib.import_module("fla.ops.moba.parallel"), "flash_attn_varlen_func", object())
-    check_built_model(model)
-
-
-@pytest.mark.parametrize("model_type", ["nsa", "rodimus"])
-def test_sliding_window_attention_of_nsa_and_rodimus_runs_on_flames_attention(model_type):
-    """Their FLA modules call flash-attn's functions for a causal sliding window: without flash-attn, flame's
-    (tests/models/layers/test_fla_attention.py checks them) after the family is built, and the model is not refused."""
+@pytest.mark.parametrize("model_type", ["nsa", "rodimus", "moba"])
+def test_flash_attn_callers_run_on_flames_functions_without_flash_attn(model_type):
+    """FLA's rodimus, NSA and MoBA modules call flash-attn's functions (MoBA its parallel_moba too): without
+    flash-attn, once such a family is built, they call flame's (tests/models/layers/test_fla_attention.py and
+    test_fla_moba.py check those)."""
     from flame.compat import FLA_FLASH_ATTN_CALLERS
-    from flame.models import check_built_model
-    from flame.models.layers import fla_attention
+    from flame.models.layers import fla_attention, fla_moba
 
     args, _ = model_args_from_dict({"model_type": model_type, **TINY, **OVERRIDES.get(model_type, {})})
     with torch.device("meta"):
-        check_built_model(build_model(args))
+        build_model(args)
     for module_name in FLA_FLASH_ATTN_CALLERS:
         module = importlib.import_module(module_name)
         assert module.flash_attn_func is fla_attention.flash_attn_func, module_name
         assert module.flash_attn_varlen_func is fla_attention.flash_attn_varlen_func, module_name
+    assert importlib.import_module("fla.layers.moba").parallel_moba is fla_moba.parallel_moba
 
 
 ATTENTION_CONFIGS = {
