@@ -381,10 +381,10 @@ def _fla_deltaformer_needs_flash_attn() -> bool:
     return "if flash_attn_func is None:" in text and "flash_attn_func(q, k, u" in text
 
 
-# FLA 0.6.0's modules that call flash-attn's functions for causal (sliding-window) attention in a forward and have
-# no other path: rodimus' sliding-window shared-key attention, NativeSparseAttention's sliding-window branch, MoBA's
-# padded and decoding paths.
-FLA_FLASH_ATTN_CALLERS = ("fla.layers.rodimus", "fla.ops.nsa.parallel", "fla.layers.moba")
+# FLA 0.6.0's modules that call flash-attn's functions for causal (sliding-window) attention and have no other
+# path: rodimus' sliding-window shared-key attention, NativeSparseAttention's sliding-window branch, MoBA's padded
+# and decoding paths, multi-head latent attention (which also refuses to be built while the name is None).
+FLA_FLASH_ATTN_CALLERS = ("fla.layers.rodimus", "fla.ops.nsa.parallel", "fla.layers.moba", "fla.layers.mla")
 
 
 def fla_flash_attn_calls_on_flame(functions: dict[str, Callable]) -> None:
@@ -525,7 +525,7 @@ SHIMS = (
     Shim(
         name="fla_windowed_attention_flash_attn",
         applies=_always,
-        upstream="not filed: FLA 0.6.0's rodimus, NSA and MoBA layers call flash-attn's functions with no other path",
+        upstream="not filed: FLA 0.6.0's rodimus, NSA, MoBA and MLA layers call flash-attn's functions, no other path",
         fixed_in=None,
         workaround="fla_flash_attn_calls_on_flame",
         reproduces=_fla_flash_attn_callers_need_flash_attn,

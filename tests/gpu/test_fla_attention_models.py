@@ -118,7 +118,12 @@ FLASH_ATTN_CALLERS = {
         "NativeSparseAttention",
     ),
     "moba": ({"model_type": "moba", **TINY, "moba_chunk_size": 16, "moba_topk": 3}, "MoBA"),
-}
+    "mla": (
+        {"model_type": "mla", **TINY, "num_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32,
+         "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "qk_head_dim": 48, "v_head_dim": 32},
+        "MultiheadLatentAttention",
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", FLASH_ATTN_CALLERS)

@@ -104,6 +104,10 @@ def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
     if name in FLA_SOFTMAX_ATTENTION:
         window = getattr(module, "window_size", None)
         return softmax_attention_flops_per_token(module.num_heads, module.head_dim, seq_len, window)
+    if name == "MultiheadLatentAttention":
+        # Keys of qk_head_dim and values of v_head_dim per head: half the term above with each.
+        context = min(seq_len, module.window_size) if module.window_size else seq_len
+        return 6 * module.num_heads * (module.qk_head_dim + module.v_head_dim) * context
     if name in FLA_LINEAR_ATTENTION:
         # HGRN2 and LightNet name their key and value dims forget and input dims.
         key_dim = getattr(module, "head_k_dim", None) or module.head_f_dim

@@ -8,8 +8,8 @@ generic family builds them in place of FLA's while flash-attn is not importable 
 DeltaFormer's layer (``fla.layers.deltaformer``) has no flash-attn in its parameters, only in its op's last step:
 :func:`deltaformer_attention` is that op with the last step on flame's attention
 (flame.compat.fla_deltaformer_on_flame). :func:`flash_attn_func` and :func:`flash_attn_varlen_func` take
-flash-attn's arguments for the causal sliding-window attention that rodimus' and NSA's modules call
-(flame.compat.fla_flash_attn_calls_on_flame).
+flash-attn's arguments for the causal (sliding-window) attention that FLA's rodimus, NSA, MoBA and MLA modules call
+(flame.compat.FLA_FLASH_ATTN_CALLERS, fla_flash_attn_calls_on_flame).
 
 What they reproduce of FLA's layer (each a property of FLA's code, not a choice made here):
 - head_dim = hidden_size // num_heads; q/o projections hidden -> hidden, k/v hidden -> num_kv_heads * head_dim
@@ -274,8 +274,8 @@ def flash_attn_func(
     **unsupported,
 ) -> torch.Tensor:
     """flash-attn's ``flash_attn_func`` (q [B, Tq, H, D], k/v [B, Tk, HKV, D], a causal sliding window
-    (left, 0)) on flame's attention, for FLA layers that call it in their forward (flame.compat.
-    fla_flash_attn_calls_on_flame)."""
+    (left, 0)) on flame's attention, for FLA layers that call it in their forward
+    (flame.compat.fla_flash_attn_calls_on_flame)."""
     check_flash_arguments(dropout_p, unsupported)
     return attention(
         q,

@@ -60,6 +60,15 @@ def test_fla_transformer_counts_projections_and_a_sliding_window(fla_attention):
     assert count.mixer_flops == 2 * 12 * 4 * 16 * 40  # each query sees min(seq_len, window) keys
 
 
+def test_fla_mla_counts_keys_and_values_of_their_own_widths():
+    config = {**FLA_BASE, "model_type": "mla", "num_heads": 4, "q_lora_rank": None, "kv_lora_rank": 16,
+              "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "qk_head_dim": 12, "v_head_dim": 10}  # fmt: skip
+    count, _ = counted(config)
+    # QK^T over 12-wide keys and the sum of 10-wide values, 2 FLOPs per multiply-add, x3, per head and key.
+    assert count.mixer_flops == 2 * 6 * 4 * (12 + 10) * SEQ_LEN
+    assert count.uncounted == []
+
+
 def test_fla_gla_counts_low_rank_gate_and_chunked_state():
     # The low-rank gate is 16 wide: GLA's layer default (GLAConfig has no key for it).
     config = {**FLA_BASE, "model_type": "gla", "num_heads": 4, "expand_k": 0.5, "expand_v": 1}

@@ -21,9 +21,6 @@ OVERRIDES = {
     "rodimus": {"ska_attn": {"num_heads": 4}},  # the rodimus_plus block's attention, required
     "samba": {"attn": {"layers": [1], "num_heads": 4}},  # the default 18 heads leave an odd head_dim for RoPE
 }
-# FLA's layers for these import flash_attn when they are built, which flame does not install and has no replacement
-# for (flame.models.layers.fla_attention replaces FLA's Attention and BitAttention).
-NEEDS_FLASH_ATTN = {"mla"}
 # Families whose mixer has no term in flame's FLOPs count (docs/metrics.md): elementwise scans, sparse or modified
 # attention, other recurrences; their count is their weights' and convolutions'.
 MATMULS_ONLY = {
@@ -74,7 +71,7 @@ def test_every_fla_family_builds_with_fla_parameter_count():
     assert len(model_types) >= 40
     counts, failed, blocks = {}, {}, {}
     for model_type in model_types:
-        if model_type in FAMILIES or model_type in NEEDS_FLASH_ATTN:
+        if model_type in FAMILIES:
             continue
         config = {"model_type": model_type, **TINY, **OVERRIDES.get(model_type, {})}
         args, unknown = model_args_from_dict(config)
@@ -95,29 +92,36 @@ def test_every_fla_family_builds_with_fla_parameter_count():
         if nparams != fla_params(config):
             failed[model_type] = (nparams, fla_params(config))
     assert failed == {}
-    assert len(counts) == len(model_types) - len(FAMILIES) - len(NEEDS_FLASH_ATTN)
+    assert len(counts) == len(model_types) - len(FAMILIES)
     # Blocks are found from each class, wherever it keeps them (upstream flame issue 4: Mamba's backbone).
     assert blocks["gla"] == ["model.layers"] and blocks["mamba2"] == ["backbone.layers"]
     assert blocks["cat"] == ["model.compressor.layers", "model.layers"]  # two stacks of blocks
 
 
-def test_flame_builds_its_own_families_and_flash_attn_families_say_so():
+def test_flame_builds_its_own_families_not_flas():
     for model_type in FAMILIES:  # flame's own implementation, not FLA's class
         args, _ = model_args_from_dict({"model_type": model_type, **TINY})
         assert not args.generic
-    for model_type in sorted(NEEDS_FLASH_ATTN):
-        args, _ = model_args_from_dict({"model_type": model_type, **TINY})
-        with (
-            torch.device("meta"),
-            pytest.raises(ModelConfigError, match=f"'{model_type}' needs flash-attn") as e,
-        ):
-            build_model(args)
-        assert "fla.layers.mla.MultiheadLatentAttention" in str(e.value)
 
 
-@pytest.mark.parametrize("model_type", ["nsa", "rodimus", "moba"])
+def test_an_fla_layer_that_refuses_to_be_built_without_flash_attn_is_named_in_one_line(monkeypatch):
+    """FLA 0.6.0's MLA refuses to be built while its module holds no flash_attn_func; flame gives it flame's
+    (below). Without that, the build stops with one line naming the layer."""
+    import fla.layers.mla
+
+    from flame.models.generic import model as generic_model
+
+    monkeypatch.setattr(generic_model, "fla_flash_attn_calls_on_flame", lambda functions: None)
+    monkeypatch.setattr(fla.layers.mla, "flash_attn_func", None)
+    args, _ = model_args_from_dict({"model_type": "mla", **TINY})
+    with torch.device("meta"), pytest.raises(ModelConfigError, match="'mla' needs flash-attn") as e:
+        build_model(args)
+    assert "fla.layers.mla.MultiheadLatentAttention" in str(e.value)
+
+
+@pytest.mark.parametrize("model_type", ["nsa", "rodimus", "moba", "mla"])
 def test_flash_attn_callers_run_on_flames_functions_without_flash_attn(model_type):
-    """FLA's rodimus, NSA and MoBA modules call flash-attn's functions (MoBA its parallel_moba too): without
+    """FLA's rodimus, NSA, MoBA and MLA modules call flash-attn's functions (MoBA its parallel_moba too): without
     flash-attn, once such a family is built, they call flame's (tests/models/layers/test_fla_attention.py and
     test_fla_moba.py check those)."""
     from flame.compat import FLA_FLASH_ATTN_CALLERS

@@ -15,11 +15,11 @@ from flame.models import build_model, model_args_from_dict
 from flame.models.generic import initialization
 from flame.train.model_parts import materialize
 from tests.models.generic.helpers import CONFIGS
-from tests.models.generic.test_fla_families import NEEDS_FLASH_ATTN, OVERRIDES, TINY, fla_model_types
+from tests.models.generic.test_fla_families import OVERRIDES, TINY, fla_model_types
 
 # FLA's own transformer and samba build FLA's Attention layer, which imports flash_attn when it is built: the plain
 # class, the reference here, cannot be built without it (flame builds them on its own attention).
-FLA_TYPES = [t for t in fla_model_types() if t not in NEEDS_FLASH_ATTN | {"transformer", "samba"}]
+FLA_TYPES = [t for t in fla_model_types() if t not in {"transformer", "samba"}]
 
 
 def config_of(model_type: str) -> tuple[dict, str]:
