@@ -368,17 +368,23 @@ def fla_deltaformer_on_flame(attention_op: Callable) -> None:
     ``deltaformer_attn``, which raises there at the first forward. FLA's layer modules are patched for the process,
     so FLA's own DeltaFormer class (an export loaded by transformers) runs on it too; where flash-attn imports,
     nothing changes."""
-    op_module = sys.modules.get("fla.ops.deltaformer.parallel")
-    if op_module is None or getattr(op_module, "flash_attn_func", None) is not None:
+    _fla_op_on_flame("fla.ops.deltaformer.parallel", "flash_attn_func", "deltaformer_attn", attention_op)
+
+
+def _fla_op_on_flame(op_module_name: str, flash_attn_name: str, op_name: str, replacement: Callable) -> None:
+    """Where FLA's op module holds no flash-attn function ``flash_attn_name`` (flash-attn is not importable),
+    every FLA layer module that holds its op ``op_name`` holds ``replacement`` instead, for the process."""
+    op_module = sys.modules.get(op_module_name)
+    if op_module is None or getattr(op_module, flash_attn_name, None) is not None:
         return
-    for module, attribute in _fla_globals_holding(op_module.deltaformer_attn, "fla.layers"):
-        setattr(module, attribute, attention_op)
+    for module, attribute in _fla_globals_holding(getattr(op_module, op_name), "fla.layers"):
+        setattr(module, attribute, replacement)
 
 
 def _fla_deltaformer_needs_flash_attn() -> bool:
-    with open(importlib.util.find_spec("fla.ops.deltaformer.parallel").origin) as source:
-        text = source.read()
-    return "if flash_attn_func is None:" in text and "flash_attn_func(q, k, u" in text
+    return _sources_contain(
+        ("fla.ops.deltaformer.parallel",), "if flash_attn_func is None:", "flash_attn_func(q, k, u"
+    )
 
 
 # FLA 0.6.0's modules that call flash-attn's functions for causal (sliding-window) attention and have no other
@@ -396,9 +402,8 @@ def fla_flash_attn_calls_on_flame(functions: dict[str, Callable]) -> None:
         if module is None:
             continue
         for name, function in functions.items():
-            if (
-                getattr(module, name, None) is None
-            ):  # rodimus binds no flash_attn_varlen_func without flash-attn
+            # None, or not bound at all: rodimus binds no flash_attn_varlen_func without flash-attn.
+            if getattr(module, name, None) is None:
                 setattr(module, name, function)
 
 
@@ -416,11 +421,7 @@ def fla_moba_on_flame(moba_op: Callable) -> None:
     """Where flash-attn is not importable, FLA's MoBA layer calls ``moba_op`` (flame's ``parallel_moba``, one masked
     attention per document) in place of FLA's, which raises there at the first forward; for the process, as
     fla_deltaformer_on_flame. Where flash-attn imports, nothing changes."""
-    op_module = sys.modules.get("fla.ops.moba.parallel")
-    if op_module is None or getattr(op_module, "flash_attn_varlen_func", None) is not None:
-        return
-    for module, attribute in _fla_globals_holding(op_module.parallel_moba, "fla.layers"):
-        setattr(module, attribute, moba_op)
+    _fla_op_on_flame("fla.ops.moba.parallel", "flash_attn_varlen_func", "parallel_moba", moba_op)
 
 
 def _fla_moba_needs_flash_attn() -> bool:

@@ -68,7 +68,8 @@ class BlockGraphs:
             block.forward = functools.partial(self.call, index)
 
     def call(self, index: int, *args, **kwargs):
-        signature = call_signature(self.blocks[index], args, kwargs)
+        leaves, spec = tree_flatten((args, kwargs))  # once per call: the host's time is what the graphs save
+        signature = leaves_signature(self.blocks[index], args, leaves, spec)
         if index == 0:
             self.replaying = self.serves(signature)
         if self.capturing:
@@ -87,7 +88,8 @@ class BlockGraphs:
             graph = self.graphs[index]
             if index == 0:
                 self.backward_pending = True
-            return graph.unflatten(_Replay.apply(self, graph, *tensor_leaves(args, kwargs), *graph.params))
+            tensors = [leaf for leaf in leaves if torch.is_tensor(leaf)]
+            return graph.unflatten(_Replay.apply(self, graph, *tensors, *graph.params))
         self.replaying = False
         return self.eager_forwards[index](*args, **kwargs)
 
@@ -318,10 +320,6 @@ def trainable(block: nn.Module) -> tuple[nn.Parameter, ...]:
     return tuple(p for p in block.parameters() if p.requires_grad)
 
 
-def tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten((args, kwargs))[0] if torch.is_tensor(leaf)]
-
-
 def output_key(tensor: torch.Tensor) -> tuple:
     """Tensors with equal keys are the same memory seen the same way."""
     return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
@@ -329,11 +327,15 @@ def output_key(tensor: torch.Tensor) -> tuple:
 
 def call_signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     """What a graph replay must match, or None for a call the graphs do not serve."""
+    return leaves_signature(block, args, *tree_flatten((args, kwargs)))
+
+
+def leaves_signature(block: nn.Module, args: tuple, leaves: list, spec) -> tuple | None:
+    """call_signature of a call whose (args, kwargs) flatten to ``leaves`` and ``spec``."""
     if not (
         args and torch.is_tensor(args[0]) and args[0].is_cuda and block.training and torch.is_grad_enabled()
     ):
         return None
-    leaves, spec = tree_flatten((args, kwargs))
     described = []
     for leaf in leaves:
         if not torch.is_tensor(leaf):

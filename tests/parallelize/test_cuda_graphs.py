@@ -5,6 +5,7 @@ blocks are tests/gpu/test_block_graphs.py's."""
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from flame.config import parse_args
 from flame.parallelize import compile as compile_module
@@ -138,7 +139,7 @@ def stand_in_graphs(monkeypatch, owner, fail_at=None):
     def capture_forward(index, args, kwargs, signature):
         if index == fail_at:
             raise RuntimeError("operation not permitted when stream is capturing")
-        tensors = cuda_graphs.tensor_leaves(args, kwargs)
+        tensors = [leaf for leaf in tree_flatten((args, kwargs))[0] if torch.is_tensor(leaf)]
         events.append(f"F{index}:{sum(cuda_graphs.output_key(t) in owner.written for t in tensors)}")
         graph = object.__new__(_BlockGraph)
         graph.index, graph.signature, graph.inputs = index, signature, tuple(tensors)

@@ -309,12 +309,18 @@ def test_flash_attn_func_on_flame_equals_flash_attns_semantics(causal, window_si
     k, v = (torch.randn(2, 37, 2, 8, generator=generator, requires_grad=True) for _ in range(2))
     out = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window_size)
     want = naive_flash_attention(q, k, v, causal, window_size[0], scale=scale)
-    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert_output_and_gradients_close(out, want, (q, k, v), generator, tolerance=1e-5)
+
+
+def assert_output_and_gradients_close(out, want, inputs, generator, tolerance: float) -> None:
+    """A float32 op's output and its inputs' gradients (for one random output gradient) against the float64
+    reference ``want`` computed from the same inputs, within ``tolerance`` absolute and relative."""
+    torch.testing.assert_close(out.double(), want, rtol=tolerance, atol=tolerance)
     grad = torch.randn(out.shape, generator=generator, dtype=torch.float64)
-    got = torch.autograd.grad(out, (q, k, v), grad.float())
-    expected = torch.autograd.grad(want, (q, k, v), grad)
+    got = torch.autograd.grad(out, inputs, grad.float())
+    expected = torch.autograd.grad(want, inputs, grad)
     for name, g, e in zip("qkv", got, expected, strict=True):
-        torch.testing.assert_close(g.double(), e.double(), rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(g.double(), e.double(), rtol=tolerance, atol=tolerance, msg=name)
 
 
 def test_flash_attn_varlen_func_on_flame_keeps_documents_apart():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flame.models.layers.fla_moba import parallel_moba
+from tests.models.layers.test_fla_attention import assert_output_and_gradients_close
 
 
 def naive_moba(q, k, v, cu_seqlens, chunk_size, topk):
@@ -53,12 +54,7 @@ def test_moba_equals_the_pattern_written_out(lengths, chunk_size, topk, kv_heads
     k, v = (torch.randn(1, total, kv_heads, 8, generator=generator, requires_grad=True) for _ in range(2))
     out = parallel_moba(q, k, v, cu_seqlens, max(lengths), chunk_size, topk)
     want = naive_moba(q, k, v, cu_seqlens, chunk_size, topk)
-    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6)
-    grad = torch.randn(out.shape, generator=generator, dtype=torch.float64)
-    got = torch.autograd.grad(out, (q, k, v), grad.float())
-    expected = torch.autograd.grad(want, (q, k, v), grad)
-    for name, g, e in zip("qkv", got, expected, strict=True):
-        torch.testing.assert_close(g.double(), e.double(), rtol=1e-6, atol=1e-6, msg=name)
+    assert_output_and_gradients_close(out, want, (q, k, v), generator, tolerance=1e-6)
 
 
 def test_moba_refuses_rows_that_are_not_packed():
