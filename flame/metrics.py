@@ -6,6 +6,7 @@ Only rank 0 writes (every rank with ``--metrics.save_for_all_ranks``, each in it
 values are global (loss summed over data-parallel ranks) except throughput and memory, which are per device.
 """
 
+import contextlib
 import dataclasses
 import os
 import resource
@@ -110,7 +111,50 @@ def upstream_metrics(metrics: dict[str, float], flops_per_token: int) -> dict[st
     return named
 
 
+@dataclasses.dataclass
+class Instant:
+    """A point of the training loop: the host's clock and, on a GPU, an event queued behind the work so far (its
+    time is when the device got there)."""
+
+    time: float
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def now(cls, device: torch.device) -> "Instant":
+        event = None
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))
+        return cls(time.perf_counter(), event)
+
+    def device_seconds_since(self, start: "Instant") -> float:
+        """From ``start`` to here as the device ran it: on a GPU between the events (this waits for the work queued
+        before this one, which reading back its results has mostly waited for already); on the CPU, which ran the
+        work before it was queued, between the host's times."""
+        if self.event is None or start.event is None:
+            return self.time - start.time
+        self.event.synchronize()
+        return start.event.elapsed_time(self.event) / 1000
+
+
+@dataclasses.dataclass
+class StepEnd:
+    """Where a step ended (or a measuring window started), with the run's totals up to there."""
+
+    step: int
+    at: Instant
+    tokens: int
+    data_seconds: float  # host clock
+    other_seconds: float  # host clock
+    other_device_seconds: float
+
+
 class MetricsLogger:
+    """A line covers the steps since the last line: from where the last logged step ended to where this one ended.
+    The trainer marks each step's end (``end_step``) as soon as the step is queued, and writes the line later (a
+    step's values are read back while the next step runs), so a line's window does not depend on when it is written.
+    """
+
     def __init__(self, job_config, device: torch.device, rank: int, flops_per_token: int, last_step: int):
         self.log_freq = job_config.metrics.log_freq
         self.last_step = last_step
@@ -131,28 +175,69 @@ class MetricsLogger:
                 self.writers.append(TensorBoardWriter(folder))
             if metrics.enable_wandb and rank == 0:
                 self.writers.append(WandbWriter(job_config))
+        # Running totals: tokens trained on, seconds the training loop waited for data, and the time of the work
+        # between steps that is not training (validation, text samples, evaluation: ``other_work``).
+        self.tokens = 0
+        self.data_seconds = 0.0
+        self.other_seconds = 0.0
+        self.other_device_seconds = 0.0
+        self.step_ends: dict[int, StepEnd] = {}  # of the steps since the last line
         self.reset_window(step=0)
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == self.last_step
 
+    def mark(self, step: int) -> StepEnd:
+        """Here, as the end of ``step``."""
+        return StepEnd(
+            step,
+            Instant.now(self.device),
+            self.tokens,
+            self.data_seconds,
+            self.other_seconds,
+            self.other_device_seconds,
+        )
+
+    def end_step(self, step: int, tokens: int, data_seconds: float) -> None:
+        """``step``'s work is queued (on the CPU: done): it trained on ``tokens`` tokens after ``data_seconds`` of
+        waiting for data since the last step ended. Its line's window ends here, whenever the line is written."""
+        self.tokens += tokens
+        self.data_seconds += data_seconds
+        self.step_ends[step] = self.mark(step)
+
+    @contextlib.contextmanager
+    def other_work(self):
+        """Around work between steps that is not training (validation, text samples, evaluation): the throughput
+        leaves its time out."""
+        start = Instant.now(self.device)
+        yield
+        end = Instant.now(self.device)
+        self.other_seconds += end.time - start.time
+        self.other_device_seconds += end.device_seconds_since(start)
+
     def reset_window(self, step: int) -> None:
-        """Start a new measuring window (throughput, data-loading share and ETA average over it)."""
-        self.window_start = time.perf_counter()
-        self.window_step = step
-        self.window_tokens = 0
-        self.window_data_time = 0.0
-        self.window_other_time = 0.0  # validation and text samples: not part of the training throughput
+        """Start a new measuring window (throughput, data-loading share and ETA average over it) here."""
+        self.window_start = self.mark(step)
+        self.step_ends.clear()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Add throughput, MFU, memory and ETA to ``metrics`` (loss, grad_norm, lr ...), print, write (with
         upstream flame's names too). Every rank calls it at the same steps: the max loss over ranks is a collective."""
         rank_loss = metrics.pop(RANK_LOSS, None)
-        elapsed = time.perf_counter() - self.window_start
-        training_time = elapsed - self.window_other_time
-        tokens_per_second = self.window_tokens / training_time
+        # The window: from the end of the step last logged to the end of this one (here, if end_step did not mark
+        # it); on a GPU timed by the device, the data waits by the host that waited.
+        end = self.step_ends.pop(step, None) or self.mark(step)
+        start, self.window_start = self.window_start, end
+        for earlier in [s for s in self.step_ends if s < step]:
+            del self.step_ends[earlier]
+        elapsed = end.at.device_seconds_since(start.at)
+        training_time = elapsed - (end.other_device_seconds - start.other_device_seconds)
+        tokens_per_second = (end.tokens - start.tokens) / max(training_time, 1e-9)
         metrics["throughput/tokens_per_second_per_device"] = tokens_per_second
-        metrics["throughput/data_loading_share"] = self.window_data_time / training_time
+        host_training_time = end.at.time - start.at.time - (end.other_seconds - start.other_seconds)
+        metrics["throughput/data_loading_share"] = (end.data_seconds - start.data_seconds) / max(
+            host_training_time, 1e-9
+        )
         if self.peak_flops:
             metrics["throughput/mfu_percent"] = (
                 100 * self.flops_per_token * tokens_per_second / self.peak_flops
@@ -160,7 +245,7 @@ class MetricsLogger:
         metrics["memory/peak_allocated_gib"], metrics["memory/peak_reserved_gib"] = device_memory_gib(
             self.device
         )
-        steps_done = max(step - self.window_step, 1)
+        steps_done = max(step - start.step, 1)
         eta = timedelta(seconds=int(elapsed / steps_done * (self.last_step - step)))
 
         parts = [
@@ -182,7 +267,6 @@ class MetricsLogger:
             written["loss_metrics/global_max_loss"] = max_over_ranks(rank_loss, self.device)
         for writer in self.writers:
             writer.scalars(written, step)
-        self.reset_window(step)
 
     def log_validation(self, step: int, metrics: dict[str, float], seconds: float) -> None:
         logger.info(

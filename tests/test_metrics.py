@@ -2,6 +2,7 @@
 
 import importlib.util
 import re
+import time
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ def test_console_line_tensorboard_and_mfu(tmp_path, caplog):
     config = parse_args(["--job.dump_folder", str(tmp_path)])
     metrics = MetricsLogger(config, torch.device("cpu"), rank=0, flops_per_token=1000, last_step=20)
     metrics.peak_flops = 1e6  # as on a GPU with a known peak
-    metrics.window_tokens = 2048
+    metrics.tokens = 2048
     with caplog.at_level("INFO"):
         metrics.log(10, dict(STEP_METRICS))
         metrics.log_validation(
@@ -42,6 +43,33 @@ def test_console_line_tensorboard_and_mfu(tmp_path, caplog):
         assert 10 in tensorboard_scalars(tmp_path, tag), tag
 
 
+def test_a_line_written_a_step_late_measures_up_to_the_end_of_its_step(tmp_path):
+    """The trainer writes a log step's line while the next step runs (the last step's at once): each line's window
+    runs from the end of the step last logged to the end of its own, whenever it is written."""
+    config = parse_args(["--job.dump_folder", str(tmp_path), "--metrics.log_freq", "1",
+                         "--metrics.no-enable-tensorboard"])  # fmt: skip
+    metrics = MetricsLogger(config, torch.device("cpu"), rank=0, flops_per_token=1, last_step=3)
+    written = {}
+
+    def write(step):
+        written[step] = dict(STEP_METRICS)
+        metrics.log(step, written[step])
+
+    step_seconds = 0.05
+    for step in (1, 2, 3):
+        time.sleep(step_seconds)  # the step's work (on the CPU, done when the step returns)
+        metrics.end_step(step, tokens=100, data_seconds=0.01)
+        if step == 1:
+            write(1)
+        if step == 3:
+            write(2)  # read back once step 3 is queued
+            write(3)  # the last step: at once
+    for step, line in written.items():
+        tokens_per_second = line["throughput/tokens_per_second_per_device"]
+        assert 100 / (5 * step_seconds) < tokens_per_second <= 100 / step_seconds, (step, tokens_per_second)
+        assert 0 < line["throughput/data_loading_share"] <= 0.01 / step_seconds, step
+
+
 def test_only_rank_zero_writes(tmp_path):
     config = parse_args(["--job.dump_folder", str(tmp_path)])
     assert MetricsLogger(config, torch.device("cpu"), rank=1, flops_per_token=1, last_step=5).writers == []
@@ -55,7 +83,7 @@ def test_wandb_offline_run_is_written_under_the_dump_folder(tmp_path, monkeypatc
     config = parse_args(["--job.dump_folder", str(tmp_path / "run"), "--metrics.enable_wandb",
                          "--metrics.no-enable-tensorboard"])  # fmt: skip
     metrics = MetricsLogger(config, torch.device("cpu"), rank=0, flops_per_token=1, last_step=5)
-    metrics.window_tokens = 100
+    metrics.tokens = 100
     metrics.log(1, dict(STEP_METRICS))
     metrics.log_samples(1, [("The", " end")])
     metrics.close()
@@ -134,8 +162,8 @@ def test_upstream_flames_metric_names_are_written_too(tmp_path):
     config = parse_args(["--job.dump_folder", str(tmp_path)])
     metrics = MetricsLogger(config, torch.device("cpu"), rank=0, flops_per_token=1000, last_step=20)
     metrics.peak_flops = 1e6
-    metrics.window_tokens = 2048
-    metrics.window_data_time = 0.0
+    metrics.tokens = 2048
+    metrics.data_seconds = 0.0
     metrics.log(10, {**STEP_METRICS, RANK_LOSS: 5.5})
     metrics.close()
 

@@ -238,13 +238,14 @@ class Trainer(Stateful):
         batches = [next(data) for _ in range(self.accumulation)]
         self.ntokens_seen += sum(labels.numel() for _, labels in batches)
         result = self.train_step_fn(batches)
+        # The step ends here for its line's throughput, whenever that line is written: its values are read back
+        # during the next step, or at once (below), and the lines must measure the same spans either way.
+        self.metrics.end_step(self.step, result.tokens, self.batches.wait_seconds)
+        self.batches.wait_seconds = 0.0
         # The step's kernels are queued: the next step's batches load and copy while they run, and the last log
         # step's metrics are read back (which waits for that step only, not for this one).
         data.prefetch()
         self.write_log()
-        self.metrics.window_data_time += self.batches.wait_seconds
-        self.batches.wait_seconds = 0.0
-        self.metrics.window_tokens += result.tokens
         # training.skip_nan_inf: the last step's verdict is read now too (it names the parameters and stops at the
         # limit); this step's where it is logged or saved.
         self.nonfinite_steps.record(self.step, result.skipped, result.grad_norm, result.gradient_norms)
@@ -286,25 +287,22 @@ class Trainer(Stateful):
     def validate(self) -> None:
         self.write_log()  # its step's line first
         start = time.perf_counter()
-        results = self.validator.validate(self.model_parts[0], self.device, self.amp)
-        seconds = time.perf_counter() - start
-        self.metrics.window_other_time += seconds
-        self.metrics.log_validation(self.step, results, seconds)
+        with self.metrics.other_work():
+            results = self.validator.validate(self.model_parts[0], self.device, self.amp)
+        self.metrics.log_validation(self.step, results, time.perf_counter() - start)
 
     def sample(self) -> None:
         self.write_log()  # its step's line first
-        start = time.perf_counter()
-        samples = self.sampler.generate(self.model_parts[0], self.device, self.amp, self.step)
-        self.metrics.window_other_time += time.perf_counter() - start
+        with self.metrics.other_work():
+            samples = self.sampler.generate(self.model_parts[0], self.device, self.amp, self.step)
         self.metrics.log_samples(self.step, samples)
 
     def evaluate(self) -> None:
         self.write_log()  # its step's line first
         start = time.perf_counter()
-        results = self.evaluator.evaluate(self.model_parts[0], self.step)
-        seconds = time.perf_counter() - start
-        self.metrics.window_other_time += seconds
-        self.metrics.log_eval(self.step, results, seconds)
+        with self.metrics.other_work():
+            results = self.evaluator.evaluate(self.model_parts[0], self.step)
+        self.metrics.log_eval(self.step, results, time.perf_counter() - start)
 
     def train(self) -> None:
         job_config = self.job_config

@@ -1,9 +1,10 @@
 """One training step in-process: token-weighted accumulation, non-finite steps skipped, z-loss, gradient norm
-before clipping, hard stop, profiler and debug switches."""
+before clipping, hard stop, profiler and debug switches, and the throughput the step lines report."""
 
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,81 @@ def test_a_log_step_is_written_once_the_next_step_is_queued(make_trainer):
     # step 2's line is written before its validation's; step 3's during step 4
     assert written == [("train", 1, 1), ("train", 2, 2), ("validation", 2, 2), ("train", 3, 4), ("train", 4, 4),
                        ("validation", 4, 4)]  # fmt: skip
+
+
+STEP_SECONDS, DATA_SECONDS = 0.15, 0.05  # each step's work, and the wait for each batch
+VALIDATION_SECONDS = 0.5
+
+
+class SlowLoader:
+    """The trainer's dataloader, each batch DATA_SECONDS late."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def __iter__(self):
+        for batch in self.loader:
+            time.sleep(DATA_SECONDS)
+            yield batch
+
+
+@pytest.mark.parametrize(
+    ("flags", "saves", "lines"),
+    [
+        (["--training.steps", "4"], (), [1, 2, 3, 4]),  # 2 and 3 written during the next step, 4 at once
+        (["--training.steps", "5", "--metrics.log_freq", "2"], (), [1, 2, 4, 5]),  # lines of 1 and 2 steps
+        (["--training.steps", "4"], (2,), [1, 2, 3, 4]),  # 2 written at once: a checkpoint follows
+        # A validation (VALIDATION_SECONDS) after step 3, within line 4's steps: not training time.
+        (["--training.steps", "4", "--metrics.log_freq", "2", "--validation.enable", "--validation.freq", "3",
+          "--validation.steps", "1"], (), [1, 2, 4]),
+    ],
+)  # fmt: skip
+def test_each_line_measures_the_steps_it_reports(make_trainer, monkeypatch, flags, saves, lines):
+    """A line's tokens/s and data-loading share cover the steps since the last line, up to the end of its own
+    step, whether the line is written during the next step or at once (the first and last steps, a step that
+    saves): every step takes STEP_SECONDS plus DATA_SECONDS waiting for its batch, and so does every line's step."""
+    trainer = make_trainer(*flags)
+    if trainer.validator is not None:
+        validate = trainer.validator.validate
+
+        def slow_validation(*args):
+            time.sleep(VALIDATION_SECONDS)
+            return validate(*args)
+
+        monkeypatch.setattr(trainer.validator, "validate", slow_validation)
+    step_type = type(trainer.train_step_fn)
+    step = step_type.__call__
+
+    def slow_step(self, batches):
+        time.sleep(STEP_SECONDS)  # the step's work: on the CPU it is done when the step returns
+        return step(self, batches)
+
+    monkeypatch.setattr(step_type, "__call__", slow_step)
+    monkeypatch.setattr(trainer.checkpointer, "due", lambda step, last_step=False: step in saves)
+    trainer.batches.loader = SlowLoader(trainer.batches.loader)
+    written = {}
+    log = trainer.metrics.log
+
+    def spy(step, metrics):
+        log(step, metrics)  # adds the throughput to metrics
+        written[step] = metrics
+
+    trainer.metrics.log = spy
+    trainer.train()
+    assert sorted(written) == lines
+    tokens_per_step = 2 * 64  # --training.batch_size 2 x --training.seq_len 64
+    # A line's steps each took at least STEP_SECONDS + DATA_SECONDS, and little more (a tiny model's step); the
+    # first line's time also holds the start (the first batches, the first step's lazy set-up).
+    fastest = tokens_per_step / (STEP_SECONDS + DATA_SECONDS)
+    least_data_share = DATA_SECONDS / (STEP_SECONDS + DATA_SECONDS)
+    for line, metrics in written.items():
+        tokens_per_second = metrics["throughput/tokens_per_second_per_device"]
+        data_share = metrics["throughput/data_loading_share"]
+        assert tokens_per_second <= fastest * 1.001, (line, tokens_per_second, fastest)
+        assert 0 < data_share <= 1, (line, data_share)
+        if line > 1:
+            assert tokens_per_second > fastest / 2, (line, tokens_per_second, fastest)
+            assert data_share > least_data_share / 2, (line, data_share)
