@@ -25,8 +25,9 @@ family's row with its reason (the last line of its output, and the upstream issu
    the uninterrupted run's. On a CPU they must be equal; on a GPU compiled kernels need not be deterministic, so
    the maximum relative difference is reported and called equal within ``GPU_RESUME_RTOL``.
 3. export: ``python -m flame.cli.convert_dcp_to_hf`` (train.sh's end-of-run converter) writes the HF folder; a
-   fresh process loads it with ``AutoModelForCausalLM.from_pretrained`` (after ``import fla`` for FLA's types)
-   and compares its float32 logits on a fixed batch with those of flame's model read from the DCP checkpoint
+   fresh process loads it with ``AutoModelForCausalLM.from_pretrained`` (after ``import fla`` for FLA's types,
+   and after flame has built its model, so FLA's modules carry flame's fixes as in any process that imports flame:
+   flash-attn's functions on flame's attention, rodimus' residual flag; flame.compat) and compares its float32 logits on a fixed batch with those of flame's model read from the DCP checkpoint
    (flame.hf.load): the max |difference| over the max |logit| within ``EXPORT_RTOL`` of the device.
 4. anchor: ``run_naive_hf_loop`` of bench/train_throughput.py on the same model and tokens per step (random
    tokens), in a fresh process: the loop a user writes without flame (eager, bf16 autocast, fused AdamW); the ratio
@@ -325,8 +326,8 @@ def resume_verdict(expected: dict[int, float], resumed: dict[int, float], device
 
 def export_logit_difference(dump: Path, step_number: int, device: str) -> tuple[float, float, str]:
     """(max |exported - flame's| logit, max |flame's logit|, the precision they ran in) on a fixed batch: the HF
-    folder in ``dump`` loaded by transformers alone (FLA's types registered by ``import fla``), flame's model from
-    its DCP checkpoint."""
+    folder in ``dump`` loaded by transformers' AutoModelForCausalLM (FLA's types registered by ``import fla``, FLA's
+    modules with flame's fixes), flame's model from its DCP checkpoint."""
     from transformers import AutoModelForCausalLM
 
     import flame.hf
@@ -336,8 +337,11 @@ def export_logit_difference(dump: Path, step_number: int, device: str) -> tuple[
     flame.hf.register()
     if read_hf_config(dump).get("model_type") in fla_model_types():
         import_fla_models()
-    exported = AutoModelForCausalLM.from_pretrained(dump, dtype=torch.float32).to(device).eval()
+    # flame's model first: building an FLA class applies flame's process-wide fixes to FLA's modules
+    # (flame.compat: flash-attn's functions on flame's attention, rodimus' residual flag), which FLA's own class
+    # then builds with, as it does in any process that imports flame.
     flame_model = load(dump, step=step_number, device=device).model
+    exported = AutoModelForCausalLM.from_pretrained(dump, dtype=torch.float32).to(device).eval()
     tokens = torch.randint(0, exported.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     (theirs, ours), precision = compared_logits(
         lambda: (exported(tokens.to(device)).logits, flame_model(tokens.to(device))), device

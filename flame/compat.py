@@ -13,6 +13,7 @@ imports no torch: ``import flame`` installs :func:`defer_torchtitan_import_compi
 """
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -428,6 +429,33 @@ def _fla_moba_needs_flash_attn() -> bool:
     return _sources_contain(("fla.ops.moba.parallel",), "`parallel_moba` requires `flash-attn`")
 
 
+def fla_rodimus_blocks_follow_the_model() -> None:
+    """FLA 0.6.0's RodimusBlock takes ``block_residual_in_fp32`` from the config's ``residual_in_fp32`` (True by
+    default) where RodimusModel takes the config's ``block_residual_in_fp32`` (False by default): with the default
+    config every block after the first asserts a residual the model never passes, and the first returns a tuple the
+    model adds as a tensor. Blocks built after this call take the config's ``block_residual_in_fp32``, as the model
+    does; for the process, so FLA's own class (an export loaded by transformers) builds consistent blocks too."""
+    from fla.models.rodimus.modeling_rodimus import RodimusBlock
+
+    init = RodimusBlock.__init__
+    if getattr(init, "flame_follows_the_model", False):
+        return
+
+    @functools.wraps(init)
+    def follow_the_model(self, config, layer_idx):
+        init(self, config, layer_idx)
+        self.block_residual_in_fp32 = config.block_residual_in_fp32
+
+    follow_the_model.flame_follows_the_model = True
+    RodimusBlock.__init__ = follow_the_model
+
+
+def _fla_rodimus_block_reads_residual_in_fp32() -> bool:
+    return _sources_contain(
+        ("fla.models.rodimus.modeling_rodimus",), "self.block_residual_in_fp32 = config.residual_in_fp32"
+    )
+
+
 def _fla_flash_attn_callers_need_flash_attn() -> bool:
     return _sources_contain(FLA_FLASH_ATTN_CALLERS, "from flash_attn import", "flash_attn_func(")
 
@@ -530,6 +558,15 @@ SHIMS = (
         fixed_in=None,
         workaround="fla_flash_attn_calls_on_flame",
         reproduces=_fla_flash_attn_callers_need_flash_attn,
+    ),
+    Shim(
+        name="fla_rodimus_block_residual",
+        applies=_always,
+        upstream="not filed: FLA 0.6.0's RodimusBlock reads block_residual_in_fp32 from residual_in_fp32, "
+        "so rodimus' default config fails at its second block",
+        fixed_in=None,
+        workaround="fla_rodimus_blocks_follow_the_model",
+        reproduces=_fla_rodimus_block_reads_residual_in_fp32,
     ),
     Shim(
         name="fla_moba_flash_attn",

@@ -113,8 +113,9 @@ FLASH_ATTN_CALLERS = {
         {"model_type": "rodimus", **TINY, "ska_attn": {"num_heads": 4}},
         "SlidingWindowSharedKeyAttention",
     ),
+    # NSA's kernels take groups of a power of 2 >= 16 query heads per key/value head
     "nsa": (
-        {"model_type": "nsa", **TINY, "num_heads": 4, "num_kv_heads": 1, "head_dim": 64, "window_size": 32},
+        {"model_type": "nsa", **TINY, "num_heads": 16, "num_kv_heads": 1, "head_dim": 64, "window_size": 32},
         "NativeSparseAttention",
     ),
     "moba": ({"model_type": "moba", **TINY, "moba_chunk_size": 16, "moba_topk": 3}, "MoBA"),

@@ -11,6 +11,7 @@ from flame.compat import (
     fla_flash_attn_calls_on_flame,
     fla_layers_on_flame,
     fla_moba_on_flame,
+    fla_rodimus_blocks_follow_the_model,
 )
 from flame.errors import ModelConfigError
 from flame.models.common.decoder import LMHead
@@ -164,6 +165,7 @@ def instantiate(lm_class: type, config) -> nn.Module:
         return cls(config)
     fla_deltaformer_on_flame(deltaformer_attention)
     fla_moba_on_flame(parallel_moba)
+    fla_rodimus_blocks_follow_the_model()
     fla_flash_attn_calls_on_flame(
         {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func}
     )

@@ -137,6 +137,31 @@ def test_flash_attn_callers_run_on_flames_functions_without_flash_attn(model_typ
     assert importlib.import_module("fla.layers.moba").parallel_moba is fla_moba.parallel_moba
 
 
+@pytest.mark.parametrize("block_residual_in_fp32", [False, True])
+def test_rodimus_blocks_pass_the_residual_as_the_model_does(block_residual_in_fp32):
+    """FLA 0.6.0's RodimusBlock reads its residual flag from residual_in_fp32 (default True), its model from
+    block_residual_in_fp32 (default False): built by flame (and, after that, by FLA's own class) the blocks follow
+    the model, so the default config does not stop at its second block."""
+    from fla.models import RodimusConfig, RodimusForCausalLM
+
+    config = {
+        "model_type": "rodimus",
+        **TINY,
+        **OVERRIDES["rodimus"],
+        "block_residual_in_fp32": block_residual_in_fp32,
+    }
+    args, _ = model_args_from_dict(config)
+    with torch.device("meta"):
+        flame_model = build_model(args)
+        fla_config = RodimusConfig(
+            **TINY, **OVERRIDES["rodimus"], block_residual_in_fp32=block_residual_in_fp32
+        )
+        fla_class = RodimusForCausalLM(fla_config)
+    for model in (flame_model, fla_class):
+        assert model.model.block_residual_in_fp32 is block_residual_in_fp32
+        assert [block.block_residual_in_fp32 for block in model.model.layers] == [block_residual_in_fp32] * 2
+
+
 ATTENTION_CONFIGS = {
     "transformer": {"model_type": "transformer", **TINY, "num_heads": 4, "num_kv_heads": 2, "qk_norm": True,
                     "qkv_bias": True, "window_size": 16},
