@@ -33,6 +33,7 @@ import torchtitan  # noqa: E402,F401  (the real package before flame.config: see
 from train_throughput import (  # noqa: E402
     add_run_options,
     cleanup,
+    command_line,
     device_name,
     millions,
     profile_steps,
@@ -185,10 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         text = table(results, world)
         print("\n" + text)
         if not args.no_write:
-            command = " ".join(
-                (["torchrun --nproc_per_node", str(world)] if world > 1 else ["python"])
-                + ["bench/dpo_step.py", *(sys.argv[1:] if argv is None else argv)]
-            )
+            launcher = ("torchrun", "--nproc_per_node", str(world)) if world > 1 else ("python",)
+            command = command_line("bench/dpo_step.py", argv, launcher)
             write_section(
                 args.doc,
                 f"bench_dpo_step_{world}gpu",

@@ -75,6 +75,7 @@ from train_throughput import (  # noqa: E402
     DEFAULT_DATASET,
     DEFAULT_TOKENIZER,
     H100_BF16_PEAK_TFLOPS,
+    command_line,
     device_name,
     run_naive_hf_loop,
     write_section,
@@ -680,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     stop_on_sigterm()
     started = time.perf_counter()
-    command = " ".join(["python bench/families.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("bench/families.py", argv)
     rows = []
 
     def finished(row: Row, seconds: float) -> None:

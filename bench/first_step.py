@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 from families import stop_on_sigterm, train_env  # noqa: E402
-from train_throughput import MODELS, device_name, model_config, write_section  # noqa: E402
+from train_throughput import MODELS, command_line, device_name, model_config, write_section  # noqa: E402
 
 MARKER = "bench_first_step"
 FIRST_STEP = re.compile(r"\bstep\s+1/\d+\b")
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print("\n" + text)
     if not args.no_write and args.device == "cuda":
-        command = " ".join(["python bench/first_step.py", *(sys.argv[1:] if argv is None else argv)])
+        command = command_line("bench/first_step.py", argv)
         write_section(
             args.doc,
             MARKER,

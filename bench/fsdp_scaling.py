@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 from families import stop_on_sigterm  # noqa: E402
-from train_throughput import MODELS, add_run_options, write_section  # noqa: E402
+from train_throughput import MODELS, add_run_options, command_line, write_section  # noqa: E402
 
 MARKER = "bench_fsdp_scaling"
 DDP_MARKER = "bench_ddp_scaling"
@@ -286,7 +286,7 @@ def read_runs(path: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     stop_on_sigterm()
-    command = "python bench/fsdp_scaling.py " + " ".join(sys.argv[1:] if argv is None else map(str, argv))
+    command = command_line("bench/fsdp_scaling.py", argv)
     runs = (
         [run for path in args.merge for run in read_runs(path)]
         if args.merge

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_throughput import device_name, device_synchronize, write_section  # noqa: E402
+from train_throughput import command_line, device_name, device_synchronize, write_section  # noqa: E402
 
 MARKER = "bench_gated_delta_rule"
 SHAPES = "16x128x128,6x256x512,16x96x192"
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     text += f"\n\nFirst call (autotuning and compilation): {first_calls}."
     print("\n" + text)
     if not args.no_write:
-        command = "python bench/gated_delta_rule.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = command_line("bench/gated_delta_rule.py", argv)
         dtype = "bf16 (g float32)" if args.device == "cuda" else "float32"
         write_section(
             args.doc,

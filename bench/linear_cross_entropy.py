@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_throughput import device_name, write_section  # noqa: E402
+from train_throughput import command_line, device_name, write_section  # noqa: E402
 
 from flame.loss import IGNORE_INDEX, loss_sums  # noqa: E402
 from flame.ops import dispatch  # noqa: E402
@@ -160,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(args, rows)
     print("\n" + text)
     if not args.no_write:
-        command = " ".join(
-            ["python bench/linear_cross_entropy.py", *(sys.argv[1:] if argv is None else argv)]
-        )
+        command = command_line("bench/linear_cross_entropy.py", argv)
         chunk = args.chunk_size or default_chunk_size(args.tokens, args.vocab, args.hidden)
         dtype = "bfloat16" if device.type == "cuda" else "float32"
         write_section(

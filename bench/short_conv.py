@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_throughput import device_name, write_section  # noqa: E402
+from train_throughput import command_line, device_name, write_section  # noqa: E402
 
 from flame.ops.short_conv.triton_kernel import short_conv_triton  # noqa: E402
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print("\n" + text)
     if not args.no_write:
-        command = " ".join(["python bench/short_conv.py", *(sys.argv[1:] if argv is None else argv)])
+        command = command_line("bench/short_conv.py", argv)
         write_section(
             args.doc,
             MARKER,

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_throughput import device_name, write_section  # noqa: E402
+from train_throughput import command_line, device_name, write_section  # noqa: E402
 
 from flame.ops.attention import reference_attention  # noqa: E402
 from flame.ops.attention.softpick_triton import softpick_attention  # noqa: E402
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print("\n" + text)
     if not args.no_write:
-        command = " ".join(["python bench/softpick_kernel.py", *(sys.argv[1:] if argv is None else argv)])
+        command = command_line("bench/softpick_kernel.py", argv)
         write_section(
             args.doc,
             MARKER,

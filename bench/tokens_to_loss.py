@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_throughput import device_name, write_section  # noqa: E402
+from train_throughput import command_line, device_name, write_section  # noqa: E402
 
 from flame.plot import PlotError, read_scalar_events  # noqa: E402
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         job = shlex.join(args.extra)
-        command = "python bench/tokens_to_loss.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+        command = command_line("bench/tokens_to_loss.py", argv)
         write_section(
             args.doc,
             MARKER,

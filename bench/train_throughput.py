@@ -516,6 +516,11 @@ def write_json(
     path.write_text(json.dumps(record, indent=1))
 
 
+def command_line(script: str, argv: list | None, launcher: tuple[str, ...] = ("python",)) -> str:
+    """The command that ran ``script`` (its arguments: ``argv``, or the process's), quoted so it runs as printed."""
+    return shlex.join([*launcher, script, *map(str, sys.argv[1:] if argv is None else argv)])
+
+
 def write_section(doc: Path, marker: str, title: str, description: str, table_text: str) -> None:
     """Puts "## title", the description and the table between <!-- marker --> and <!-- /marker --> in doc (the
     previous run's section there is replaced); every bench script writes its results this way."""
@@ -805,10 +810,8 @@ def main(argv: list[str] | None = None) -> int:
                 + ("_anchor" if args.anchor else "")
                 + ("_long_context" if long_context else "")
             )
-            command = " ".join(
-                (["torchrun --nproc_per_node", str(world_size)] if world_size > 1 else ["python"])
-                + ["bench/train_throughput.py", *(sys.argv[1:] if argv is None else argv)]
-            )
+            launcher = ("torchrun", "--nproc_per_node", str(world_size)) if world_size > 1 else ("python",)
+            command = command_line("bench/train_throughput.py", argv, launcher)
             if device.type == "cpu":
                 parallelism = "float32" + (", FSDP" if world_size > 1 else "")
             else:

@@ -216,6 +216,21 @@ def test_job_flags_reach_every_case_job(monkeypatch):
     assert job_config(64, False, 1, parse(["--device", "cpu", "--tiny"])).optimizer.implementation == "fused"
 
 
+def test_the_written_command_runs_as_printed(monkeypatch):
+    """Every bench writes its command with command_line: an argument with spaces (--job_flags) stays one argument."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import shlex
+
+    from train_throughput import command_line
+
+    argv = ["--job_flags", "--training.varlen --training.context_len 4096", "--quick"]
+    assert shlex.split(command_line("bench/train_throughput.py", argv)) == [
+        "python", "bench/train_throughput.py", *argv
+    ]  # fmt: skip
+    launcher = ("torchrun", "--nproc_per_node", "2")
+    assert shlex.split(command_line("bench/x.py", [], launcher)) == [*launcher, "bench/x.py"]
+
+
 def test_a_fake_world_runs_fsdp_or_ddp_in_one_process_and_writes_nothing(tmp_path, monkeypatch):
     """--fake_world: FSDP, or DDP, over a process group of 2 whose collectives do nothing, in one process (their
     host work alone). The row says 2 GPUs and the doc is left alone; --num_layers sets any model's block count."""
