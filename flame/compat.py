@@ -17,6 +17,7 @@ import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -173,7 +174,8 @@ def _gloo_lacks_premul_sum() -> bool:
 
 
 class _CpuDeviceModule(types.SimpleNamespace):
-    """The few ``torch.cuda``-style calls torchtitan makes on its device module, answered for the CPU."""
+    """The ``torch.cuda``-style calls torchtitan makes on its device module, answered for the CPU (its metrics' memory
+    monitor included: the machine's memory as capacity, no allocator statistics)."""
 
     def __init__(self):
         super().__init__(
@@ -182,21 +184,28 @@ class _CpuDeviceModule(types.SimpleNamespace):
             synchronize=lambda *a: None,
             empty_cache=lambda: None,
             device_count=lambda: 1,
+            get_device_name=lambda device=None: "CPU",
+            get_device_properties=lambda device=None: types.SimpleNamespace(
+                total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            ),
+            memory_stats=lambda device=None: {},
+            reset_peak_memory_stats=lambda device=None: None,
         )
 
 
 def _use_cpu_when_no_accelerator() -> None:
     # torchtitan's tools/utils.get_device_info() falls back to "cuda" when torch finds no accelerator, so a CPU-only
     # run picks the NCCL backend and calls torch.cuda.set_device. Point its module-level device globals at the CPU
-    # and gloo instead.
+    # and gloo instead (its metrics' too, which torchtitan's own trainer uses: bench/torchtitan_anchor.py).
     if not _without_accelerator():
         return
+    import torchtitan.components.metrics as metrics
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.tools.utils as tools_utils
 
     cpu_module = _CpuDeviceModule()
-    for module in (tools_utils, parallel_dims, dist_utils):
+    for module in (tools_utils, parallel_dims, dist_utils, metrics):
         if hasattr(module, "device_type"):
             module.device_type = "cpu"
         if hasattr(module, "device_module"):

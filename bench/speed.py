@@ -1,0 +1,450 @@
+"""The speed table: train.sh against the bench, the first step, the 340M models' throughput and MFU, long context and
+tokens to a loss, each beside its anchor measured in the same run, on one GPU, by one command.
+
+    python bench/speed.py --json /tmp/speed.json                       # every part, one GPU (~35 min on an H100)
+    python bench/speed.py --json /tmp/speed.json --parts long_context  # some parts; the others' results are kept
+    python bench/speed.py --tiny --device cpu --parts throughput,train_sh --json /tmp/s.json --no_write  # smoke
+
+Parts (``--parts``), each a run of another bench script or of train.sh, in this order:
+
+- ``throughput``: bench/train_throughput.py on random tokens, compiled, 8 x 2048, with ``--anchor`` (the naive HF
+  loop of the same model) and one profiled step (the top kernels say what limits a row), for the transformer,
+  GatedDeltaNet and the hybrid.
+- ``train_sh``: ``NGPU=1 bash train.sh`` of the same models and shapes on the shipped corpus, ``--steps`` steps: the
+  tokens/s, data share and MFU of its log lines from ``--skip_steps`` on (their mean), from its TensorBoard events.
+- ``torchtitan``: torchtitan's own trainer on a Llama3 of the transformer's shape (bench/torchtitan_anchor.py), the
+  transformer's second anchor.
+- ``first_step``: bench/first_step.py's three launches (fresh, fresh with flame's shipped tuning, warm) of
+  GatedDeltaNet and the transformer.
+- ``long_context``: the seed recipe's 64k-token varlen job (batch 1 x 65,536, documents cut at 4,096) of the three
+  models with full activation checkpointing and with offloading.
+- ``tokens_to_loss``: bench/tokens_to_loss.py's AdamW and Muon runs of the 340M transformer on ``--t2l_dataset``
+  (``python scripts/build_code_corpus.py --out exp/code_corpus`` builds the default one).
+
+``--json`` keeps every part's results (a part run again replaces its own), so a run stopped part-way continues
+with the parts left. From the parts there, the table has one row per measurement: what was measured, its anchor
+from the same file, their ratio, the issue's target and whether it is met (or how far it is). It is printed and, on
+a GPU (or with ``--write_doc``), written into docs/performance.md between ``<!-- bench_speed -->`` markers with the
+command, device and date.
+"""
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from families import stop_on_sigterm, train_env  # noqa: E402
+from first_step import SHIPPED_VOCAB, measure_model  # noqa: E402
+from train_throughput import command_line, device_name, model_config, write_section  # noqa: E402
+
+from flame.plot import read_scalar_events  # noqa: E402
+
+MARKER = "bench_speed"
+PARTS = ("throughput", "train_sh", "torchtitan", "first_step", "long_context", "tokens_to_loss")
+MODELS = ("transformer", "gated_deltanet", "hybrid")
+# The speed issue's targets on one H100 (tokens/s at 8 x 2048 through train.sh; MFU of the transformer; seconds to
+# GatedDeltaNet's first step on a fresh machine).
+TARGET_TOKENS_PER_S = {"gated_deltanet": 120_000, "hybrid": 140_000}
+TARGET_MFU = 50.0
+TARGET_FIRST_STEP_S = 60.0
+TARGET_TRAIN_SH_RATIO = 0.97  # train.sh within 3% of the bench
+TARGET_DATA_SHARE = 0.01
+
+
+def run_logged(command: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> int:
+    """Runs ``command`` from the repo root with its output in ``log``; its exit status (124 past ``timeout_s``, when
+    its whole process group is killed: train.sh's ranks too)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print("==", " ".join(command), flush=True)
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(env or {})}, start_new_session=True)  # fmt: skip
+        try:
+            return process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return 124
+        except BaseException:  # stopped: the run goes with this process
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+
+
+def last_line(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def throughput_bench(args, work: Path, name: str, flags: list[str]) -> dict:
+    """bench/train_throughput.py with ``flags``: its results (``results``), or why it failed (``error``)."""
+    out = work / f"{name}.json"
+    command = [sys.executable, "bench/train_throughput.py", "--device", args.device, "--no_write", "--json", str(out),
+               *(["--tiny"] if args.tiny else []), *flags]  # fmt: skip
+    status = run_logged(command, work / f"{name}.log", args.timeout_s)
+    if not out.exists():
+        return {"error": f"exit status {status}: {last_line(work / f'{name}.log')}"}
+    return {"results": json.loads(out.read_text())["results"], "status": status}
+
+
+def part_throughput(args, work: Path) -> dict:
+    mode = "compiled" if args.device == "cuda" else "eager"  # as train.sh runs
+    flags = ["--models", ",".join(MODELS), "--seq_lens", str(args.seq_len), "--modes", mode, "--anchor",
+             "--tokens_per_gpu", str(args.seq_len * args.batch_size), "--warmup", str(args.warmup), "--steps",
+             str(args.bench_steps)] + (["--profile", "1"] if args.device == "cuda" else [])  # fmt: skip
+    return {**throughput_bench(args, work, "throughput", flags), "mode": mode}
+
+
+def part_long_context(args, work: Path) -> dict:
+    seq, context = (512, 128) if args.tiny else (65536, 4096)
+    flags = ["--models", ",".join(MODELS), "--seq_lens", str(seq), "--tokens_per_gpu", str(seq), "--modes",
+             "compiled" if args.device == "cuda" else "eager", "--activations", "full,offload", "--data", "real",
+             "--job_flags", f"--training.varlen --training.context_len {context}", "--warmup", "2",
+             "--steps", "5"]  # fmt: skip
+    return throughput_bench(args, work, "long_context", flags)
+
+
+def model_file(name: str, args, folder: Path) -> Path:
+    """The bench model's config as a --model.config file (tiny: the shipped tokenizer's vocabulary)."""
+    values = model_config(name, args.tiny)
+    if args.tiny:
+        values["vocab_size"] = max(values.get("vocab_size", 0), SHIPPED_VOCAB)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(values))
+    return path
+
+
+def log_means(dump: Path, skip_steps: int) -> dict:
+    """The mean tokens/s, data share and MFU of the run's log lines after step ``skip_steps``."""
+    events = read_scalar_events(dump)
+    means = {}
+    for key, tag in (("tokens_per_s", "throughput/tokens_per_second_per_device"),
+                     ("data_share", "throughput/data_loading_share"), ("mfu", "throughput/mfu_percent")):  # fmt: skip
+        values = [value for step, (_, value) in events.get(tag, {}).items() if step > skip_steps]
+        means[key] = statistics.fmean(values) if values else float("nan")
+    means["lines"] = len(
+        [s for s in events.get("throughput/tokens_per_second_per_device", {}) if s > skip_steps]
+    )
+    return means
+
+
+def part_train_sh(args, work: Path) -> dict:
+    rows = {}
+    for name in MODELS:
+        dump = work / "train_sh" / name
+        flags = ["--model.config", str(model_file(name, args, work / "configs")), "--job.dump_folder", str(dump),
+                 "--training.local_batch_size", str(args.batch_size), "--training.seq_len", str(args.seq_len),
+                 "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
+                 "--checkpoint.no-enable"] + (["--compile.enable"] if args.device == "cuda" else [])  # fmt: skip
+        status = run_logged(
+            ["bash", "train.sh", *flags], dump.with_suffix(".log"), args.timeout_s, train_env()
+        )
+        if status != 0:
+            rows[name] = {"error": f"exit status {status}: {last_line(dump.with_suffix('.log'))}"}
+            continue
+        rows[name] = {**log_means(dump, args.skip_steps), "command": "bash train.sh " + " ".join(flags)}
+    return {"models": rows, "shape": f"{args.batch_size} x {args.seq_len}"}
+
+
+def part_torchtitan(args, work: Path) -> dict:
+    from torchtitan_anchor import torchtitan_tokens_per_s
+
+    config = model_file("transformer", args, work / "configs")
+    return torchtitan_tokens_per_s(
+        config, args.batch_size, args.seq_len, steps=args.warmup + args.bench_steps, warmup=args.warmup,
+        compile=args.device == "cuda", device=args.device, timeout_s=args.timeout_s, dump_folder=work / "run",
+    )  # fmt: skip
+
+
+def part_first_step(args, work: Path) -> dict:
+    launch = argparse.Namespace(seq_len=args.seq_len, batch_size=args.batch_size, timeout_s=args.timeout_s,
+                                tiny=args.tiny, device=args.device)  # fmt: skip
+    return {"models": {name: measure_model(name, launch, work / "first_step") for name in ("gated_deltanet",
+                                                                                          "transformer")}}  # fmt: skip
+
+
+def part_tokens_to_loss(args, work: Path) -> dict:
+    import tokens_to_loss
+
+    dataset = REPO / args.t2l_dataset
+    if not (dataset / "train.jsonl.gz").exists():
+        return {"error": f"no dataset at {args.t2l_dataset}: build it with "
+                         f"`python scripts/build_code_corpus.py --out {args.t2l_dataset}`"}  # fmt: skip
+    extra = ["--model.config", str(model_file("transformer", args, work / "configs")), "--training.steps",
+             str(args.t2l_steps), "--training.local_batch_size", str(args.batch_size), "--training.seq_len",
+             str(args.seq_len), "--training.dataset", args.t2l_dataset, "--optimizer.lr", "1e-3",
+             "--lr_scheduler.warmup_steps", str(max(1, args.t2l_steps // 12)), "--metrics.log_freq",
+             str(args.log_freq)] + (["--compile.enable"] if args.device == "cuda" else [])  # fmt: skip
+    t2l = argparse.Namespace(workdir=work / "tokens_to_loss", extra=extra, ngpu=1, val_freq=args.t2l_val_freq,
+                             val_steps=args.t2l_val_steps)  # fmt: skip
+    runs = {}
+    for optimizer in ("AdamW", "Muon"):
+        dump, status = tokens_to_loss.train(optimizer, t2l)
+        runs[optimizer] = (tokens_to_loss.curve(dump) if status == 0
+                           else f"exit status {status}: {last_line(dump.with_suffix('.log'))}")  # fmt: skip
+    for run in runs.values():  # JSON keys are strings
+        if isinstance(run, dict):
+            run["validation"] = {str(step): value for step, value in run["validation"].items()}
+    return {"runs": runs, "command": "bash train.sh " + " ".join(extra)}
+
+
+RUNNERS = {"throughput": part_throughput, "train_sh": part_train_sh, "torchtitan": part_torchtitan,
+           "first_step": part_first_step, "long_context": part_long_context, "tokens_to_loss": part_tokens_to_loss}  # fmt: skip
+
+
+def number(value, spec: str, unit: str = "") -> str:
+    return "n/a" if value is None or value != value else format(value, spec) + unit
+
+
+def bench_result(parts: dict, model: str, mode: str) -> dict | None:
+    """The throughput part's result of ``model`` in ``mode`` (the bench's mode, or "naive HF loop")."""
+    for result in parts.get("throughput", {}).get("results", []):
+        if result["model"] == model and result["mode"] == mode and not result["error"]:
+            return result
+    return None
+
+
+def how_far(value: float, target: float) -> str:
+    if value != value:
+        return "not measured"
+    return "yes" if value >= target else f"no: {100 * value / target:.0f}% of it"
+
+
+def top_kernels(result: dict | None, count: int = 3) -> str:
+    """The profiled step's first ``count`` kernel lines (train_throughput's ``profile``), one line."""
+    if not result or not result.get("profile"):
+        return ""
+    lines = [line.strip() for line in result["profile"].splitlines() if line.strip()][:count]
+    return "; ".join(lines).replace("|", "/")
+
+
+def train_sh_rows(parts: dict) -> list[list[str]]:
+    """Item 1: train.sh's tokens/s and data share against the bench's on random tokens."""
+    out = []
+    for model, run in parts["train_sh"]["models"].items():
+        if "error" in run:
+            out.append(["1", f"{model}: train.sh", run["error"], "", "", "", "no"])
+            continue
+        bench = bench_result(parts, model, parts["throughput"]["mode"]) if "throughput" in parts else None
+        anchor = bench["tokens_per_s"] if bench else float("nan")
+        ratio = run["tokens_per_s"] / anchor
+        met = ratio >= TARGET_TRAIN_SH_RATIO and run["data_share"] < TARGET_DATA_SHARE
+        out.append([
+            "1", f"{model}: train.sh tokens/s (data share)",
+            f"{number(run['tokens_per_s'], ',.0f')} ({number(100 * run['data_share'], '.2f', '%')})",
+            f"bench, random tokens: {number(anchor, ',.0f')}", number(ratio, ".3f"),
+            f">= {TARGET_TRAIN_SH_RATIO:.2f}, data < 1%", "yes" if met else "no",
+        ])  # fmt: skip
+    return out
+
+
+def first_step_rows(parts: dict) -> list[list[str]]:
+    """Item 2: seconds to the first step on a fresh machine with flame's shipped tuning, beside none."""
+    out = []
+    for model, row in parts["first_step"]["models"].items():
+        fresh, shipped, warm = (row["seconds"][case] for case in ("fresh", "fresh, shipped tuning", "warm"))
+        target = met = ""
+        if model == "gated_deltanet":
+            target = f"< {TARGET_FIRST_STEP_S:.0f} s"
+            met = "not measured" if shipped != shipped else (
+                "yes" if shipped < TARGET_FIRST_STEP_S else f"no: {shipped - TARGET_FIRST_STEP_S:.1f} s over")  # fmt: skip
+        out.append([
+            "2", f"{model}: seconds to the first step, fresh machine with flame's shipped tuning (warm)",
+            f"{number(shipped, '.1f')} ({number(warm, '.1f')})", f"fresh, no shipped tuning: {number(fresh, '.1f')}",
+            number(fresh / shipped, ".2f", "x faster"), target, met,
+        ])  # fmt: skip
+    return out
+
+
+def throughput_rows(parts: dict) -> list[list[str]]:
+    """Items 3 and 4: the linear-attention models' tokens/s and the transformer's MFU through train.sh, beside the
+    naive HF loop and torchtitan's trainer; the profiled step's top kernels where a target is missed."""
+    runs, shape = parts["train_sh"]["models"], parts["train_sh"]["shape"]
+    mode = parts.get("throughput", {}).get("mode", "compiled")
+    out = []
+    for model in ("gated_deltanet", "hybrid"):
+        tokens = runs.get(model, {}).get("tokens_per_s", float("nan"))
+        naive = bench_result(parts, model, "naive HF loop")
+        anchor = naive["tokens_per_s"] if naive else float("nan")
+        met = how_far(tokens, TARGET_TOKENS_PER_S[model])
+        if limits := met.startswith("no") and top_kernels(bench_result(parts, model, mode)):
+            met += f" (top kernels: {limits})"
+        out.append([
+            "3", f"{model}: train.sh tokens/s, {shape}", number(tokens, ",.0f"),
+            f"naive HF loop: {number(anchor, ',.0f')}", number(tokens / anchor, ".2f", "x"),
+            f">= {TARGET_TOKENS_PER_S[model]:,}", met,
+        ])  # fmt: skip
+    run = runs.get("transformer", {})
+    mfu, tokens = run.get("mfu", float("nan")), run.get("tokens_per_s", float("nan"))
+    titan = parts.get("torchtitan", {})
+    naive = bench_result(parts, "transformer", "naive HF loop")
+    titan_cell = titan.get("error") or number(titan.get("tokens_per_s"), ",.0f")
+    anchors = f"torchtitan's trainer: {titan_cell}; naive HF loop: {number(naive['tokens_per_s'] if naive else None, ',.0f')}"
+    ratio = (
+        number(tokens / titan["tokens_per_s"], ".2f", "x torchtitan's")
+        if titan.get("tokens_per_s")
+        else "n/a"
+    )
+    met = how_far(mfu, TARGET_MFU)
+    if limits := met.startswith("no") and top_kernels(bench_result(parts, "transformer", mode)):
+        met += f" (top kernels: {limits})"
+    out.append([
+        "4", f"transformer: train.sh MFU (tokens/s), {shape}", f"{number(mfu, '.1f', '%')} ({number(tokens, ',.0f')})",
+        anchors, ratio, f">= {TARGET_MFU:.0f}% MFU", met,
+    ])  # fmt: skip
+    return out
+
+
+def long_context_rows(parts: dict) -> list[list[str]]:
+    """Item 5: the 64k-token varlen job of each model in each activation mode."""
+    long_context = parts["long_context"]
+    if "error" in long_context:
+        return [["5", "64k-token varlen job", long_context["error"], "", "", "trains", "no"]]
+    out = []
+    for result in long_context["results"]:
+        measured = result["error"] or (
+            f"{number(result['tokens_per_s'], ',.0f')} tokens/s, {number(result['peak_gib'], '.1f')} GiB")  # fmt: skip
+        out.append([
+            "5", f"{result['model']}: batch 1 x {result['seq_len']}, {result['activations']} activations", measured,
+            "", "", "trains", "no" if result["error"] else "yes",
+        ])  # fmt: skip
+    return out
+
+
+def tokens_to_loss_rows(parts: dict) -> list[list[str]]:
+    """Item 6: Muon's tokens and seconds to the loss both runs reach, beside AdamW's."""
+    t2l = parts["tokens_to_loss"]
+    if "error" in t2l:
+        return [["6", "tokens to a validation loss", t2l["error"], "", "", "", "no"]]
+    for name, run in t2l["runs"].items():
+        if not isinstance(run, dict):
+            return [["6", f"tokens to a validation loss: {name}", run, "", "", "", "no"]]
+    runs = t2l["runs"]
+    target = max(run["validation"][max(run["validation"], key=int)][1] for run in runs.values())
+
+    def first_at_target(run: dict) -> tuple[float, float]:
+        for step, (seconds, loss) in sorted(run["validation"].items(), key=lambda item: int(item[0])):
+            if loss <= target:
+                return int(step) * run["tokens_per_step"], seconds
+        return float("nan"), float("nan")
+
+    (adam_tokens, adam_s), (muon_tokens, muon_s) = (
+        first_at_target(runs["AdamW"]),
+        first_at_target(runs["Muon"]),
+    )
+    return [[
+        "6", f"Muon: tokens (seconds) to validation loss {target:.3f}, the higher of the two runs' last",
+        f"{number(muon_tokens, ',.0f')} ({number(muon_s, '.1f')} s)",
+        f"AdamW: {number(adam_tokens, ',.0f')} ({number(adam_s, '.1f')} s)",
+        number(muon_tokens / adam_tokens, ".2f", "x the tokens"), "", "measured",
+    ]]  # fmt: skip
+
+
+def rows(parts: dict) -> list[list[str]]:
+    """The table's rows (item, measurement, measured, anchor, ratio, target, met) of the parts measured."""
+    out = []
+    if "train_sh" in parts:
+        out += train_sh_rows(parts)
+    if "first_step" in parts:
+        out += first_step_rows(parts)
+    if "train_sh" in parts:
+        out += throughput_rows(parts)
+    if "long_context" in parts:
+        out += long_context_rows(parts)
+    if "tokens_to_loss" in parts:
+        out += tokens_to_loss_rows(parts)
+    return out
+
+
+def table(parts: dict) -> str:
+    lines = ["| item | measurement | measured | anchor, same run | ratio | target | met |",
+             "|---|---|---|---|---:|---|---|"]  # fmt: skip
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows(parts)]
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma separated: " + ", ".join(PARTS))
+    parser.add_argument("--json", type=Path, required=True, help="every part's results, kept between runs")
+    parser.add_argument(
+        "--work", type=Path, default=None, help="logs and dumps (default: a temporary folder)"
+    )
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny models and shapes (smoke test)")
+    parser.add_argument("--seq_len", type=int, default=None, help="default 2048 (--tiny: 64)")
+    parser.add_argument("--batch_size", type=int, default=None, help="default 8 (--tiny: 2)")
+    parser.add_argument("--steps", type=int, default=None, help="train.sh steps (default 60; --tiny: 6)")
+    parser.add_argument(
+        "--skip_steps", type=int, default=None, help="log lines up to this step left out (20; 2)"
+    )
+    parser.add_argument("--log_freq", type=int, default=None, help="train.sh's metrics.log_freq (10; 1)")
+    parser.add_argument("--warmup", type=int, default=3, help="the benches' untimed steps")
+    parser.add_argument("--bench_steps", type=int, default=10, help="the benches' timed steps")
+    parser.add_argument("--timeout_s", type=float, default=900, help="per launch")
+    parser.add_argument("--t2l_dataset", default="exp/code_corpus", help="tokens_to_loss: the dataset folder")
+    parser.add_argument("--t2l_steps", type=int, default=1200)
+    parser.add_argument("--t2l_val_freq", type=int, default=100)
+    parser.add_argument("--t2l_val_steps", type=int, default=20)
+    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
+    parser.add_argument("--no_write", action="store_true", help="print only")
+    parser.add_argument("--write_doc", action="store_true", help="write the doc on a CPU too")
+    args = parser.parse_args(argv)
+    if unknown := set(args.parts.split(",")) - set(PARTS):
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    defaults = {"seq_len": (2048, 64), "batch_size": (8, 2), "steps": (60, 6), "skip_steps": (20, 2),
+                "log_freq": (10, 1)}  # fmt: skip
+    for name, (full, tiny) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    stop_on_sigterm()
+    started = time.perf_counter()
+    parts = json.loads(args.json.read_text())["parts"] if args.json.exists() else {}
+    with tempfile.TemporaryDirectory(prefix="flame-speed-") as scratch:
+        work = args.work or Path(scratch)
+        for part in args.parts.split(","):
+            part_started = time.perf_counter()
+            parts[part] = RUNNERS[part](args, work / part)
+            parts[part]["seconds"] = time.perf_counter() - part_started
+            print(f"{part}: {parts[part]['seconds']:.0f} s", flush=True)
+            args.json.write_text(json.dumps({"device": device_name(torch.device(args.device)), "parts": parts},
+                                            indent=1))  # fmt: skip
+    text = table(parts)
+    print("\n" + text)
+    if not args.no_write and (args.device == "cuda" or args.write_doc):
+        seconds = ", ".join(f"{part} {parts[part]['seconds']:.0f} s" for part in PARTS if part in parts)
+        write_section(
+            args.doc,
+            MARKER,
+            "The speed table",
+            f"Command: `{command_line('bench/speed.py', argv)}` on {device_name(torch.device(args.device))}, "
+            f"torch {torch.__version__} ({time.strftime('%Y-%m-%d')}; {seconds}; this run "
+            f"{time.perf_counter() - started:.0f} s). Items of the speed issue: 1 train.sh against the bench, 2 the "
+            "first step, 3 the linear-attention models' throughput, 4 the transformer's MFU, 5 long context, 6 "
+            "tokens to a loss. Each anchor ran in the same run (bench/speed.py says how each part runs).",
+            text,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""bench/speed.py: the speed table's rows from its parts' results, and a tiny run of train.sh's part on the CPU."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+import speed  # noqa: E402
+
+
+def result(model, mode, tokens_per_s, **fields):
+    return {"model": model, "mode": mode, "tokens_per_s": tokens_per_s, "error": "", "profile": "", **fields}
+
+
+PARTS = {
+    "throughput": {"mode": "compiled", "results": [
+        result("transformer", "compiled", 160_000.0, profile="gemm 45.4 ms\nattention backward 11.6 ms\nadamw 4 ms"),
+        result("transformer", "naive HF loop", 80_000.0),
+        result("gated_deltanet", "compiled", 85_000.0, profile="chunk_bwd 57 ms\ngemm 66 ms\nconv 9 ms"),
+        result("gated_deltanet", "naive HF loop", 70_000.0),
+        result("hybrid", "compiled", 150_000.0),
+    ]},
+    "train_sh": {"shape": "8 x 2048", "models": {
+        "transformer": {"tokens_per_s": 158_400.0, "data_share": 0.002, "mfu": 43.5},
+        "gated_deltanet": {"tokens_per_s": 84_000.0, "data_share": 0.0, "mfu": 28.0},
+        "hybrid": {"error": "exit status 1: CUDA out of memory"},
+    }},
+    "torchtitan": {"tokens_per_s": 120_000.0},
+    "first_step": {"models": {
+        "gated_deltanet": {"seconds": {"fresh": 199.7, "fresh, shipped tuning": 65.5, "warm": 33.4}},
+        "transformer": {"seconds": {"fresh": 42.1, "fresh, shipped tuning": 42.1, "warm": 34.2}},
+    }},
+    "long_context": {"results": [
+        {"model": "transformer", "seq_len": 65536, "activations": "full", "tokens_per_s": 82_619.0, "peak_gib": 18.6,
+         "error": ""},
+        {"model": "hybrid", "seq_len": 65536, "activations": "offload", "tokens_per_s": float("nan"),
+         "peak_gib": float("nan"), "error": "failed: BackendCompilerFailed"},
+    ]},
+    "tokens_to_loss": {"runs": {
+        "AdamW": {"tokens_per_step": 16384.0, "validation": {"600": [80.0, 3.4], "1200": [156.8, 2.956]}},
+        "Muon": {"tokens_per_step": 16384.0, "validation": {"600": [128.9, 2.9], "1200": [250.0, 1.98]}},
+    }},
+}  # fmt: skip
+
+
+def by_measurement(rows):
+    return {row[1].split(":")[0] + " " + row[0]: row for row in rows}
+
+
+def test_each_item_is_its_measurement_beside_its_anchor_target_and_verdict():
+    rows = by_measurement(speed.rows(json.loads(json.dumps(PARTS))))  # as read back from --json
+
+    transformer_sh = rows["transformer 1"]
+    assert transformer_sh[2:] == ["158,400 (0.20%)", "bench, random tokens: 160,000", "0.990",
+                                  ">= 0.97, data < 1%", "yes"]  # fmt: skip
+    assert rows["gated_deltanet 1"][4] == "0.988" and rows["gated_deltanet 1"][6] == "yes"
+    assert rows["hybrid 1"][2] == "exit status 1: CUDA out of memory" and rows["hybrid 1"][6] == "no"
+
+    first_step = rows["gated_deltanet 2"]
+    assert first_step[2:] == ["65.5 (33.4)", "fresh, no shipped tuning: 199.7", "3.05x faster", "< 60 s",
+                              "no: 5.5 s over"]  # fmt: skip
+    assert rows["transformer 2"][5:] == ["", ""]  # no target for the transformer
+
+    gdn = rows["gated_deltanet 3"]
+    assert gdn[2:5] == ["84,000", "naive HF loop: 70,000", "1.20x"]
+    assert gdn[6] == "no: 70% of it (top kernels: chunk_bwd 57 ms; gemm 66 ms; conv 9 ms)"
+    assert rows["hybrid 3"][2] == "n/a" and rows["hybrid 3"][6] == "not measured"
+
+    mfu = rows["transformer 4"]
+    assert mfu[2:5] == [
+        "43.5% (158,400)",
+        "torchtitan's trainer: 120,000; naive HF loop: 80,000",
+        "1.32x torchtitan's",
+    ]
+    assert mfu[6].startswith("no: 87% of it (top kernels: gemm 45.4 ms;")
+
+    long_context = [row for row in speed.rows(PARTS) if row[0] == "5"]
+    assert [row[2] for row in long_context] == ["82,619 tokens/s, 18.6 GiB", "failed: BackendCompilerFailed"]
+    assert [row[6] for row in long_context] == ["yes", "no"]
+
+    (t2l,) = [row for row in speed.rows(PARTS) if row[0] == "6"]
+    assert t2l[1].startswith("Muon: tokens (seconds) to validation loss 2.956")
+    assert t2l[2:5] == ["9,830,400 (128.9 s)", "AdamW: 19,660,800 (156.8 s)", "0.50x the tokens"]
+
+
+def test_only_the_parts_measured_have_rows_and_a_failed_part_says_why():
+    assert speed.rows({}) == []
+    rows = speed.rows(
+        {"long_context": {"error": "exit status 1: boom"}, "tokens_to_loss": {"error": "no dataset"}}
+    )
+    assert [(row[0], row[2], row[6]) for row in rows] == [
+        ("5", "exit status 1: boom", "no"),
+        ("6", "no dataset", "no"),
+    ]
+    table = speed.table({"tokens_to_loss": {"error": "a | b"}})
+    assert table.splitlines()[-1] == "| 6 | tokens to a validation loss | a \\| b |  |  |  | no |"
+
+
+@pytest.mark.slow
+def test_train_sh_part_runs_each_model_and_keeps_other_parts(tmp_path):
+    state = tmp_path / "speed.json"
+    state.write_text(json.dumps({"parts": {"torchtitan": {"tokens_per_s": 1.0}}}))
+    assert speed.main(["--tiny", "--device", "cpu", "--parts", "train_sh", "--json", str(state), "--no_write",
+                       "--steps", "4", "--skip_steps", "1"]) == 0  # fmt: skip
+    parts = json.loads(state.read_text())["parts"]
+    assert parts["torchtitan"] == {"tokens_per_s": 1.0}
+    assert parts["train_sh"]["shape"] == "2 x 64"
+    for model in speed.MODELS:
+        run = parts["train_sh"]["models"][model]
+        assert run["lines"] == 3 and run["tokens_per_s"] > 0 and 0 <= run["data_share"] <= 1
