@@ -21,7 +21,7 @@ from flame.models.layers.fla_attention import deltaformer_attention, flash_attn_
 from flame.models.layers.fla_moba import parallel_moba
 
 # FLA's layers that flame builds in their place (same parameters) while their fast path does not import: FLA's
-# softmax attention without flash-attn, Mamba2 without mamba_ssm. Values: flame's class, the attribute of FLA's layer
+# softmax attention without flash-attn, Mamba and Mamba2 without mamba_ssm. Values: flame's class, the attribute of FLA's layer
 # module that holds the fast path (flame.compat.fla_layers_on_flame).
 FLA_LAYER_REPLACEMENTS = {
     "fla.layers.attn.Attention": ("flame.models.layers.fla_attention.FLAAttention", "flash_attn_func"),
@@ -29,6 +29,7 @@ FLA_LAYER_REPLACEMENTS = {
         "flame.models.layers.fla_attention.FLABitAttention",
         "flash_attn_func",
     ),
+    "fla.layers.mamba.Mamba": ("flame.models.layers.fla_mamba.FLAMamba", "is_fast_path_available"),
     "fla.layers.mamba2.Mamba2": ("flame.models.layers.fla_mamba2.FLAMamba2", "is_fast_path_available"),
 }
 

@@ -178,9 +178,9 @@ def test_layers_without_a_mixer_term_are_named_in_a_warning(caplog):
     config = {"model_type": "mamba", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2}
     with caplog.at_level(logging.WARNING):
         count, total = counted(config)
-    assert count.uncounted == ["fla.layers.mamba.Mamba"] and count.mixer_flops == 0
+    assert count.uncounted == ["flame.models.layers.fla_mamba.FLAMamba"] and count.mixer_flops == 0
     assert total == 6 * count.matmul_params + count.conv_flops
-    assert caplog.records[-1].getMessage().endswith("(MFU reads low): fla.layers.mamba.Mamba")
+    assert caplog.records[-1].getMessage().endswith("(MFU reads low): flame.models.layers.fla_mamba.FLAMamba")
 
 
 def test_flame_hybrid_and_its_transformers_olmo_hybrid_export_count_the_same():

@@ -29,7 +29,7 @@ MATMULS_ONLY = {
     "deltaformer": "fla.layers.deltaformer.DeltaFormerAttention",
     "hgrn": "fla.layers.hgrn.HGRNAttention",
     "log_linear_mamba2": "fla.layers.log_linear_mamba2.LogLinearMamba2",
-    "mamba": "fla.layers.mamba.Mamba",
+    "mamba": "flame.models.layers.fla_mamba.FLAMamba",  # FLA's Mamba on flame's scan
     "mamba3": "fla.layers.mamba3.Mamba3",
     "mesa_net": "fla.layers.mesa_net.MesaNet",
     "moba": "fla.layers.moba.MoBA",
@@ -38,7 +38,7 @@ MATMULS_ONLY = {
     "path_attn": "fla.layers.path_attn.PaTHAttention",
     "raven": "fla.layers.raven.Raven",
     "rodimus": "fla.layers.rodimus.RodimusAttention",  # its sliding-window attention is counted
-    "samba": "fla.layers.mamba.Mamba",  # its attention is counted
+    "samba": "flame.models.layers.fla_mamba.FLAMamba",  # its attention is counted
 }
 
 
