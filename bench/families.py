@@ -147,7 +147,8 @@ KNOWN_REASONS = (
     (r"CompilationError", "Triton CompilationError in FLA's kernels (seen for log_linear_mamba2, FLA 0.6.0, H100)"),
     (r"active drivers|Triton is not supported|Found no NVIDIA driver|Torch not compiled with CUDA",
      "FLA's Triton kernels need a GPU"),
-    (r"in (slow_forward|torch_forward)\b",
+    # FLA's own fallback (a traceback through FLA's layer file): flame's layers for them have methods of these names
+    (r"fla/layers/mamba2?\.py\", line \d+, in (slow_forward|torch_forward)\b",
      "FLA's Mamba layers ran their PyTorch fallback: the fast path needs mamba_ssm and causal_conv1d, CUDA extensions "
      "that flame does not install (the package index has no wheels of them)"),
     (r"OutOfMemoryError|CUDA out of memory", "out of memory"),

@@ -149,6 +149,15 @@ def test_known_reasons_and_verdicts():
         "[rank0]:[rank0]: Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n"
     )
     assert families.reason_of(dynamo) == "RuntimeError: Output 0 of AsStridedBackward0 is a view"
+    # FLA's Mamba fallback is named from a traceback through FLA's layer file, not through flame's layers for it
+    fla_fallback = (
+        'File "/site/fla/layers/mamba.py", line 385, in slow_forward\ntorch.OutOfMemoryError: CUDA out'
+    )
+    assert families.reason_of(fla_fallback).startswith("FLA's Mamba layers ran their PyTorch fallback")
+    flames_layer = (
+        'File "/repo/flame/models/layers/fla_mamba.py", line 40, in slow_forward\nRuntimeError: boom'
+    )
+    assert families.reason_of(flames_layer) == "RuntimeError: boom"
     logged = (
         "[rank0]:[titan] ... step  6/30  loss  7.9  grad_norm 2.1  lr 1e-3  tok/s 411  mem 3.1GiB\n"
         "[rank0]:[titan] ... step  7/30  loss  7.8  grad_norm 2.0  lr 1e-3  tok/s 436  mem 3.1GiB\n"
