@@ -113,6 +113,7 @@ FIELDS = {
         "lightnet": {"expand_ratio": 16},
         "rodimus": {"ska_attn": {"num_heads": 4}},
         "path_attn": {"num_heads": 4},
+        "deltaformer": {"num_heads": 4},
         "samba": {"attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 4, "window_size": 2048}},
         "qwen3": {"head_dim": 16},
         "gemma3_text": {"head_dim": 16},
@@ -125,6 +126,8 @@ FIELDS = {
         "rodimus": {"ska_attn": {"num_heads": 12}},
         # PaTH attention's kernel takes heads of 16, 32, 64 or 128 channels; FLA's default 32 heads give 24.
         "path_attn": {"num_heads": 12},
+        # DeltaFormer's kernels take power-of-2 head widths; FLA's default 8 heads give 96.
+        "deltaformer": {"num_heads": 12},
         # Samba's default attention has 18 heads (its 1B model's 2304 / 128): 12 of 64 here, every other layer.
         "samba": {"attn": {"layers": [1, 3, 5, 7, 9, 11], "num_heads": 12, "num_kv_heads": 12, "window_size": 2048}},
         # Mamba's blocks have no MLP: 24 of them, as Mamba's 130M model has.

@@ -162,6 +162,30 @@ def fla_blocks_run_eagerly(args: "GenericArgs") -> str | None:
     return None
 
 
+# FLA 0.6.0 families whose kernels take only some head widths (hidden_size / num_heads): the model builds, and the
+# first step stops in a Triton compilation error (deltaformer: its kernels tile a head's channels, so the width must
+# be a power of 2 that tl.dot takes) or an assertion (path_attn). The dry run refuses such a config instead.
+FLA_HEAD_WIDTHS = {
+    "deltaformer": (
+        lambda width: width >= 16 and width & (width - 1) == 0,
+        "a power of 2 from 16 (16, 32, 64, 128)",
+    ),
+    "path_attn": (lambda width: width in (16, 32, 64, 128), "16, 32, 64 or 128"),
+}
+
+
+def check_head_width(model_type: str, hf_config) -> None:
+    if model_type not in FLA_HEAD_WIDTHS:
+        return
+    takes, widths = FLA_HEAD_WIDTHS[model_type]
+    hidden, heads = hf_config.hidden_size, hf_config.num_heads
+    if not takes(hidden // heads):
+        raise ModelConfigError(
+            f"model_type '{model_type}': FLA's kernels take heads of {widths} channels, not {hidden // heads} "
+            f"(hidden_size {hidden} / num_heads {heads}); choose num_heads so that hidden_size / num_heads is one"
+        )
+
+
 @dataclass
 class GenericArgs(ModelArgs):
     generic: ClassVar[bool] = True
@@ -188,6 +212,7 @@ class GenericArgs(ModelArgs):
         except (TypeError, ValueError) as e:
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelConfigError(f"{config_cls.__name__} refuses this config: {first_line}") from e
+        check_head_width(model_type, hf_config)
         args = cls(
             vocab_size=getattr(hf_config, "vocab_size", None),
             hidden_size=getattr(hf_config, "hidden_size", 0),

@@ -19,6 +19,9 @@ OVERRIDES = {
     "hgrn2": {"expand_ratio": 16},
     "lightnet": {"expand_ratio": 16},
     "rodimus": {"ska_attn": {"num_heads": 4}},  # the rodimus_plus block's attention, required
+    # Their kernels take heads of 16 channels or more (flame.models.generic.args.FLA_HEAD_WIDTHS): 4 of 16.
+    "deltaformer": {"num_heads": 4},
+    "path_attn": {"num_heads": 4},
     "samba": {"attn": {"layers": [1], "num_heads": 4}},  # the default 18 heads leave an odd head_dim for RoPE
 }
 # Families whose mixer has no term in flame's FLOPs count (docs/metrics.md): elementwise scans, sparse or modified
@@ -96,6 +99,24 @@ def test_every_fla_family_builds_with_fla_parameter_count():
     # Blocks are found from each class, wherever it keeps them (upstream flame issue 4: Mamba's backbone).
     assert blocks["gla"] == ["model.layers"] and blocks["mamba2"] == ["backbone.layers"]
     assert blocks["cat"] == ["model.compressor.layers", "model.layers"]  # two stacks of blocks
+
+
+@pytest.mark.parametrize(
+    ("model_type", "heads", "width"), [("deltaformer", 8, 8), ("deltaformer", 4, 24), ("path_attn", 2, 48)]
+)
+def test_head_widths_flas_kernels_refuse_are_refused_before_any_step(model_type, heads, width):
+    """deltaformer's kernels need a power-of-2 head width (FLA 0.6.0's Triton compile error at its first step for 96:
+    hidden 768 / 8 heads), path_attn's kernel asserts 16, 32, 64 or 128: refused when the config is read, in one
+    line naming the width and how to choose num_heads; the widths they take build."""
+    hidden = width * heads
+    with pytest.raises(
+        ModelConfigError, match=f"model_type '{model_type}'.*not {width} .*num_heads {heads}\\)"
+    ):
+        model_args_from_dict({"model_type": model_type, **TINY, "hidden_size": hidden, "num_heads": heads})
+    args, _ = model_args_from_dict(
+        {"model_type": model_type, **TINY, "hidden_size": 64 * heads, "num_heads": heads}
+    )
+    assert args.generic
 
 
 def test_flame_builds_its_own_families_not_flas():
