@@ -48,3 +48,34 @@ def test_the_cpu_runs_the_recurrence_and_cuda_the_triton_kernel():
     args = inputs()
     assert dispatch.backend_names("selective_scan") == ("triton",)
     torch.testing.assert_close(selective_scan(*args)[0], selective_scan_recurrent(*args)[0], rtol=0, atol=0)
+
+
+def test_the_triton_kernels_compile_for_hopper():
+    """Triton compiles flame's forward and backward kernels for an sm_90 target without a GPU (ptxas ships with
+    Triton), for bfloat16 and float32 inputs at a layer's block sizes: a kernel that does not build fails here
+    rather than at a GPU run's first step. Their results are tests/ops/interpreted's and tests/gpu's."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flame.ops.selective_scan import triton_kernel as kernels
+
+    def signature(kernel, dtype):
+        types = {}
+        for name in kernel.arg_names:
+            if name in ("CHUNK", "BLOCK_D", "BLOCK_N"):
+                types[name] = "constexpr"
+            elif name.startswith("stride_"):
+                types[name] = "i64"
+            elif name in ("T", "D", "N", "NUM_CHUNKS"):
+                types[name] = "i32"
+            else:  # inputs in the activations' dtype; A, states and gradients' buffers in float32
+                types[name] = f"*{dtype}" if name in ("U", "DELTA", "B", "C", "Y", "DY") else "*fp32"
+        return types
+
+    for kernel in (kernels._fwd_kernel, kernels._bwd_kernel):
+        for dtype in ("bf16", "fp32"):
+            source = ASTSource(
+                kernel, signature(kernel, dtype), constexprs={"CHUNK": 64, "BLOCK_D": 32, "BLOCK_N": 16}
+            )
+            assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
