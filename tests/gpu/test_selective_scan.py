@@ -1,8 +1,8 @@
 """flame's Triton selective scan on the GPU against the token-by-token recurrence in float64 on the CPU (the
 interpreted CPU tests cover odd sizes; this one the compiled kernels at a layer's size: 2 x 300 tokens, 200
-channels, 16 states, crossing the 64-token chunks and 32-channel blocks), and a bf16 training step of mamba through
-flame (FLA's Mamba layers on flame's scan). Tolerances as in tests/ops/interpreted/test_selective_scan_triton.py:
-float32 rtol 1e-5 with atol 1e-5 x max |reference|; bfloat16 one ulp (2^-7) with atol 1e-2 x max |reference|."""
+channels, 16 states, crossing the 64-token chunks and 32-channel blocks; the inputs, their float32 A and the
+tolerances of tests/ops/interpreted/test_selective_scan_triton.py), and a bf16 training step of mamba through flame
+(FLA's Mamba layers on flame's scan)."""
 
 import pytest
 import torch
@@ -10,34 +10,20 @@ import torch
 from flame.models import build_model, model_args_from_dict
 from flame.ops.selective_scan import selective_scan_recurrent
 from flame.ops.selective_scan.triton_kernel import selective_scan_triton
+from tests.ops.interpreted.test_selective_scan_triton import TOLERANCES, inputs, run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-7, 1e-2)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_equal_the_float64_recurrence(dtype):
-    generator = torch.Generator().manual_seed(0)
-    batch, length, dim, states = 2, 300, 200, 16
-    u = torch.randn(batch, length, dim, generator=generator, dtype=torch.float64)
-    delta = torch.nn.functional.softplus(
-        torch.randn(batch, length, dim, generator=generator, dtype=torch.float64)
-    )
-    A = -torch.rand(dim, states, generator=generator, dtype=torch.float64) * 4 - 0.1
-    B, C = (torch.randn(batch, length, states, generator=generator, dtype=torch.float64) for _ in range(2))
-    dy = torch.randn(batch, length, dim, generator=generator, dtype=torch.float64)
-    args = [u.to(dtype), delta.to(dtype), A.float(), B.to(dtype), C.to(dtype)]
-    results = []
-    for scan, device, inputs, grad in ((selective_scan_triton, "cuda", args, dy.to(dtype)),
-                                       (selective_scan_recurrent, "cpu", [t.double() for t in args], dy)):  # fmt: skip
-        leaves = [t.to(device).requires_grad_() for t in inputs]
-        y, last = scan(*leaves)
-        y.backward(grad.to(device))
-        results.append([y, last, *(t.grad for t in leaves)])
+    args, dy = inputs(dtype, batch=2, length=300, dim=200, states=16)
+    ours = run(selective_scan_triton, [t.cuda() for t in args], dy.cuda())
+    reference = run(selective_scan_recurrent, [t.double() for t in args], dy.double())
     rtol, atol = TOLERANCES[dtype]
-    for name, ours, want in zip(("y", "last", "u", "delta", "A", "B", "C"), *results):
+    for name, mine, want in zip(("y", "last", "u", "delta", "A", "B", "C"), ours, reference):
         torch.testing.assert_close(
-            ours.cpu().double(), want, rtol=rtol, atol=atol * want.abs().max().item(), msg=name
+            mine.cpu().double(), want, rtol=rtol, atol=atol * want.abs().max().item(), msg=name
         )
 
 
