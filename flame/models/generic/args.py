@@ -7,6 +7,7 @@ import importlib.util
 import logging
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -162,28 +163,44 @@ def fla_blocks_run_eagerly(args: "GenericArgs") -> str | None:
     return None
 
 
-# FLA 0.6.0 families whose kernels take only some head widths (hidden_size / num_heads): the model builds, and the
-# first step stops in a Triton compilation error (deltaformer: its kernels tile a head's channels, so the width must
-# be a power of 2 that tl.dot takes) or an assertion (path_attn). The dry run refuses such a config instead.
-FLA_HEAD_WIDTHS = {
-    "deltaformer": (
-        lambda width: width >= 16 and width & (width - 1) == 0,
-        "a power of 2 from 16 (16, 32, 64, 128)",
-    ),
-    "path_attn": (lambda width: width in (16, 32, 64, 128), "16, 32, 64 or 128"),
+# FLA 0.6.0 families whose kernels take only some head shapes: the model builds, and the first step stops in a
+# Triton compilation error (deltaformer: its kernels tile a head's channels, so the width must be a power of 2 that
+# tl.dot takes) or an assertion (path_attn's head widths, NSA's query heads per key/value head). The dry run refuses
+# such a config instead: model_type -> the reason a config's shapes are refused, or None.
+def _power_of_2_from_16(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def _head_width_refusal(widths: str, takes) -> Callable[[Any], str | None]:
+    def refusal(config) -> str | None:
+        hidden, heads = config.hidden_size, config.num_heads
+        if takes(hidden // heads):
+            return None
+        return (f"FLA's kernels take heads of {widths} channels, not {hidden // heads} (hidden_size {hidden} / "
+                f"num_heads {heads}); choose num_heads so that hidden_size / num_heads is one")  # fmt: skip
+
+    return refusal
+
+
+def _nsa_group_refusal(config) -> str | None:
+    heads, kv_heads = config.num_heads, config.num_kv_heads
+    if heads % kv_heads == 0 and _power_of_2_from_16(heads // kv_heads):
+        return None
+    return (f"NSA's kernels take a power of 2 from 16 query heads per key/value head, not num_heads {heads} / "
+            f"num_kv_heads {kv_heads}; choose num_kv_heads so that the ratio is 16, 32, ...")  # fmt: skip
+
+
+FLA_KERNEL_SHAPES = {
+    "deltaformer": _head_width_refusal("a power of 2 from 16 (16, 32, 64, 128)", _power_of_2_from_16),
+    "path_attn": _head_width_refusal("16, 32, 64 or 128", lambda width: width in (16, 32, 64, 128)),
+    "nsa": _nsa_group_refusal,
 }
 
 
-def check_head_width(model_type: str, hf_config) -> None:
-    if model_type not in FLA_HEAD_WIDTHS:
-        return
-    takes, widths = FLA_HEAD_WIDTHS[model_type]
-    hidden, heads = hf_config.hidden_size, hf_config.num_heads
-    if not takes(hidden // heads):
-        raise ModelConfigError(
-            f"model_type '{model_type}': FLA's kernels take heads of {widths} channels, not {hidden // heads} "
-            f"(hidden_size {hidden} / num_heads {heads}); choose num_heads so that hidden_size / num_heads is one"
-        )
+def check_kernel_shapes(model_type: str, hf_config) -> None:
+    refusal = FLA_KERNEL_SHAPES[model_type](hf_config) if model_type in FLA_KERNEL_SHAPES else None
+    if refusal:
+        raise ModelConfigError(f"model_type '{model_type}': {refusal}")
 
 
 @dataclass
@@ -212,7 +229,7 @@ class GenericArgs(ModelArgs):
         except (TypeError, ValueError) as e:
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelConfigError(f"{config_cls.__name__} refuses this config: {first_line}") from e
-        check_head_width(model_type, hf_config)
+        check_kernel_shapes(model_type, hf_config)
         args = cls(
             vocab_size=getattr(hf_config, "vocab_size", None),
             hidden_size=getattr(hf_config, "hidden_size", 0),

@@ -119,6 +119,19 @@ def test_head_widths_flas_kernels_refuse_are_refused_before_any_step(model_type,
     assert args.generic
 
 
+def test_nsa_groups_its_kernels_refuse_are_refused_before_any_step():
+    """NSA's kernels assert a power of 2 from 16 query heads per key/value head (FLA 0.6.0: at the first forward)."""
+    for heads, kv_heads in ((32, 4), (48, 1), (16, 3)):
+        with pytest.raises(
+            ModelConfigError, match=f"model_type 'nsa'.*num_heads {heads} / num_kv_heads {kv_heads};"
+        ):
+            model_args_from_dict({"model_type": "nsa", **TINY, "num_heads": heads, "num_kv_heads": kv_heads})
+    for heads, kv_heads in ((16, 1), (64, 4), (32, 1)):
+        assert model_args_from_dict(
+            {"model_type": "nsa", **TINY, "num_heads": heads, "num_kv_heads": kv_heads}
+        )[0].generic
+
+
 def test_flame_builds_its_own_families_not_flas():
     for model_type in FAMILIES:  # flame's own implementation, not FLA's class
         args, _ = model_args_from_dict({"model_type": model_type, **TINY})
