@@ -45,7 +45,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -230,12 +229,6 @@ def titan_flags(
     return flags + list(extra)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 STEP_LINE = re.compile(
     r"step:\s*(\d+)\s+loss:\s*\S+\s+grad_norm:\s*\S+\s+memory:\s*(-?[\d.]+)GiB\(\s*-?[\d.]+%\)\s+tps:\s*([\d,]+)"
 )
@@ -254,19 +247,15 @@ def parse_log(text: str) -> dict:
     }
 
 
-RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]: ?")
-
-
 def last_error(text: str) -> str:
-    """The exception of the last traceback in ``text`` (a rank's, not torchrun's ChildFailedError that follows it),
-    else its last meaningful line (tyro's boxed refusal of an option read without the box)."""
-    lines = [RANK_PREFIX.sub("", line) for line in text.splitlines()]
-    lines = [line for line in lines if line.strip()]
+    """The exception of the last traceback in ``text``, else its last meaningful line (tyro's boxed refusal of an
+    option read without the box)."""
+    lines = [line for line in text.splitlines() if line.strip()]
     exceptions = []
     for i, line in enumerate(lines):
         if line.strip().startswith("Traceback"):
             tail = [line for line in lines[i + 1 :] if not line.startswith((" ", "\t"))]
-            if tail and "ChildFailedError" not in tail[0]:
+            if tail:
                 exceptions.append(tail[0].strip())
     if exceptions:
         return exceptions[-1]
@@ -290,7 +279,6 @@ def torchtitan_tokens_per_s(
     compile_backend: str = "inductor",
     ac: str = "none",
     extra_flags: list[str] = (),
-    nproc_per_node: int = 1,
 ) -> dict:
     """torchtitan's trainer at the config's shape: its median tokens/s per device over the steps after ``warmup``.
 
@@ -299,11 +287,6 @@ def torchtitan_tokens_per_s(
     model_args (the registered flavor), unmatched (fields torchtitan cannot match), shims (the workarounds applied in
     the run), command, log (torchtitan's log), error (None, or the reason there is no number), wall_s.
     """
-    if device == "cpu" and nproc_per_node > 1:
-        raise ValueError(
-            "several processes need GPUs: torchtitan's FSDP averages gradients with ReduceOp.PREMUL_SUM, which "
-            "gloo lacks (pytorch/pytorch#162338, flame.compat's fsdp_gloo_premul_sum)"
-        )
     margs = read_config(config_path, tiny)
     kwargs, unmatched = titan_model_args(margs)
     dump = Path(dump_folder) if dump_folder else Path(tempfile.mkdtemp(prefix="torchtitan_anchor_"))
@@ -311,21 +294,13 @@ def torchtitan_tokens_per_s(
     log = dump / "torchtitan.log"
     flags = titan_flags(batch_size, seq_len, steps, compile, dump, compile_backend, ac, extra_flags)
     worker = [str(Path(__file__).resolve()), "--worker", json.dumps(kwargs), "--", *flags]
-    if nproc_per_node > 1:  # torchrun, rank 0's output only (torchtitan's run_train.sh does the same)
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={nproc_per_node}", "--local-ranks-filter", "0"]  # fmt: skip
-    else:  # one process: the environment torchrun would give it
-        launcher = [sys.executable]
-    command = [*launcher, *worker]
-    env = {
-        **os.environ,
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_CACHE": str(dump / "hf_datasets_cache"),
-    }
-    if nproc_per_node == 1:
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+    command = [sys.executable, *worker]
+    from flame.launch import free_port  # here: the worker's process imports nothing of flame
+
+    # One process with the environment torchrun would give it.
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(dump / "hf_datasets_cache"), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # torchtitan takes any GPU it sees
     result = {
@@ -335,7 +310,6 @@ def torchtitan_tokens_per_s(
         "batch_size": batch_size,
         "seq_len": seq_len,
         "compile": compile,
-        "nproc_per_node": nproc_per_node,
         "tokens_per_s": None,
         "peak_gib": None,
         "params": None,
@@ -364,7 +338,7 @@ def torchtitan_tokens_per_s(
         try:
             returncode = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # torchrun's workers too
+            os.killpg(process.pid, signal.SIGKILL)  # the worker's children too
             process.wait()
             returncode = None
     result["wall_s"] = round(time.perf_counter() - start, 2)
@@ -396,17 +370,12 @@ HEADER = (
 def row(result: dict) -> str:
     name = Path(result["config"]).stem + (" (tiny)" if result["tiny"] else "")
     mode = "compiled" if result["compile"] else "eager"
-    devices = (
-        f"{result['nproc_per_node']} x {result['device']}"
-        if result["nproc_per_node"] > 1
-        else result["device"]
-    )
     tokens = f"{result['tokens_per_s']:,.0f}" if result["tokens_per_s"] is not None else "error"
     peak = f"{result['peak_gib']:.1f}" if result["peak_gib"] is not None else "-"
     params = f"{result['params']:,}" if result["params"] is not None else "?"
     return (
         f"| torchtitan llama3 at {name} | {params} | {result['flame_params']:,} | {result['batch_size']} x "
-        f"{result['seq_len']} | {mode} | {devices} | {result['steps_timed']} | {tokens} | {peak} |"
+        f"{result['seq_len']} | {mode} | {result['device']} | {result['steps_timed']} | {tokens} | {peak} |"
     )
 
 
@@ -493,7 +462,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), default=None, help="default: cuda where there is one"
     )
-    parser.add_argument("--nproc_per_node", type=int, default=1, help="more than 1: torchrun, FSDP over them")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
     parser.add_argument(
         "--tiny", action="store_true", help="2 layers, dim 64; seq 64, batch 2, 3 steps, eager"
@@ -512,10 +480,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cpu" and args.nproc_per_node > 1:
-        parser.error(
-            "--nproc_per_node above 1 needs GPUs (torchtitan's FSDP reduces with PREMUL_SUM; gloo lacks it)"
-        )
     return args
 
 
@@ -528,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     result = torchtitan_tokens_per_s(
         args.config, args.batch_size, args.seq_len, args.steps, args.warmup, args.compile, args.device,
         args.timeout, tiny=args.tiny, dump_folder=args.dump_folder, compile_backend=args.compile_backend,
-        ac=args.ac, extra_flags=shlex.split(args.titan_flags), nproc_per_node=args.nproc_per_node,
+        ac=args.ac, extra_flags=shlex.split(args.titan_flags),
     )  # fmt: skip
     print(f"torchtitan llama3 flavor {FLAVOR}: {json.dumps(result['model_args'])}")
     for line in result["unmatched"]:

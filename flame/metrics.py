@@ -181,7 +181,7 @@ class MetricsLogger:
         self.data_seconds = 0.0
         self.other_seconds = 0.0
         self.other_device_seconds = 0.0
-        self.step_ends: dict[int, StepEnd] = {}  # of the steps since the last line
+        self.step_ends: dict[int, StepEnd] = {}  # of the log steps whose line is not written yet
         self.reset_window(step=0)
 
     def should_log(self, step: int) -> bool:
@@ -203,7 +203,8 @@ class MetricsLogger:
         waiting for data since the last step ended. Its line's window ends here, whenever the line is written."""
         self.tokens += tokens
         self.data_seconds += data_seconds
-        self.step_ends[step] = self.mark(step)
+        if self.should_log(step):  # only a logged step's end bounds a window: no event on the other steps
+            self.step_ends[step] = self.mark(step)
 
     @contextlib.contextmanager
     def other_work(self):

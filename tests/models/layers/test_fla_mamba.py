@@ -16,6 +16,7 @@ from fla.layers.mamba import Mamba  # noqa: E402
 
 from flame.models import build_model, model_args_from_dict  # noqa: E402
 from flame.models.layers.fla_mamba import FLAMamba  # noqa: E402
+from tests.models.layers.test_fla_mamba2 import state_dict_layout  # noqa: E402
 
 FLOAT32 = 1e-5
 
@@ -102,11 +103,7 @@ def test_generic_mamba_builds_flames_layer_with_flas_state_dict():
         )
     assert sum(isinstance(m, FLAMamba) for m in model.modules()) == 2
     assert not any(isinstance(m, FLAMamba) for m in reference.modules())
-
-    def layout(m):
-        return {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()}
-
-    assert layout(model) == layout(reference)
+    assert state_dict_layout(model) == state_dict_layout(reference)
 
 
 def test_generic_samba_builds_flames_mamba_layers():

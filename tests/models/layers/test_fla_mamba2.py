@@ -148,8 +148,9 @@ def test_generic_mamba2_builds_flames_layer_with_flas_state_dict():
         )
     assert sum(isinstance(m, FLAMamba2) for m in model.modules()) == 2
     assert not any(isinstance(m, FLAMamba2) for m in reference.modules())
+    assert state_dict_layout(model) == state_dict_layout(reference)
 
-    def layout(m):
-        return {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()}
 
-    assert layout(model) == layout(reference)
+def state_dict_layout(model: nn.Module) -> dict:
+    """Each state-dict key's shape and dtype."""
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
