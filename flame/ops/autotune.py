@@ -16,7 +16,8 @@ job would not find the results that rank 0, or a one-GPU run before the job, wro
 Shipped results: ``flame/assets/autotune/`` holds tuning results measured on GPUs flame is measured on (one bundle
 per GPU model: its device name, the Triton version, and Triton's cache entries, ``<key folder>/<kernel>.autotune.json``).
 ``seed_shipped_results`` writes the bundle of the GPU in use into Triton's cache where the cache holds no entry, so a
-fresh machine runs those choices instead of benchmarking. Triton names each folder by a hash of its own version,
+fresh machine runs those choices instead of benchmarking; then, for kernels that bundle lacks, the bundles of GPU models
+of the same chip (``SAME_CHIP``), whose choices compile for the same target and run correctly there, tuned or not. Triton names each folder by a hash of its own version,
 the compiler target, the kernel's source, the tuning key and the configurations; an entry is found only when all of
 them match, so a different FLA, Triton or kernel tunes as before. ``scripts/autotune_bundle.py`` makes a bundle
 from a tuned cache. ``FLAME_SHIPPED_TUNING=0`` turns the seeding off.
@@ -160,12 +161,31 @@ def write_bundle(path: Path, device_name: str, triton_version: str, results: dic
     return len(entries)
 
 
+# GPU models built on one chip: the same compiler target and SM count, so one's tuning choice is a near-best
+# choice on the other (the H200 is the H100's GH100 with 132 SMs and faster memory, which can move the best
+# configuration of a memory-bound kernel by a step, not its results).
+SAME_CHIP = (("NVIDIA H100 80GB HBM3", "NVIDIA H200"),)
+
+
+def bundle_devices(device_name: str) -> list[str]:
+    """The GPU models whose bundles seed ``device_name``'s cache, in order: its own, then those of its chip."""
+    siblings = [name for group in SAME_CHIP if device_name in group for name in group if name != device_name]
+    return [device_name, *siblings]
+
+
 def seed_shipped_results(
     device_name: str, triton_version: str, cache_dir: Path, directory: Path = SHIPPED_DIR
 ) -> int:
-    """Writes the bundle measured on ``device_name`` with ``triton_version`` into Triton's cache folder
-    ``cache_dir``, each entry where the cache holds none; the number written (0 without such a bundle)."""
-    path = bundle_path(device_name, directory)
+    """Writes the bundles measured with ``triton_version`` on ``device_name`` and then on the models of its chip
+    into Triton's cache folder ``cache_dir``, each entry where the cache holds none (so the GPU's own choice wins
+    over a sibling's); the number written (0 without such a bundle)."""
+    return sum(
+        _seed_bundle(bundle_path(name, directory), name, triton_version, cache_dir)
+        for name in bundle_devices(device_name)
+    )
+
+
+def _seed_bundle(path: Path, device_name: str, triton_version: str, cache_dir: Path) -> int:
     if not path.exists():
         return 0
     bundle = json.loads(path.read_text())
@@ -206,6 +226,6 @@ def use_shipped_results(device_name: str) -> int:
     if written:
         logger.info(
             f"wrote {written} of flame's tuning results for {device_name} into Triton's cache {cache_dir} "
-            f"(flame/assets/autotune/{bundle_path(device_name).name})"
+            f"(flame/assets/autotune/: {', '.join(bundle_path(name).name for name in bundle_devices(device_name))})"
         )
     return written

@@ -227,7 +227,7 @@ def test_a_bundle_made_from_a_tuned_cache_is_what_a_fresh_cache_runs(fake_gpu, m
 
     fresh = tmp_path / "b"
     seed = autotune.seed_shipped_results
-    assert seed("NVIDIA H200", triton.__version__, fresh, assets) == 0  # no bundle for that GPU
+    assert seed("NVIDIA A100-SXM4-80GB", triton.__version__, fresh, assets) == 0  # no bundle for its chip
     assert seed("NVIDIA H100 80GB HBM3", "0.0.1", fresh, assets) == 0  # tuned with another Triton
     assert seed("NVIDIA H100 80GB HBM3", triton.__version__, fresh, assets) == 1
     assert seed("NVIDIA H100 80GB HBM3", triton.__version__, fresh, assets) == 0  # what is there stays
@@ -237,6 +237,26 @@ def test_a_bundle_made_from_a_tuned_cache_is_what_a_fresh_cache_runs(fake_gpu, m
     assert tuner.cache[(1024,)].kwargs == {"BLOCK": 32} and tuner.cache[(1024,)].num_warps == 8
     # Another shape is not in the bundle: it tunes as before.
     assert tuner.check_disk_cache((4096,), configs, bench) is False
+
+
+def test_a_gpu_without_its_own_result_takes_its_chips_sibling(tmp_path):
+    """An H100 takes the H200 bundle's entries its own bundle lacks, and keeps its own where both have one; a GPU of
+    another chip takes neither."""
+    assets = tmp_path / "assets"
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    own = {"key": [1], "configs_timings": [[{"num_warps": 4}, [1.0]]]}
+    sibling = {"key": [1], "configs_timings": [[{"num_warps": 8}, [1.0]]]}
+    autotune.write_bundle(autotune.bundle_path(h100, assets), h100, "3.6.0", {"A/k.autotune.json": own})
+    autotune.write_bundle(
+        autotune.bundle_path(h200, assets), h200, "3.6.0",
+        {"A/k.autotune.json": sibling, "B/k.autotune.json": sibling},
+    )  # fmt: skip
+    cache = tmp_path / "cache"
+    assert autotune.seed_shipped_results(h100, "3.6.0", cache, assets) == 2
+    assert json.loads((cache / "A" / "k.autotune.json").read_text()) == own
+    assert json.loads((cache / "B" / "k.autotune.json").read_text()) == sibling
+    assert autotune.seed_shipped_results("NVIDIA A100-SXM4-80GB", "3.6.0", tmp_path / "other", assets) == 0
+    assert autotune.bundle_devices(h200) == [h200, h100]
 
 
 def test_bundles_merge_and_a_new_triton_replaces_them(tmp_path):
