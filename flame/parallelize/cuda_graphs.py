@@ -174,9 +174,13 @@ class BlockGraphs:
                 differentiable = [o for o in outputs if o.requires_grad]
                 wrt = [t for t in (*sample, *params) if t.requires_grad]
                 if differentiable:
-                    torch.autograd.grad(
-                        differentiable, wrt, [torch.ones_like(o) for o in differentiable], allow_unused=True
-                    )
+                    with backward_autocast():
+                        torch.autograd.grad(
+                            differentiable,
+                            wrt,
+                            [torch.ones_like(o) for o in differentiable],
+                            allow_unused=True,
+                        )
                 del sample, outputs, differentiable, wrt
         torch.cuda.synchronize()
 
@@ -207,7 +211,7 @@ class BlockGraphs:
         )
 
     def _capture_backward(self) -> None:
-        with uncached_autocast():
+        with backward_autocast():
             later = None
             for graph in reversed(self.graphs):
                 chained = later is not None and output_key(later.inputs[0]) == output_key(graph.outputs[0])
@@ -314,6 +318,14 @@ def uncached_autocast() -> torch.autocast:
         enabled=torch.is_autocast_enabled("cuda"),
         cache_enabled=False,
     )
+
+
+def backward_autocast() -> torch.autocast:
+    """Autocast as the training step's backward runs it: off (the step calls backward outside its autocast
+    region; custom autograd functions restore their forward's state themselves), so that the captured backward runs
+    the kernels the step's backward runs. Under the forward's autocast, abc's block capture met a Triton compilation
+    error ("Both operands must be same dtype") that its eager steps did not (FLA 0.6.0, H200)."""
+    return torch.autocast("cuda", enabled=False)
 
 
 def trainable(block: nn.Module) -> tuple[nn.Parameter, ...]:

@@ -106,6 +106,8 @@ def test_another_shape_runs_eagerly_and_the_captured_shape_still_replays():
             "num_hidden_layers": 3,
             "head_dim": 64,
         },
+        # ABC's chunk kernels: its capture failed to compile while the backward ran under the forward's autocast.
+        {"model_type": "abc", "vocab_size": 4096, "hidden_size": 128, "num_hidden_layers": 3, "num_heads": 2},
     ],
     ids=lambda config: config["model_type"],
 )
@@ -164,3 +166,44 @@ def test_the_trainer_step_with_graphed_blocks_trains_as_with_eager_blocks(make_t
             eager,
             graphs,
         )
+
+
+class _AutocastProbe(torch.autograd.Function):
+    """Identity that records whether autocast is on where its backward runs."""
+
+    seen: list[bool] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _AutocastProbe.seen.append(torch.is_autocast_enabled("cuda"))
+        return grad
+
+
+class _ProbedBlock(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.linear(_AutocastProbe.apply(x)).to(x.dtype)
+
+
+def test_the_captured_backward_runs_without_autocast_as_the_steps_backward_does():
+    """The step calls backward outside its autocast region: the warm-up and the captured backward do too, so the
+    graphs hold the kernels (and dtypes) of the step's own backward."""
+    torch.manual_seed(0)
+    blocks = [_ProbedBlock(48).cuda() for _ in range(2)]
+    BlockGraphs(blocks)
+    x = torch.randn(3, 17, 48, device="cuda", requires_grad=True)
+    _AutocastProbe.seen.clear()
+    for _ in range(3):  # capture, then replays
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            hidden = x
+            for block in blocks:
+                hidden = block(hidden)
+        hidden.float().square().mean().backward()
+    assert _AutocastProbe.seen and not any(_AutocastProbe.seen), _AutocastProbe.seen
