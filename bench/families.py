@@ -332,24 +332,24 @@ def resume_verdict(expected: dict[int, float], resumed: dict[int, float], device
 def export_logit_difference(dump: Path, step_number: int, device: str) -> tuple[float, float, str]:
     """(max |exported - flame's| logit, max |flame's logit|, the precision they ran in) on a fixed batch: the HF
     folder in ``dump`` loaded by transformers' AutoModelForCausalLM (FLA's types registered by ``import fla``, FLA's
-    modules with flame's fixes), flame's model from its DCP checkpoint."""
+    class built as flame builds it: fla_classes_as_flame_builds_them), flame's model from its DCP checkpoint."""
     from transformers import AutoModelForCausalLM
 
     import flame.hf
     from flame.hf.load import load, read_hf_config
     from flame.models.generic.args import fla_model_types, import_fla_models
+    from flame.models.generic.model import fla_classes_as_flame_builds_them
 
     flame.hf.register()
     if read_hf_config(dump).get("model_type") in fla_model_types():
         import_fla_models()
-    # flame's model first: building an FLA class applies flame's process-wide fixes to FLA's modules
-    # (flame.compat: flash-attn's functions on flame's attention, rodimus' residual flag), which FLA's own class
-    # then builds with, as it does in any process that imports flame.
     flame_model = load(dump, step=step_number, device=device).model
-    exported = AutoModelForCausalLM.from_pretrained(dump, dtype=torch.float32).to(device).eval()
+    with fla_classes_as_flame_builds_them():  # FLA's layers that need flash-attn: flame's, same parameters
+        exported = AutoModelForCausalLM.from_pretrained(dump, dtype=torch.float32).to(device).eval()
     tokens = torch.randint(0, exported.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    # No key/value cache: FLA's PaTH attention asserts use_cache is off for a call without an attention mask.
     (theirs, ours), precision = compared_logits(
-        lambda: (exported(tokens.to(device)).logits, flame_model(tokens.to(device))), device
+        lambda: (exported(tokens.to(device), use_cache=False).logits, flame_model(tokens.to(device))), device
     )
     return float((theirs - ours).abs().max()), float(ours.abs().max()), precision
 
@@ -544,7 +544,9 @@ def legend(args) -> str:
         f"from the DCP checkpoint, float32 logits, pass within {EXPORT_RTOL['cuda']:g} (GPU: Triton kernels "
         f"multiply in TF32) or {EXPORT_RTOL['cpu']:g} (CPU) of the largest logit. Anchor: `run_naive_hf_loop` of "
         "bench/train_throughput.py (the export's class, eager, bf16 autocast, fused AdamW, random tokens, the "
-        "same tokens per step); ratio: flame's tokens/s over it. Each row comes from the run below that names its "
+        "same tokens per step; an FLA class with the layers flame builds it with where FLA's need flash-attn or "
+        "mamba_ssm, which flame does not install: the same model); ratio: flame's tokens/s over it. The export "
+        "check builds FLA's class the same way. Each row comes from the run below that names its "
         "family (a run of some families keeps the other rows)."
     )
 

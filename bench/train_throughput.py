@@ -47,6 +47,7 @@ otherwise. Rank 0 prints a markdown table and writes it into docs/performance.md
 """
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -307,23 +308,29 @@ def run_naive_hf_loop(name: str, seq_len: int, args, device, margs=None) -> Resu
     from flame.hf.formats import export_adapter
     from flame.models import build_model
     from flame.models.generic.args import fla_model_types
+    from flame.models.generic.model import fla_classes_as_flame_builds_them
+    from flame.train.model_parts import prepare_gpu_kernels
 
     margs = model_args(name, args.tiny, args.num_layers) if margs is None else margs
     hf_config = export_adapter(margs, "auto")[0].hf_config()
     flame.hf.register()
+    building = contextlib.nullcontext()
     if hf_config["model_type"] in fla_model_types():
         import fla  # noqa: F401  (FLA's classes)
-    if device.type == "cuda" and importlib.util.find_spec("fla") is not None:
-        # FLA's gated backward on Hopper (flame.compat's fla_hopper_dqkwg), for FLA's classes and for transformers'
-        # classes that call FLA's kernels where FLA is installed (qwen3_next, olmo_hybrid).
-        from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
 
-        serve_where_fla_refuses()
+        # FLA's class with the layers flame trains it with where FLA's need flash-attn or mamba_ssm: the same model.
+        building = fla_classes_as_flame_builds_them()
+    if device.type == "cuda" and importlib.util.find_spec("fla") is not None:
+        # FLA's kernels as the trainer prepares them (flame.compat: FLA's gated backward on Hopper, its TileLang
+        # attention's head widths), for FLA's classes and for transformers' classes that call FLA's kernels where
+        # FLA is installed (qwen3_next, olmo_hybrid); Triton's autotuning seeded with flame's shipped results.
+        prepare_gpu_kernels(device)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**hf_config)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(device).train()
+    with building:
+        model = AutoModelForCausalLM.from_config(config).to(device).train()
     with torch.device("meta"):
         _, flops_per_token = margs.get_nparams_and_flops(build_model(margs), seq_len)
     batch = rows_per_step(args, seq_len)

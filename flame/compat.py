@@ -17,6 +17,7 @@ import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import os
 import sys
 import types
@@ -459,6 +460,51 @@ def fla_rodimus_blocks_follow_the_model() -> None:
     RodimusBlock.__init__ = follow_the_model
 
 
+# TileLang's attention kernels tile a head's channels in blocks of 16: FLA 0.6.0's parallel_attn (its
+# fla/ops/attn/backends/tilelang/parallel.py, BK = ceil(K / 16) * 16) copies a head of another width into a larger
+# shared tile, which TileLang refuses to compile ("Shared tile and global tile shape mismatch: 32 != 24").
+TILELANG_ATTENTION_HEAD_MULTIPLE = 16
+
+
+def fla_tilelang_attention_takes_its_head_widths() -> None:
+    """FLA 0.6.0 turns its TileLang attention backend on by default on Hopper and accepts every head width for it,
+    so a forgetting transformer with 24-channel heads (FLA's default 32 heads at hidden 768) stops in TileLang's
+    compiler where FLA's Triton kernel serves it. After this call (idempotent, for the process) the backend's
+    verifiers refuse heads whose key or value width is not a multiple of 16, and FLA's dispatch falls back to its
+    Triton kernel with its one log line."""
+    from fla.ops.attn.backends.tilelang import AttnTileLangBackend
+
+    for name in ("parallel_attn_fwd_verifier", "parallel_attn_bwd_verifier"):
+        verifier = getattr(AttnTileLangBackend, name)
+        if getattr(verifier, "flame_head_widths", False):
+            continue
+        signature = inspect.signature(verifier)
+
+        def takes_its_head_widths(*args, _verifier=verifier, _signature=signature, **kwargs):
+            call = _signature.bind(*args, **kwargs).arguments
+            widths = (call["q"].shape[-1], call["v"].shape[-1])
+            if any(width % TILELANG_ATTENTION_HEAD_MULTIPLE for width in widths):
+                return False, (
+                    f"TileLang's attention takes head widths that are multiples of {TILELANG_ATTENTION_HEAD_MULTIPLE}, "
+                    f"not {widths[0]} (keys) and {widths[1]} (values); fall back to Triton"
+                )
+            return _verifier(*args, **kwargs)
+
+        takes_its_head_widths.flame_head_widths = True
+        setattr(AttnTileLangBackend, name, functools.wraps(verifier)(takes_its_head_widths))
+
+
+def _fla_tilelang_attention_takes_any_head_width() -> bool:
+    import torch
+    from fla.ops.attn.backends.tilelang import AttnTileLangBackend
+
+    verifier = AttnTileLangBackend.parallel_attn_fwd_verifier
+    verifier = getattr(verifier, "__wrapped__", verifier)  # FLA's own, where flame's wraps it in this process
+    q = torch.empty(1, 64, 2, 24, device="meta", dtype=torch.bfloat16)
+    accepted, _ = verifier(AttnTileLangBackend(), q, q, q, None, None, 24**-0.5)
+    return accepted
+
+
 def _fla_rodimus_block_reads_residual_in_fp32() -> bool:
     return _sources_contain(
         ("fla.models.rodimus.modeling_rodimus",), "self.block_residual_in_fp32 = config.residual_in_fp32"
@@ -576,6 +622,15 @@ SHIMS = (
         fixed_in=None,
         workaround="fla_rodimus_blocks_follow_the_model",
         reproduces=_fla_rodimus_block_reads_residual_in_fp32,
+    ),
+    Shim(
+        name="fla_tilelang_attention_head_widths",
+        applies=_always,
+        upstream="not filed: FLA 0.6.0's TileLang parallel_attn (on by default on Hopper) accepts head widths its "
+        "kernel cannot compile (not multiples of 16)",
+        fixed_in=None,
+        workaround="fla_tilelang_attention_takes_its_head_widths",
+        reproduces=_fla_tilelang_attention_takes_any_head_width,
     ),
     Shim(
         name="fla_moba_flash_attn",

@@ -87,3 +87,21 @@ def test_deferred_compile_compiles_once_at_the_first_call():
     assert calls == []
     assert deferred(1, y=2) == ("compiled", 3) and deferred(4) == ("compiled", 4)
     assert calls == [{"mode": "default"}]
+
+
+def test_flas_tilelang_attention_refuses_the_head_widths_it_cannot_compile():
+    """After the shim FLA's dispatch skips its TileLang attention for heads that are not multiples of 16 (to its
+    Triton kernel) and keeps it for the others."""
+    import torch
+    from fla.ops.attn.backends.tilelang import AttnTileLangBackend
+
+    compat.fla_tilelang_attention_takes_its_head_widths()
+    compat.fla_tilelang_attention_takes_its_head_widths()  # idempotent: one wrapper
+    backend = AttnTileLangBackend()
+    for width, accepted in ((24, False), (40, False), (64, True), (96, True)):
+        q = torch.empty(2, 33, 3, width, device="meta", dtype=torch.bfloat16)
+        forward = backend.verify("parallel_attn_fwd", q=q, k=q, v=q, g_cumsum=None, sink_bias=None, scale=0.1)
+        backward = backend.verify("parallel_attn_bwd", q, q, q, q, None, None, q)
+        assert (forward[0], backward[0]) == (accepted, accepted), (width, forward, backward)
+    wrapped = AttnTileLangBackend.parallel_attn_fwd_verifier
+    assert not getattr(wrapped.__wrapped__, "flame_head_widths", False)

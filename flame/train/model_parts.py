@@ -12,6 +12,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 
+from flame.compat import fla_tilelang_attention_takes_its_head_widths
 from flame.loss import TokenNormalizedLoss
 from flame.models import build_model
 from flame.models.common.args import ModelArgs
@@ -80,7 +81,8 @@ def prepare_gpu_kernels(device: torch.device) -> None:
     """On a GPU: Triton's kernels tuned once per host and seeded with flame's shipped results
     (flame.ops.autotune), and flame's gated chunk_bwd_dqkwg registered with FLA where FLA refuses its own (Hopper,
     FLA issue 640), so every model calling FLA's gated backward trains there: flame's GatedDeltaNet and FLA's
-    comba, mom, precond_gated_deltanet, gated_deltanet alike."""
+    comba, mom, precond_gated_deltanet, gated_deltanet alike; FLA's TileLang attention keeps to the head widths it
+    compiles (flame.compat), the others going to FLA's Triton kernel."""
     if device.type != "cuda":
         return
     from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses  # imports Triton
@@ -88,6 +90,7 @@ def prepare_gpu_kernels(device: torch.device) -> None:
     tune_once_per_host()
     use_shipped_results(torch.cuda.get_device_name(device))
     serve_where_fla_refuses()
+    fla_tilelang_attention_takes_its_head_widths()
 
 
 def build_model_parts(

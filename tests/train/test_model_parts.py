@@ -6,7 +6,7 @@ from flame.ops.gated_delta_rule import dqkwg_triton
 from flame.train import model_parts
 
 
-def test_a_gpu_process_tunes_once_seeds_the_shipped_results_and_lifts_flas_hopper_refusal(monkeypatch):
+def test_a_gpu_process_tunes_once_seeds_the_shipped_results_and_fixes_flas_backends(monkeypatch):
     calls = []
     monkeypatch.setattr(model_parts, "tune_once_per_host", lambda: calls.append("tune once per host"))
     monkeypatch.setattr(
@@ -16,6 +16,11 @@ def test_a_gpu_process_tunes_once_seeds_the_shipped_results_and_lifts_flas_hoppe
     monkeypatch.setattr(
         dqkwg_triton, "serve_where_fla_refuses", lambda: calls.append("flame's dqkwg for FLA")
     )
+    monkeypatch.setattr(
+        model_parts,
+        "fla_tilelang_attention_takes_its_head_widths",
+        lambda: calls.append("FLA's TileLang attention on its head widths"),
+    )
 
     model_parts.prepare_gpu_kernels(torch.device("cpu"))
     assert calls == []
@@ -24,4 +29,5 @@ def test_a_gpu_process_tunes_once_seeds_the_shipped_results_and_lifts_flas_hoppe
         "tune once per host",
         "shipped results for GPU 1",
         "flame's dqkwg for FLA",
+        "FLA's TileLang attention on its head widths",
     ]

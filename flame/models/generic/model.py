@@ -1,7 +1,9 @@
 """A generic-family model: the registered causal-LM class itself (its parameter names, its ``_init_weights``),
 with flame's calling convention mixed in front of it."""
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -157,6 +159,22 @@ def refusing_layer(error: ImportError) -> str:
     return name
 
 
+@contextlib.contextmanager
+def fla_classes_as_flame_builds_them() -> Iterator[None]:
+    """FLA's modules with flame's fixes for the process (flame.compat: flash-attn's calls and DeltaFormer's and
+    MoBA's ops on flame's attention, rodimus' residual flag) and, while open, FLA's layers that would need flash-attn
+    or mamba_ssm built as flame's (FLA_LAYER_REPLACEMENTS, the same parameters): FLA's classes built inside train
+    as flame trains them, so the bench's naive loop and the export check build FLA's own class the same way."""
+    fla_deltaformer_on_flame(deltaformer_attention)
+    fla_moba_on_flame(parallel_moba)
+    fla_rodimus_blocks_follow_the_model()
+    fla_flash_attn_calls_on_flame(
+        {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func}
+    )
+    with fla_layers_on_flame(FLA_LAYER_REPLACEMENTS):
+        yield
+
+
 def instantiate(lm_class: type, config) -> nn.Module:
     """flame's class over ``lm_class``, built; FLA's classes build their flash-attn attention layers and Mamba2 as
     flame's (FLA_LAYER_REPLACEMENTS) where flash-attn or mamba_ssm is not importable, and a flash-attn layer flame has
@@ -164,14 +182,8 @@ def instantiate(lm_class: type, config) -> nn.Module:
     cls = flame_class(lm_class)
     if not is_fla_class(lm_class):
         return cls(config)
-    fla_deltaformer_on_flame(deltaformer_attention)
-    fla_moba_on_flame(parallel_moba)
-    fla_rodimus_blocks_follow_the_model()
-    fla_flash_attn_calls_on_flame(
-        {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func}
-    )
     try:
-        with fla_layers_on_flame(FLA_LAYER_REPLACEMENTS):
+        with fla_classes_as_flame_builds_them():
             return cls(config)
     except ImportError as e:
         if "flash" not in str(e).lower():

@@ -254,3 +254,27 @@ def test_mom_gives_the_load_balancing_its_class_adds_to_its_loss():
     output = MomCausalLMOutputWithPast(logits=torch.zeros(1), router_logits=routers)
     expected = 0.05 * load_balancing_loss_func(routers, 4, 2)
     assert torch.equal(class_auxiliary_loss(model, output), expected) and expected > 0
+
+
+@pytest.mark.parametrize("model_type", ["samba", "bitnet", "mla"])
+def test_fla_classes_build_as_flame_builds_them_without_flash_attn(model_type):
+    """FLA's own class (what the bench's naive loop and export check build) needs flash-attn for these families;
+    inside fla_classes_as_flame_builds_them it builds without it, with the parameters of flame's model of the same
+    config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flame.models.generic.args import import_fla_models
+    from flame.models.generic.model import fla_classes_as_flame_builds_them
+
+    import_fla_models()
+    fields = {"model_type": model_type, **TINY, **OVERRIDES.get(model_type, {})}
+    config = AutoConfig.for_model(**fields)
+    with torch.device("meta"), fla_classes_as_flame_builds_them():
+        theirs = AutoModelForCausalLM.from_config(config)
+    args, _ = model_args_from_dict(fields)
+    with torch.device("meta"):
+        ours = build_model(args)
+    assert type(theirs).__module__.startswith("fla.models.")
+    assert {name: p.shape for name, p in theirs.named_parameters()} == {
+        name: p.shape for name, p in ours.named_parameters()
+    }
