@@ -10,6 +10,7 @@ from flame.models.generic.args import (
     config_parallelisms,
     fla_blocks_run_eagerly,
     fla_kernels_need_cuda,
+    fla_layers_missing_packages,
 )
 from flame.models.generic.model import build_generic_model, generic_blocks
 
@@ -21,4 +22,5 @@ SPEC = ModelSpec(
     config_parallelisms=config_parallelisms,
     needs_cuda=fla_kernels_need_cuda,
     eager_blocks=fla_blocks_run_eagerly,
+    unavailable=fla_layers_missing_packages,
 )

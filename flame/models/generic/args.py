@@ -163,6 +163,27 @@ def fla_blocks_run_eagerly(args: "GenericArgs") -> str | None:
     return None
 
 
+# FLA 0.6.0 layers whose every path runs a package flame does not install (the package index has no wheels of it):
+# model_type -> (the module FLA imports, what it provides, what to train instead). A first step would stop in the
+# layer's forward.
+FLA_REQUIRED_MODULES = {
+    "mamba3": (
+        "mamba_ssm",
+        "mamba_ssm's Mamba-3 kernels (FLA 0.6.0's Mamba3 layer has no other path)",
+        "mamba2, which flame runs on its own scan",
+    ),
+}
+
+
+def fla_layers_missing_packages(args: "GenericArgs") -> str | None:
+    if not builds_fla_class(args) or args.model_type not in FLA_REQUIRED_MODULES:
+        return None
+    module, provides, instead = FLA_REQUIRED_MODULES[args.model_type]
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return f"model_type '{args.model_type}' needs {provides}, and {module} is not installed: install it, or train {instead}"
+
+
 # FLA 0.6.0 families whose kernels take only some head shapes: the model builds, and the first step stops in a
 # Triton compilation error (deltaformer: its kernels tile a head's channels, so the width must be a power of 2 that
 # tl.dot takes) or an assertion (path_attn's head widths, NSA's query heads per key/value head). The dry run refuses

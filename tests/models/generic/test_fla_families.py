@@ -278,3 +278,23 @@ def test_fla_classes_build_as_flame_builds_them_without_flash_attn(model_type):
     assert {name: p.shape for name, p in theirs.named_parameters()} == {
         name: p.shape for name, p in ours.named_parameters()
     }
+
+
+def test_a_family_whose_layers_need_a_missing_package_is_refused_before_it_trains(monkeypatch):
+    """FLA's Mamba3 layer runs only on mamba_ssm's kernels: without mamba_ssm the launch refuses it in one line
+    (on any device); with it, the check passes."""
+    from flame.models import check_device
+    from flame.models.generic import args as generic_args
+
+    args, _ = model_args_from_dict({"model_type": "mamba3", **TINY})
+    with pytest.raises(ModelConfigError, match="'mamba3' needs mamba_ssm's Mamba-3 kernels.*not installed"):
+        check_device(args, "cuda")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        generic_args.importlib.util,
+        "find_spec",
+        lambda name, *rest: object() if name == "mamba_ssm" else find_spec(name, *rest),
+    )
+    check_device(args, "cuda")
+    mamba2, _ = model_args_from_dict({"model_type": "mamba2", **TINY})
+    check_device(mamba2, "cuda")
