@@ -12,15 +12,39 @@ sys.path.insert(0, str(REPO / "bench"))
 import speed  # noqa: E402
 
 
+def profiler_table(*rows: tuple[str, str]) -> str:
+    """torch.profiler's key_averages table (the columns train_throughput prints) with the step's region first."""
+    rule = "-" * 70 + "  " + "  ".join(["-" * 12] * 10)
+    header = ["Name", "Self CPU %", "Self CPU", "CPU total %", "CPU total", "CPU time avg", "Self CUDA",
+              "Self CUDA %", "CUDA total", "CUDA time avg", "# of Calls"]  # fmt: skip
+    lines = [rule, "  ".join(f"{h:>12}" for h in header), rule]
+    for name, cuda in (("flame.forward_backward", "190.000ms"), *rows):
+        cells = [
+            name,
+            "1.00%",
+            "1.000ms",
+            "2.00%",
+            "2.000ms",
+            "10.000us",
+            cuda,
+            "30.00%",
+            cuda,
+            "1.000ms",
+            "24",
+        ]
+        lines.append(f"{cells[0]:>70}  " + "  ".join(f"{c:>12}" for c in cells[1:]))
+    return "\n".join([*lines, rule, "Self CPU time total: 100.000ms"])
+
+
 def result(model, mode, tokens_per_s, **fields):
     return {"model": model, "mode": mode, "tokens_per_s": tokens_per_s, "error": "", "profile": "", **fields}
 
 
 PARTS = {
     "throughput": {"mode": "compiled", "results": [
-        result("transformer", "compiled", 160_000.0, profile="gemm 45.4 ms\nattention backward 11.6 ms\nadamw 4 ms"),
+        result("transformer", "compiled", 160_000.0, profile=profiler_table(("gemm", "45.4ms"), ("attention backward", "11.6ms"), ("adamw", "4ms"))),
         result("transformer", "naive HF loop", 80_000.0),
-        result("gated_deltanet", "compiled", 85_000.0, profile="chunk_bwd 57 ms\ngemm 66 ms\nconv 9 ms"),
+        result("gated_deltanet", "compiled", 85_000.0, profile=profiler_table(("chunk_bwd", "57ms"), ("gemm", "66ms"), ("conv", "9ms"))),
         result("gated_deltanet", "naive HF loop", 70_000.0),
         result("hybrid", "compiled", 150_000.0),
     ]},
@@ -67,7 +91,7 @@ def test_each_item_is_its_measurement_beside_its_anchor_target_and_verdict():
 
     gdn = rows["gated_deltanet 3"]
     assert gdn[2:5] == ["84,000", "naive HF loop: 70,000", "1.20x"]
-    assert gdn[6] == "no: 70% of it (top kernels: chunk_bwd 57 ms; gemm 66 ms; conv 9 ms)"
+    assert gdn[6] == "no: 70% of it (top kernels: chunk_bwd 57ms; gemm 66ms; conv 9ms)"
     assert rows["hybrid 3"][2] == "n/a" and rows["hybrid 3"][6] == "not measured"
 
     mfu = rows["transformer 4"]
@@ -76,7 +100,7 @@ def test_each_item_is_its_measurement_beside_its_anchor_target_and_verdict():
         "torchtitan's trainer: 120,000; naive HF loop: 80,000",
         "1.32x torchtitan's",
     ]
-    assert mfu[6].startswith("no: 87% of it (top kernels: gemm 45.4 ms;")
+    assert mfu[6].startswith("no: 87% of it (top kernels: gemm 45.4ms;")
 
     long_context = [row for row in speed.rows(PARTS) if row[0] == "5"]
     assert [row[2] for row in long_context] == ["82,619 tokens/s, 18.6 GiB", "failed: BackendCompilerFailed"]
@@ -112,3 +136,9 @@ def test_train_sh_part_runs_each_model_and_keeps_other_parts(tmp_path):
     for model in speed.MODELS:
         run = parts["train_sh"]["models"][model]
         assert run["lines"] == 3 and run["tokens_per_s"] > 0 and 0 <= run["data_share"] <= 1
+
+
+def test_a_slower_launch_reads_slower():
+    assert speed.speedup(199.7, 65.5) == "3.05x faster"
+    assert speed.speedup(53.5, 61.4) == "1.15x slower"
+    assert speed.speedup(float("nan"), 61.4) == "n/a"
