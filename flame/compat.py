@@ -505,6 +505,36 @@ def _fla_tilelang_attention_takes_any_head_width() -> bool:
     return accepted
 
 
+def fla_log_linear_scales_in_the_inputs_dtype() -> None:
+    """FLA 0.6.0's LogLinearMamba2 layer passes its level scales in its parameter's dtype (``softplus(L * dl)
+    .to(L.dtype)``) to a forward kernel that multiplies them into a bf16 tile and then takes that tile and the bf16
+    values in one ``tl.dot``: with float32 parameters under bf16 autocast (flame's one-GPU step, any mixed-precision
+    loop) the kernel does not compile (Triton: "at 177:18", both operands must have one dtype). After this call
+    (idempotent, for the process) the layer's module passes the scales in the queries' dtype, as a bf16 model passes
+    them; autograd casts their gradient back."""
+    module = importlib.import_module("fla.layers.log_linear_mamba2")
+    op = module.chunk_log_linear_attn
+    if getattr(op, "flame_scales_cast", False):
+        return
+    signature = inspect.signature(op)
+
+    def scales_in_the_inputs_dtype(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        call.arguments["level_scales"] = call.arguments["level_scales"].to(call.arguments["q"].dtype)
+        return op(*call.args, **call.kwargs)
+
+    scales_in_the_inputs_dtype.flame_scales_cast = True
+    module.chunk_log_linear_attn = functools.wraps(op)(scales_in_the_inputs_dtype)
+
+
+def _fla_log_linear_passes_scales_in_the_parameters_dtype() -> bool:
+    return _sources_contain(
+        ("fla.layers.log_linear_mamba2",), 'rearrange(L, "h ell -> 1 1 h ell") * dl).to(L.dtype)'
+    ) and _sources_contain(
+        ("fla.ops.log_linear_attn.chunk",), "b_s = (tl.dot(b_q, b_k) * b_s).to(b_q.dtype) * b_h"
+    )
+
+
 def _fla_rodimus_block_reads_residual_in_fp32() -> bool:
     return _sources_contain(
         ("fla.models.rodimus.modeling_rodimus",), "self.block_residual_in_fp32 = config.residual_in_fp32"
@@ -631,6 +661,15 @@ SHIMS = (
         fixed_in=None,
         workaround="fla_tilelang_attention_takes_its_head_widths",
         reproduces=_fla_tilelang_attention_takes_any_head_width,
+    ),
+    Shim(
+        name="fla_log_linear_scales_dtype",
+        applies=_always,
+        upstream="not filed: FLA 0.6.0's LogLinearMamba2 passes float32 level scales (its parameter's dtype) to a "
+        "forward kernel that compiles only with them in the inputs' dtype",
+        fixed_in=None,
+        workaround="fla_log_linear_scales_in_the_inputs_dtype",
+        reproduces=_fla_log_linear_passes_scales_in_the_parameters_dtype,
     ),
     Shim(
         name="fla_moba_flash_attn",

@@ -298,3 +298,62 @@ def test_a_family_whose_layers_need_a_missing_package_is_refused_before_it_train
     check_device(args, "cuda")
     mamba2, _ = model_args_from_dict({"model_type": "mamba2", **TINY})
     check_device(mamba2, "cuda")
+
+
+def test_log_linear_mamba2_passes_its_level_scales_in_the_inputs_dtype(monkeypatch):
+    """FLA's LogLinearMamba2 hands its float32 level scales to a kernel that takes them in the inputs' dtype: after
+    flame's fix the layer's module casts them (the kernel itself: the Hopper compile test below)."""
+    import fla.layers.log_linear_mamba2 as layer_module
+
+    from flame import compat
+
+    seen = {}
+
+    def chunk_log_linear_attn(q, k, v, g, level_scales, initial_state=None, **kwargs):
+        seen.update(q=q.dtype, level_scales=level_scales.dtype)
+        return q, None
+
+    monkeypatch.setattr(layer_module, "chunk_log_linear_attn", chunk_log_linear_attn)
+    compat.fla_log_linear_scales_in_the_inputs_dtype()
+    compat.fla_log_linear_scales_in_the_inputs_dtype()  # idempotent: one cast
+    q = torch.zeros(1, 8, 1, 16, dtype=torch.bfloat16)
+    scales = torch.ones(1, 8, 2, 4, requires_grad=True)
+    layer_module.chunk_log_linear_attn(q=q, k=q, v=q, g=q.float(), level_scales=scales, scale=1.0)
+    assert seen == {"q": torch.bfloat16, "level_scales": torch.bfloat16}
+
+
+def test_flas_log_linear_forward_kernel_compiles_for_hopper_only_with_scales_in_the_inputs_dtype():
+    """Triton compiles FLA 0.6.0's log-linear forward kernel for sm_90 on this machine (ptxas ships with Triton):
+    with bf16 inputs and float32 level scales, what FLA's layer passes under autocast, it stops at "177:18" as on an
+    H200; with the scales in bf16, what flame passes, it compiles."""
+    import triton
+    from fla.ops.log_linear_attn import chunk
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = chunk.chunkwise_fwd_kernel
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):  # inside FLA's autotuner and heuristics
+        kernel = kernel.fn
+    constexprs = dict(G=1, H=4, K=64, V=64, L=12, BT=64, BK=64, L_IN=1, L_OUT=1, MIN_LEVEL=0, MAX_LEVEL=10,
+                      IS_VARLEN=False, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, SCALE=1.0)  # fmt: skip
+    integers = ("llut", "offsets", "new_offsets", "cu_seqlens", "output_cu_seqlens")
+
+    def compiled(scales_dtype: str):
+        signature = {}
+        for name in kernel.arg_names:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name in ("T", "output_T", "stride_o_n"):
+                signature[name] = "i32"
+            elif name in integers:
+                signature[name] = "*i32"
+            elif name == "level_scales":
+                signature[name] = f"*{scales_dtype}"
+            else:
+                signature[name] = "*fp32" if name == "g" else "*bf16"
+        source = ASTSource(kernel, signature, constexprs=constexprs)
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+    assert compiled("bf16").asm["cubin"]
+    with pytest.raises(triton.compiler.errors.CompilationError, match="at 177:18"):
+        compiled("fp32")
