@@ -527,6 +527,30 @@ def fla_log_linear_scales_in_the_inputs_dtype() -> None:
     module.chunk_log_linear_attn = functools.wraps(op)(scales_in_the_inputs_dtype)
 
 
+def fla_log_linear_masks_built_once() -> None:
+    """FLA 0.6.0's log-linear attention builds its level lookup table and level masks (functions of the chunk size
+    and the device only) on the host at every call, per layer, forward and backward, and copies them to the GPU: a
+    host-bound step, and blocks that cannot be captured as CUDA graphs (a host-to-GPU copy during capture). After
+    this call (idempotent, for the process) each is built once per chunk size and device and reused; FLA's op only
+    reads them."""
+    chunk = importlib.import_module("fla.ops.log_linear_attn.chunk")
+    for name in ("level_lut", "masks"):
+        function = getattr(chunk, name)
+        if not hasattr(function, "cache_info"):
+            setattr(chunk, name, functools.lru_cache(maxsize=None)(function))
+
+
+def _fla_log_linear_builds_masks_per_call() -> bool:
+    from fla.ops.log_linear_attn import chunk
+
+    built_per_call = not hasattr(chunk.level_lut, "cache_info") and not hasattr(chunk.masks, "cache_info")
+    return built_per_call and _sources_contain(
+        ("fla.ops.log_linear_attn.chunk",),
+        "ctx.llut = level_lut(BT, v.device)",
+        "mask = masks(chunk_size, v.device)",
+    )
+
+
 def _fla_log_linear_passes_scales_in_the_parameters_dtype() -> bool:
     return _sources_contain(
         ("fla.layers.log_linear_mamba2",), 'rearrange(L, "h ell -> 1 1 h ell") * dl).to(L.dtype)'
@@ -670,6 +694,15 @@ SHIMS = (
         fixed_in=None,
         workaround="fla_log_linear_scales_in_the_inputs_dtype",
         reproduces=_fla_log_linear_passes_scales_in_the_parameters_dtype,
+    ),
+    Shim(
+        name="fla_log_linear_masks_per_call",
+        applies=_always,
+        upstream="not filed: FLA 0.6.0's log-linear attention builds its level masks on the host and copies them "
+        "to the GPU at every call",
+        fixed_in=None,
+        workaround="fla_log_linear_masks_built_once",
+        reproduces=_fla_log_linear_builds_masks_per_call,
     ),
     Shim(
         name="fla_moba_flash_attn",

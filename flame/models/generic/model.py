@@ -12,6 +12,7 @@ from flame.compat import (
     fla_deltaformer_on_flame,
     fla_flash_attn_calls_on_flame,
     fla_layers_on_flame,
+    fla_log_linear_masks_built_once,
     fla_log_linear_scales_in_the_inputs_dtype,
     fla_moba_on_flame,
     fla_rodimus_blocks_follow_the_model,
@@ -163,14 +164,15 @@ def refusing_layer(error: ImportError) -> str:
 @contextlib.contextmanager
 def fla_classes_as_flame_builds_them() -> Iterator[None]:
     """FLA's modules with flame's fixes for the process (flame.compat: flash-attn's calls and DeltaFormer's and
-    MoBA's ops on flame's attention, rodimus' residual flag, log-linear Mamba2's level scales) and, while open, FLA's
-    layers that would need flash-attn or mamba_ssm built as flame's (FLA_LAYER_REPLACEMENTS, the same parameters):
-    FLA's classes built inside it are what flame trains, so the bench's naive loop and the export check build
-    FLA's own class the same way."""
+    MoBA's ops on flame's attention, rodimus' residual flag, log-linear attention's scales and masks) and, while
+    open, FLA's layers that would need flash-attn or mamba_ssm built as flame's (FLA_LAYER_REPLACEMENTS, the same
+    parameters): FLA's classes built inside it are what flame trains, so the bench's naive loop and the export
+    check build FLA's own class the same way."""
     fla_deltaformer_on_flame(deltaformer_attention)
     fla_moba_on_flame(parallel_moba)
     fla_rodimus_blocks_follow_the_model()
     fla_log_linear_scales_in_the_inputs_dtype()
+    fla_log_linear_masks_built_once()
     fla_flash_attn_calls_on_flame(
         {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func}
     )

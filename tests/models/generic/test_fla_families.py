@@ -357,3 +357,23 @@ def test_flas_log_linear_forward_kernel_compiles_for_hopper_only_with_scales_in_
     assert compiled("bf16").asm["cubin"]
     with pytest.raises(triton.compiler.errors.CompilationError, match="at 177:18"):
         compiled("fp32")
+
+
+def test_log_linear_attention_builds_its_level_masks_once():
+    """FLA's level lookup table and masks, rebuilt on the host at every call: after flame's fix the same tensors
+    come back for a chunk size and device, equal to what FLA builds."""
+    from fla.ops.log_linear_attn import chunk
+
+    from flame import compat
+
+    built = {name: getattr(chunk, name) for name in ("level_lut", "masks")}
+    built = {name: getattr(function, "__wrapped__", function) for name, function in built.items()}
+    compat.fla_log_linear_masks_built_once()
+    compat.fla_log_linear_masks_built_once()  # idempotent: one cache
+    cpu = torch.device("cpu")
+    for name, build in built.items():
+        cached = getattr(chunk, name)
+        assert cached(16, cpu) is cached(16, cpu), name
+        assert torch.equal(cached(16, cpu), build(16, cpu)), name
+        assert cached(32, cpu).shape != cached(16, cpu).shape, name
+        assert getattr(cached.__wrapped__, "cache_info", None) is None, name
