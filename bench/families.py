@@ -580,6 +580,17 @@ def merged_section(sources: list[tuple[dict[str, str], list[str]]], args) -> tup
     return "\n".join([legend(args), "", *runs]), "\n".join(header + [rows[f] for f in order if f in rows])
 
 
+def runs_since(
+    source: tuple[dict[str, str], list[str]], known_runs: list[str]
+) -> tuple[dict[str, str], list[str]]:
+    """A copy's run lines that ``known_runs`` (the doc's) lack and the rows of the families they name: a copy made
+    from the doc also holds the doc's rows of that time, which must not come back over rows measured since."""
+    rows, runs = source
+    new = [line for line in runs if line not in known_runs]
+    named = {family for line in new for family in RUN_LINE.match(line)["families"].split(", ")}
+    return {family: row for family, row in rows.items() if family in named}, new
+
+
 def write_sources(doc: Path, sources: list[tuple[dict[str, str], list[str]]], args) -> None:
     """Merges ``sources`` over ``doc``'s own section under an exclusive lock on the doc, so that runs on
     different GPUs of one machine, each writing as its families finish, keep each other's rows."""
@@ -644,7 +655,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         nargs="+",
         default=None,
-        help="write into --doc the family tables of these docs (runs on other machines), later ones over earlier",
+        help="write into --doc the rows that the runs of these docs (copies on other machines) measured and --doc "
+        "lacks, later ones over earlier",
     )
     # The steps that run in a fresh process of this script.
     parser.add_argument("--compare_export", type=Path, default=None, help=argparse.SUPPRESS)
@@ -683,7 +695,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.merge:
-        write_sources(args.doc, [section_of(path.read_text()) for path in args.merge], args)
+        known_runs = section_of(args.doc.read_text())[1] if args.doc.exists() else []
+        write_sources(
+            args.doc, [runs_since(section_of(path.read_text()), known_runs) for path in args.merge], args
+        )
         return 0
     stop_on_sigterm()
     started = time.perf_counter()

@@ -299,6 +299,29 @@ def test_tables_written_elsewhere_merge_into_the_doc(tmp_path, monkeypatch):
     assert "gla" not in missing.split(": ")[1].rstrip(".").split(", ") and "qwen3, " in missing
 
 
+def test_a_merged_copy_brings_only_the_rows_its_own_runs_measured(tmp_path, monkeypatch):
+    """Copies of the doc made before runs on other machines hold the doc's rows of that time: merged back in any
+    order, each brings the rows of its own runs only, never an older row over a newer one."""
+    tag = "old"
+    monkeypatch.setattr(
+        families, "run_family", lambda family, args: families.Row(family, note=f"{family} {tag}")
+    )
+    doc = tmp_path / "models.md"
+    base = [*TINY, "--work", str(tmp_path), "--write_doc"]
+    assert families.main([*base, "--doc", str(doc), "--families", "gla,mla,samba"]) == 0
+    copies = {name: tmp_path / f"{name}.md" for name in ("x", "y")}
+    for path in copies.values():
+        path.write_text(doc.read_text())
+    for name, measured in (("x", "gla"), ("y", "mla")):
+        tag = name
+        assert families.main([*base, "--doc", str(copies[name]), "--families", measured]) == 0
+    assert families.main([*TINY, "--doc", str(doc), "--merge", str(copies["x"]), str(copies["y"])]) == 0
+    rows, runs = families.section_of(doc.read_text())
+    assert {family: line.split("|")[-2].strip() for family, line in rows.items()} == {
+        "gla": "gla x", "mla": "mla y", "samba": "samba old"}  # fmt: skip
+    assert [run.rsplit(": ", 1)[1] for run in runs] == ["gla, mla, samba", "gla", "mla"]
+
+
 WORKER = """
 import json, os, sys, time
 family = sys.argv[sys.argv.index("--families") + 1]
