@@ -36,6 +36,8 @@ FLA_SOFTMAX_ATTENTION = {
     "StickBreakingAttention",
     "SlidingWindowSharedKeyAttention",
     "WallAttention",
+    # PaTH: softmax attention whose keys carry Householder transforms (the transforms are not counted)
+    "PaTHAttention",
     # flame's layers in place of Attention and BitAttention where flash-attn is not installed (fla_attention.py)
     "FLAAttention",
     "FLABitAttention",
@@ -66,6 +68,8 @@ FLA_DELTA_RULE = {
 }
 # Mamba2's SSD: chunked linear attention with a state of ssm_state_size x head_dim per head.
 FLA_SSD = {"Mamba2", "FLAMamba2"}  # flame.models.layers.fla_mamba2: FLA's layer on flame's scan
+# Mamba's selective scan: a state of intermediate_size x ssm_state_size, updated and read out token by token.
+FLA_SELECTIVE_SCAN = {"Mamba", "FLAMamba"}  # flame.models.layers.fla_mamba: FLA's layer on flame's scan
 # Modules of a block that are not its sequence mixer.
 NOT_MIXERS = ("Norm", "MLP", "Mlp", "FeedForward", "Moe", "MoE", "Expert", "Dropout", "Identity")
 
@@ -136,6 +140,10 @@ def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
         return module.num_heads * chunked_linear_attention_flops_per_token(
             module.ssm_state_size, module.head_dim, module.chunk_size
         )
+    if name in FLA_SELECTIVE_SCAN:
+        # The state's update (delta B x, 2 per entry) and readout (C h, 2 per entry), x3: the linear-attention
+        # state terms with K = ssm_state_size and V = intermediate_size; exp(delta A) is elementwise.
+        return 3 * 4 * module.intermediate_size * module.ssm_state_size
     return None
 
 
@@ -168,7 +176,11 @@ def attention_window(module: nn.Module) -> int | None:
 
 
 # flame's modules that stand in for FLA's layers (FLA_LAYER_REPLACEMENTS): counted as the layers they replace.
-FLAME_FLA_LAYERS = ("flame.models.layers.fla_attention", "flame.models.layers.fla_mamba2")
+FLAME_FLA_LAYERS = (
+    "flame.models.layers.fla_attention",
+    "flame.models.layers.fla_mamba",
+    "flame.models.layers.fla_mamba2",
+)
 
 
 def mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:

@@ -175,12 +175,12 @@ def test_flame_families_and_fla_classes_count_the_same_mixers(fla_attention):
 
 
 def test_layers_without_a_mixer_term_are_named_in_a_warning(caplog):
-    config = {"model_type": "mamba", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2}
+    config = {"model_type": "hgrn", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2}
     with caplog.at_level(logging.WARNING):
         count, total = counted(config)
-    assert count.uncounted == ["flame.models.layers.fla_mamba.FLAMamba"] and count.mixer_flops == 0
+    assert count.uncounted == ["fla.layers.hgrn.HGRNAttention"] and count.mixer_flops == 0
     assert total == 6 * count.matmul_params + count.conv_flops
-    assert caplog.records[-1].getMessage().endswith("(MFU reads low): flame.models.layers.fla_mamba.FLAMamba")
+    assert caplog.records[-1].getMessage().endswith("(MFU reads low): fla.layers.hgrn.HGRNAttention")
 
 
 def test_flame_hybrid_and_its_transformers_olmo_hybrid_export_count_the_same():
@@ -199,3 +199,24 @@ def test_flame_hybrid_and_its_transformers_olmo_hybrid_export_count_the_same():
     count, olmo_total = counted(export)
     assert count.mixer_flops == args.layer_flops_per_token(SEQ_LEN) and count.uncounted == []
     assert olmo_total == flame_total - 6 * vector_params(flame_model)
+
+
+def test_fla_mamba_counts_projections_conv_and_the_selective_scans_state():
+    """Mamba (v1), built as flame's layer on flame's scan without mamba_ssm: in, x (dt rank, B, C), dt and out
+    projections; the depthwise conv1d; the scan's state update and readout, 12 x intermediate x state."""
+    config = {"model_type": "mamba", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+              "state_size": 16, "expand": 2, "conv_kernel": 4, "time_step_rank": 8}  # fmt: skip
+    count, total = counted(config)
+    d, inner, state, rank = 64, 128, 16, 8
+    layer = d * 2 * inner + inner * (rank + 2 * state) + rank * inner + inner * d
+    assert count.matmul_params == 2 * layer + 256 * d  # no MLP in Mamba's blocks; the lm head
+    assert count.conv_flops == 2 * 6 * inner * 4
+    assert count.mixer_flops == 2 * 12 * inner * state
+    assert count.uncounted == [] and count.total == total
+
+
+def test_fla_path_attention_counts_softmax_attention_over_the_context():
+    config = {**FLA_BASE, "model_type": "path_attn", "num_heads": 4}
+    count, total = counted(config)
+    assert count.mixer_flops == 2 * 12 * 4 * 16 * SEQ_LEN  # heads of 64 / 4 channels over all 96 keys
+    assert count.uncounted == [] and count.total == total
