@@ -17,7 +17,6 @@ import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import inspect
 import os
 import sys
 import types
@@ -478,17 +477,15 @@ def fla_tilelang_attention_takes_its_head_widths() -> None:
         verifier = getattr(AttnTileLangBackend, name)
         if getattr(verifier, "flame_head_widths", False):
             continue
-        signature = inspect.signature(verifier)
 
-        def takes_its_head_widths(*args, _verifier=verifier, _signature=signature, **kwargs):
-            call = _signature.bind(*args, **kwargs).arguments
-            widths = (call["q"].shape[-1], call["v"].shape[-1])
+        def takes_its_head_widths(self, q, k, v, *args, _verifier=verifier, **kwargs):
+            widths = (q.shape[-1], v.shape[-1])
             if any(width % TILELANG_ATTENTION_HEAD_MULTIPLE for width in widths):
                 return False, (
                     f"TileLang's attention takes head widths that are multiples of {TILELANG_ATTENTION_HEAD_MULTIPLE}, "
                     f"not {widths[0]} (keys) and {widths[1]} (values); fall back to Triton"
                 )
-            return _verifier(*args, **kwargs)
+            return _verifier(self, q, k, v, *args, **kwargs)
 
         takes_its_head_widths.flame_head_widths = True
         setattr(AttnTileLangBackend, name, functools.wraps(verifier)(takes_its_head_widths))
@@ -516,12 +513,9 @@ def fla_log_linear_scales_in_the_inputs_dtype() -> None:
     op = module.chunk_log_linear_attn
     if getattr(op, "flame_scales_cast", False):
         return
-    signature = inspect.signature(op)
 
-    def scales_in_the_inputs_dtype(*args, **kwargs):
-        call = signature.bind(*args, **kwargs)
-        call.arguments["level_scales"] = call.arguments["level_scales"].to(call.arguments["q"].dtype)
-        return op(*call.args, **call.kwargs)
+    def scales_in_the_inputs_dtype(q, k, v, g, level_scales, *args, **kwargs):
+        return op(q, k, v, g, level_scales.to(q.dtype), *args, **kwargs)
 
     scales_in_the_inputs_dtype.flame_scales_cast = True
     module.chunk_log_linear_attn = functools.wraps(op)(scales_in_the_inputs_dtype)

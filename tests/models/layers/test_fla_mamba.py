@@ -16,7 +16,7 @@ from fla.layers.mamba import Mamba  # noqa: E402
 
 from flame.models import build_model, model_args_from_dict  # noqa: E402
 from flame.models.layers.fla_mamba import FLAMamba  # noqa: E402
-from tests.models.layers.test_fla_mamba2 import state_dict_layout  # noqa: E402
+from tests.models.layers.test_fla_mamba2 import flame_and_fla_models, state_dict_layout  # noqa: E402
 
 FLOAT32 = 1e-5
 
@@ -86,8 +86,6 @@ def test_prefill_keeps_flas_cache_and_continues_into_flas_decoding_step():
 def test_generic_mamba_builds_flames_layer_with_flas_state_dict():
     """mamba through the generic family (no mamba_ssm here) builds FLAMamba layers; FLA's class, built outside
     flame, keeps FLA's; the state dicts have the same keys, shapes and dtypes."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = {
         "model_type": "mamba",
         "vocab_size": 64,
@@ -95,12 +93,7 @@ def test_generic_mamba_builds_flames_layer_with_flas_state_dict():
         "num_hidden_layers": 2,
         "state_size": 8,
     }
-    args, _ = model_args_from_dict(config)
-    with torch.device("meta"):
-        model = build_model(args)
-        reference = AutoModelForCausalLM.from_config(
-            AutoConfig.for_model("mamba", **{k: v for k, v in config.items() if k != "model_type"})
-        )
+    model, reference = flame_and_fla_models(config)
     assert sum(isinstance(m, FLAMamba) for m in model.modules()) == 2
     assert not any(isinstance(m, FLAMamba) for m in reference.modules())
     assert state_dict_layout(model) == state_dict_layout(reference)

@@ -136,19 +136,24 @@ def test_prefill_continues_into_flas_decoding_step(n_groups):
 def test_generic_mamba2_builds_flames_layer_with_flas_state_dict():
     """mamba2 through the generic family (no mamba_ssm here) builds FLAMamba2 layers; FLA's class, built outside
     flame, keeps FLA's; the state dicts have the same keys, shapes and dtypes."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = {"model_type": "mamba2", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "head_dim": 16,
               "state_size": 8}  # fmt: skip
-    args, _ = model_args_from_dict(config)
-    with torch.device("meta"):
-        model = build_model(args)
-        reference = AutoModelForCausalLM.from_config(
-            AutoConfig.for_model("mamba2", **{k: v for k, v in config.items() if k != "model_type"})
-        )
+    model, reference = flame_and_fla_models(config)
     assert sum(isinstance(m, FLAMamba2) for m in model.modules()) == 2
     assert not any(isinstance(m, FLAMamba2) for m in reference.modules())
     assert state_dict_layout(model) == state_dict_layout(reference)
+
+
+def flame_and_fla_models(config: dict) -> tuple[nn.Module, nn.Module]:
+    """On the meta device: the generic family's model of ``config``, and FLA's class built outside flame."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    args, _ = model_args_from_dict(config)
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    with torch.device("meta"):
+        return build_model(args), AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(config["model_type"], **fields)
+        )
 
 
 def state_dict_layout(model: nn.Module) -> dict:
