@@ -77,7 +77,7 @@ def test_only_rank_zero_writes(tmp_path):
 
 
 def test_wandb_offline_run_is_written_under_the_dump_folder(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     config = parse_args(["--job.dump_folder", str(tmp_path / "run"), "--metrics.enable_wandb",
@@ -87,6 +87,9 @@ def test_wandb_offline_run_is_written_under_the_dump_folder(tmp_path, monkeypatc
     metrics.log(1, dict(STEP_METRICS))
     metrics.log_samples(1, [("The", " end")])
     metrics.close()
+    # finish() can return before wandb's service process has flushed the run file; the service's
+    # exit (what ends a training process) closes it.
+    wandb.teardown()
     (run,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
     records = run.read_bytes()  # the run's records, for `wandb sync`; the keys and values appear as text
     for text in (
