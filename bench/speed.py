@@ -22,13 +22,15 @@ Parts (``--parts``), each a run of another bench script or of train.sh, in this 
   (``python scripts/build_code_corpus.py --out exp/code_corpus`` builds the default one).
 
 ``--json`` keeps every part's results (a part run again replaces its own), so a run stopped part-way continues
-with the parts left. From the parts there, the table has one row per measurement: what was measured, its anchor
+with the parts left, and runs of different parts on the GPUs of one machine can share it (each reads it again
+before writing, under a lock). From the parts there, the table has one row per measurement: what was measured, its anchor
 from the same file, their ratio, the issue's target and whether it is met (or how far it is). It is printed and, on
 a GPU (or with ``--write_doc``), written into docs/performance.md between ``<!-- bench_speed -->`` markers with the
 command, device and date.
 """
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -431,20 +433,33 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def save_parts(path: Path, measured: dict, device: str) -> dict:
+    """Writes this run's parts into ``path`` over the parts it holds, read again just before: runs of other parts on
+    the other GPUs of a machine can share one file. Returns every part it holds now."""
+    with open(path, "a+") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        file.seek(0)
+        text = file.read()
+        parts = {**(json.loads(text)["parts"] if text else {}), **measured}
+        file.seek(0)
+        file.truncate()
+        file.write(json.dumps({"device": device, "parts": parts}, indent=1))
+    return parts
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     stop_on_sigterm()
     started = time.perf_counter()
-    parts = json.loads(args.json.read_text())["parts"] if args.json.exists() else {}
+    measured = {}
     with tempfile.TemporaryDirectory(prefix="flame-speed-") as scratch:
         work = args.work or Path(scratch)
         for part in args.parts.split(","):
             part_started = time.perf_counter()
-            parts[part] = RUNNERS[part](args, work / part)
-            parts[part]["seconds"] = time.perf_counter() - part_started
-            print(f"{part}: {parts[part]['seconds']:.0f} s", flush=True)
-            args.json.write_text(json.dumps({"device": device_name(torch.device(args.device)), "parts": parts},
-                                            indent=1))  # fmt: skip
+            measured[part] = RUNNERS[part](args, work / part)
+            measured[part]["seconds"] = time.perf_counter() - part_started
+            print(f"{part}: {measured[part]['seconds']:.0f} s", flush=True)
+            parts = save_parts(args.json, measured, device_name(torch.device(args.device)))
     text = table(parts)
     print("\n" + text)
     if not args.no_write and (args.device == "cuda" or args.write_doc):

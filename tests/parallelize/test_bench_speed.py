@@ -142,3 +142,14 @@ def test_a_slower_launch_reads_slower():
     assert speed.speedup(199.7, 65.5) == "3.05x faster"
     assert speed.speedup(53.5, 61.4) == "1.15x slower"
     assert speed.speedup(float("nan"), 61.4) == "n/a"
+
+
+def test_runs_of_other_parts_share_one_file(tmp_path):
+    # Two runs started together (one per GPU) each read the file before the other wrote: each write keeps the
+    # other's parts, and a part written again replaces its own.
+    path = tmp_path / "speed.json"
+    speed.save_parts(path, {"throughput": {"seconds": 1}}, "GPU")
+    speed.save_parts(path, {"long_context": {"seconds": 2}}, "GPU")
+    parts = speed.save_parts(path, {"throughput": {"seconds": 3}}, "GPU")
+    assert parts == {"throughput": {"seconds": 3}, "long_context": {"seconds": 2}}
+    assert json.loads(path.read_text()) == {"device": "GPU", "parts": parts}
