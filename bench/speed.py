@@ -3,6 +3,7 @@ tokens to a loss, each beside its anchor measured in the same run, on one GPU, b
 
     python bench/speed.py --json /tmp/speed.json                       # every part, one GPU (~35 min on an H100)
     python bench/speed.py --json /tmp/speed.json --parts long_context  # some parts; the others' results are kept
+    python bench/speed.py --json /tmp/speed.json --parts ""            # the table of the parts measured
     python bench/speed.py --tiny --device cpu --parts throughput,train_sh --json /tmp/s.json --no_write  # smoke
 
 Parts (``--parts``), each a run of another bench script or of train.sh, in this order:
@@ -396,7 +397,11 @@ def table(parts: dict) -> str:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default=",".join(PARTS), help="comma separated: " + ", ".join(PARTS))
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="comma separated: " + ", ".join(PARTS) + " (empty: the table of the parts --json holds)",
+    )
     parser.add_argument("--json", type=Path, required=True, help="every part's results, kept between runs")
     parser.add_argument(
         "--work", type=Path, default=None, help="logs and dumps (default: a temporary folder)"
@@ -423,8 +428,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no_write", action="store_true", help="print only")
     parser.add_argument("--write_doc", action="store_true", help="write the doc on a CPU too")
     args = parser.parse_args(argv)
-    if unknown := set(args.parts.split(",")) - set(PARTS):
+    if unknown := set(filter(None, args.parts.split(","))) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    if not args.parts.strip(",") and not args.json.exists():
+        parser.error(f"--parts is empty and {args.json} holds no results: name the parts to run")
     defaults = {"seq_len": (2048, 64), "batch_size": (8, 2), "steps": (60, 6), "skip_steps": (20, 2),
                 "log_freq": (10, 1)}  # fmt: skip
     for name, (full, tiny) in defaults.items():
@@ -433,9 +440,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def save_parts(path: Path, measured: dict, device: str) -> dict:
+def save_parts(path: Path, measured: dict, device: str) -> None:
     """Writes this run's parts into ``path`` over the parts it holds, read again just before: runs of other parts on
-    the other GPUs of a machine can share one file. Returns every part it holds now."""
+    the other GPUs of a machine can share one file. It names this process' device, torch and date."""
     with open(path, "a+") as file:
         fcntl.flock(file, fcntl.LOCK_EX)
         file.seek(0)
@@ -443,8 +450,8 @@ def save_parts(path: Path, measured: dict, device: str) -> dict:
         parts = {**(json.loads(text)["parts"] if text else {}), **measured}
         file.seek(0)
         file.truncate()
-        file.write(json.dumps({"device": device, "parts": parts}, indent=1))
-    return parts
+        file.write(json.dumps({"device": device, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                               "parts": parts}, indent=1))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -454,12 +461,14 @@ def main(argv: list[str] | None = None) -> int:
     measured = {}
     with tempfile.TemporaryDirectory(prefix="flame-speed-") as scratch:
         work = args.work or Path(scratch)
-        for part in args.parts.split(","):
+        for part in filter(None, args.parts.split(",")):
             part_started = time.perf_counter()
             measured[part] = RUNNERS[part](args, work / part)
             measured[part]["seconds"] = time.perf_counter() - part_started
             print(f"{part}: {measured[part]['seconds']:.0f} s", flush=True)
-            parts = save_parts(args.json, measured, device_name(torch.device(args.device)))
+            save_parts(args.json, measured, device_name(torch.device(args.device)))
+    saved = json.loads(args.json.read_text())
+    parts = saved["parts"]
     text = table(parts)
     print("\n" + text)
     if not args.no_write and (args.device == "cuda" or args.write_doc):
@@ -468,8 +477,8 @@ def main(argv: list[str] | None = None) -> int:
             args.doc,
             MARKER,
             "The speed table",
-            f"Command: `{command_line('bench/speed.py', argv)}` on {device_name(torch.device(args.device))}, "
-            f"torch {torch.__version__} ({time.strftime('%Y-%m-%d')}; {seconds}; this run "
+            f"Command: `{command_line('bench/speed.py', argv)}` on {saved['device']}, "
+            f"torch {saved['torch']} ({saved['date']}; {seconds}; this run "
             f"{time.perf_counter() - started:.0f} s). Items of the speed issue: 1 train.sh against the bench, 2 the "
             "first step, 3 the linear-attention models' throughput, 4 the transformer's MFU, 5 long context, 6 "
             "tokens to a loss. Each anchor ran in the same run (bench/speed.py says how each part runs).",

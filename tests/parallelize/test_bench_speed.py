@@ -150,6 +150,22 @@ def test_runs_of_other_parts_share_one_file(tmp_path):
     path = tmp_path / "speed.json"
     speed.save_parts(path, {"throughput": {"seconds": 1}}, "GPU")
     speed.save_parts(path, {"long_context": {"seconds": 2}}, "GPU")
-    parts = speed.save_parts(path, {"throughput": {"seconds": 3}}, "GPU")
-    assert parts == {"throughput": {"seconds": 3}, "long_context": {"seconds": 2}}
-    assert json.loads(path.read_text()) == {"device": "GPU", "parts": parts}
+    speed.save_parts(path, {"throughput": {"seconds": 3}}, "GPU")
+    saved = json.loads(path.read_text())
+    assert saved["parts"] == {"throughput": {"seconds": 3}, "long_context": {"seconds": 2}}
+    assert saved["device"] == "GPU" and saved["torch"] == speed.torch.__version__
+
+
+def test_empty_parts_write_the_table_of_the_saved_parts_on_their_device(tmp_path):
+    # A run cut part-way by its time limit saved its finished parts; the table comes from them, measured on the
+    # device the file names (not the machine that renders it).
+    path, doc = tmp_path / "speed.json", tmp_path / "performance.md"
+    speed.save_parts(path, {"torchtitan": {"tokens_per_s": 1.0, "seconds": 5}}, "NVIDIA H100 80GB HBM3")
+    doc.write_text("# Performance\n")
+    assert (
+        speed.main(["--parts", "", "--json", str(path), "--doc", str(doc), "--write_doc", "--device", "cpu"])
+        == 0
+    )
+    assert "on NVIDIA H100 80GB HBM3," in doc.read_text() and "torchtitan 5 s" in doc.read_text()
+    with pytest.raises(SystemExit):
+        speed.parse(["--parts", "", "--json", str(tmp_path / "none.json")])
