@@ -26,8 +26,8 @@ Parts (``--parts``), each a run of another bench script or of train.sh, in this 
 with the parts left, and runs of different parts on the GPUs of one machine can share it (each reads it again
 before writing, under a lock). From the parts there, the table has one row per measurement: what was measured, its anchor
 from the same file, their ratio, the issue's target and whether it is met (or how far it is). It is printed and, on
-a GPU (or with ``--write_doc``), written into docs/performance.md between ``<!-- bench_speed -->`` markers with the
-command, device and date.
+a GPU (or with ``--write_doc``), written into docs/performance.md between ``<!-- bench_speed_<device> -->`` markers
+(one table per device) with the command, device and date.
 """
 
 import argparse
@@ -55,7 +55,7 @@ from train_throughput import command_line, device_name, model_config, write_sect
 
 from flame.plot import read_scalar_events  # noqa: E402
 
-MARKER = "bench_speed"
+MARKER = "bench_speed"  # one section per device: bench_speed_<device>
 PARTS = ("throughput", "train_sh", "torchtitan", "first_step", "long_context", "tokens_to_loss")
 MODELS = ("transformer", "gated_deltanet", "hybrid")
 # The speed issue's targets on one H100 (tokens/s at 8 x 2048 through train.sh; MFU of the transformer; seconds to
@@ -233,6 +233,24 @@ def how_far(value: float, target: float) -> str:
     return "yes" if value >= target else f"no: {100 * value / target:.0f}% of it"
 
 
+def gpu_idle(result: dict | None) -> str:
+    """The profiled step's time with no kernel running, from train_throughput's GPU timeline: where it is a large
+    share, the host (issuing kernels) and not the kernels bounds the step."""
+    timeline = " ".join((result or {}).get("timelines") or [])
+    span, idle = (re.search(pattern, timeline) for pattern in (r"([\d.]+) ms from first to last kernel",
+                                                                 r"idle ([\d.]+) ms"))  # fmt: skip
+    if not (span and idle):
+        return ""
+    return f"GPU idle {float(idle[1]):.0f} of {float(span[1]):.0f} ms"
+
+
+def limits(result: dict | None) -> str:
+    """What the profiled step says limits a row: its GPU idle time and its top kernels."""
+    return "; ".join(
+        filter(None, [gpu_idle(result), top_kernels(result) and f"top kernels: {top_kernels(result)}"])
+    )
+
+
 def top_kernels(result: dict | None, count: int = 3) -> str:
     """The profiled step's first ``count`` rows of torch.profiler's table by device time (train_throughput's
     ``profile``), the step's own regions left out: "name self-CUDA-time; ..."."""
@@ -289,20 +307,31 @@ def first_step_rows(parts: dict) -> list[list[str]]:
 
 
 def throughput_rows(parts: dict) -> list[list[str]]:
-    """Items 3 and 4: the linear-attention models' tokens/s and the transformer's MFU through train.sh, beside the
-    naive HF loop and torchtitan's trainer; the profiled step's top kernels where a target is missed."""
-    runs, shape = parts["train_sh"]["models"], parts["train_sh"]["shape"]
+    """Items 3 and 4: the linear-attention models' tokens/s and the transformer's MFU through train.sh (through the
+    bench where train.sh's part did not run), beside the naive HF loop and torchtitan's trainer; what the profiled
+    step says limits a row where a target is missed."""
     mode = parts.get("throughput", {}).get("mode", "compiled")
+    if "train_sh" in parts:
+        source, shape = "train.sh", parts["train_sh"]["shape"]
+        runs = parts["train_sh"]["models"]
+    else:
+        bench = {model: bench_result(parts, model, mode) for model in MODELS}
+        source, shape = "bench", next((f"{r['batch']} x {r['seq_len']}" for r in bench.values() if r), "n/a")
+        runs = {
+            model: {"tokens_per_s": r["tokens_per_s"], "mfu": 100 * r["mfu"]}
+            for model, r in bench.items()
+            if r
+        }
     out = []
     for model in ("gated_deltanet", "hybrid"):
         tokens = runs.get(model, {}).get("tokens_per_s", float("nan"))
         naive = bench_result(parts, model, "naive HF loop")
         anchor = naive["tokens_per_s"] if naive else float("nan")
         met = how_far(tokens, TARGET_TOKENS_PER_S[model])
-        if limits := met.startswith("no") and top_kernels(bench_result(parts, model, mode)):
-            met += f" (top kernels: {limits})"
+        if met.startswith("no") and (limit := limits(bench_result(parts, model, mode))):
+            met += f" ({limit})"
         out.append([
-            "3", f"{model}: train.sh tokens/s, {shape}", number(tokens, ",.0f"),
+            "3", f"{model}: {source} tokens/s, {shape}", number(tokens, ",.0f"),
             f"naive HF loop: {number(anchor, ',.0f')}", number(tokens / anchor, ".2f", "x"),
             f">= {TARGET_TOKENS_PER_S[model]:,}", met,
         ])  # fmt: skip
@@ -318,10 +347,10 @@ def throughput_rows(parts: dict) -> list[list[str]]:
         else "n/a"
     )
     met = how_far(mfu, TARGET_MFU)
-    if limits := met.startswith("no") and top_kernels(bench_result(parts, "transformer", mode)):
-        met += f" (top kernels: {limits})"
+    if met.startswith("no") and (limit := limits(bench_result(parts, "transformer", mode))):
+        met += f" ({limit})"
     out.append([
-        "4", f"transformer: train.sh MFU (tokens/s), {shape}", f"{number(mfu, '.1f', '%')} ({number(tokens, ',.0f')})",
+        "4", f"transformer: {source} MFU (tokens/s), {shape}", f"{number(mfu, '.1f', '%')} ({number(tokens, ',.0f')})",
         anchors, ratio, f">= {TARGET_MFU:.0f}% MFU", met,
     ])  # fmt: skip
     return out
@@ -379,7 +408,7 @@ def rows(parts: dict) -> list[list[str]]:
         out += train_sh_rows(parts)
     if "first_step" in parts:
         out += first_step_rows(parts)
-    if "train_sh" in parts:
+    if "train_sh" in parts or "throughput" in parts:
         out += throughput_rows(parts)
     if "long_context" in parts:
         out += long_context_rows(parts)
@@ -457,7 +486,6 @@ def save_parts(path: Path, measured: dict, device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     stop_on_sigterm()
-    started = time.perf_counter()
     measured = {}
     with tempfile.TemporaryDirectory(prefix="flame-speed-") as scratch:
         work = args.work or Path(scratch)
@@ -465,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             part_started = time.perf_counter()
             measured[part] = RUNNERS[part](args, work / part)
             measured[part]["seconds"] = time.perf_counter() - part_started
+            measured[part]["run"] = command_line("bench/speed.py", argv)
             print(f"{part}: {measured[part]['seconds']:.0f} s", flush=True)
             save_parts(args.json, measured, device_name(torch.device(args.device)))
     saved = json.loads(args.json.read_text())
@@ -473,15 +502,17 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     if not args.no_write and (args.device == "cuda" or args.write_doc):
         seconds = ", ".join(f"{part} {parts[part]['seconds']:.0f} s" for part in PARTS if part in parts)
+        runs = " and ".join(
+            f"`{run}`" for run in dict.fromkeys(parts[part]["run"] for part in PARTS if part in parts)
+        )
         write_section(
             args.doc,
-            MARKER,
-            "The speed table",
-            f"Command: `{command_line('bench/speed.py', argv)}` on {saved['device']}, "
-            f"torch {saved['torch']} ({saved['date']}; {seconds}; this run "
-            f"{time.perf_counter() - started:.0f} s). Items of the speed issue: 1 train.sh against the bench, 2 the "
-            "first step, 3 the linear-attention models' throughput, 4 the transformer's MFU, 5 long context, 6 "
-            "tokens to a loss. Each anchor ran in the same run (bench/speed.py says how each part runs).",
+            f"{MARKER}_{re.sub(r'[^a-z0-9]+', '_', saved['device'].lower()).strip('_')}",
+            f"The speed table, {saved['device']}",
+            f"Measured by {runs} on {saved['device']}, torch {saved['torch']} ({saved['date']}; {seconds}). Items of the speed issue: 1 train.sh against the bench, 2 the "
+            "first step, 3 the linear-attention models' throughput, 4 the transformer's MFU (3 and 4 through train.sh, or "
+            "the bench where train.sh's part did not run), 5 long context, 6 tokens to a loss. Each anchor ran in the "
+            "same run (bench/speed.py says how each part runs).",
             text,
         )
     return 0

@@ -44,7 +44,8 @@ PARTS = {
     "throughput": {"mode": "compiled", "results": [
         result("transformer", "compiled", 160_000.0, profile=profiler_table(("gemm", "45.4ms"), ("attention backward", "11.6ms"), ("adamw", "4ms"))),
         result("transformer", "naive HF loop", 80_000.0),
-        result("gated_deltanet", "compiled", 85_000.0, profile=profiler_table(("chunk_bwd", "57ms"), ("gemm", "66ms"), ("conv", "9ms"))),
+        result("gated_deltanet", "compiled", 85_000.0, profile=profiler_table(("chunk_bwd", "57ms"), ("gemm", "66ms"), ("conv", "9ms")),
+               timelines=["GPU timeline per step: 248.7 ms from first to last kernel; compute kernels running 189.0 ms; idle 59.7 ms"]),
         result("gated_deltanet", "naive HF loop", 70_000.0),
         result("hybrid", "compiled", 150_000.0),
     ]},
@@ -91,7 +92,7 @@ def test_each_item_is_its_measurement_beside_its_anchor_target_and_verdict():
 
     gdn = rows["gated_deltanet 3"]
     assert gdn[2:5] == ["84,000", "naive HF loop: 70,000", "1.20x"]
-    assert gdn[6] == "no: 70% of it (top kernels: chunk_bwd 57ms; gemm 66ms; conv 9ms)"
+    assert gdn[6] == "no: 70% of it (GPU idle 60 of 249 ms; top kernels: chunk_bwd 57ms; gemm 66ms; conv 9ms)"
     assert rows["hybrid 3"][2] == "n/a" and rows["hybrid 3"][6] == "not measured"
 
     mfu = rows["transformer 4"]
@@ -138,6 +139,18 @@ def test_train_sh_part_runs_each_model_and_keeps_other_parts(tmp_path):
         assert run["lines"] == 3 and run["tokens_per_s"] > 0 and 0 <= run["data_share"] <= 1
 
 
+def test_without_train_sh_items_3_and_4_come_from_the_bench():
+    # A run cut by its time limit before train.sh's part still says what the bench measured, and says so.
+    parts = json.loads(json.dumps({key: PARTS[key] for key in ("throughput", "torchtitan")}))
+    for result in parts["throughput"]["results"]:
+        result.update(batch=8, seq_len=2048, mfu=0.44 if result["model"] == "transformer" else 0.2)
+    rows = by_measurement(speed.rows(parts))
+    assert rows["gated_deltanet 3"][1:5] == ["gated_deltanet: bench tokens/s, 8 x 2048", "85,000",
+                                             "naive HF loop: 70,000", "1.21x"]  # fmt: skip
+    assert rows["transformer 4"][2] == "44.0% (160,000)" and rows["transformer 4"][4] == "1.33x torchtitan's"
+    assert set(rows) == {"gated_deltanet 3", "hybrid 3", "transformer 4"}
+
+
 def test_a_slower_launch_reads_slower():
     assert speed.speedup(199.7, 65.5) == "3.05x faster"
     assert speed.speedup(53.5, 61.4) == "1.15x slower"
@@ -160,7 +173,8 @@ def test_empty_parts_write_the_table_of_the_saved_parts_on_their_device(tmp_path
     # A run cut part-way by its time limit saved its finished parts; the table comes from them, measured on the
     # device the file names (not the machine that renders it).
     path, doc = tmp_path / "speed.json", tmp_path / "performance.md"
-    speed.save_parts(path, {"torchtitan": {"tokens_per_s": 1.0, "seconds": 5}}, "NVIDIA H100 80GB HBM3")
+    speed.save_parts(path, {"torchtitan": {"tokens_per_s": 1.0, "seconds": 5, "run": "bench/speed.py --parts torchtitan"}},
+                     "NVIDIA H100 80GB HBM3")  # fmt: skip
     doc.write_text("# Performance\n")
     assert (
         speed.main(["--parts", "", "--json", str(path), "--doc", str(doc), "--write_doc", "--device", "cpu"])
