@@ -8,8 +8,8 @@ flag it lacks.
 
 A call on CUDA tensors runs the backend the job pinned (``pin``; for attention, ``--model.attention_backend``),
 else the first backend that is installed and takes the call; when none does, the PyTorch implementation runs on the
-same device. Each refusal is logged once per op, backend and reason; a backend that is not installed only where no
-other kernel serves the call. A backend whose kernel fails to build in an eager call (an error of Triton, TileLang
+same device. Each refusal is logged once per op, backend and reason (a compiled call's after the step, so that the
+log adds no graph break); a backend that is not installed only where no other kernel serves the call. A backend whose kernel fails to build in an eager call (an error of Triton, TileLang
 or TVM, or raised from one: a Triton CompilationError, a config past the GPU's shared memory, nvcc failing under
 TileLang) is out for the rest of the process, with one log line, and the call goes to the next backend that
 takes it. Under torch.compile the backend is chosen while tracing, and a kernel that fails to build inside the
@@ -63,7 +63,6 @@ class Op:
     pinned: str | None = field(default=None, init=False)
     failed: dict[str, str] = field(default_factory=dict, init=False)
     """Per backend whose kernel failed to build in this process, why"""
-    _logged: set[tuple[str, str]] = field(default_factory=set, init=False, repr=False)
 
     def __call__(self, x: torch.Tensor, *args, **kwargs):
         """Run the call ``(x, *args, **kwargs)`` on what serves it; the main input ``x`` decides the device."""
@@ -105,15 +104,26 @@ class Op:
         self._log_passed_over(refused + absent, "pytorch")
         return "pytorch", self.torch_impl
 
-    @not_traced
     def _log_passed_over(self, passed_over: list[tuple[str, str]], server: str) -> None:
-        # Outside the compiled graph: a once-per-process log line must not be traced into every compiled call.
         for backend, reason in passed_over:
-            if (backend, reason) not in self._logged:
-                self._logged.add((backend, reason))
-                logger.warning(
-                    f"{self.name}: the {backend} backend {reason}; the {server} implementation serves it"
-                )
+            _PASSED_OVER.add((self.name, backend, reason, server))
+        if not torch.compiler.is_compiling():
+            log_passed_over_calls()
+
+
+# (op, backend, reason, server) of each call a backend passed over, and those logged. A compiled region only adds to
+# the first: dynamo replays the add after the region, where a log call would break its graph at every call (a break
+# per refused call split each compiled Gated DeltaNet block into five graphs where FlashQLA refused its heads).
+_PASSED_OVER: set[tuple[str, str, str, str]] = set()
+_LOGGED: set[tuple[str, str, str, str]] = set()
+
+
+def log_passed_over_calls() -> None:
+    """One warning for each op, backend, reason and server a call was passed over for that no warning named yet:
+    at the call itself when eager, after the step (flame.train.step) for a compiled one."""
+    for op, backend, reason, server in sorted(_PASSED_OVER - _LOGGED):
+        logger.warning(f"{op}: the {backend} backend {reason}; the {server} implementation serves it")
+    _LOGGED.update(_PASSED_OVER)
 
 
 def kernel_build_failure(error: BaseException) -> bool:

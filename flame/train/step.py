@@ -28,6 +28,7 @@ from torch.profiler import record_function
 
 from flame.loss import l2warp_factor
 from flame.models.common.decoder import fuses_linear_cross_entropy
+from flame.ops import dispatch
 from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
 from flame.optim.nonfinite import clip_grad_norm_, skip_on_device, skips_on_device
@@ -111,6 +112,7 @@ class TrainStep:
         )
         with record_function(STEP_REGIONS[0]):
             shares = [self.forward_backward(inputs, labels, global_count) for inputs, labels in batches]
+        dispatch.log_passed_over_calls()  # what compiled blocks' op calls passed over, once
 
         with record_function(STEP_REGIONS[1]):
             grad_norm, gradient_norms = clip_grad_norm_(

@@ -122,6 +122,42 @@ def test_a_call_a_backend_refuses_goes_to_the_next_one_with_one_log_line(picky_o
     assert picky_op(torch.zeros(3)) == "torch"  # not CUDA: no backend is asked
 
 
+def test_a_refused_backend_leaves_a_compiled_call_one_graph_with_one_log_line(monkeypatch, caplog):
+    """A compiled call notes the refusal and the step logs it, once: a log call in the compiled region broke its
+    graph at every call, which split each compiled Gated DeltaNet block into five graphs where FlashQLA was
+    installed and refused the model's heads (an H100 profile: 106 compiled regions for 21 blocks and the loss)."""
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    monkeypatch.setattr(dispatch, "_PASSED_OVER", set())
+    name = "refused_under_compile"
+    op = dispatch.register_op(
+        name,
+        lambda x: x * 2,
+        {
+            "even": dispatch.Backend(
+                lambda x: x * 3, refuses=lambda x: "takes even widths" if x.shape[-1] % 2 else None
+            ),
+            "any": lambda x: x * 4,
+        },
+    )
+    try:
+        compiled = torch.compile(lambda x: op(x + 1) - 1, fullgraph=True, backend="eager")
+        x = torch.ones(3).as_subclass(PretendCuda)
+        with caplog.at_level("WARNING", logger="flame.ops.dispatch"):
+            results = [compiled(x) for _ in range(3)]
+            assert caplog.messages == []  # the compiled calls only note it
+            dispatch.log_passed_over_calls()  # the step's call
+            dispatch.log_passed_over_calls()
+        for result in results:
+            torch.testing.assert_close(
+                result.as_subclass(torch.Tensor), torch.full((3,), 7.0), rtol=0, atol=0
+            )
+        assert caplog.messages == [
+            f"{name}: the even backend takes even widths; the any implementation serves it"
+        ]
+    finally:
+        del dispatch._TABLE[name]
+
+
 def test_a_pinned_backend_that_refuses_a_call_leaves_it_to_the_pytorch_code(picky_op, caplog):
     dispatch.pin("picky_op", "even")
     try:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flame.ops import chunk_gated_delta_rule
+from flame.ops import chunk_gated_delta_rule, dispatch, fla_library
 from flame.ops.gated_delta_rule import GATED_DELTA_RULE, flash_qla, gdn_gate
 from tests.ops.test_dispatch import PretendCuda
 
@@ -99,7 +99,8 @@ def test_calls_flash_qla_refuses_go_to_fla_with_one_log_line(installed, monkeypa
     capability, nvcc = case.pop("capability", (9, 0)), case.pop("nvcc", True)
     monkeypatch.setattr(flash_qla, "device_capability", lambda device: capability)
     monkeypatch.setattr(flash_qla, "nvcc_found", lambda: nvcc)
-    monkeypatch.setattr(GATED_DELTA_RULE, "_logged", set())
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    monkeypatch.setattr(dispatch, "_PASSED_OVER", set())
     flags = {"allow_neg_eigval": case.pop("allow_neg_eigval")} if "allow_neg_eigval" in case else {}
     with caplog.at_level("WARNING", logger="flame.ops.dispatch"):
         result, _ = layer_call(*inputs(**case), **flags)
@@ -110,13 +111,36 @@ def test_calls_flash_qla_refuses_go_to_fla_with_one_log_line(installed, monkeypa
     ]
 
 
+def test_a_compiled_call_flash_qla_refuses_stays_one_graph(installed, monkeypatch, caplog):
+    """A compiled Gated DeltaNet block whose heads FlashQLA refuses (the 340M model's K = 256, V = 512) traces the
+    refusal (without asking the device, which the call's shapes settle first) and reaches FLA's custom ops without
+    a graph break; the step logs the refusal once."""
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    monkeypatch.setattr(dispatch, "_PASSED_OVER", set())
+    monkeypatch.setattr(flash_qla, "device_capability", lambda device: pytest.fail("the shapes decide first"))
+    monkeypatch.setattr(
+        fla_library, "chunk_gated_delta_rule", lambda q, k, v, g, beta, **kwargs: (v * 2, None)
+    )
+    compiled = torch.compile(lambda *x: layer_call(*x)[0][0] + 1, fullgraph=True, backend="eager")
+    q, k, v, a, b = inputs(head_dim=256, value_dim=512)
+    with caplog.at_level("WARNING", logger="flame.ops.dispatch"):
+        for _ in range(2):
+            torch.testing.assert_close(compiled(q, k, v, a, b), v * 2 + 1, rtol=0, atol=0)
+        dispatch.log_passed_over_calls()
+    assert installed == [] and caplog.messages == [
+        "chunk_gated_delta_rule: the flash_qla backend takes K = V = 128 only, not K = 256, V = 512; the fla "
+        "implementation serves it"
+    ]
+
+
 def test_without_flash_qla_installed_fla_serves_without_a_word(monkeypatch, caplog):
     """Where flash-qla and tilelang are not installed (CI, the default GPU stack) FLA serves the call and nothing is
     logged: an optional package left out is no news."""
     import fla.ops.gated_delta_rule
 
     monkeypatch.setattr(GATED_DELTA_RULE, "missing", {"flash_qla": ("flash_qla", "tilelang")})
-    monkeypatch.setattr(GATED_DELTA_RULE, "_logged", set())
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    monkeypatch.setattr(dispatch, "_PASSED_OVER", set())
     monkeypatch.setattr(fla.ops.gated_delta_rule, "chunk_gated_delta_rule", lambda *a, **k: SENTINEL)
     with caplog.at_level("WARNING", logger="flame.ops.dispatch"):
         assert layer_call(*inputs())[0] is SENTINEL

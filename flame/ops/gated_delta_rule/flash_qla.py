@@ -38,9 +38,8 @@ def nvcc_found() -> bool:
 
 def flash_qla_refuses(q, k, v, g, beta, *, allow_neg_eigval=False, cp_context=None, **kwargs) -> str | None:
     """Why FlashQLA cannot serve this call of `chunk_gated_delta_rule` (whose dispatcher passes everything after
-    beta by keyword), or None."""
-    if device_capability(q.device) not in CAPABILITIES:
-        return "runs on SM90, SM100 and SM103 GPUs only"
+    beta by keyword), or None. The checks of the call's own arguments come first: a compiled block traces this
+    function, and they decide the calls FlashQLA cannot take without asking the device."""
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype:
         return "takes bfloat16 or float16 q, k and v of one dtype"
     if q.shape[-1] != 128 or v.shape[-1] != 128:
@@ -49,6 +48,8 @@ def flash_qla_refuses(q, k, v, g, beta, *, allow_neg_eigval=False, cp_context=No
         return "has no negative eigenvalues (allow_neg_eigval)"
     if cp_context is not None:
         return "has no context parallelism across GPUs"
+    if device_capability(q.device) not in CAPABILITIES:
+        return "runs on SM90, SM100 and SM103 GPUs only"
     if not nvcc_found():
         return "needs nvcc (on PATH or under CUDA_HOME) to compile its TileLang kernels"
     return None
