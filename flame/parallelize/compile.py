@@ -70,6 +70,25 @@ def compile_blocks(
     logger.info("Compiled each block with torch.compile (backend %s, mode %s)", backend, mode)
 
 
+def graph_break_report() -> str | None:
+    """One line saying where torch.compile has broken the compiled regions' graphs in this process (dynamo counts each
+    break once, when it traces the region), or None where it has not: each break is a return to Python at every call
+    of the region, host time that a step bound by its host pays in full (a refused backend's log broke every Gated
+    DeltaNet block into five graphs: docs/performance.md)."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    if not breaks:
+        return None
+    reasons = "; ".join(
+        " ".join(line.strip() for line in reason.splitlines()[:2] if line.strip())[:240] for reason in breaks
+    )
+    return (
+        f"torch.compile broke the compiled graphs at {sum(breaks.values())} places, each a return to Python at every "
+        f"call: {reasons}"
+    )
+
+
 def maybe_compile_loss(loss_fn: Callable, compile_config) -> Callable:
     """The loss compiled when ``compile.components`` has "loss": the float32 upcast of the logits, the
     log-softmax and the gather fuse into a pass over the bf16 logits instead of several over float32 copies."""

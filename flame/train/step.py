@@ -25,6 +25,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import record_function
+from torchtitan.tools.logging import logger
 
 from flame.loss import l2warp_factor
 from flame.models.common.decoder import fuses_linear_cross_entropy
@@ -32,7 +33,7 @@ from flame.ops import dispatch
 from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
 from flame.optim.nonfinite import clip_grad_norm_, skip_on_device, skips_on_device
-from flame.parallelize.compile import uses_cuda_graphs
+from flame.parallelize.compile import graph_break_report, uses_cuda_graphs
 from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
 from flame.train.model_parts import ModelParts, Topology, autocast_context
 from flame.train.objective import LanguageModelObjective
@@ -91,6 +92,9 @@ class TrainStep:
         )
         self.before_update = before_update  # e.g. wait for an async checkpoint to finish copying the weights
         self.marks_cuda_graph_steps = uses_cuda_graphs(job_config.compile)
+        self.reports_graph_breaks = (
+            job_config.compile.enable
+        )  # after the first step, which traces the regions
         self.skips_on_device = skips_on_device(optimizers.optimizers)
 
     def __call__(self, batches: list[Batch]) -> StepResult:
@@ -113,6 +117,10 @@ class TrainStep:
         with record_function(STEP_REGIONS[0]):
             shares = [self.forward_backward(inputs, labels, global_count) for inputs, labels in batches]
         dispatch.log_passed_over_calls()  # what compiled blocks' op calls passed over, once
+        if self.reports_graph_breaks:
+            self.reports_graph_breaks = False
+            if report := graph_break_report():
+                logger.warning(report)
 
         with record_function(STEP_REGIONS[1]):
             grad_norm, gradient_norms = clip_grad_norm_(

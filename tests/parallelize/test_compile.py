@@ -67,3 +67,33 @@ def test_fla_classes_blocks_stay_eager_and_transformers_classes_compile(caplog):
     assert compiled == {"gla": [False, False], "llama": [True, True]}
     eager_lines = [r.message for r in caplog.records if "leaves the blocks eager" in r.message]
     assert len(eager_lines) == 1 and "model_type 'gla' is FLA's class" in eager_lines[0]
+
+
+def test_graph_breaks_are_reported_once_after_the_first_compiled_step(make_trainer, caplog):
+    """The tiny transformer's compiled blocks and loss trace without a break on a CPU (no report after its first
+    step); a break the regions had (one added to dynamo's counters here) is named once, after the first step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = make_trainer("--compile.enable", "--compile.backend", "aot_eager")
+    vocab = trainer.model_args.vocab_size
+    tokens = torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(0))
+    batches = [({"input": tokens[:, :-1]}, tokens[:, 1:])]
+    with caplog.at_level("WARNING"):
+        trainer.train_step_fn(batches)
+    assert not [r for r in caplog.records if "broke the compiled graphs" in r.message]
+    assert compile_module.graph_break_report() is None
+
+    counters["graph_break"]["Attempted to call function marked as skipped\n  Explanation: `side`"] += 2
+    second = make_trainer("--compile.enable", "--compile.backend", "aot_eager")
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            second.train_step_fn(batches)
+    reports = [r.message for r in caplog.records if "broke the compiled graphs" in r.message]
+    assert reports == [
+        "torch.compile broke the compiled graphs at 2 places, each a return to Python at every call: Attempted to "
+        "call function marked as skipped Explanation: `side`"
+    ]
+    counters.clear()
+    torch._dynamo.reset()
