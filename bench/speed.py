@@ -245,10 +245,11 @@ def gpu_idle(result: dict | None) -> str:
 
 
 def limits(result: dict | None) -> str:
-    """What the profiled step says limits a row: its GPU idle time and its top kernels."""
-    return "; ".join(
-        filter(None, [gpu_idle(result), top_kernels(result) and f"top kernels: {top_kernels(result)}"])
-    )
+    """What the profiled step says limits a row: its GPU idle time, torch.compile's graph breaks and the top
+    kernels."""
+    breaks = (result or {}).get("graph_breaks")
+    return "; ".join(filter(None, [gpu_idle(result), breaks and f"{breaks} graph breaks",
+                                   top_kernels(result) and f"top kernels: {top_kernels(result)}"]))  # fmt: skip
 
 
 def top_kernels(result: dict | None, count: int = 3) -> str:

@@ -66,6 +66,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.autograd import DeviceType
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +138,9 @@ class Result:
     # Every rank's GPU timeline and host time per step phase: the rank the others wait for is the one whose NCCL
     # kernels wait least.
     timelines: tuple[str, ...] = ()
+    # Compiled cases: the places torch.compile broke the blocks' or the loss's graphs (dynamo counts each once, when
+    # it traces); each costs the host a return to Python at every call.
+    graph_breaks: int | None = None
 
 
 def model_config(name: str, tiny: bool, num_layers: int | None = None) -> dict:
@@ -245,6 +249,8 @@ def run_case(name, seq_len, mode, activations, optimizer, args, device, parallel
             data.wait_seconds = 0.0
 
     measure(result, step, local_tokens, flops_per_token, args, device, warmed_up)
+    if mode == "compiled":
+        result.graph_breaks = sum(counters["graph_break"].values())
     if data is not None:
         result.data_wait = data.wait_seconds / (result.step_s * args.steps)
     if args.profile:
@@ -429,6 +435,7 @@ def cleanup(device) -> None:
     gc.collect()
     gc.enable()  # each flame case turns automatic collection off as the trainer does; the naive HF loop keeps it
     torch._dynamo.reset()
+    counters.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -454,14 +461,14 @@ def table(results: list[Result], world_size: int, cp: int = 1) -> str:
     gpus = f"{world_size} (cp {cp})" if cp > 1 else str(world_size)
     lines = [
         "| model | params | GPUs | seq | batch/GPU | mode | activations | optimizer | step s | host s "
-        "| tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | data wait | vs naive HF loop |",
-        "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | data wait | vs naive HF loop | graph breaks |",
+        "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     anchors = {(r.model, r.seq_len): r.tokens_per_s for r in results if r.mode == NAIVE and not r.error}
     for r in results:
         if r.error:
             lines.append(f"| {r.model} | {millions(r.params)} | {gpus} | {r.seq_len} | {r.batch} | {r.mode} | "
-                         f"{r.activations} | {r.optimizer} | failed: {r.error} | | | | | | | |")  # fmt: skip
+                         f"{r.activations} | {r.optimizer} | failed: {r.error} | | | | | | | | |")  # fmt: skip
             continue
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu == r.mfu else "n/a"
         peak = f"{r.peak_gib:.1f}" if r.peak_gib == r.peak_gib else "n/a"
@@ -472,7 +479,7 @@ def table(results: list[Result], world_size: int, cp: int = 1) -> str:
             f"| {r.model} | {millions(r.params)} | {gpus} | {r.seq_len} | {r.batch} | {r.mode} | "
             f"{r.activations} | {r.optimizer} | {r.step_s:.3f} | {r.host_s:.3f} | {r.tokens_per_s:,.0f} | "
             f"{r.tflops:.1f} | {mfu} | "
-            f"{peak} | {wait} | {ratio} |"
+            f"{peak} | {wait} | {ratio} | {'' if r.graph_breaks is None else r.graph_breaks} |"
         )
     return "\n".join(lines)
 

@@ -45,7 +45,8 @@ PARTS = {
         result("transformer", "compiled", 160_000.0, profile=profiler_table(("gemm", "45.4ms"), ("attention backward", "11.6ms"), ("adamw", "4ms"))),
         result("transformer", "naive HF loop", 80_000.0),
         result("gated_deltanet", "compiled", 85_000.0, profile=profiler_table(("chunk_bwd", "57ms"), ("gemm", "66ms"), ("conv", "9ms")),
-               timelines=["GPU timeline per step: 248.7 ms from first to last kernel; compute kernels running 189.0 ms; idle 59.7 ms"]),
+               timelines=["GPU timeline per step: 248.7 ms from first to last kernel; compute kernels running 189.0 ms; idle 59.7 ms"],
+               graph_breaks=84),
         result("gated_deltanet", "naive HF loop", 70_000.0),
         result("hybrid", "compiled", 150_000.0),
     ]},
@@ -92,7 +93,9 @@ def test_each_item_is_its_measurement_beside_its_anchor_target_and_verdict():
 
     gdn = rows["gated_deltanet 3"]
     assert gdn[2:5] == ["84,000", "naive HF loop: 70,000", "1.20x"]
-    assert gdn[6] == "no: 70% of it (GPU idle 60 of 249 ms; top kernels: chunk_bwd 57ms; gemm 66ms; conv 9ms)"
+    assert gdn[6] == (
+        "no: 70% of it (GPU idle 60 of 249 ms; 84 graph breaks; top kernels: chunk_bwd 57ms; gemm 66ms; conv 9ms)"
+    )
     assert rows["hybrid 3"][2] == "n/a" and rows["hybrid 3"][6] == "not measured"
 
     mfu = rows["transformer 4"]
