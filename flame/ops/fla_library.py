@@ -1,11 +1,11 @@
-"""FLA 0.6.0's chunk gated delta rule registered as torch.library custom ops.
+"""FLA 0.6.0's chunk gated delta rule and chunk delta rule registered as torch.library custom ops.
 
 FLA wraps its public ops in ``torch.compiler.disable`` (and its autograd Functions hold Python state that dynamo does
-not trace), so a compiled Gated DeltaNet block broke into a graph per FLA call: every break costs a return to
+not trace), so a compiled Gated DeltaNet or DeltaNet block broke into a graph per FLA call: every break costs a return to
 Python, guard checks and a separate compiled region in forward and backward. Registered as custom ops with fake
 (shape-only) implementations, the forward and backward of each op are single opaque nodes, and a block compiles to
-one graph. The Triton work inside is FLA's own functions (`chunk_gated_delta_rule_fwd` / `_bwd`), called exactly as
-FLA's autograd Function calls them. (The short convolution is flame's own custom op: short_conv/triton_kernel.py.)
+one graph. The Triton work inside is FLA's own functions (`chunk_gated_delta_rule_fwd` / `_bwd`,
+`chunk_delta_rule_fwd` / `_bwd`), called exactly as FLA's autograd Functions call them. (The short convolution is flame's own custom op: short_conv/triton_kernel.py.)
 
 Custom ops may not return their inputs, so intermediates that FLA saves only sometimes (the l2-normalised q/k, the
 sigmoid of beta) come back as empty tensors when they are the input itself, and absent gradients as empty tensors
@@ -330,5 +330,203 @@ def chunk_gated_delta_rule(
         q, k, v, g, beta, A_log if use_gate_in_kernel else None, dt_bias if use_gate_in_kernel else None,
         initial_state, cu_seqlens, cu_seqlens_cpu, float(scale), output_final_state, use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, use_gate_in_kernel, chunk_size,
+    )  # fmt: skip
+    return o, final_state if output_final_state else None
+
+
+@torch.library.custom_op("flame::fla_delta_rule_fwd", mutates_args=(), device_types="cuda")
+def delta_rule_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    scale: float,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, final state, q_normed, q_rstd, k_normed, k_rstd, A); see the module docstring for the empty ones. What
+    FLA's ``ChunkDeltaRuleFunction.forward`` computes and saves."""
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.delta_rule.chunk import chunk_delta_rule_fwd
+
+    q, k, v, beta, initial_state = _contiguous(q, k, v, beta, initial_state)
+    q_normed, q_rstd, k_normed, k_rstd = q, _empty(q), k, _empty(k)
+    if use_qk_l2norm_in_kernel:
+        q_normed, q_rstd = l2norm_fwd(q)
+        k_normed, k_rstd = l2norm_fwd(k)
+    o, A, final_state = chunk_delta_rule_fwd(
+        q=q_normed,
+        k=k_normed,
+        v=v,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size),
+        chunk_size=chunk_size,
+    )
+    return (
+        o.to(q.dtype),
+        final_state if output_final_state else _empty(q),
+        q_normed if use_qk_l2norm_in_kernel else _empty(q),
+        q_rstd,
+        k_normed if use_qk_l2norm_in_kernel else _empty(k),
+        k_rstd,
+        A,
+    )
+
+
+@delta_rule_fwd.register_fake
+def _(q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, use_qk_l2norm_in_kernel,
+      chunk_size):  # fmt: skip
+    batch, seq_len, num_heads, key_dim = q.shape
+    num_sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (
+        q.new_empty(batch, seq_len, num_heads, v.shape[3]),
+        q.new_empty(num_sequences, num_heads, key_dim, v.shape[3], dtype=torch.float32)
+        if output_final_state
+        else _empty(q),
+        torch.empty_like(q, memory_format=torch.contiguous_format) if use_qk_l2norm_in_kernel else _empty(q),
+        q.new_empty(batch, seq_len, num_heads, dtype=torch.float32) if use_qk_l2norm_in_kernel else _empty(q),
+        torch.empty_like(k, memory_format=torch.contiguous_format) if use_qk_l2norm_in_kernel else _empty(k),
+        k.new_empty(batch, seq_len, num_heads, dtype=torch.float32) if use_qk_l2norm_in_kernel else _empty(k),
+        k.new_empty(batch, seq_len, num_heads, chunk_size),
+    )
+
+
+@torch.library.custom_op("flame::fla_delta_rule_bwd", mutates_args=(), device_types="cuda")
+def delta_rule_bwd(
+    do: Tensor,
+    dht: Tensor | None,
+    q: Tensor,
+    q_rstd: Tensor | None,
+    k: Tensor,
+    k_rstd: Tensor | None,
+    v: Tensor,
+    beta: Tensor,
+    A: Tensor,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+    scale: float,
+    use_qk_l2norm_in_kernel: bool,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dbeta, dh0) in the dtypes of the forward's inputs, with q, k the l2-normalised ones when that is
+    on (q_rstd, k_rstd given). As FLA's backward."""
+    from fla.modules.norm.l2norm import l2norm_bwd
+    from fla.ops.delta_rule.chunk import chunk_delta_rule_bwd
+
+    do, dht, q, q_rstd, k, k_rstd, v, beta, A, initial_state = _contiguous(
+        do, dht, q, q_rstd, k, k_rstd, v, beta, A, initial_state
+    )
+    dq, dk, dv, dbeta, dh0 = chunk_delta_rule_bwd(
+        q=q,
+        k=k,
+        v=v,
+        beta=beta,
+        A=A,
+        scale=scale,
+        initial_state=initial_state,
+        do=do,
+        dht=dht,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size),
+        chunk_size=chunk_size,
+    )
+    if use_qk_l2norm_in_kernel:
+        dq, dk = l2norm_bwd(q, q_rstd, dq), l2norm_bwd(k, k_rstd, dk)
+    return (
+        dq.to(q.dtype),
+        dk.to(k.dtype),
+        dv.to(v.dtype),
+        dbeta.to(beta.dtype),
+        _empty(do) if dh0 is None else dh0.to(initial_state.dtype),
+    )
+
+
+@delta_rule_bwd.register_fake
+def _(do, dht, q, q_rstd, k, k_rstd, v, beta, A, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
+      use_qk_l2norm_in_kernel, chunk_size):  # fmt: skip
+    def like(x: Tensor | None) -> Tensor:
+        return _empty(do) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    return like(q), like(k), like(v), like(beta), like(initial_state)
+
+
+_DELTA_NON_TENSOR_INPUTS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "chunk_size")
+
+
+def _delta_setup_context(ctx, inputs, output):
+    q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, *flags = inputs
+    o, final_state, q_normed, q_rstd, k_normed, k_rstd, A = output
+    ctx.flags = dict(zip(_DELTA_NON_TENSOR_INPUTS, flags, strict=True))
+    l2norm = ctx.flags["use_qk_l2norm_in_kernel"]
+    ctx.save_for_backward(
+        q_normed if l2norm else q,
+        q_rstd if l2norm else None,
+        k_normed if l2norm else k,
+        k_rstd if l2norm else None,
+        v,
+        beta,
+        A,
+        initial_state,
+        cu_seqlens,
+        cu_seqlens_cpu,
+    )
+    ctx.has_initial_state = initial_state is not None
+    ctx.mark_non_differentiable(q_normed, q_rstd, k_normed, k_rstd, A)
+    if not ctx.flags["output_final_state"]:
+        ctx.mark_non_differentiable(final_state)
+
+
+def _delta_backward(ctx, do, dht, *_unused_grads):
+    flags = ctx.flags
+    # The saved tensors are in the order of the backward op's arguments after (do, dht).
+    dq, dk, dv, dbeta, dh0 = delta_rule_bwd(
+        do,
+        dht if flags["output_final_state"] else None,
+        *ctx.saved_tensors,
+        flags["scale"],
+        flags["use_qk_l2norm_in_kernel"],
+        flags["chunk_size"],
+    )
+    return (
+        dq,
+        dk,
+        dv,
+        dbeta,
+        dh0 if ctx.has_initial_state else None,
+        *([None] * (2 + len(_DELTA_NON_TENSOR_INPUTS))),
+    )
+
+
+delta_rule_fwd.register_autograd(_delta_backward, setup_context=_delta_setup_context)
+
+
+def chunk_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Tensor | None = None,
+    cu_seqlens_cpu: Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
+    """FLA's ``chunk_delta_rule`` (same arguments and results) through the custom ops."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    o, final_state, *_ = delta_rule_fwd(
+        q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, float(scale), output_final_state,
+        use_qk_l2norm_in_kernel, chunk_size,
     )  # fmt: skip
     return o, final_state if output_final_state else None

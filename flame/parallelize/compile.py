@@ -38,9 +38,10 @@ def compile_blocks(
     model: nn.Module, backend: str, mode: str = "default", graph_eager_blocks: bool = False
 ) -> None:
     """Compile each block separately: repeated structure compiles once, and FSDP hooks stay outside the graphs
-    (pytorch#181924: FSDP2 hooks break fullgraph graphs). Under compile the gated delta rule and the short conv
-    (flame's kernel) run as torch.library custom ops and the norms as PyTorch code (flame.ops), so a Gated DeltaNet or attention
-    block is one graph; fullgraph stays off because DeltaNet's FLA ops still graph-break. A family may leave its
+    (pytorch#181924: FSDP2 hooks break fullgraph graphs). Under compile the gated and the plain chunk delta rule and
+    the short conv (flame's kernel) run as torch.library custom ops and the norms as PyTorch code (flame.ops), so a
+    Gated DeltaNet, DeltaNet or attention block is one graph; fullgraph stays off because FLA's fused recurrent delta
+    rule (DeltaNet's sequences of at most 64 tokens) and its context parallelism still break the graph. A family may leave its
     blocks eager where compiling them was measured to be slower (``ModelSpec.eager_blocks``): one log line says why;
     with ``graph_eager_blocks`` (one GPU, no activation checkpointing or offloading) they replay as CUDA graphs
     instead (flame.parallelize.cuda_graphs)."""

@@ -1,10 +1,10 @@
-"""FLA's chunk gated delta rule as torch.library custom ops (flame.ops.fla_library).
+"""FLA's chunk gated delta rule and chunk delta rule as torch.library custom ops (flame.ops.fla_library).
 
 - torch.library.opcheck: schema, fake (shape-only) implementations against the real outputs, autograd
   registration, and tracing by AOTAutograd with dynamic shapes.
 - The custom ops give the outputs and gradients of FLA's own autograd Functions: the same Triton kernels run on
   the same inputs (relative RMS difference <= 1e-3, see SAME_KERNELS_LIMIT).
-- A compiled Gated DeltaNet layer is one graph (fullgraph=True compiles) and matches the eager layer.
+- A compiled Gated DeltaNet or DeltaNet layer is one graph (fullgraph=True compiles) and matches the eager layer.
 Eager training keeps FLA's own Functions (tested against the PyTorch reference in test_linear_attention_ops.py
 and test_model_parity.py); the custom ops serve torch.compile, whose layer the last test compares with eager.
 """
@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flame.models.layers.delta_net import DeltaNet
 from flame.models.layers.gated_deltanet import GatedDeltaNet
 from flame.ops import fla_library
 from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
@@ -118,11 +119,60 @@ def test_gated_delta_rule_ops_equal_fla_function(case):
         assert relative_rms(a, b) <= SAME_KERNELS_LIMIT, f"output {index}: {relative_rms(a, b):.2e}"
 
 
+def delta_inputs(in_kernel: bool, lengths, dtype=torch.bfloat16, heads=2, head_dim=64):
+    """The plain delta rule's inputs: the gated case's without the gate, one head count for q, k and v."""
+    (q, k, v, _, _, _, _, h0, cu_seqlens), _ = gdn_inputs(
+        in_kernel, lengths, dtype, heads=heads, v_heads=heads, head_dim=head_dim
+    )
+    beta = torch.rand(*q.shape[:3], device="cuda", dtype=dtype).requires_grad_()
+    return (q, k, v, beta, h0, cu_seqlens), dict(use_qk_l2norm_in_kernel=in_kernel)
+
+
+@pytest.mark.parametrize("case", list(GDN_CASES))
+def test_delta_rule_ops_pass_opcheck(case):
+    (q, k, v, beta, h0, cu_seqlens), flags = delta_inputs(**GDN_CASES[case])
+    args = (q, k, v, beta, h0, cu_seqlens, None, 0.125, True, flags["use_qk_l2norm_in_kernel"], 64)
+    torch.library.opcheck(fla_library.delta_rule_fwd, args, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("case", list(GDN_CASES))
+def test_delta_rule_ops_equal_fla_function(case):
+    from fla.ops.delta_rule import chunk_delta_rule as fla_op
+
+    (q, k, v, beta, h0, cu_seqlens), flags = delta_inputs(**GDN_CASES[case])
+
+    def run(op):
+        for x in (q, k, v, beta, h0):
+            x.grad = None
+        o, ht = op(q, k, v, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens, **flags)
+        torch.manual_seed(1)
+        (
+            (o.float() * torch.randn_like(o, dtype=torch.float32)).sum() + (ht * torch.randn_like(ht)).sum()
+        ).backward()
+        return [o.detach(), ht.detach()] + [x.grad.clone() for x in (q, k, v, beta, h0)]
+
+    for index, (ours, theirs) in enumerate(zip(run(fla_library.chunk_delta_rule), run(fla_op), strict=True)):
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, index
+        assert torch.isfinite(ours).all()
+        assert relative_rms(ours, theirs) <= SAME_KERNELS_LIMIT, (
+            f"output {index}: {relative_rms(ours, theirs):.2e}"
+        )
+
+
+def test_compiled_deltanet_layer_is_one_graph_and_matches_eager():
+    torch.manual_seed(0)
+    check_compiled_layer_is_one_graph(DeltaNet(hidden_size=256, num_heads=4).cuda())
+
+
 def test_compiled_gated_deltanet_layer_is_one_graph_and_matches_eager():
     torch.manual_seed(0)
     layer = GatedDeltaNet(
         hidden_size=256, head_dim=64, num_heads=2, num_v_heads=4, allow_neg_eigval=True
     ).cuda()
+    check_compiled_layer_is_one_graph(layer)
+
+
+def check_compiled_layer_is_one_graph(layer):
     x = torch.randn(1, 300, 256, device="cuda", requires_grad=True)
     position_ids = torch.arange(300, device="cuda")[None]
     cu_seqlens = torch.tensor([0, 50, 251, 300], device="cuda", dtype=torch.int32)

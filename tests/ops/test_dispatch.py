@@ -4,8 +4,8 @@ This checks that CUDA tensors reach FLA, with argument names FLA 0.6.0 accepts (
 **kwargs, names its source reads). That CPU tensors never reach FLA is checked by every other test: FLA's kernels
 raise on CPU tensors ("0 active drivers").
 
-Under torch.compile (``torch.compiler.is_compiling()`` patched to True here) the gated delta rule reaches flame's
-custom-op wrapper in flame.ops.fla_library instead (test_fla_library.py checks its calls into FLA), and the norms
+Under torch.compile (``torch.compiler.is_compiling()`` patched to True here) the gated and the plain chunk delta rule
+reach flame's custom-op wrappers in flame.ops.fla_library instead (test_fla_library.py checks its calls into FLA), and the norms
 the PyTorch code. The short convolution is flame's own Triton kernel (a custom op) in both modes."""
 
 import inspect
@@ -162,6 +162,7 @@ COMPILED_CASES = {
         SENTINEL,
         *CASES["chunk_gated_delta_rule"][3:],
     ),
+    "chunk_delta_rule": (fla_library, "chunk_delta_rule", SENTINEL, *CASES["chunk_delta_rule"][3:]),
 }
 
 

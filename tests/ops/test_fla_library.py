@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import fla.modules.norm.l2norm
 import fla.ops.common.gate
+import fla.ops.delta_rule.chunk
 import fla.ops.gated_delta_rule.chunk
 import fla.ops.utils.index
 import pytest
@@ -25,6 +26,7 @@ from flame.ops import fla_library
 B, T, H, HV, K, V, CHUNK = 2, 8, 2, 4, 4, 3, 32  # K != V: a transposed state layout shows in the shapes
 # torch's CustomOpDef keeps the decorated function as _init_fn and the register_fake one as _abstract_fn.
 GDN_FWD, GDN_BWD = fla_library.gated_delta_rule_fwd, fla_library.gated_delta_rule_bwd
+DELTA_FWD, DELTA_BWD = fla_library.delta_rule_fwd, fla_library.delta_rule_bwd
 
 
 def f32(*shape):
@@ -46,6 +48,21 @@ def gdn_bwd(a):  # (dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias); dq, dk, dv, d
             f32(HV) if gate and a["dt_bias"] is not None else None)  # fmt: skip
 
 
+def delta_fwd(a):  # (o, A, final state)
+    batch = a["v"].shape[0]
+    states = batch if a["cu_seqlens"] is None else len(a["cu_seqlens"]) - 1
+    return (torch.empty_like(a["v"]), a["k"].new_empty(batch, T, H, a["chunk_size"]),
+            f32(states, H, K, V) if a["output_final_state"] else None)  # fmt: skip
+
+
+def delta_bwd(a):  # (dq, dk, dv, dbeta, dh0); dq, dk, dv, dbeta like q, k, v, beta; dh0 float32
+    h0 = a["initial_state"]
+    return (
+        *(torch.empty_like(a[name]) for name in ("q", "k", "v", "beta")),
+        None if h0 is None else f32(*h0.shape),
+    )
+
+
 # (module, name) of each FLA function the ops call: what it returns (per FLA's source), given its bound arguments
 INTERNALS = {
     (fla.modules.norm.l2norm, "l2norm_fwd"): lambda a: (torch.empty_like(a["x"]), f32(*a["x"].shape[:-1])),
@@ -56,6 +73,8 @@ INTERNALS = {
     (fla.ops.gated_delta_rule.chunk, "chunk_gated_delta_rule_fwd"): gdn_fwd,
     (fla.ops.gated_delta_rule.chunk, "chunk_gated_delta_rule_bwd"): gdn_bwd,
     (flame.ops.gated_delta_rule.dqkwg_triton, "serve_where_fla_refuses"): lambda a: None,
+    (fla.ops.delta_rule.chunk, "chunk_delta_rule_fwd"): delta_fwd,
+    (fla.ops.delta_rule.chunk, "chunk_delta_rule_bwd"): delta_bwd,
 }
 
 
@@ -237,6 +256,7 @@ def test_gated_delta_rule_fakes_agree_with_the_bodies(layer, fla_calls, monkeypa
 def test_recorders_reject_an_argument_fla_does_not_take(fla_calls, monkeypatch):
     """Each recorder binds: a call replayed with its own arguments passes, with one more keyword it fails."""
     gdn_forward_backward(gdn_arguments(layer=True), monkeypatch)
+    delta_forward_backward(delta_arguments(layer=True), monkeypatch)
     for module, name in INTERNALS:
         (arguments, _), *_ = fla_calls[name]
         getattr(module, name)(**arguments)
@@ -248,3 +268,125 @@ def test_the_gated_delta_rule_wrapper_refuses_fla_context_parallelism():
     q = torch.zeros(1, T, H, K)
     with pytest.raises(ValueError, match="cp_context"):
         fla_library.chunk_gated_delta_rule(q, q, q, q[..., 0], q[..., 0], cp_context=object())
+
+
+def delta_arguments(layer: bool):
+    """bf16 inputs with the flags of flame's DeltaNet layer on packed documents and a state in and out, or with none
+    of them (a batch, no state)."""
+    dtype = torch.bfloat16
+    batch, cu_seqlens = (1, torch.tensor([0, 5, 8])) if layer else (B, None)
+    q, k, v = (torch.randn(batch, T, H, dim, dtype=dtype) for dim in (K, K, V))
+    return dict(
+        q=q, k=k, v=v, beta=torch.rand(batch, T, H, dtype=dtype),
+        initial_state=torch.randn(2, H, K, V, dtype=dtype) if layer else None, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens.clone() if layer else None, scale=0.5, output_final_state=layer,
+        use_qk_l2norm_in_kernel=layer, chunk_size=CHUNK,
+    )  # fmt: skip
+
+
+def delta_forward_backward(a, monkeypatch):
+    """As gdn_forward_backward, for the delta rule's ops."""
+    outputs, backward = DELTA_FWD._init_fn(**a), []
+
+    def backward_op(*args):
+        backward.append((args, DELTA_BWD._init_fn(*args)))
+        return backward[-1][1]
+
+    monkeypatch.setattr(fla_library, "delta_rule_bwd", backward_op)
+    ctx = SimpleNamespace(mark_non_differentiable=lambda *_: None)
+    ctx.save_for_backward = lambda *saved: setattr(ctx, "saved_tensors", saved)
+    fla_library._delta_setup_context(
+        ctx, tuple(a[name] for name in inspect.signature(DELTA_FWD._init_fn).parameters), outputs
+    )
+    do, dht = torch.randn_like(outputs[0]), torch.randn_like(outputs[1])
+    grads = fla_library._delta_backward(ctx, do, dht, *([None] * 5))
+    ((backward_arguments, backward_outputs),) = backward
+    return outputs, backward_arguments, backward_outputs, grads
+
+
+@pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
+def test_delta_rule_forward_calls_fla_as_its_function_does(layer, fla_calls):
+    a = delta_arguments(layer)
+    o, state, q_normed, q_rstd, k_normed, k_rstd, A = DELTA_FWD._init_fn(**a)
+    l2norm = fla_calls["l2norm_fwd"]
+    assert same([x["x"] for x, _ in l2norm], [a["q"], a["k"]] if layer else [])
+    ((call, (fla_o, fla_A, fla_state)),) = fla_calls["chunk_delta_rule_fwd"]
+    # the normalised q, k reach the delta rule; the rest as given
+    assert same([call["q"], call["k"]], [l2norm[0][1][0], l2norm[1][1][0]] if layer else [a["q"], a["k"]])
+    names = ("v", "beta", "scale", "initial_state", "output_final_state", "cu_seqlens", "chunk_size")
+    assert same([call[name] for name in names], [a[name] for name in names])
+    indices = fla_calls["prepare_chunk_indices"]
+    assert call["chunk_indices"] is (indices[0][1] if layer else None)
+
+    assert (o.shape, o.dtype) == (fla_o.shape, a["q"].dtype) and A is fla_A
+    optional = [state, q_normed, q_rstd, k_normed, k_rstd]
+    if layer:
+        assert same(optional, [fla_state, *l2norm[0][1], *l2norm[1][1]])
+    else:  # custom ops may not return their inputs: what would be q or k comes back empty, as does no state
+        assert all(x.numel() == 0 for x in optional)
+
+
+@pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
+def test_delta_rule_backward_calls_fla_as_its_function_does(layer, fla_calls, monkeypatch):
+    a = delta_arguments(layer)
+    outputs, (do, dht, *_), op_grads, grads = delta_forward_backward(a, monkeypatch)
+    _, _, q_normed, q_rstd, k_normed, k_rstd, A = outputs
+    assert (dht is not None) == layer
+    ((call, (fla_dq, fla_dk, *_)),) = fla_calls["chunk_delta_rule_bwd"]
+    assert same([call["q"], call["k"]], [q_normed, k_normed] if layer else [a["q"], a["k"]])
+    names = (
+        "v",
+        "beta",
+        "A",
+        "do",
+        "dht",
+        "chunk_indices",
+        "scale",
+        "initial_state",
+        "cu_seqlens",
+        "chunk_size",
+    )
+    indices = fla_calls["prepare_chunk_indices"][-1][1] if layer else None
+    assert same(
+        [call[name] for name in names],
+        [a["v"], a["beta"], A, do, dht, indices, a["scale"], a["initial_state"], a["cu_seqlens"], CHUNK],
+    )
+    l2norm = [value for x, _ in fla_calls["l2norm_bwd"] for value in (x["y"], x["rstd"], x["dy"])]
+    assert same(l2norm, [q_normed, q_rstd, fla_dq, k_normed, k_rstd, fla_dk] if layer else [])
+
+    # gradients in the dtypes of the inputs, an absent one empty; autograd turns the empty one into None
+    inputs = [a[name] for name in ("q", "k", "v", "beta", "initial_state")]
+    check_like(op_grads[:4], inputs[:4])
+    if layer:
+        check_like(op_grads[4:], inputs[4:])
+    else:
+        assert op_grads[4].numel() == 0
+    # autograd's gradients, one per input of the forward op
+    assert same(grads, [*op_grads[:4], op_grads[4] if layer else None] + [None] * 6)
+
+
+@pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
+def test_delta_rule_fakes_agree_with_the_bodies(layer, fla_calls, monkeypatch):
+    a = delta_arguments(layer)
+    outputs, backward_arguments, backward_outputs, _ = delta_forward_backward(a, monkeypatch)
+    check_like(DELTA_BWD._abstract_fn(*backward_arguments), backward_outputs)
+    check_like(DELTA_FWD._abstract_fn(**a), outputs)
+
+
+def test_delta_rule_ops_give_fla_contiguous_tensors(fla_calls):
+    a = delta_arguments(layer=True)
+    a.update({name: strided_like(a[name]) for name in ("q", "k", "v", "beta", "initial_state")})
+    assert not any(a[name].is_contiguous() for name in ("q", "v", "beta", "initial_state"))
+    outputs = DELTA_FWD._init_fn(**a)
+    do, dht = torch.ones(()).expand_as(outputs[0]), torch.ones(()).expand_as(outputs[1])
+    DELTA_BWD._init_fn(do, dht, a["q"], None, a["k"], None, a["v"], a["beta"], strided_like(outputs[6]),
+                       a["initial_state"], a["cu_seqlens"], a["cu_seqlens_cpu"], a["scale"], False, CHUNK)  # fmt: skip
+    received = [
+        (name, value)
+        for function in ("chunk_delta_rule_fwd", "chunk_delta_rule_bwd", "l2norm_fwd")
+        for call, _ in fla_calls[function]
+        for name, value in call.items()
+        if isinstance(value, torch.Tensor)
+    ]
+    assert len(received) > 15
+    assert [name for name, value in received if not value.is_contiguous()] == []

@@ -6,8 +6,9 @@ FLA's: q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states key-first [N, H
 float64 inputs); o in q's dtype.
 
 FLA's DeltaNet layer calls `fused_recurrent_delta_rule` for sequences of at most 64 tokens (training included) and
-`chunk_delta_rule` otherwise; both dispatchers keep FLA's signatures. CUDA tensors go to FLA's Triton ops, others
-to the shared PyTorch code (flame/ops/dispatch.py).
+`chunk_delta_rule` otherwise; both dispatchers keep FLA's signatures. CUDA tensors go to FLA's Triton ops (the
+chunked one through flame's custom ops under torch.compile: flame/ops/fla_library.py), others to the shared PyTorch
+code (flame/ops/dispatch.py).
 FLA's chunk kernel takes only half-precision inputs: a float32 or float64 chunk call on CUDA runs the PyTorch code
 there (one log line). Its fused-recurrent kernel also accepts a per-channel beta [B, T, H, V], which the PyTorch
 path rejects (FLA's DeltaNet layer never passes one).
@@ -22,7 +23,13 @@ from flame.ops.varlen import check_packed_batch
 
 
 def fla_chunk_delta_rule(*args, **kwargs):
-    """FLA 0.6.0's chunked Triton op, imported on first use (importing fla.ops pulls in Triton)."""
+    """FLA 0.6.0's chunked Triton op, imported on first use (importing fla.ops pulls in Triton). Under torch.compile
+    it runs through flame's torch.library custom ops (`flame.ops.fla_library`), so that a DeltaNet block compiles to
+    one graph instead of breaking at FLA's ``torch.compiler.disable``."""
+    if torch.compiler.is_compiling():
+        from flame.ops import fla_library
+
+        return fla_library.chunk_delta_rule(*args, **kwargs)
     from fla.ops.delta_rule import chunk_delta_rule as fla_op
 
     return fla_op(*args, **kwargs)
