@@ -20,6 +20,11 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
+def _gradient_like(x: Tensor | None, do: Tensor) -> Tensor:
+    """A backward op's fake gradient for input ``x``: contiguous like it, or empty where the input is absent."""
+    return _empty(do) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def _contiguous(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     """What FLA's ``input_guard`` does for its Functions: the Triton kernels index every tensor as contiguous. A
     gradient can arrive expanded (the gradient of a sum is one value with stride 0), and read as contiguous it runs
@@ -209,19 +214,17 @@ def gated_delta_rule_bwd(
 def _(do, dht, q, q_rstd, k, k_rstd, v, g, g_cumsum, beta, beta_act, A, A_log, dt_bias, initial_state, cu_seqlens,
       cu_seqlens_cpu, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
       use_gate_in_kernel, chunk_size):  # fmt: skip
-    def like(x: Tensor | None) -> Tensor:
-        return _empty(do) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-
-    gate_grads = use_gate_in_kernel
-    return (
-        like(q),
-        like(k),
-        like(v),
-        like(g),
-        like(beta),
-        like(initial_state),
-        like(A_log if gate_grads else None),
-        like(dt_bias if gate_grads else None),
+    return tuple(
+        _gradient_like(x, do)
+        for x in (
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+            *((A_log, dt_bias) if use_gate_in_kernel else (None, None)),
+        )
     )
 
 
@@ -453,10 +456,7 @@ def delta_rule_bwd(
 @delta_rule_bwd.register_fake
 def _(do, dht, q, q_rstd, k, k_rstd, v, beta, A, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
       use_qk_l2norm_in_kernel, chunk_size):  # fmt: skip
-    def like(x: Tensor | None) -> Tensor:
-        return _empty(do) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-
-    return like(q), like(k), like(v), like(beta), like(initial_state)
+    return tuple(_gradient_like(x, do) for x in (q, k, v, beta, initial_state))
 
 
 _DELTA_NON_TENSOR_INPUTS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "chunk_size")

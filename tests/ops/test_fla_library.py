@@ -129,24 +129,29 @@ def gdn_arguments(layer: bool):
     )  # fmt: skip
 
 
-def gdn_forward_backward(a, monkeypatch):
+def forward_backward(forward_op, backward_op, backward_name, setup_context, backward, a, monkeypatch):
     """The forward op's body, then autograd's setup_context and backward with the backward op's body for the op.
     Returns (forward outputs, backward op arguments, backward op outputs, gradients for the forward's inputs)."""
-    outputs, backward = GDN_FWD._init_fn(**a), []
+    outputs, calls = forward_op._init_fn(**a), []
 
-    def backward_op(*args):
-        backward.append((args, GDN_BWD._init_fn(*args)))
-        return backward[-1][1]
+    def recorded_backward_op(*args):
+        calls.append((args, backward_op._init_fn(*args)))
+        return calls[-1][1]
 
-    monkeypatch.setattr(fla_library, "gated_delta_rule_bwd", backward_op)
+    monkeypatch.setattr(fla_library, backward_name, recorded_backward_op)
     ctx = SimpleNamespace(mark_non_differentiable=lambda *_: None)
     ctx.save_for_backward = lambda *saved: setattr(ctx, "saved_tensors", saved)
-    fla_library._gdn_setup_context(ctx, tuple(a[name] for name in inspect.signature(GDN_FWD._init_fn).parameters),
-                                   outputs)  # fmt: skip
+    inputs = tuple(a[name] for name in inspect.signature(forward_op._init_fn).parameters)
+    setup_context(ctx, inputs, outputs)
     do, dht = torch.randn_like(outputs[0]), torch.randn_like(outputs[1])
-    grads = fla_library._gdn_backward(ctx, do, dht, *([None] * 7))
-    ((backward_arguments, backward_outputs),) = backward
+    grads = backward(ctx, do, dht, *([None] * (len(outputs) - 2)))
+    ((backward_arguments, backward_outputs),) = calls
     return outputs, backward_arguments, backward_outputs, grads
+
+
+def gdn_forward_backward(a, monkeypatch):
+    return forward_backward(GDN_FWD, GDN_BWD, "gated_delta_rule_bwd", fla_library._gdn_setup_context,
+                            fla_library._gdn_backward, a, monkeypatch)  # fmt: skip
 
 
 PASSED_THROUGH = ("scale", "initial_state", "state_v_first", "cu_seqlens", "use_gate_in_kernel", "A_log", "dt_bias",
@@ -285,23 +290,8 @@ def delta_arguments(layer: bool):
 
 
 def delta_forward_backward(a, monkeypatch):
-    """As gdn_forward_backward, for the delta rule's ops."""
-    outputs, backward = DELTA_FWD._init_fn(**a), []
-
-    def backward_op(*args):
-        backward.append((args, DELTA_BWD._init_fn(*args)))
-        return backward[-1][1]
-
-    monkeypatch.setattr(fla_library, "delta_rule_bwd", backward_op)
-    ctx = SimpleNamespace(mark_non_differentiable=lambda *_: None)
-    ctx.save_for_backward = lambda *saved: setattr(ctx, "saved_tensors", saved)
-    fla_library._delta_setup_context(
-        ctx, tuple(a[name] for name in inspect.signature(DELTA_FWD._init_fn).parameters), outputs
-    )
-    do, dht = torch.randn_like(outputs[0]), torch.randn_like(outputs[1])
-    grads = fla_library._delta_backward(ctx, do, dht, *([None] * 5))
-    ((backward_arguments, backward_outputs),) = backward
-    return outputs, backward_arguments, backward_outputs, grads
+    return forward_backward(DELTA_FWD, DELTA_BWD, "delta_rule_bwd", fla_library._delta_setup_context,
+                            fla_library._delta_backward, a, monkeypatch)  # fmt: skip
 
 
 @pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
