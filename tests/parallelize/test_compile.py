@@ -97,3 +97,22 @@ def test_graph_breaks_are_reported_once_after_the_first_compiled_step(make_train
     ]
     counters.clear()
     torch._dynamo.reset()
+
+
+def test_flames_models_trace_whole_on_the_cuda_paths_of_their_ops():
+    """Dynamo traces each flame family's forward on the branches a GPU run takes (FLA's ops and flame's kernels as
+    custom ops, FlashQLA installed and refusing the shapes it does not take) without a graph break:
+    cuda_path_graphs.py, in a process of its own (it registers CPU implementations of the custom ops). A refusal's
+    log line once broke every compiled Gated DeltaNet block into five graphs there."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("cuda_path_graphs.py")
+    models = ["transformer", "softpick_transformer", "gated_deltanet", "hybrid", "delta_net"]
+    result = subprocess.run(
+        [sys.executable, str(script), *models], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = [line for line in result.stdout.splitlines() if not line.startswith(" ")]
+    assert counts == [f"{model} 0" for model in models], result.stdout
