@@ -9,10 +9,10 @@ flag it lacks.
 A call on CUDA tensors runs the backend the job pinned (``pin``; for attention, ``--model.attention_backend``),
 else the first backend that is installed and takes the call; when none does, the PyTorch implementation runs on the
 same device. Each refusal is logged once per op, backend and reason (a compiled call's after the step, so that the
-log adds no graph break); a backend that is not installed only where no other kernel serves the call. A backend whose kernel fails to build in an eager call (an error of Triton, TileLang
-or TVM, or raised from one: a Triton CompilationError, a config past the GPU's shared memory, nvcc failing under
-TileLang) is out for the rest of the process, with one log line, and the call goes to the next backend that
-takes it. Under torch.compile the backend is chosen while tracing, and a kernel that fails to build inside the
+log adds no graph break); a backend that is not installed only where no other kernel serves the call. A backend
+whose kernel fails to build in an eager call (an error of Triton, TileLang or TVM, or raised from one: a Triton
+CompilationError, a config past the GPU's shared memory, nvcc failing under TileLang) is out for the rest of the
+process, with one log line, and the call goes to the next backend that takes it. Under torch.compile the backend is chosen while tracing, and a kernel that fails to build inside the
 compiled graph, or in the backward pass of an eager call, still raises. A call on any other device runs the PyTorch implementation. An op marked
 ``eager_only`` runs its PyTorch code under torch.compile too, where inductor fuses it with the code around it (a
 kernel call would split the compiled graph).

@@ -41,10 +41,10 @@ def compile_blocks(
     (pytorch#181924: FSDP2 hooks break fullgraph graphs). Under compile the gated and the plain chunk delta rule and
     the short conv (flame's kernel) run as torch.library custom ops and the norms as PyTorch code (flame.ops), so a
     Gated DeltaNet, DeltaNet or attention block is one graph; fullgraph stays off because FLA's fused recurrent delta
-    rule (DeltaNet's sequences of at most 64 tokens) and its context parallelism still break the graph. A family may leave its
-    blocks eager where compiling them was measured to be slower (``ModelSpec.eager_blocks``): one log line says why;
-    with ``graph_eager_blocks`` (one GPU, no activation checkpointing or offloading) they replay as CUDA graphs
-    instead (flame.parallelize.cuda_graphs)."""
+    rule (DeltaNet's sequences of at most 64 tokens) and its context parallelism still break the graph. A family may
+    leave its blocks eager where compiling them was measured to be slower (``ModelSpec.eager_blocks``): one log line
+    says why; with ``graph_eager_blocks`` (one GPU, no activation checkpointing or offloading) they replay as CUDA
+    graphs instead (flame.parallelize.cuda_graphs)."""
     spec = model_spec(model.args)
     reason = spec.eager_reason(model.args)
     if reason is not None:

@@ -92,9 +92,8 @@ class TrainStep:
         )
         self.before_update = before_update  # e.g. wait for an async checkpoint to finish copying the weights
         self.marks_cuda_graph_steps = uses_cuda_graphs(job_config.compile)
-        self.reports_graph_breaks = (
-            job_config.compile.enable
-        )  # after the first step, which traces the regions
+        # torch.compile's graph breaks, named after the first step (which traces the compiled regions)
+        self.reports_graph_breaks = job_config.compile.enable
         self.skips_on_device = skips_on_device(optimizers.optimizers)
 
     def __call__(self, batches: list[Batch]) -> StepResult:
