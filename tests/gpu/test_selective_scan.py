@@ -1,6 +1,6 @@
 """flame's Triton selective scan on the GPU against the token-by-token recurrence in float64 on the CPU (the
 interpreted CPU tests cover odd sizes; this one the compiled kernels at a layer's size: 2 x 300 tokens, 200
-channels, 16 states, crossing the 64-token chunks and 32-channel blocks; the inputs, their float32 A and the
+channels, 16 states, crossing the 16-token chunks and 8-channel blocks, the last of each ragged; the inputs, their float32 A and the
 tolerances of tests/ops/interpreted/test_selective_scan_triton.py), and a bf16 training step of mamba through flame
 (FLA's Mamba layers on flame's scan)."""
 

@@ -76,6 +76,8 @@ def test_the_triton_kernels_compile_for_hopper():
     for kernel in (kernels._fwd_kernel, kernels._bwd_kernel):
         for dtype in ("bf16", "fp32"):
             source = ASTSource(
-                kernel, signature(kernel, dtype), constexprs={"CHUNK": 64, "BLOCK_D": 32, "BLOCK_N": 16}
+                kernel,
+                signature(kernel, dtype),
+                constexprs={"CHUNK": kernels.CHUNK, "BLOCK_D": kernels.BLOCK_D, "BLOCK_N": 16},
             )
             assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]

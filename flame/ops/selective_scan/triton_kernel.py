@@ -9,17 +9,23 @@ Why: without mamba_ssm's CUDA kernels (the package index has no wheels of them),
 scan that materialises exp(delta A) and delta B u for every token, [batch, D, T, N] each, and keeps a state per token
 for autograd: a 97M Mamba ran out of an H200's 140 GiB in its first step at 8 x 2048 tokens.
 
-- The forward runs one program per (row, BLOCK_D channels); it walks the tokens in order with the [BLOCK_D, N]
-  state in registers, writes y and, every CHUNK tokens, the state entering the chunk (for the backward).
-- The backward walks the chunks from the last: it recomputes the chunk's states from the stored one into a scratch
-  buffer of its own, then walks the chunk's tokens backwards with g = dL/dh[t] in registers:
-      g += dy[t] C[t];  du[t] = delta[t] sum_n g B[t];  ddelta[t] = u[t] sum_n g B[t] + sum_n g h[t-1] a[t] A
-      dA += g h[t-1] a[t] delta[t];  dB[t] += sum_d g delta[t] u[t];  dC[t] += sum_d dy[t] h[t];  g *= a[t]
-  with a[t] = exp(delta[t] A). dB and dC are summed over the channel blocks, dA over the rows, by torch after the
-  kernel (partial buffers, no atomics: deterministic).
-Sums run in float32 (float64 for float64 inputs). The kernels are autograd through torch.autograd.Function: FLA's
-Mamba blocks run eagerly (and replay as CUDA graphs on one GPU), so torch.compile does not trace them. With
-TRITON_INTERPRET=1 set before this module is imported, the kernels run in Triton's CPU interpreter (the CPU tests).
+The recurrence h[t] = a[t] h[t-1] + x[t], with a[t] = exp(delta[t] A) and x[t] = delta[t] u[t] B[t] ([D, N] each),
+is an associative scan of the pairs (a, x) under (a1, x1) then (a2, x2) = (a1 a2, a2 x1 + x2) (Blelloch; Mamba's
+own kernels scan the same pairs). One program per (row, BLOCK_D channels) walks the tokens a chunk of CHUNK at a
+time: it loads the chunk's inputs at once, scans the chunk's [CHUNK, BLOCK_D, N] pairs in parallel
+(``tl.associative_scan``), applies them to the state entering the chunk, and writes y for the chunk's tokens and,
+for the backward, the state entering the chunk.
+
+The backward walks the chunks from the last. It recomputes the chunk's states from the stored one the same way,
+then scans g[t] = dL/dh[t] = dy[t] C[t] + a[t+1] g[t+1] backwards over the chunk (pairs of the same form, read from
+the chunk's last token, with the g entering from the next chunk), and from g and h:
+    du[t] = delta[t] sum_n g B[t];  ddelta[t] = u[t] sum_n g B[t] + sum_n g a[t] h[t-1] A;  dA = sum_t g a[t] h[t-1] delta[t]
+    dB[t] = sum_d g delta[t] u[t];  dC[t] = sum_d dy[t] h[t]
+with a[t] h[t-1] = h[t] - x[t]. dB and dC are summed over the channel blocks, dA over the rows, by torch after the
+kernel (partial buffers, no atomics: deterministic). Sums run in float32 (float64 for float64 inputs). The kernels
+are autograd through torch.autograd.Function: FLA's Mamba blocks run eagerly (and replay as CUDA graphs on one GPU),
+so torch.compile does not trace them. With TRITON_INTERPRET=1 set before this module is imported, the kernels run
+in Triton's CPU interpreter (the CPU tests).
 """
 
 import os
@@ -30,9 +36,15 @@ import triton.language as tl
 from torch import Tensor
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Tokens between the states the forward stores: the backward recomputes at most CHUNK states per channel block.
-CHUNK = 8 if INTERPRETED else 64
-BLOCK_D = 8 if INTERPRETED else 32
+# Tokens scanned at once, and channels per program: a program holds several [CHUNK, BLOCK_D, N] tiles.
+CHUNK = 8 if INTERPRETED else 16
+BLOCK_D = 8
+
+
+@triton.jit
+def _then(a1, x1, a2, x2):
+    """The pair (a1, x1) followed by (a2, x2): h -> a2 (a1 h + x1) + x2."""
+    return a1 * a2, a2 * x1 + x2
 
 
 @triton.jit
@@ -45,28 +57,40 @@ def _fwd_kernel(
     b = tl.program_id(1).to(tl.int64)
     d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, CHUNK)
     d_ok, n_ok = d < D, n < N
     tile_ok = d_ok[:, None] & n_ok[None, :]
     a = tl.load(A + d[:, None] * N + n[None, :], mask=tile_ok, other=0.0).to(ACC)
     h = tl.zeros([BLOCK_D, BLOCK_N], dtype=ACC)
     # STATES [batch, NUM_CHUNKS, D, N]: the state entering each chunk
     states = STATES + (b * NUM_CHUNKS * D + d[:, None]) * N + n[None, :]
-    for t in range(T):
-        if t % CHUNK == 0:
-            tl.store(states + (t // CHUNK) * D * N, h, mask=tile_ok)
-        step = tl.load(DELTA + b * stride_db + t * stride_dt + d, mask=d_ok, other=0.0).to(ACC)
-        u = tl.load(U + b * stride_ub + t * stride_ut + d, mask=d_ok, other=0.0).to(ACC)
-        b_t = tl.load(B + b * stride_bb + t * stride_bt + n, mask=n_ok, other=0.0).to(ACC)
-        c_t = tl.load(C + b * stride_cb + t * stride_ct + n, mask=n_ok, other=0.0).to(ACC)
-        h = tl.exp(step[:, None] * a) * h + (step * u)[:, None] * b_t[None, :]
-        y = tl.sum(h * c_t[None, :], 1)
-        tl.store(Y + b * stride_yb + t * stride_yt + d, y.to(Y.dtype.element_ty), mask=d_ok)
+    for chunk in range(NUM_CHUNKS):
+        tl.store(states + chunk * D * N, h, mask=tile_ok)
+        t = chunk * CHUNK + rows
+        td_ok = (t < T)[:, None] & d_ok[None, :]
+        tn_ok = (t < T)[:, None] & n_ok[None, :]
+        # Past the last token: delta = 0 and u = 0, so a = 1 and x = 0, which leave the state as it is.
+        step = tl.load(DELTA + b * stride_db + t[:, None] * stride_dt + d[None, :], mask=td_ok, other=0.0).to(
+            ACC
+        )
+        u = tl.load(U + b * stride_ub + t[:, None] * stride_ut + d[None, :], mask=td_ok, other=0.0).to(ACC)
+        b_t = tl.load(B + b * stride_bb + t[:, None] * stride_bt + n[None, :], mask=tn_ok, other=0.0).to(ACC)
+        c_t = tl.load(C + b * stride_cb + t[:, None] * stride_ct + n[None, :], mask=tn_ok, other=0.0).to(ACC)
+        decay = tl.exp(step[:, :, None] * a[None, :, :])
+        x = (step * u)[:, :, None] * b_t[:, None, :]
+        decays, inputs = tl.associative_scan((decay, x), 0, _then)
+        hs = decays * h[None, :, :] + inputs  # [CHUNK, BLOCK_D, BLOCK_N]: h[t] for the chunk's tokens
+        y = tl.sum(hs * c_t[:, None, :], 2)
+        tl.store(
+            Y + b * stride_yb + t[:, None] * stride_yt + d[None, :], y.to(Y.dtype.element_ty), mask=td_ok
+        )
+        h = tl.sum(tl.where((rows == CHUNK - 1)[:, None, None], hs, 0.0), 0)
     tl.store(LAST + (b * D + d[:, None]) * N + n[None, :], h, mask=tile_ok)
 
 
 @triton.jit
 def _bwd_kernel(
-    U, DELTA, A, B, C, DY, STATES, SCRATCH, DU, DDELTA, DA_PARTIAL, DB_PARTIAL, DC_PARTIAL, T, D, N, NUM_CHUNKS,
+    U, DELTA, A, B, C, DY, STATES, DU, DDELTA, DA_PARTIAL, DB_PARTIAL, DC_PARTIAL, T, D, N, NUM_CHUNKS,
     stride_ub, stride_ut, stride_db, stride_dt, stride_bb, stride_bt, stride_cb, stride_ct, stride_dyb, stride_dyt,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -75,51 +99,64 @@ def _bwd_kernel(
     block = tl.program_id(0)
     d = block * BLOCK_D + tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, CHUNK)
     d_ok, n_ok = d < D, n < N
     tile_ok = d_ok[:, None] & n_ok[None, :]
-    tile = tl.arange(0, BLOCK_D)[:, None] * BLOCK_N + n[None, :]
     a = tl.load(A + d[:, None] * N + n[None, :], mask=tile_ok, other=0.0).to(ACC)
     states = STATES + (b * NUM_CHUNKS * D + d[:, None]) * N + n[None, :]
-    # SCRATCH [batch, D blocks, CHUNK, BLOCK_D, BLOCK_N]: this program's states h[t] of the current chunk
-    scratch = SCRATCH + ((b * tl.num_programs(0) + block) * CHUNK) * BLOCK_D * BLOCK_N + tile
     # DB_PARTIAL, DC_PARTIAL [batch, D blocks, T, N]: this block's sums over its channels
     partial = (b * tl.num_programs(0) + block) * T * N
-    g = tl.zeros([BLOCK_D, BLOCK_N], dtype=ACC)
+    # a[t] g[t] of the first token of the chunk after the current one: what reaches g[t] of the current chunk's last
+    g_next = tl.zeros([BLOCK_D, BLOCK_N], dtype=ACC)
     da = tl.zeros([BLOCK_D, BLOCK_N], dtype=ACC)
     for i in range(NUM_CHUNKS):
         chunk = NUM_CHUNKS - 1 - i
-        start = chunk * CHUNK
-        length = tl.minimum(T - start, CHUNK)
+        t = chunk * CHUNK + rows
+        td_ok = (t < T)[:, None] & d_ok[None, :]
+        tn_ok = (t < T)[:, None] & n_ok[None, :]
+        step = tl.load(DELTA + b * stride_db + t[:, None] * stride_dt + d[None, :], mask=td_ok, other=0.0).to(
+            ACC
+        )
+        u = tl.load(U + b * stride_ub + t[:, None] * stride_ut + d[None, :], mask=td_ok, other=0.0).to(ACC)
+        b_t = tl.load(B + b * stride_bb + t[:, None] * stride_bt + n[None, :], mask=tn_ok, other=0.0).to(ACC)
+        dy = tl.load(DY + b * stride_dyb + t[:, None] * stride_dyt + d[None, :], mask=td_ok, other=0.0).to(
+            ACC
+        )
+        decay = tl.exp(step[:, :, None] * a[None, :, :])
+        x = (step * u)[:, :, None] * b_t[:, None, :]
+        decays, inputs = tl.associative_scan((decay, x), 0, _then)
         entering = tl.load(states + chunk * D * N, mask=tile_ok, other=0.0)
-        h = entering
-        for k in range(length):
-            t = start + k
-            step = tl.load(DELTA + b * stride_db + t * stride_dt + d, mask=d_ok, other=0.0).to(ACC)
-            u = tl.load(U + b * stride_ub + t * stride_ut + d, mask=d_ok, other=0.0).to(ACC)
-            b_t = tl.load(B + b * stride_bb + t * stride_bt + n, mask=n_ok, other=0.0).to(ACC)
-            h = tl.exp(step[:, None] * a) * h + (step * u)[:, None] * b_t[None, :]
-            tl.store(scratch + k * BLOCK_D * BLOCK_N, h)
-        for j in range(length):
-            k = length - 1 - j
-            t = start + k
-            step = tl.load(DELTA + b * stride_db + t * stride_dt + d, mask=d_ok, other=0.0).to(ACC)
-            u = tl.load(U + b * stride_ub + t * stride_ut + d, mask=d_ok, other=0.0).to(ACC)
-            b_t = tl.load(B + b * stride_bb + t * stride_bt + n, mask=n_ok, other=0.0).to(ACC)
-            c_t = tl.load(C + b * stride_cb + t * stride_ct + n, mask=n_ok, other=0.0).to(ACC)
-            dy = tl.load(DY + b * stride_dyb + t * stride_dyt + d, mask=d_ok, other=0.0).to(ACC)
-            h = tl.load(scratch + k * BLOCK_D * BLOCK_N)
-            before = tl.load(scratch + (k - 1) * BLOCK_D * BLOCK_N, mask=(k > 0) & tile_ok, other=0.0)
-            before = tl.where(k > 0, before, entering)
-            decay = tl.exp(step[:, None] * a)
-            g += dy[:, None] * c_t[None, :]
-            g_b = tl.sum(g * b_t[None, :], 1)
-            through_decay = g * before * decay
-            tl.store(DU + b * D * T + t * D + d, step * g_b, mask=d_ok)
-            tl.store(DDELTA + b * D * T + t * D + d, u * g_b + tl.sum(through_decay * a, 1), mask=d_ok)
-            da += through_decay * step[:, None]
-            tl.store(DB_PARTIAL + partial + t * N + n, tl.sum(g * (step * u)[:, None], 0), mask=n_ok)
-            tl.store(DC_PARTIAL + partial + t * N + n, tl.sum(dy[:, None] * h, 0), mask=n_ok)
-            g *= decay
+        hs = decays * entering[None, :, :] + inputs
+        # g[t] = e[t] + a[t+1] g[t+1] with e[t] = dy[t] C[t], the chunk's last a[t+1] g[t+1] being g_next: a scan of
+        # the pairs (a[t+1], e[t]) from the chunk's last token to its first, applied to g_next. Its tiles are read in
+        # that order and scanned forwards (Triton's reversed scan of a non-commutative combine is wrong on GPUs:
+        # triton-lang/triton#4362), and the result flipped back.
+        t_back = chunk * CHUNK + CHUNK - 1 - rows
+        back_ok = (t_back < T)[:, None] & d_ok[None, :]
+        dy_back = tl.load(
+            DY + b * stride_dyb + t_back[:, None] * stride_dyt + d[None, :], mask=back_ok, other=0.0
+        )
+        c_back = tl.load(C + b * stride_cb + t_back[:, None] * stride_ct + n[None, :],
+                         mask=(t_back < T)[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+        # a[t+1] = 1 for the chunk's last token (the first read) and past the last token
+        next_ok = (rows > 0)[:, None] & (t_back + 1 < T)[:, None] & d_ok[None, :]
+        step_next = tl.load(
+            DELTA + b * stride_db + (t_back + 1)[:, None] * stride_dt + d[None, :], mask=next_ok, other=0.0
+        ).to(ACC)
+        e = dy_back.to(ACC)[:, :, None] * c_back.to(ACC)[:, None, :]
+        carries, sums = tl.associative_scan((tl.exp(step_next[:, :, None] * a[None, :, :]), e), 0, _then)
+        g = tl.flip(carries * g_next[None, :, :] + sums, 0)
+        g_b = tl.sum(g * b_t[:, None, :], 2)
+        through_decay = g * (hs - x)  # g[t] a[t] h[t-1]
+        tl.store(DU + b * D * T + t[:, None] * D + d[None, :], step * g_b, mask=td_ok)
+        ddelta = u * g_b + tl.sum(through_decay * a[None, :, :], 2)
+        tl.store(DDELTA + b * D * T + t[:, None] * D + d[None, :], ddelta, mask=td_ok)
+        da += tl.sum(through_decay * step[:, :, None], 0)
+        db = tl.sum(g * (step * u)[:, :, None], 1)
+        tl.store(DB_PARTIAL + partial + t[:, None] * N + n[None, :], db, mask=tn_ok)
+        dc = tl.sum(dy[:, :, None] * hs, 1)
+        tl.store(DC_PARTIAL + partial + t[:, None] * N + n[None, :], dc, mask=tn_ok)
+        g_next = tl.sum(tl.where((rows == 0)[:, None, None], decay * g, 0.0), 0)
     tl.store(DA_PARTIAL + (b * D + d[:, None]) * N + n[None, :], da, mask=tile_ok)
 
 
@@ -153,13 +190,12 @@ def _backward(u, delta, A, B, C, states, dy) -> tuple[Tensor, Tensor, Tensor, Te
     blocks = triton.cdiv(dim, BLOCK_D)
     block_n = triton.next_power_of_2(state_size)
     compute = _compute_dtype(u)
-    scratch = u.new_empty(batch, blocks, CHUNK, BLOCK_D, block_n, dtype=compute)
     du = u.new_empty(batch, length, dim, dtype=compute)
     ddelta = torch.empty_like(du)
     da = u.new_empty(batch, dim, state_size, dtype=compute)
     db, dc = (u.new_empty(batch, blocks, length, state_size, dtype=compute) for _ in range(2))
     _bwd_kernel[(blocks, batch)](
-        u, delta, A, B, C, dy, states, scratch, du, ddelta, da, db, dc, length, dim, state_size, states.shape[1],
+        u, delta, A, B, C, dy, states, du, ddelta, da, db, dc, length, dim, state_size, states.shape[1],
         *u.stride()[:2], *delta.stride()[:2], *B.stride()[:2], *C.stride()[:2], *dy.stride()[:2],
         CHUNK=CHUNK, BLOCK_D=BLOCK_D, BLOCK_N=block_n,
     )  # fmt: skip

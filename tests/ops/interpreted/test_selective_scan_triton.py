@@ -2,8 +2,8 @@
 the CPU, against the token-by-token recurrence `selective_scan_recurrent` evaluated in float64 on the same (rounded)
 inputs, and its gradients by autograd.
 
-Odd sizes: batch 2, 37 tokens (the interpreter's chunks of 8 tokens: the backward recomputes 5 chunks, the last
-ragged), 19 channels (blocks of 8, the last ragged), 5 states (a block of 8, padded). y, the last state and the
+Odd sizes: batch 2, 37 tokens (the interpreter's chunks of 8 tokens: 5 chunks, the last ragged, each scanned at
+once), 19 channels (blocks of 8, the last ragged), 5 states (a block of 8, padded). y, the last state and the
 gradients du, ddelta, dA, dB, dC of one fixed output gradient, compared with torch.testing.assert_close, atol
 scaled by the largest |reference value| of each tensor:
 - float64: rtol = 1e-12, atol = 1e-12 x max |reference|;
