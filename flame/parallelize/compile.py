@@ -81,12 +81,15 @@ def graph_break_report() -> str | None:
     breaks = counters["graph_break"]
     if not breaks:
         return None
+    shown = 3
     reasons = "; ".join(
-        " ".join(line.strip() for line in reason.splitlines()[:2] if line.strip())[:240] for reason in breaks
+        " ".join(line.strip() for line in reason.splitlines()[:2] if line.strip())[:240]
+        for reason in list(breaks)[:shown]
     )
+    more = f"; and {len(breaks) - shown} other reasons" if len(breaks) > shown else ""
     return (
         f"torch.compile broke the compiled graphs at {sum(breaks.values())} places, each a return to Python at every "
-        f"call: {reasons}"
+        f"call: {reasons}{more}"
     )
 
 

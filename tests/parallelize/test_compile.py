@@ -95,6 +95,12 @@ def test_graph_breaks_are_reported_once_after_the_first_compiled_step(make_train
         "torch.compile broke the compiled graphs at 2 places, each a return to Python at every call: Attempted to "
         "call function marked as skipped Explanation: `side`"
     ]
+    for index in range(4):
+        counters["graph_break"][f"reason {index}"] += 1
+    assert compile_module.graph_break_report().endswith(
+        "at every call: Attempted to call function marked as skipped Explanation: `side`; reason 0; reason 1; "
+        "and 2 other reasons"
+    )
     counters.clear()
     torch._dynamo.reset()
 
