@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import short_conv  # noqa: E402
 from train_throughput import command_line, device_name, write_section  # noqa: E402
 
 from flame.ops.selective_scan import selective_scan_recurrent  # noqa: E402
@@ -77,17 +78,7 @@ def measure(batch: int, length: int, dim: int, states: int, rep: int) -> list[di
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| batch x T x D x N | implementation | fwd ms | bwd ms | fwd+bwd ms | fwd / floor | fwd+bwd / floor |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        floor = row["floor"]
-        lines.append(
-            f"| {row['shape']} | {row['impl']} | {row['fwd']:.3f} | {row['fwd+bwd'] - row['fwd']:.3f} | "
-            f"{row['fwd+bwd']:.3f} | {row['fwd'] / floor['fwd']:.2f} | {row['fwd+bwd'] / floor['fwd+bwd']:.2f} |"
-        )
-    return "\n".join(lines)
+    return short_conv.table(rows, shape_header="batch x T x D x N")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

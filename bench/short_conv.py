@@ -70,9 +70,11 @@ def measure(batch: int, seq_len: int, dim: int, rep: int) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], shape_header: str = "x [B, T, D]") -> str:
+    """Rows of an op's forward and forward + backward times against the bandwidth floor (bench/selective_scan.py
+    writes its table with this too)."""
     lines = [
-        "| x [B, T, D] | implementation | fwd ms | bwd ms | fwd+bwd ms | fwd / floor | fwd+bwd / floor |",
+        f"| {shape_header} | implementation | fwd ms | bwd ms | fwd+bwd ms | fwd / floor | fwd+bwd / floor |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:

@@ -48,6 +48,23 @@ def _then(a1, x1, a2, x2):
 
 
 @triton.jit
+def _chunk_states(
+    U, DELTA, B, a, h, b, t, d, n, td_ok, tn_ok, stride_ub, stride_ut, stride_db, stride_dt, stride_bb, stride_bt,
+    ACC: tl.constexpr,
+):  # fmt: skip
+    """For the chunk's tokens t: delta, u and B, the pairs (exp(delta A), delta u B) and the states h[t] from h, the
+    state entering the chunk. Past the last token delta = 0 and u = 0 (masked loads), so the pair (1, 0) leaves the
+    state as it is."""
+    step = tl.load(DELTA + b * stride_db + t[:, None] * stride_dt + d[None, :], mask=td_ok, other=0.0).to(ACC)
+    u = tl.load(U + b * stride_ub + t[:, None] * stride_ut + d[None, :], mask=td_ok, other=0.0).to(ACC)
+    b_t = tl.load(B + b * stride_bb + t[:, None] * stride_bt + n[None, :], mask=tn_ok, other=0.0).to(ACC)
+    decay = tl.exp(step[:, :, None] * a[None, :, :])
+    x = (step * u)[:, :, None] * b_t[:, None, :]
+    decays, inputs = tl.associative_scan((decay, x), 0, _then)
+    return step, u, b_t, decay, x, decays * h[None, :, :] + inputs  # hs [CHUNK, BLOCK_D, BLOCK_N]
+
+
+@triton.jit
 def _fwd_kernel(
     U, DELTA, A, B, C, Y, STATES, LAST, T, D, N, NUM_CHUNKS,
     stride_ub, stride_ut, stride_db, stride_dt, stride_bb, stride_bt, stride_cb, stride_ct, stride_yb, stride_yt,
@@ -69,17 +86,11 @@ def _fwd_kernel(
         t = chunk * CHUNK + rows
         td_ok = (t < T)[:, None] & d_ok[None, :]
         tn_ok = (t < T)[:, None] & n_ok[None, :]
-        # Past the last token: delta = 0 and u = 0, so a = 1 and x = 0, which leave the state as it is.
-        step = tl.load(DELTA + b * stride_db + t[:, None] * stride_dt + d[None, :], mask=td_ok, other=0.0).to(
-            ACC
-        )
-        u = tl.load(U + b * stride_ub + t[:, None] * stride_ut + d[None, :], mask=td_ok, other=0.0).to(ACC)
-        b_t = tl.load(B + b * stride_bb + t[:, None] * stride_bt + n[None, :], mask=tn_ok, other=0.0).to(ACC)
+        _, _, _, _, _, hs = _chunk_states(
+            U, DELTA, B, a, h, b, t, d, n, td_ok, tn_ok, stride_ub, stride_ut, stride_db, stride_dt, stride_bb,
+            stride_bt, ACC,
+        )  # fmt: skip
         c_t = tl.load(C + b * stride_cb + t[:, None] * stride_ct + n[None, :], mask=tn_ok, other=0.0).to(ACC)
-        decay = tl.exp(step[:, :, None] * a[None, :, :])
-        x = (step * u)[:, :, None] * b_t[:, None, :]
-        decays, inputs = tl.associative_scan((decay, x), 0, _then)
-        hs = decays * h[None, :, :] + inputs  # [CHUNK, BLOCK_D, BLOCK_N]: h[t] for the chunk's tokens
         y = tl.sum(hs * c_t[:, None, :], 2)
         tl.store(
             Y + b * stride_yb + t[:, None] * stride_yt + d[None, :], y.to(Y.dtype.element_ty), mask=td_ok
@@ -114,19 +125,14 @@ def _bwd_kernel(
         t = chunk * CHUNK + rows
         td_ok = (t < T)[:, None] & d_ok[None, :]
         tn_ok = (t < T)[:, None] & n_ok[None, :]
-        step = tl.load(DELTA + b * stride_db + t[:, None] * stride_dt + d[None, :], mask=td_ok, other=0.0).to(
-            ACC
-        )
-        u = tl.load(U + b * stride_ub + t[:, None] * stride_ut + d[None, :], mask=td_ok, other=0.0).to(ACC)
-        b_t = tl.load(B + b * stride_bb + t[:, None] * stride_bt + n[None, :], mask=tn_ok, other=0.0).to(ACC)
+        entering = tl.load(states + chunk * D * N, mask=tile_ok, other=0.0)
+        step, u, b_t, decay, x, hs = _chunk_states(
+            U, DELTA, B, a, entering, b, t, d, n, td_ok, tn_ok, stride_ub, stride_ut, stride_db, stride_dt, stride_bb,
+            stride_bt, ACC,
+        )  # fmt: skip
         dy = tl.load(DY + b * stride_dyb + t[:, None] * stride_dyt + d[None, :], mask=td_ok, other=0.0).to(
             ACC
         )
-        decay = tl.exp(step[:, :, None] * a[None, :, :])
-        x = (step * u)[:, :, None] * b_t[:, None, :]
-        decays, inputs = tl.associative_scan((decay, x), 0, _then)
-        entering = tl.load(states + chunk * D * N, mask=tile_ok, other=0.0)
-        hs = decays * entering[None, :, :] + inputs
         # g[t] = e[t] + a[t+1] g[t+1] with e[t] = dy[t] C[t], the chunk's last a[t+1] g[t+1] being g_next: a scan of
         # the pairs (a[t+1], e[t]) from the chunk's last token to its first, applied to g_next. Its tiles are read in
         # that order and scanned forwards (Triton's reversed scan of a non-commutative combine is wrong on GPUs:
