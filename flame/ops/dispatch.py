@@ -112,8 +112,8 @@ class Op:
 
 
 # (op, backend, reason, server) of each call a backend passed over, and those logged. A compiled region only adds to
-# the first: dynamo replays the add after the region, where a log call would break its graph at every call (a break
-# per refused call split each compiled Gated DeltaNet block into five graphs where FlashQLA refused its heads).
+# the first: dynamo replays the add after the region, where a log call would break its graph at every call
+# (docs/performance.md, "Compiled blocks stay one graph where a backend refuses a call").
 _PASSED_OVER: set[tuple[str, str, str, str]] = set()
 _LOGGED: set[tuple[str, str, str, str]] = set()
 

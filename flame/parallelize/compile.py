@@ -74,8 +74,8 @@ def compile_blocks(
 def graph_break_report() -> str | None:
     """One line saying where torch.compile has broken the compiled regions' graphs in this process (dynamo counts each
     break once, when it traces the region), or None where it has not: each break is a return to Python at every call
-    of the region, host time that a step bound by its host pays in full (a refused backend's log broke every Gated
-    DeltaNet block into five graphs: docs/performance.md)."""
+    of the region, host time that a step bound by its host pays in full (docs/performance.md, "Compiled blocks stay
+    one graph where a backend refuses a call")."""
     from torch._dynamo.utils import counters
 
     breaks = counters["graph_break"]

@@ -123,9 +123,9 @@ def test_a_call_a_backend_refuses_goes_to_the_next_one_with_one_log_line(picky_o
 
 
 def test_a_refused_backend_leaves_a_compiled_call_one_graph_with_one_log_line(monkeypatch, caplog):
-    """A compiled call notes the refusal and the step logs it, once: a log call in the compiled region broke its
-    graph at every call, which split each compiled Gated DeltaNet block into five graphs where FlashQLA was
-    installed and refused the model's heads (an H100 profile: 106 compiled regions for 21 blocks and the loss)."""
+    """A compiled call notes the refusal and the step logs it, once: a log call in the compiled region would break
+    its graph at every call, five graphs per compiled Gated DeltaNet block where FlashQLA refuses the model's heads
+    (docs/performance.md, "Compiled blocks stay one graph where a backend refuses a call")."""
     monkeypatch.setattr(dispatch, "_LOGGED", set())
     monkeypatch.setattr(dispatch, "_PASSED_OVER", set())
     name = "refused_under_compile"

@@ -5,8 +5,8 @@ The input is a CPU tensor that claims is_cuda (tensor subclasses propagate throu
 dispatcher takes the path a GPU run takes: FlashQLA (installed here: refusing the calls whose shapes it does not
 take), FLA's ops and flame's kernels, which under torch.compile are torch.library custom ops; on the CPU those run
 their fake (shape-only) implementations. ``torch._dynamo.explain`` traces the forward: a graph break on that path
-(a refusal's log line once broke every Gated DeltaNet block into five graphs on the GPU) shows as a count above
-zero. Prints ``<model> <graph breaks>`` per model, then each break's reason.
+(a refusal logged from the compiled region would split every Gated DeltaNet block into five graphs on the GPU)
+shows as a count above zero. Prints ``<model> <graph breaks>`` per model, then each break's reason.
 """
 
 import json

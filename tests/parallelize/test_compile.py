@@ -108,8 +108,7 @@ def test_graph_breaks_are_reported_once_after_the_first_compiled_step(make_train
 def test_flames_models_trace_whole_on_the_cuda_paths_of_their_ops():
     """Dynamo traces each flame family's forward on the branches a GPU run takes (FLA's ops and flame's kernels as
     custom ops, FlashQLA installed and refusing the shapes it does not take) without a graph break:
-    cuda_path_graphs.py, in a process of its own (it registers CPU implementations of the custom ops). A refusal's
-    log line once broke every compiled Gated DeltaNet block into five graphs there."""
+    cuda_path_graphs.py, in a process of its own (it registers CPU implementations of the custom ops)."""
     import subprocess
     import sys
     from pathlib import Path

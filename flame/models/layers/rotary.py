@@ -3,9 +3,10 @@
 Positions come from ``position_ids`` so that packed documents (varlen) restart at 0.
 
 Under torch.compile the cos/sin tables are a custom op (``flame::rotary_cos_sin``), which inductor cannot fuse into
-the rotation: fused, its pointwise kernel recomputed cos and sin for every head of q and k (16x the table's
-transcendentals at 16 heads, and again in the backward), 6.4 ms of a transformer_340M step of 103 ms on an H100
-(2026-11-27 profile); as an op the table is computed once per block and the rotation reads it.
+the rotation: fused, the rotation's pointwise kernel computes cos and sin for every head of q and k, and again in
+the backward (16x the table's transcendentals at 16 heads; those kernels take 6.4 ms of the transformer's H100 step
+in docs/performance.md's speed table profile); as an op the table is computed once per block and the rotation
+reads it.
 """
 
 import torch
