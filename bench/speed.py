@@ -470,6 +470,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def runs_and_dates(parts: dict, saved_date: str) -> dict[str, str]:
+    """Each run of the parts saved, in the parts' order, with the dates its parts ran (a file can hold parts of
+    runs on different days; parts saved without a date ran on the file's date)."""
+    dates: dict[str, list[str]] = {}
+    for part in PARTS:
+        if part in parts:
+            run_dates = dates.setdefault(parts[part]["run"], [])
+            date = parts[part].get("date", saved_date)
+            if date not in run_dates:
+                run_dates.append(date)
+    return {run: ", ".join(run_dates) for run, run_dates in dates.items()}
+
+
 def save_parts(path: Path, measured: dict, device: str) -> None:
     """Writes this run's parts into ``path`` over the parts it holds, read again just before: runs of other parts on
     the other GPUs of a machine can share one file. It names this process' device, torch and date."""
@@ -495,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
             measured[part] = RUNNERS[part](args, work / part)
             measured[part]["seconds"] = time.perf_counter() - part_started
             measured[part]["run"] = command_line("bench/speed.py", argv)
+            measured[part]["date"] = time.strftime("%Y-%m-%d")
             print(f"{part}: {measured[part]['seconds']:.0f} s", flush=True)
             save_parts(args.json, measured, device_name(torch.device(args.device)))
     saved = json.loads(args.json.read_text())
@@ -503,14 +517,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     if not args.no_write and (args.device == "cuda" or args.write_doc):
         seconds = ", ".join(f"{part} {parts[part]['seconds']:.0f} s" for part in PARTS if part in parts)
-        runs = " and ".join(
-            f"`{run}`" for run in dict.fromkeys(parts[part]["run"] for part in PARTS if part in parts)
-        )
+        runs = " and ".join(f"`{run}` ({date})" for run, date in runs_and_dates(parts, saved["date"]).items())
         write_section(
             args.doc,
             f"{MARKER}_{re.sub(r'[^a-z0-9]+', '_', saved['device'].lower()).strip('_')}",
             f"The speed table, {saved['device']}",
-            f"Measured by {runs} on {saved['device']}, torch {saved['torch']} ({saved['date']}; {seconds}). Items of the speed issue: 1 train.sh against the bench, 2 the "
+            f"Measured by {runs} on {saved['device']}, torch {saved['torch']} ({seconds}). Items of the speed issue: 1 train.sh against the bench, 2 the "
             "first step, 3 the linear-attention models' throughput, 4 the transformer's MFU (3 and 4 through train.sh, or "
             "the bench where train.sh's part did not run), 5 long context, 6 tokens to a loss. Each anchor ran in the "
             "same run (bench/speed.py says how each part runs).",

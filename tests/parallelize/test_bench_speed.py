@@ -186,3 +186,17 @@ def test_empty_parts_write_the_table_of_the_saved_parts_on_their_device(tmp_path
     assert "on NVIDIA H100 80GB HBM3," in doc.read_text() and "torchtitan 5 s" in doc.read_text()
     with pytest.raises(SystemExit):
         speed.parse(["--parts", "", "--json", str(tmp_path / "none.json")])
+
+
+def test_each_run_is_named_with_the_dates_its_parts_ran(tmp_path):
+    # One file can hold parts measured on different days (a part rerun replaces only its own).
+    path, doc = tmp_path / "speed.json", tmp_path / "performance.md"
+    no_date = {"long_context": {"results": [], "seconds": 2, "run": "run B"}}  # ran on the file's date
+    speed.save_parts(path, no_date, "GPU")
+    speed.save_parts(path, {"torchtitan": {"tokens_per_s": 1.0, "seconds": 5, "run": "run A", "date": "2026-01-02"}},
+                     "GPU")  # fmt: skip
+    saved = json.loads(path.read_text())
+    dates = speed.runs_and_dates(saved["parts"], "2026-01-01")
+    assert dates == {"run A": "2026-01-02", "run B": "2026-01-01"}
+    speed.main(["--parts", "", "--json", str(path), "--doc", str(doc), "--write_doc", "--device", "cpu"])
+    assert f"`run A` (2026-01-02) and `run B` ({saved['date']})" in doc.read_text()
