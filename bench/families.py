@@ -51,6 +51,7 @@ import argparse
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -309,6 +310,10 @@ def fill_training(row: Row, scalars: dict[str, dict[int, float]], tokens_per_ste
     first = statistics.fmean(losses[s] for s in range(1, window + 1))
     last = statistics.fmean(losses[s] for s in range(steps - window + 1, steps + 1))
     row.loss_first, row.loss_last, row.loss_falls = losses[1], losses[steps], last < first
+    diverged = [s for s in range(1, steps + 1) if not math.isfinite(losses[s])]
+    if diverged:
+        before = f" (step {diverged[0] - 1}: {losses[diverged[0] - 1]:.2f})" if diverged[0] > 1 else ""
+        row.note = f"the loss is not finite from step {diverged[0]}{before}"
     throughput = scalars["throughput/tokens_per_second_per_device"]
     row.first_step_s = tokens_per_step / throughput[1]
     steady = [s for s in throughput if s > min(FIRST_STEPS, steps - 1)]
@@ -438,10 +443,10 @@ def run_family(family: str, args) -> Row:
                                  "--device", args.device], folder, args)  # fmt: skip
         row.anchor_tokens_per_s = float(output.strip().splitlines()[-1])
     except StepFailed as e:
-        row.note = str(e)
+        row.note = "; ".join(filter(None, [row.note, str(e)]))
     except Exception as e:  # reading a step's results failed: this row says so, the other families still run
         traceback.print_exc()
-        row.note = f"reading the results: {type(e).__name__}: {e}"
+        row.note = "; ".join(filter(None, [row.note, f"reading the results: {type(e).__name__}: {e}"]))
     finally:
         if (
             not args.keep_runs

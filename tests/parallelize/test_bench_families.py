@@ -180,6 +180,18 @@ def test_known_reasons_and_verdicts():
     )
 
 
+def test_a_loss_that_turns_nan_is_named_in_the_row():
+    losses = {1: 8.5, 2: 8.0, 3: 7.5, 4: float("nan"), 5: float("nan"), 6: float("nan")}
+    scalars = {"loss/train": losses, "throughput/tokens_per_second_per_device": dict.fromkeys(losses, 100.0),
+               "memory/peak_allocated_gib": {1: 1.0}}  # fmt: skip
+    row = families.Row("deltaformer")
+    families.fill_training(row, scalars, tokens_per_step=100, steps=6)
+    assert row.note == "the loss is not finite from step 4 (step 3: 7.50)" and not row.loss_falls
+    finite = families.Row("llama")
+    families.fill_training(finite, {**scalars, "loss/train": dict.fromkeys(losses, 1.0)}, 100, 6)
+    assert finite.note == ""
+
+
 def test_export_logits_compared_in_bf16_where_a_kernel_refuses_float32():
     """The export check's forward runs in float32; a model whose kernel takes half precision only (FLA's stick-breaking
     attention raises TypeError) is compared under bf16 autocast, and the verdict says so."""
