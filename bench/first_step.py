@@ -17,7 +17,9 @@ nothing an earlier run compiled or tuned is found. Per model, three launches, on
 Each launch is ``NGPU=1 bash train.sh`` with the model's config, ``--training.steps 1``, 8 x 2048 tokens (the bench's
 default), ``--compile.enable`` on a GPU, no checkpoint, the shipped corpus; the time runs from the launch to the
 ``step 1/1`` log line (the process's start, imports, model build, compilation, tuning and the step itself), and a
-launch gets ``--timeout_s``. Prints the table and, on a GPU, writes it into docs/performance.md between
+launch gets ``--timeout_s``. The table splits each launch's time at the first line of each phase (``PHASES``): start
+(to the rank's first log line: the pre-flight, torchrun, imports), setup (to "Training starts": model build,
+parallelize, data) and step 1 (compilation, Triton's compiling and tuning, the step). Prints the table and, on a GPU, writes it into docs/performance.md between
 ``<!-- bench_first_step -->`` markers with the command, device and date.
 """
 
@@ -43,6 +45,12 @@ from train_throughput import MODELS, command_line, device_name, model_config, wr
 
 MARKER = "bench_first_step"
 FIRST_STEP = re.compile(r"\bstep\s+1/\d+\b")
+# Where a launch's time goes: each phase ends at the first line that matches its pattern.
+PHASES = (
+    ("start", re.compile(r"^\[rank0\]:")),  # the pre-flight, torchrun and the rank's imports
+    ("setup", re.compile(r"Training starts at step")),  # mesh, model build, parallelize, checkpoint, data
+    ("step 1", FIRST_STEP),  # compilation, Triton's compiling and autotuning, CUDA graph capture, the step
+)
 SHIPPED = re.compile(r"wrote (\d+) of flame's tuning results")
 CASES = ("fresh", "fresh, shipped tuning", "warm")
 SHIPPED_VOCAB = 4096  # the default job's tokenizer (flame/assets/tokenizer)
@@ -64,12 +72,13 @@ def case_env(caches: Path, shipped: bool) -> dict[str, str]:
 
 def time_to_first_step(
     command: list[str], env: dict[str, str], log: Path, timeout_s: float
-) -> tuple[float, str]:
+) -> tuple[float, str, dict[str, float]]:
     """(seconds from the launch to the first step's log line, or NaN; what the row needs from the launch: the
-    shipped results written, or why no step came). The launch runs to its end; at ``timeout_s`` its whole process
-    group is killed."""
+    shipped results written, or why no step came; the seconds of each of ``PHASES`` the launch finished). The
+    launch runs to its end; at ``timeout_s`` its whole process group is killed."""
     started = time.perf_counter()
     first = float("nan")
+    ends: dict[str, float] = {}
     lines = []
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                                env={**os.environ, **env}, start_new_session=True)  # fmt: skip
@@ -78,8 +87,11 @@ def time_to_first_step(
     try:
         for line in process.stdout:  # train.sh prints the ranks' log lines as they come
             lines.append(line)
+            for name, pattern in PHASES:
+                if name not in ends and pattern.search(line):
+                    ends[name] = time.perf_counter() - started
             if first != first and FIRST_STEP.search(line):
-                first = time.perf_counter() - started
+                first = ends["step 1"]
         status = process.wait()
     except BaseException:  # stopped: the launch goes with this process
         os.killpg(process.pid, signal.SIGKILL)
@@ -95,7 +107,12 @@ def time_to_first_step(
         note = f"no step within {timeout_s:.0f} s"
     else:
         note = next((line.strip() for line in reversed(lines) if line.strip()), f"exit status {status}")
-    return first, note
+    phases, previous = {}, 0.0
+    for name, _ in PHASES:
+        if name not in ends:
+            break
+        phases[name], previous = ends[name] - previous, ends[name]
+    return first, note, phases
 
 
 def measure_model(name: str, args, work: Path) -> dict:
@@ -106,28 +123,40 @@ def measure_model(name: str, args, work: Path) -> dict:
     values = model_config(name, args.tiny)
     values["vocab_size"] = max(values.get("vocab_size", 0), SHIPPED_VOCAB)  # the tiny models' 256 is too few
     config.write_text(json.dumps(values))
-    row = {"model": name, "seconds": {}, "notes": {}}
+    row = {"model": name, "seconds": {}, "notes": {}, "phases": {}}
     fresh_caches, shipped_caches = folder / "caches-fresh", folder / "caches-shipped"
     for case, caches, shipped in ((CASES[0], fresh_caches, False), (CASES[1], shipped_caches, True),
                                   (CASES[2], shipped_caches, True)):  # fmt: skip
         command = launch_command(config, folder / f"dump-{len(row['seconds'])}", args)
-        seconds, note = time_to_first_step(
+        seconds, note, phases = time_to_first_step(
             command, case_env(caches, shipped), folder / f"{case}.log", args.timeout_s
         )
-        row["seconds"][case], row["notes"][case] = seconds, note
-        print(f"{name}, {case}: {seconds:.1f} s {note}".rstrip(), flush=True)
+        row["seconds"][case], row["notes"][case], row["phases"][case] = seconds, note, phases
+        print(f"{name}, {case}: {seconds:.1f} s ({phase_text(phases)}) {note}".rstrip(), flush=True)
     return row
 
 
+def phase_text(phases: dict[str, float]) -> str:
+    """'start 9.1 + setup 3.2 + step 1 55.9 s': the phases a launch finished."""
+    return (
+        " + ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items()) + " s"
+        if phases
+        else "no phase"
+    )
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| model | " + " | ".join(f"{case} s" for case in CASES) + " | notes |",
-             "|---|" + "---:|" * len(CASES) + "---|"]  # fmt: skip
+    lines = ["| model | " + " | ".join(f"{case} s" for case in CASES) + " | where the time went | notes |",
+             "|---|" + "---:|" * len(CASES) + "---|---|"]  # fmt: skip
     for row in rows:
         cells = [
             f"{row['seconds'][c]:.1f}" if row["seconds"][c] == row["seconds"][c] else "no step" for c in CASES
         ]
         notes = "; ".join(f"{c}: {row['notes'][c]}" for c in CASES if row["notes"][c]).replace("|", "\\|")
-        lines.append(f"| {row['model']} | " + " | ".join(cells) + f" | {notes} |")
+        phases = "; ".join(
+            f"{c}: {phase_text(row['phases'][c])}" for c in CASES if c in row.get("phases", {})
+        )
+        lines.append(f"| {row['model']} | " + " | ".join(cells) + f" | {phases} | {notes} |")
     return "\n".join(lines)
 
 

@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from families import stop_on_sigterm, train_env  # noqa: E402
-from first_step import SHIPPED_VOCAB, measure_model  # noqa: E402
+from first_step import SHIPPED_VOCAB, measure_model, phase_text  # noqa: E402
 from train_throughput import command_line, device_name, model_config, write_section  # noqa: E402
 
 from flame.plot import read_scalar_events  # noqa: E402
@@ -299,6 +299,8 @@ def first_step_rows(parts: dict) -> list[list[str]]:
             target = f"< {TARGET_FIRST_STEP_S:.0f} s"
             met = "not measured" if shipped != shipped else (
                 "yes" if shipped < TARGET_FIRST_STEP_S else f"no: {shipped - TARGET_FIRST_STEP_S:.1f} s over")  # fmt: skip
+            if shipped == shipped and row.get("phases", {}).get("fresh, shipped tuning"):
+                met += f" ({phase_text(row['phases']['fresh, shipped tuning'])})"
         out.append([
             "2", f"{model}: seconds to the first step, fresh machine with flame's shipped tuning (warm)",
             f"{number(shipped, '.1f')} ({number(warm, '.1f')})", f"fresh, no shipped tuning: {number(fresh, '.1f')}",

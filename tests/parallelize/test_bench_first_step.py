@@ -21,27 +21,33 @@ def python(code: str) -> list[str]:
 def test_the_first_step_line_is_timed_as_it_comes(tmp_path):
     launch = python(
         "import time\n"
+        "print('launcher: pre-flight', flush=True)\n"
+        "time.sleep(0.3)\n"
         "print('[rank0]: wrote 37 of flame\\'s tuning results for NVIDIA H200 into ...', flush=True)\n"
+        "print('[rank0]:[titan] Training starts at step 1', flush=True)\n"
         "time.sleep(0.5)\n"
         "print('[rank0]:[titan] step  1/1  loss 8.3606  grad_norm 3.254', flush=True)\n"
         "time.sleep(1.5)  # the end of the run is not the first step\n"
     )
-    seconds, note = first_step.time_to_first_step(launch, {}, tmp_path / "a.log", 30)
-    assert 0.5 <= seconds < 1.8 and note == "shipped results written: 37"
+    seconds, note, phases = first_step.time_to_first_step(launch, {}, tmp_path / "a.log", 30)
+    assert 0.8 <= seconds < 2.1 and note == "shipped results written: 37"
+    assert list(phases) == ["start", "setup", "step 1"] and abs(sum(phases.values()) - seconds) < 1e-9
+    assert phases["start"] >= 0.3 and phases["setup"] < 0.25 and phases["step 1"] >= 0.5
     assert "step  1/1" in (tmp_path / "a.log").read_text()
 
 
 def test_a_launch_without_a_step_says_why(tmp_path):
     launch = python("print('[rank0]:error: the tokenizer has 4096 tokens'); raise SystemExit(1)")
-    seconds, note = first_step.time_to_first_step(launch, {}, tmp_path / "b.log", 30)
+    seconds, note, phases = first_step.time_to_first_step(launch, {}, tmp_path / "b.log", 30)
     assert seconds != seconds and note == "[rank0]:error: the tokenizer has 4096 tokens"
+    assert list(phases) == ["start"]  # the rank spoke, and stopped before training started
 
 
 def test_a_launch_past_its_limit_is_killed_with_its_children(tmp_path):
     pid_file = tmp_path / "child.pid"
     launch = ["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"]
     started = time.perf_counter()
-    seconds, note = first_step.time_to_first_step(launch, {}, tmp_path / "c.log", 1)
+    seconds, note, _ = first_step.time_to_first_step(launch, {}, tmp_path / "c.log", 1)
     assert time.perf_counter() - started < 10 and seconds != seconds and note == "no step within 1 s"
     child = int(pid_file.read_text())
     assert process_ends(child), "the launch's child outlived its limit"
@@ -54,7 +60,7 @@ def test_fresh_cases_start_from_empty_caches_and_warm_reuses_them(tmp_path, monk
         cache = Path(env["TRITON_CACHE_DIR"])
         seen.append((env["FLAME_SHIPPED_TUNING"], cache, cache.exists(), command))
         cache.mkdir(parents=True, exist_ok=True)
-        return 1.0 + len(seen), ""
+        return 1.0 + len(seen), "", {"start": 0.5, "setup": 0.25, "step 1": 0.25 + len(seen)}
 
     monkeypatch.setattr(first_step, "time_to_first_step", time_to_first_step)
     args = first_step.parse(["--device", "cpu", "--tiny", "--models", "gated_deltanet", "--seq_len", "64"])
@@ -67,4 +73,7 @@ def test_fresh_cases_start_from_empty_caches_and_warm_reuses_them(tmp_path, monk
     assert seen[0][1] != seen[1][1] == seen[2][1]
     assert command[command.index("--training.seq_len") + 1] == "64" and "--compile.enable" not in command
     assert row["seconds"] == dict(zip(first_step.CASES, (2.0, 3.0, 4.0)))
-    assert first_step.table([row]).splitlines()[-1] == "| gated_deltanet | 2.0 | 3.0 | 4.0 |  |"
+    assert first_step.table([row]).splitlines()[-1] == (
+        "| gated_deltanet | 2.0 | 3.0 | 4.0 | fresh: start 0.5 + setup 0.2 + step 1 1.2 s; fresh, shipped tuning: "
+        "start 0.5 + setup 0.2 + step 1 2.2 s; warm: start 0.5 + setup 0.2 + step 1 3.2 s |  |"
+    )
