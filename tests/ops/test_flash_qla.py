@@ -161,3 +161,126 @@ def test_the_precomputed_gate_and_beta_give_the_fused_calls_result():
         q, k, v, gdn_gate(a, A_log, dt_bias), F.sigmoid(b), use_qk_l2norm_in_kernel=True
     )
     torch.testing.assert_close(outside, fused, rtol=0, atol=0)
+
+
+# FlashQLA 0.1.3's internal functions that the custom ops call (flash_qla.ops.gated_delta_rule.chunk, flash_qla.utils).
+def fwd_signature(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, output_final_state=True,
+                  output_h=False, auto_cp=True, state_v_first=False, enable_fwd_cp_cache=False, cp_context=None,
+                  is_train=None):  # fmt: skip
+    """Returns (g cumsum, A, o, h, final state, CP cache)."""
+
+
+def bwd_signature(q, k, v, g, beta, A, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
+                  state_v_first=False, auto_cp=True, cp_cache=None, cp_context=None):  # fmt: skip
+    """Returns (dq, dk, dv, dbeta, dg, dh0)."""
+
+
+def l2norm_fwd_signature(x, eps=1e-6, dim=-1):
+    """Returns (y, rstd [..., without the last dim], float32)."""
+
+
+def l2norm_bwd_signature(y, rstd, dy, eps=1e-6, dim=-1):
+    """Returns dx."""
+
+
+@pytest.fixture
+def internals(monkeypatch):
+    """FlashQLA's internal functions replaced by recorders bound to their 0.1.3 signatures, returning CPU tensors
+    of the shapes and dtypes its source returns (its kernels need a Hopper GPU: tests/gpu/test_flash_qla.py)."""
+    calls = []
+
+    def recorder(name, signature, result):
+        def record(*args, **kwargs):
+            arguments = inspect.signature(signature).bind(*args, **kwargs)
+            arguments.apply_defaults()
+            calls.append((name, dict(arguments.arguments)))
+            return result(arguments.arguments)
+
+        return record
+
+    def fwd(a):
+        batch, seq_len, heads, value_dim = a["v"].shape
+        states = batch if a["cu_seqlens"] is None else len(a["cu_seqlens"]) - 1
+        key_dim = a["k"].shape[-1]
+        layout = (value_dim, key_dim) if a["state_v_first"] else (key_dim, value_dim)
+        final = torch.randn(states, heads, *layout) if a["output_final_state"] else None
+        return (torch.randn_like(a["g"]), torch.randn(batch, seq_len, heads, 64, dtype=a["k"].dtype),
+                torch.randn_like(a["v"]), None, final, None)  # fmt: skip
+
+    def bwd(a):
+        h0 = a["initial_state"]
+        return (*(torch.randn_like(a[name]) for name in ("q", "k", "v", "beta")),
+                torch.randn_like(a["g"], dtype=torch.float32), None if h0 is None else torch.randn_like(h0))  # fmt: skip
+
+    chunk = types.SimpleNamespace(
+        chunk_gated_delta_rule_fwd=recorder("fwd", fwd_signature, fwd),
+        chunk_gated_delta_rule_bwd=recorder("bwd", bwd_signature, bwd),
+    )
+    utils = types.SimpleNamespace(
+        l2norm_fwd=recorder("l2norm_fwd", l2norm_fwd_signature,
+                            lambda a: (torch.randn_like(a["x"]), torch.rand(a["x"].shape[:-1]))),
+        l2norm_bwd=recorder("l2norm_bwd", l2norm_bwd_signature, lambda a: torch.randn_like(a["dy"])),
+    )  # fmt: skip
+    for name, module in (("flash_qla", types.SimpleNamespace()), ("flash_qla.ops", types.SimpleNamespace()),
+                         ("flash_qla.ops.gated_delta_rule", types.SimpleNamespace()),
+                         ("flash_qla.ops.gated_delta_rule.chunk", chunk), ("flash_qla.utils", utils)):  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, module)
+    return calls
+
+
+def op_inputs(lengths=(5, 8), state=True, dtype=torch.bfloat16):
+    generator = torch.Generator().manual_seed(2)
+    varlen = len(lengths) > 1
+    batch, seq_len = (1, sum(lengths)) if varlen else (2, lengths[0])
+    q, k = (torch.randn(batch, seq_len, 2, 8, generator=generator, dtype=dtype) for _ in range(2))
+    v = torch.randn(batch, seq_len, 4, 6, generator=generator, dtype=dtype)
+    g = torch.randn(batch, seq_len, 4, generator=generator)  # the log decay, float32 as gdn_gate gives it
+    beta = torch.rand(batch, seq_len, 4, generator=generator, dtype=dtype)
+    h0 = torch.randn(len(lengths) if varlen else batch, 4, 6, 8, generator=generator) if state else None
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]) if varlen else None
+    return q, k, v, g, beta, h0, cu_seqlens
+
+
+def described(tensors) -> list[tuple]:
+    return [(tuple(t.shape), t.dtype) for t in tensors]
+
+
+FLAG_CASES = [
+    dict(lengths=(5, 8), state=True, output_final_state=True, l2norm=True, state_v_first=True),
+    dict(lengths=(7,), state=False, output_final_state=False, l2norm=False, state_v_first=False),
+]
+
+
+@pytest.mark.parametrize("case", FLAG_CASES)
+def test_the_custom_ops_call_flash_qla_as_its_function_does_and_their_fakes_agree(internals, case):
+    q, k, v, g, beta, h0, cu_seqlens = op_inputs(case["lengths"], case["state"])
+    flags = (0.3, case["output_final_state"], case["l2norm"], case["state_v_first"])
+    forward = flash_qla.gated_delta_rule_fwd
+    outputs = forward._init_fn(q, k, v, g, beta, h0, cu_seqlens, *flags)
+    assert described(outputs) == described(forward._abstract_fn(q, k, v, g, beta, h0, cu_seqlens, *flags))
+    (name, call), *normed = reversed(internals)
+    assert name == "fwd" and [n for n, _ in normed] == ["l2norm_fwd"] * 2 * case["l2norm"]
+    assert (
+        call["output_h"] is False and call["auto_cp"] and call["is_train"] and not call["enable_fwd_cp_cache"]
+    )
+    assert call["scale"] == 0.3 and call["state_v_first"] == case["state_v_first"]
+    assert call["initial_state"] is h0 and call["cu_seqlens"] is cu_seqlens and call["g"] is g
+    if case[
+        "l2norm"
+    ]:  # the kernels get the normalised q and k, which the forward also returns for the backward
+        assert call["q"] is outputs[2] and call["k"] is outputs[4]
+    else:
+        assert call["q"] is q and call["k"] is k and outputs[2].numel() == outputs[3].numel() == 0
+
+    internals.clear()
+    do, dht = torch.randn_like(v), torch.randn_like(outputs[1]) if case["output_final_state"] else None
+    saved = (outputs[2], outputs[3], outputs[4], outputs[5]) if case["l2norm"] else (q, None, k, None)
+    arguments = (do, dht, *saved, v, outputs[6], beta, outputs[7], h0, cu_seqlens, 0.3, case["state_v_first"])
+    backward = flash_qla.gated_delta_rule_bwd
+    gradients = backward._init_fn(*arguments)
+    assert described(gradients) == described(backward._abstract_fn(*arguments))
+    assert described(gradients[:5]) == described((q, k, v, g, beta))
+    (name, call), *normed = internals
+    assert name == "bwd" and [n for n, _ in normed] == ["l2norm_bwd"] * 2 * case["l2norm"]
+    assert call["g"] is outputs[6] and call["A"] is outputs[7] and call["beta"] is beta and call["dht"] is dht
+    assert call["auto_cp"] and call["cp_cache"] is None and call["cp_context"] is None

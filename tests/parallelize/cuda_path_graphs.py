@@ -2,8 +2,8 @@
 tiny flame model's forward on the CUDA branches of flame's op dispatch, without a GPU.
 
 The input is a CPU tensor that claims is_cuda (tensor subclasses propagate through torch's ops), so each op's
-dispatcher takes the path a GPU run takes: FlashQLA (installed here: refusing the calls whose shapes it does not
-take), FLA's ops and flame's kernels, which under torch.compile are torch.library custom ops; on the CPU those run
+dispatcher takes the path a GPU run takes: FlashQLA (installed here: serving K = V = 128 heads and refusing the
+calls whose shapes it does not take), FLA's ops and flame's kernels, which under torch.compile are torch.library custom ops; on the CPU those run
 their fake (shape-only) implementations. ``torch._dynamo.explain`` traces the forward: a graph break on that path
 (a refusal logged from the compiled region would split every Gated DeltaNet block into five graphs on the GPU)
 shows as a count above zero. Prints ``<model> <graph breaks>`` per model, then each break's reason.
@@ -21,6 +21,8 @@ MODELS = {
     "transformer": ("transformer_340M.json", {"num_heads": 4}),
     "softpick_transformer": ("softpick_transformer_340M.json", {"num_heads": 4}),
     "gated_deltanet": ("gated_deltanet_340M.json", {"num_heads": 2, "head_dim": 32}),
+    # K = V = 128: FlashQLA serves these heads
+    "gated_deltanet_k128": ("gated_deltanet_340M.json", {"num_heads": 2, "head_dim": 128, "expand_v": 1}),
     "hybrid": ("gated_deltanet_340M.json", {"num_heads": 2, "head_dim": 32,
                                             "attn": {"layers": [1], "num_heads": 4, "qk_norm": True}}),
     "delta_net": ("delta_net_340M.json", {"num_heads": 4}),
@@ -43,7 +45,8 @@ def take_the_cuda_paths() -> None:
 
     for op in (fla_library.gated_delta_rule_fwd, fla_library.gated_delta_rule_bwd, fla_library.delta_rule_fwd,
                fla_library.delta_rule_bwd, triton_kernel.short_conv_fwd, triton_kernel.short_conv_bwd,
-               softpick_triton.softpick_attention_fwd, softpick_triton.softpick_attention_bwd):  # fmt: skip
+               softpick_triton.softpick_attention_fwd, softpick_triton.softpick_attention_bwd,
+               flash_qla.gated_delta_rule_fwd, flash_qla.gated_delta_rule_bwd):  # fmt: skip
         op.register_kernel("cpu")(op._abstract_fn)
     for entry in dispatch._TABLE.values():
         entry.missing = {}  # every backend installed, FlashQLA included

@@ -107,14 +107,21 @@ def test_graph_breaks_are_reported_once_after_the_first_compiled_step(make_train
 
 def test_flames_models_trace_whole_on_the_cuda_paths_of_their_ops():
     """Dynamo traces each flame family's forward on the branches a GPU run takes (FLA's ops and flame's kernels as
-    custom ops, FlashQLA installed and refusing the shapes it does not take) without a graph break:
+    custom ops, FlashQLA installed, serving K = V = 128 heads and refusing the others) without a graph break:
     cuda_path_graphs.py, in a process of its own (it registers CPU implementations of the custom ops)."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).with_name("cuda_path_graphs.py")
-    models = ["transformer", "softpick_transformer", "gated_deltanet", "hybrid", "delta_net"]
+    models = [
+        "transformer",
+        "softpick_transformer",
+        "gated_deltanet",
+        "gated_deltanet_k128",
+        "hybrid",
+        "delta_net",
+    ]
     result = subprocess.run(
         [sys.executable, str(script), *models], capture_output=True, text=True, timeout=600
     )
