@@ -284,3 +284,18 @@ def test_the_custom_ops_call_flash_qla_as_its_function_does_and_their_fakes_agre
     assert name == "bwd" and [n for n, _ in normed] == ["l2norm_bwd"] * 2 * case["l2norm"]
     assert call["g"] is outputs[6] and call["A"] is outputs[7] and call["beta"] is beta and call["dht"] is dht
     assert call["auto_cp"] and call["cp_cache"] is None and call["cp_context"] is None
+
+
+def test_a_compiled_refusal_check_of_a_call_flash_qla_takes_traces_whole(monkeypatch):
+    """Where FlashQLA takes the call's shapes (K = V = 128, bf16) the refusal check asks the device and looks for
+    nvcc: both are constants to dynamo, so a compiled block stays one graph (fullgraph=True fails on a break) and
+    decides as the eager call does."""
+    q, k, v, a, b = inputs()
+    compiled = torch.compile(
+        lambda *x: (x[0] * 2, flash_qla.flash_qla_refuses(*x)), fullgraph=True, backend="eager"
+    )
+    for major in (9, 8):
+        properties = types.SimpleNamespace(major=major, minor=0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, p=properties: p)
+        torch._dynamo.reset()
+        assert compiled(q, k, v, a, b)[1] == flash_qla.flash_qla_refuses(q, k, v, a, b)

@@ -27,14 +27,23 @@ CAPABILITIES = ((9, 0), (10, 0), (10, 3))
 CHUNK_SIZE = 64
 
 
+# The device and nvcc facts are constants to torch.compile (assume_constant_result: dynamo calls them while it
+# traces a compiled block and keeps their results), so that the refusal traces whole where FlashQLA takes the call.
+@torch.compiler.assume_constant_result
 def device_capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    properties = torch.cuda.get_device_properties(device)
+    return properties.major, properties.minor
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
 def nvcc_found() -> bool:
     """TileLang compiles FlashQLA's kernels with nvcc at their first call: on PATH, or under CUDA_HOME (default
-    /usr/local/cuda, where the GPU machines keep it). Looked up once: the refusal runs on every call."""
+    /usr/local/cuda, where the GPU machines keep it)."""
+    return _nvcc_on_this_machine()
+
+
+@functools.cache  # looked up once: the refusal runs on every call (dynamo would trace through the cache wrapper)
+def _nvcc_on_this_machine() -> bool:
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     return shutil.which("nvcc") is not None or os.access(os.path.join(cuda_home, "bin", "nvcc"), os.X_OK)
 
