@@ -27,6 +27,9 @@ What this subclass changes, each for an upstream behaviour that can lose or corr
   before the data.
 - ``save_now`` writes a full checkpoint at any step and waits until it is complete (used on preemption).
 - With a ``HubUploader`` (rank 0, ``checkpoint.hf_upload_enabled``), every checkpoint is handed to it once complete.
+- A save whose model parameters hold NaN or inf (a diverged run without ``training.skip_nan_inf``) stops the run
+  with one line instead: torchtitan would write them, and ``keep_latest_k`` would then delete the checkpoints from
+  before the divergence.
 """
 
 import io
@@ -108,6 +111,26 @@ def _newest_checkpoint_bytes(folder: Path) -> int | None:
     return sum(f.stat().st_size for f in step_dir(folder, complete[-1]).iterdir() if f.is_file())
 
 
+def _non_finite_parameters(modules: list[torch.nn.Module]) -> tuple[int, list[str]]:
+    """(How many parameters hold NaN or inf on any rank, the names of those on this rank): one host sync here and
+    one collective, whatever the number of parameters."""
+    named = [
+        (name, parameter.to_local() if isinstance(parameter, DTensor) else parameter)
+        for module in modules
+        for name, parameter in module.named_parameters()
+    ]
+    named = [(name, tensor) for name, tensor in named if tensor.is_floating_point() and tensor.numel()]
+    if not named:
+        return 0, []
+    finite = torch.stack([torch.isfinite(tensor).all() for _, tensor in named]).cpu()
+    local = [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
+    count = torch.tensor([len(local)], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        count = count.to(_collective_device())
+        dist.all_reduce(count)
+    return int(count.item()), local
+
+
 def _tensor_bytes(value) -> int:
     """Bytes of the tensors in a (nested) state dict held by this rank (a DTensor's local shard)."""
     if isinstance(value, DTensor):
@@ -168,6 +191,7 @@ class CheckpointManager(TorchTitanCheckpointManager):
             super().save(curr_step, last_step)
             return
         self.wait_for_save()  # a save still in flight finishes before the next one starts
+        self._check_parameters_finite(curr_step)
         if not self._room_for_save(curr_step):
             return
         self._prepare_step_dir(curr_step)
@@ -217,6 +241,22 @@ class CheckpointManager(TorchTitanCheckpointManager):
         if not folder and step == self._saving_step:
             return str(partial_dir(self.folder, step))
         return super()._create_checkpoint_id(step, folder)
+
+    def _check_parameters_finite(self, step: int) -> None:
+        if MODEL not in self.states:
+            return
+        count, names = _non_finite_parameters(self.states[MODEL].model)
+        if count:
+            shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") if names else "on other ranks"
+            newest = max((n for n, ok in list_steps(self.folder).items() if ok), default=None)
+            kept = (
+                f"step-{newest} is the newest checkpoint" if newest is not None else "no checkpoint was saved"
+            )
+            raise CheckpointError(
+                f"the model's parameters hold NaN or inf at step {step} ({count} parameters: {shown}), so step-{step} "
+                f"is not saved and the run stops; {kept}: resume from it with a lower learning rate, or train with "
+                "--training.skip_nan_inf (steps with a non-finite gradient norm leave the parameters as they were)"
+            )
 
     def _room_for_save(self, step: int) -> bool:
         """Whether the checkpoint folder's disk has room for a checkpoint (as large as the newest one, or as the

@@ -6,6 +6,7 @@ import shutil
 from collections import namedtuple
 
 import pytest
+import torch
 
 from flame.checkpoint import manager
 from flame.checkpoint.layout import CheckpointError, list_steps
@@ -50,3 +51,28 @@ def test_a_disk_that_fills_up_during_the_save_stops_in_one_line(make_trainer, tm
     ):
         trainer.train()
     assert list_steps(dump / "checkpoint") == {2: True, 4: False}
+
+
+def test_parameters_that_turned_nan_stop_the_run_at_the_save_and_the_earlier_checkpoints_stay(
+    make_trainer, tmp_path
+):
+    # keep_latest_k 2: saving the diverged model twice would have deleted the last good checkpoint.
+    dump = tmp_path / "run"
+    trainer = make_trainer("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2",
+                           "--training.steps", "6", dump=dump)  # fmt: skip
+    step = trainer.train_step
+
+    def diverge_at_step_3(data_iterator):
+        step(data_iterator)
+        if trainer.step == 3:
+            parameter = next(trainer.model_parts[0].parameters())
+            with torch.no_grad():
+                parameter.view(-1)[0] = float("nan")
+
+    trainer.train_step = diverge_at_step_3
+    with pytest.raises(
+        CheckpointError, match=r"NaN or inf at step 4 \(1 parameters: .+\), so step-4 is not saved"
+    ) as e:
+        trainer.train()
+    assert "step-2 is the newest checkpoint" in str(e.value)
+    assert list_steps(dump / "checkpoint") == {2: True}
