@@ -249,12 +249,14 @@ class CheckpointManager(TorchTitanCheckpointManager):
         if count:
             shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") if names else "on other ranks"
             newest = max((n for n, ok in list_steps(self.folder).items() if ok), default=None)
-            kept = (
-                f"step-{newest} is the newest checkpoint" if newest is not None else "no checkpoint was saved"
+            again = (
+                f"step-{newest} is the newest checkpoint: resume from it"
+                if newest is not None
+                else "no checkpoint was saved before it: start again"
             )
             raise CheckpointError(
                 f"the model's parameters hold NaN or inf at step {step} ({count} parameters: {shown}), so step-{step} "
-                f"is not saved and the run stops; {kept}: resume from it with a lower learning rate, or train with "
+                f"is not saved and the run stops; {again} with a lower learning rate, or train with "
                 "--training.skip_nan_inf (steps with a non-finite gradient norm leave the parameters as they were)"
             )
 
