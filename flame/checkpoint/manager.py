@@ -112,8 +112,8 @@ def _newest_checkpoint_bytes(folder: Path) -> int | None:
 
 
 def _non_finite_parameters(modules: list[torch.nn.Module]) -> tuple[int, list[str]]:
-    """(How many parameters hold NaN or inf on any rank, the names of those on this rank): one host sync here and
-    one collective, whatever the number of parameters."""
+    """(The most parameters that hold NaN or inf on one rank, the names of those on this rank): one host sync here
+    and one collective, whatever the number of parameters (the ranks of a pipeline hold different ones)."""
     named = [
         (name, parameter.to_local() if isinstance(parameter, DTensor) else parameter)
         for module in modules
@@ -127,7 +127,7 @@ def _non_finite_parameters(modules: list[torch.nn.Module]) -> tuple[int, list[st
     count = torch.tensor([len(local)], dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         count = count.to(_collective_device())
-        dist.all_reduce(count)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return int(count.item()), local
 
 
@@ -255,7 +255,7 @@ class CheckpointManager(TorchTitanCheckpointManager):
                 else "no checkpoint was saved before it: start again"
             )
             raise CheckpointError(
-                f"the model's parameters hold NaN or inf at step {step} ({count} parameters: {shown}), so step-{step} "
+                f"the model's parameters hold NaN or inf at step {step} ({count} on a rank: {shown}), so step-{step} "
                 f"is not saved and the run stops; {again} with a lower learning rate, or train with "
                 "--training.skip_nan_inf (steps with a non-finite gradient norm leave the parameters as they were)"
             )

@@ -71,7 +71,7 @@ def test_parameters_that_turned_nan_stop_the_run_at_the_save_and_the_earlier_che
 
     trainer.train_step = diverge_at_step_3
     with pytest.raises(
-        CheckpointError, match=r"NaN or inf at step 4 \(1 parameters: .+\), so step-4 is not saved"
+        CheckpointError, match=r"NaN or inf at step 4 \(1 on a rank: .+\), so step-4 is not saved"
     ) as e:
         trainer.train()
     assert "step-2 is the newest checkpoint: resume from it with a lower learning rate" in str(e.value)
