@@ -20,6 +20,7 @@ import shutil
 import torch
 from torch import Tensor
 
+from flame.ops.fla_library import _contiguous, _empty  # contiguous inputs (input_guard) and empty outputs
 from flame.ops.gated_delta_rule.gate import gdn_gate
 
 # Compute capabilities whose FlashQLA kernels run forward and backward, and its chunk length on them.
@@ -115,15 +116,6 @@ def flash_qla_chunk_gated_delta_rule(
         state_v_first=state_v_first,
         auto_cp=True,
     )
-
-
-def _empty(like: Tensor) -> Tensor:
-    return like.new_empty(0)
-
-
-def _contiguous(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
-    """What FlashQLA's ``input_guard`` does for its Function: its kernels index every tensor as contiguous."""
-    return tuple(None if x is None else x.contiguous() for x in tensors)
 
 
 @torch.library.custom_op("flame::flash_qla_gated_delta_rule_fwd", mutates_args=(), device_types="cuda")
