@@ -57,6 +57,7 @@ from flame.checkpoint.layout import (
     CheckpointError,
     config_differences,
     describe_steps,
+    latest_step,
     list_steps,
     partial_dir,
     read_sidecar,
@@ -248,10 +249,10 @@ class CheckpointManager(TorchTitanCheckpointManager):
         count, names = _non_finite_parameters(self.states[MODEL].model)
         if count:
             shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") if names else "on other ranks"
-            newest = max((n for n, ok in list_steps(self.folder).items() if ok), default=None)
+            newest = latest_step(self.folder)
             again = (
                 f"step-{newest} is the newest checkpoint: resume from it"
-                if newest is not None
+                if newest >= 0
                 else "no checkpoint was saved before it: start again"
             )
             raise CheckpointError(

@@ -12,10 +12,11 @@ same device. Each refusal is logged once per op, backend and reason (a compiled 
 log adds no graph break); a backend that is not installed only where no other kernel serves the call. A backend
 whose kernel fails to build in an eager call (an error of Triton, TileLang or TVM, or raised from one: a Triton
 CompilationError, a config past the GPU's shared memory, nvcc failing under TileLang) is out for the rest of the
-process, with one log line, and the call goes to the next backend that takes it. Under torch.compile the backend is chosen while tracing, and a kernel that fails to build inside the
-compiled graph, or in the backward pass of an eager call, still raises. A call on any other device runs the PyTorch implementation. An op marked
-``eager_only`` runs its PyTorch code under torch.compile too, where inductor fuses it with the code around it (a
-kernel call would split the compiled graph).
+process, with one log line, and the call goes to the next backend that takes it. Under torch.compile the backend
+is chosen while tracing, and a kernel that fails to build inside the compiled graph, or in the backward pass of an
+eager call, still raises. A call on any other device runs the PyTorch implementation. An op marked ``eager_only``
+runs its PyTorch code under torch.compile too, where inductor fuses it with the code around it (a kernel call would
+split the compiled graph).
 
 Adding a backend is one entry in its op's ``register_op`` call.
 """
