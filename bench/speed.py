@@ -58,6 +58,7 @@ from flame.plot import read_scalar_events  # noqa: E402
 MARKER = "bench_speed"  # one section per device: bench_speed_<device>
 PARTS = ("throughput", "train_sh", "torchtitan", "first_step", "long_context", "tokens_to_loss")
 MODELS = ("transformer", "gated_deltanet", "hybrid")
+LONG_CONTEXT_ACTIVATIONS = ("full", "offload")
 # The speed issue's targets on one H100 (tokens/s at 8 x 2048 through train.sh; MFU of the transformer; seconds to
 # GatedDeltaNet's first step on a fresh machine).
 TARGET_TOKENS_PER_S = {"gated_deltanet": 120_000, "hybrid": 140_000}
@@ -113,7 +114,8 @@ def part_throughput(args, work: Path) -> dict:
 def part_long_context(args, work: Path) -> dict:
     seq, context = (512, 128) if args.tiny else (65536, 4096)
     flags = ["--models", ",".join(MODELS), "--seq_lens", str(seq), "--tokens_per_gpu", str(seq), "--modes",
-             "compiled" if args.device == "cuda" else "eager", "--activations", "full,offload", "--data", "real",
+             "compiled" if args.device == "cuda" else "eager", "--activations", ",".join(LONG_CONTEXT_ACTIVATIONS),
+             "--data", "real",
              "--job_flags", f"--training.varlen --training.context_len {context}", "--warmup", "2",
              "--steps", "5"]  # fmt: skip
     return throughput_bench(args, work, "long_context", flags)
@@ -364,14 +366,23 @@ def long_context_rows(parts: dict) -> list[list[str]]:
     long_context = parts["long_context"]
     if "error" in long_context:
         return [["5", "64k-token varlen job", long_context["error"], "", "", "trains", "no"]]
+    results = {(result["model"], result["activations"]): result for result in long_context["results"]}
+    seq_len = next((result["seq_len"] for result in results.values()), 65536)
     out = []
-    for result in long_context["results"]:
-        measured = result["error"] or (
-            f"{number(result['tokens_per_s'], ',.0f')} tokens/s, {number(result['peak_gib'], '.1f')} GiB")  # fmt: skip
-        out.append([
-            "5", f"{result['model']}: batch 1 x {result['seq_len']}, {result['activations']} activations", measured,
-            "", "", "trains", "no" if result["error"] else "yes",
-        ])  # fmt: skip
+    for model in MODELS:
+        for activations in LONG_CONTEXT_ACTIVATIONS:
+            result = results.get((model, activations))
+            if result is None:  # the bench's launch ended before this case (its time limit, a crash)
+                measured = (
+                    f"no result: the bench stopped before this case (exit status {long_context['status']})"
+                )
+            else:
+                measured = result["error"] or (
+                    f"{number(result['tokens_per_s'], ',.0f')} tokens/s, {number(result['peak_gib'], '.1f')} GiB")  # fmt: skip
+            out.append([
+                "5", f"{model}: batch 1 x {seq_len}, {activations} activations", measured, "", "", "trains",
+                "yes" if result and not result["error"] else "no",
+            ])  # fmt: skip
     return out
 
 

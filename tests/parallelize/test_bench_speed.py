@@ -66,7 +66,7 @@ PARTS = {
          "error": ""},
         {"model": "hybrid", "seq_len": 65536, "activations": "offload", "tokens_per_s": float("nan"),
          "peak_gib": float("nan"), "error": "failed: BackendCompilerFailed"},
-    ]},
+    ], "status": 124},
     "tokens_to_loss": {"runs": {
         "AdamW": {"tokens_per_step": 16384.0, "validation": {"600": [80.0, 3.4], "1200": [156.8, 2.956]}},
         "Muon": {"tokens_per_step": 16384.0, "validation": {"600": [128.9, 2.9], "1200": [250.0, 1.98]}},
@@ -107,9 +107,20 @@ def test_each_item_is_its_measurement_beside_its_anchor_target_and_verdict():
     ]
     assert mfu[6].startswith("no: 87% of it (top kernels: gemm 45.4ms;")
 
-    long_context = [row for row in speed.rows(PARTS) if row[0] == "5"]
-    assert [row[2] for row in long_context] == ["82,619 tokens/s, 18.6 GiB", "failed: BackendCompilerFailed"]
-    assert [row[6] for row in long_context] == ["yes", "no"]
+    # Every model in every activation mode has a row: the cases the bench's launch did not reach say so.
+    long_context = {row[1]: row for row in speed.rows(PARTS) if row[0] == "5"}
+    assert list(long_context) == [f"{model}: batch 1 x 65536, {mode} activations"
+                                  for model in speed.MODELS for mode in ("full", "offload")]  # fmt: skip
+    assert long_context["transformer: batch 1 x 65536, full activations"][2::4] == [
+        "82,619 tokens/s, 18.6 GiB",
+        "yes",
+    ]
+    assert long_context["hybrid: batch 1 x 65536, offload activations"][2::4] == [
+        "failed: BackendCompilerFailed",
+        "no",
+    ]
+    assert long_context["gated_deltanet: batch 1 x 65536, full activations"][2::4] == [
+        "no result: the bench stopped before this case (exit status 124)", "no"]  # fmt: skip
 
     (t2l,) = [row for row in speed.rows(PARTS) if row[0] == "6"]
     assert t2l[1].startswith("Muon: tokens (seconds) to validation loss 2.956")
@@ -192,7 +203,8 @@ def test_empty_parts_write_the_table_of_the_saved_parts_on_their_device(tmp_path
 def test_each_run_is_named_with_the_dates_its_parts_ran(tmp_path):
     # One file can hold parts measured on different days (a part rerun replaces only its own).
     path, doc = tmp_path / "speed.json", tmp_path / "performance.md"
-    no_date = {"long_context": {"results": [], "seconds": 2, "run": "run B"}}  # ran on the file's date
+    # run B's part ran on the file's date
+    no_date = {"long_context": {"results": [], "status": 0, "seconds": 2, "run": "run B"}}
     speed.save_parts(path, no_date, "GPU")
     speed.save_parts(path, {"torchtitan": {"tokens_per_s": 1.0, "seconds": 5, "run": "run A", "date": "2026-01-02"}},
                      "GPU")  # fmt: skip
