@@ -45,7 +45,6 @@ def last_step(job_config) -> int:
 def validate_job(job_config) -> None:
     """Raise ConfigError with one line for the first bad value."""
     _check_training(job_config)
-    _check_model(job_config.model)
     _check_optimizer(job_config.optimizer)
     _check_lr_scheduler(job_config)
     _check_metrics(job_config.metrics)
@@ -110,15 +109,6 @@ def _check_hub_upload(checkpoint) -> None:
     _require(
         checkpoint.hf_upload_timeout >= 0,
         f"checkpoint.hf_upload_timeout must be >= 0 seconds, got {checkpoint.hf_upload_timeout}",
-    )
-
-
-def _check_model(model) -> None:
-    from flame.ops.attention import ATTENTION_BACKENDS
-
-    _require(
-        model.attention_backend in ATTENTION_BACKENDS,
-        f"model.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got '{model.attention_backend}'",
     )
 
 

@@ -54,7 +54,7 @@ class Model:
     FLA's class for the model_type, else transformers'), flame, fla (FLA's class) or hf (transformers' own class, or
     a user's registered one); a choice the model_type has no class for stops before launch"""
 
-    attention_backend: str = "auto"
+    attention_backend: Literal["auto", "fla", "flash", "cudnn", "reference"] = "auto"
     """GPU attention kernels: auto (SDPA's own choice for plain causal softmax, FLA's parallel_attn for
     windows/varlen, flame's kernel for softpick/rectified), flash or cudnn (as auto, plain causal softmax pinned to
     SDPA's FlashAttention or cuDNN kernel), fla (FLA's parallel_attn for all softmax attention) or reference

@@ -18,7 +18,6 @@ REPO = Path(__file__).resolve().parents[2]
     [
         (["--optimizer.lr", "-0.001"], "optimizer.lr must be > 0, got -0.001"),
         (["--training.varlen", "--training.batch_size", "2"], "training.batch_size must be 1, got 2"),
-        (["--model.attention_backend", "flash_3"], "model.attention_backend must be one of auto, fla, flash, cudnn, reference"),
         (["--optimizer.beta2", "1.0"], "optimizer.beta2 must be in [0, 1), got 1.0"),
         (["--optimizer.eps", "0"], "optimizer.eps must be > 0"),
         (["--optimizer.weight_decay", "-1"], "optimizer.weight_decay must be >= 0"),

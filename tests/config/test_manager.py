@@ -114,6 +114,10 @@ def test_flame_user_flags_from_the_seed_commands_parse():
         (["--training.steps", "abc"], "--training.steps takes an integer, got 'abc'"),
         (["--optimizer.lr", "fast"], "--optimizer.lr takes a number, got 'fast'"),
         (["--activation_checkpoint.mode", "half"], "--activation_checkpoint.mode must be one of"),
+        (
+            ["--model.attention_backend", "flash_3"],
+            "--model.attention_backend must be one of auto, fla, flash, cudnn, reference, got 'flash_3'",
+        ),
         (["--training.seq_len"], "option --training.seq_len needs a value"),
         (["--job.config_file", "/nonexistent.toml"], "job config file /nonexistent.toml does not exist"),
     ],

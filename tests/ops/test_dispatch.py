@@ -9,6 +9,7 @@ reach flame's custom-op wrappers in flame.ops.fla_library instead (test_fla_libr
 the PyTorch code. The short convolution is flame's own Triton kernel (a custom op) in both modes."""
 
 import inspect
+import typing
 
 import fla.modules.norm.fused_norm_gate
 import fla.modules.norm.layernorm
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
+from flame.config.job_config import Model
 from flame.ops import (
     attention,
     chunk_delta_rule,
@@ -30,7 +32,7 @@ from flame.ops import (
     rms_norm,
     short_conv,
 )
-from flame.ops.attention import reference_attention, set_attention_backend
+from flame.ops.attention import ATTENTION_BACKENDS, reference_attention, set_attention_backend
 
 
 class PretendCuda(torch.Tensor):
@@ -351,3 +353,9 @@ def test_fewer_queries_with_cu_seqlens_are_refused_on_cuda(impl, monkeypatch):
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="attention backend must be one of"):
         set_attention_backend("flash_3")
+
+
+def test_the_configs_attention_backends_are_the_ops():
+    # The job config lists the choices (its parser refuses others before any op is imported); the op serves each.
+    choices = typing.get_args(typing.get_type_hints(Model)["attention_backend"])
+    assert choices == ATTENTION_BACKENDS
