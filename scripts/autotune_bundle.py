@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for source in args.sources:
         results.update(results_of(source))
+    if not results:
+        parser.error(
+            f"no autotuning results that chose among configurations in {', '.join(map(str, args.sources))}"
+        )
     out = args.out or bundle_path(args.device)
     total = write_bundle(out, args.device, args.triton, results)
     print(f"{out}: {len(results)} results added, {total} in all ({args.device}, Triton {args.triton})")

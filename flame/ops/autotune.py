@@ -129,11 +129,16 @@ def host_lock(path: Path) -> Iterator[None]:
 
 
 def collect_results(cache_dir: Path) -> dict[str, dict]:
-    """Every autotuning result in Triton's cache folder ``cache_dir``, by its path there."""
-    return {
-        f"{path.parent.name}/{path.name}": json.loads(path.read_text())
-        for path in sorted(cache_dir.glob("*/*.autotune.json"))
-    }
+    """Every autotuning result in Triton's cache folder ``cache_dir``, or in one at any depth under it (an unpacked
+    archive of ~/.triton), by its path in the cache (kernel hash/name). A result that timed one configuration is
+    left out: it chose nothing (a kernel with one configuration), or a GPU test chose it (tests/gpu/conftest.py runs
+    FLA's kernels on their first configuration)."""
+    results = {}
+    for path in sorted(cache_dir.rglob("*.autotune.json")):
+        result = json.loads(path.read_text())
+        if len(result["configs_timings"]) > 1:
+            results[f"{path.parent.name}/{path.name}"] = result
+    return results
 
 
 def bundle_path(device_name: str, directory: Path = SHIPPED_DIR) -> Path:

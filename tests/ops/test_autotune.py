@@ -316,17 +316,23 @@ def test_the_bundle_script_reads_a_cache_archive(tmp_path, capsys):
     )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    cache = tmp_path / "cache"
-    for folder in ("A" * 52, "B" * 52):
+    cache = tmp_path / "root" / ".triton" / "cache"
+    timings = [
+        [{"kwargs": {"BLOCK": 16}, "num_warps": 4}, [2.0]],
+        [{"kwargs": {"BLOCK": 32}, "num_warps": 8}, [1.0]],
+    ]
+    for folder in ("A" * 52, "B" * 52, "D" * 52):
         (cache / folder).mkdir(parents=True)
+        # D timed its first configuration only (a GPU test's choice): not shipped
+        chosen = timings[:1] if folder[0] == "D" else timings
         (cache / folder / "k.autotune.json").write_text(
-            json.dumps({"key": [folder[0]], "configs_timings": []})
+            json.dumps({"key": [folder[0]], "configs_timings": chosen})
         )
     (cache / "C").mkdir()  # a compiled kernel's folder: no autotuning result
     (cache / "C" / "k.json").write_text("{}")
     archive = tmp_path / "tune.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        tar.add(cache / ("A" * 52), arcname="./" + "A" * 52)
+    with tarfile.open(archive, "w:gz") as tar:  # as a device call packs ~/.triton/cache: nested under root/
+        tar.add(cache / ("A" * 52), arcname="root/.triton/cache/" + "A" * 52)
     out = tmp_path / "bundle.json"
     common = ["--device", "NVIDIA H200", "--triton", "3.6.0", "--out", str(out)]
     assert script.main([str(archive), *common]) == 0
@@ -336,3 +342,5 @@ def test_the_bundle_script_reads_a_cache_archive(tmp_path, capsys):
         f"{'A' * 52}/k.autotune.json",
         f"{'B' * 52}/k.autotune.json",
     ]
+    with pytest.raises(SystemExit):  # nothing there to ship: one line, not an unchanged bundle
+        script.main([str(cache / ("D" * 52)), *common])
