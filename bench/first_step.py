@@ -5,7 +5,8 @@
     python bench/first_step.py --device cpu --tiny --models transformer --no_write   # smoke test
 
 A fresh machine is imitated with empty cache folders: each case launches train.sh with its own Triton cache
-(``TRITON_CACHE_DIR``: compiled kernels and autotuning results) and inductor cache (``TORCHINDUCTOR_CACHE_DIR``), so
+(``TRITON_CACHE_DIR``: compiled kernels and autotuning results), inductor cache (``TORCHINDUCTOR_CACHE_DIR``) and
+TileLang cache (``TILELANG_CACHE_DIR``: the kernels FLA's TileLang backend and FlashQLA compile with nvcc), so
 nothing an earlier run compiled or tuned is found. Per model, three launches, one after the other:
 
 1. fresh: empty caches and ``FLAME_SHIPPED_TUNING=0``: every kernel is compiled and FLA's are benchmarked, as on a
@@ -65,9 +66,17 @@ def launch_command(config: Path, dump: Path, args) -> list[str]:
     return ["bash", str(REPO / "train.sh"), *flags]
 
 
+# The compilers' caches a launch fills, each in its own folder of the case's caches.
+CACHE_VARIABLES = {
+    "TRITON_CACHE_DIR": "triton",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TILELANG_CACHE_DIR": "tilelang",
+}
+
+
 def case_env(caches: Path, shipped: bool) -> dict[str, str]:
-    return {**train_env(), "TRITON_CACHE_DIR": str(caches / "triton"),
-            "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "FLAME_SHIPPED_TUNING": "1" if shipped else "0"}  # fmt: skip
+    folders = {variable: str(caches / name) for variable, name in CACHE_VARIABLES.items()}
+    return {**train_env(), **folders, "FLAME_SHIPPED_TUNING": "1" if shipped else "0"}
 
 
 def time_to_first_step(

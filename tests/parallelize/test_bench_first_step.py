@@ -57,9 +57,14 @@ def test_fresh_cases_start_from_empty_caches_and_warm_reuses_them(tmp_path, monk
     seen = []
 
     def time_to_first_step(command, env, log, timeout_s):
-        cache = Path(env["TRITON_CACHE_DIR"])
-        seen.append((env["FLAME_SHIPPED_TUNING"], cache, cache.exists(), command))
-        cache.mkdir(parents=True, exist_ok=True)
+        caches = [
+            Path(env[variable])
+            for variable in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TILELANG_CACHE_DIR")
+        ]
+        assert len(set(caches)) == 3  # each compiler's own folder
+        seen.append((env["FLAME_SHIPPED_TUNING"], caches, any(cache.exists() for cache in caches), command))
+        for cache in caches:
+            cache.mkdir(parents=True, exist_ok=True)
         return 1.0 + len(seen), "", {"start": 0.5, "setup": 0.25, "step 1": 0.25 + len(seen)}
 
     monkeypatch.setattr(first_step, "time_to_first_step", time_to_first_step)
