@@ -18,7 +18,7 @@ Parts (``--parts``), each a run of another bench script or of train.sh, in this 
 - ``first_step``: bench/first_step.py's three launches (fresh, fresh with flame's shipped tuning, warm) of
   GatedDeltaNet and the transformer.
 - ``long_context``: the seed recipe's 64k-token varlen job (batch 1 x 65,536, documents cut at 4,096) of the three
-  models with full activation checkpointing and with offloading.
+  models with full activation checkpointing and with offloading, one bench launch per model.
 - ``tokens_to_loss``: bench/tokens_to_loss.py's AdamW and Muon runs of the 340M transformer on ``--t2l_dataset``
   (``python scripts/build_code_corpus.py --out exp/code_corpus`` builds the default one).
 
@@ -112,13 +112,19 @@ def part_throughput(args, work: Path) -> dict:
 
 
 def part_long_context(args, work: Path) -> dict:
+    """One bench launch per model (``--timeout_s`` each, so that a slow model leaves the others their time): each
+    model's results, and each launch's exit status or why it gave none (``launches``)."""
     seq, context = (512, 128) if args.tiny else (65536, 4096)
-    flags = ["--models", ",".join(MODELS), "--seq_lens", str(seq), "--tokens_per_gpu", str(seq), "--modes",
-             "compiled" if args.device == "cuda" else "eager", "--activations", ",".join(LONG_CONTEXT_ACTIVATIONS),
-             "--data", "real",
-             "--job_flags", f"--training.varlen --training.context_len {context}", "--warmup", "2",
-             "--steps", "5"]  # fmt: skip
-    return throughput_bench(args, work, "long_context", flags)
+    results, launches = [], {}
+    for model in MODELS:
+        flags = ["--models", model, "--seq_lens", str(seq), "--tokens_per_gpu", str(seq), "--modes",
+                 "compiled" if args.device == "cuda" else "eager", "--activations",
+                 ",".join(LONG_CONTEXT_ACTIVATIONS), "--data", "real", "--job_flags",
+                 f"--training.varlen --training.context_len {context}", "--warmup", "2", "--steps", "5"]  # fmt: skip
+        launch = throughput_bench(args, work, f"long_context_{model}", flags)
+        results += launch.get("results", [])
+        launches[model] = launch.get("error", f"exit status {launch.get('status')}")
+    return {"results": results, "launches": launches}
 
 
 def model_file(name: str, args, folder: Path) -> Path:
@@ -361,6 +367,14 @@ def throughput_rows(parts: dict) -> list[list[str]]:
     return out
 
 
+def launch_outcome(long_context: dict, model: str) -> str:
+    """How the launch that measured ``model``'s long-context cases ended (a run saved before one launch per model
+    kept one exit status for all)."""
+    if "launches" in long_context:
+        return long_context["launches"][model]
+    return f"exit status {long_context['status']}"
+
+
 def long_context_rows(parts: dict) -> list[list[str]]:
     """Item 5: the 64k-token varlen job of each model in each activation mode."""
     long_context = parts["long_context"]
@@ -372,9 +386,9 @@ def long_context_rows(parts: dict) -> list[list[str]]:
     for model in MODELS:
         for activations in LONG_CONTEXT_ACTIVATIONS:
             result = results.get((model, activations))
-            if result is None:  # the bench's launch ended before this case (its time limit, a crash)
+            if result is None:  # the model's launch ended before this case (its time limit, a crash)
                 measured = (
-                    f"no result: the bench stopped before this case (exit status {long_context['status']})"
+                    f"no result: the bench stopped before this case ({launch_outcome(long_context, model)})"
                 )
             else:
                 measured = result["error"] or (

@@ -127,6 +127,36 @@ def test_each_item_is_its_measurement_beside_its_anchor_target_and_verdict():
     assert t2l[2:5] == ["9,830,400 (128.9 s)", "AdamW: 19,660,800 (156.8 s)", "0.50x the tokens"]
 
 
+def test_long_context_runs_one_launch_per_model_and_a_missing_case_names_its_launchs_end(
+    tmp_path, monkeypatch
+):
+    launched = []
+
+    def throughput_bench(args, work, name, flags):
+        model = flags[flags.index("--models") + 1]
+        launched.append((name, model, flags[flags.index("--activations") + 1]))
+        if model == "hybrid":
+            return {"error": "exit status 1: CUDA out of memory"}
+        cases = [{"model": model, "seq_len": 512, "activations": "full", "tokens_per_s": 10.0, "peak_gib": 1.0,
+                  "error": ""}]  # fmt: skip
+        return {"results": cases, "status": 124 if model == "gated_deltanet" else 0}
+
+    monkeypatch.setattr(speed, "throughput_bench", throughput_bench)
+    part = speed.part_long_context(speed.parse(["--tiny", "--device", "cpu", "--json", "x.json"]), tmp_path)
+    assert launched == [(f"long_context_{model}", model, "full,offload") for model in speed.MODELS]
+    rows = {row[1]: row[2] for row in speed.rows({"long_context": json.loads(json.dumps(part))})}
+    assert rows["transformer: batch 1 x 512, full activations"] == "10 tokens/s, 1.0 GiB"
+    assert rows["transformer: batch 1 x 512, offload activations"] == (
+        "no result: the bench stopped before this case (exit status 0)"
+    )
+    assert rows["gated_deltanet: batch 1 x 512, offload activations"] == (
+        "no result: the bench stopped before this case (exit status 124)"
+    )
+    assert rows["hybrid: batch 1 x 512, full activations"] == (
+        "no result: the bench stopped before this case (exit status 1: CUDA out of memory)"
+    )
+
+
 def test_only_the_parts_measured_have_rows_and_a_failed_part_says_why():
     assert speed.rows({}) == []
     rows = speed.rows(
