@@ -9,6 +9,7 @@ import difflib
 import functools
 import importlib
 import sys
+import types
 import typing
 from typing import Any
 
@@ -168,6 +169,44 @@ def _check_toml_keys(values: dict[str, Any], cls: type, path: str, prefix: str =
             if not isinstance(value, dict):
                 raise ConfigError(f"'{name}' in {path} must be a [{name}] table, not a value")
             _check_toml_keys(value, field_type, path, f"{name}.")
+        elif mismatch := _toml_value_mismatch(value, field_type):
+            raise ConfigError(f"'{name}' in {path} {mismatch}, got {value!r}")
+
+
+# Annotations written as strings by modules with postponed annotations.
+_NAMED_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def _toml_value_mismatch(value: Any, annotation: Any) -> str | None:
+    """What a TOML value of an option with this annotation must be, where it is not; None where it fits (or the
+    annotation is one flame does not check: the trainer's own checks, flame.config.checks, see the value then).
+    Flags are parsed by tyro; TOML values become tyro's defaults, which it does not check."""
+    annotation = _NAMED_TYPES.get(annotation, annotation)
+    options = [
+        a for a in (annotation, *typing.get_args(annotation)) if typing.get_origin(a) is typing.Literal
+    ]
+    if options:
+        choices = typing.get_args(options[0])
+        return None if value in choices else f"must be one of {', '.join(map(str, choices))}"
+    if typing.get_origin(annotation) is list:
+        return None if isinstance(value, list) else "takes a list"
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    members = (
+        {_NAMED_TYPES.get(a, a) for a in typing.get_args(annotation)} - {type(None)}
+        if union
+        else {annotation}
+    )
+    if bool in members:
+        return None if isinstance(value, bool) else "takes true or false"
+    if isinstance(value, bool):  # a bool is an int to Python, not to an int or float option
+        return "takes a number" if float in members else "takes an integer" if int in members else None
+    if float in members:
+        return None if isinstance(value, (int, float)) else "takes a number"
+    if int in members:
+        return None if isinstance(value, int) else "takes an integer"
+    if str in members:
+        return None if isinstance(value, str) else "takes a string"
+    return None
 
 
 def _tyro_registry() -> "tyro.constructors.ConstructorRegistry":

@@ -137,6 +137,37 @@ def test_unknown_toml_key_names_the_key_and_the_nearest(tmp_path):
         parse_args(["--job.config_file", toml])
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[model]\nimpl = "bogus"\n', "'model.impl' in {} must be one of auto, flame, fla, hf, got 'bogus'"),
+        ('[model]\nattention_backend = "flash_3"\n',
+         "'model.attention_backend' in {} must be one of auto, fla, flash, cudnn, reference, got 'flash_3'"),
+        ('[training]\nsteps = "abc"\n', "'training.steps' in {} takes an integer, got 'abc'"),
+        ("[training]\nsteps = 1e5\n", "'training.steps' in {} takes an integer, got 100000.0"),
+        ("[training]\nseq_len = true\n", "'training.seq_len' in {} takes an integer, got True"),
+        ('[optimizer]\nlr = "fast"\n', "'optimizer.lr' in {} takes a number, got 'fast'"),
+        ("[training]\nvarlen = 1\n", "'training.varlen' in {} takes true or false, got 1"),
+        ('[compile]\ncomponents = "model"\n', "'compile.components' in {} takes a list, got 'model'"),
+        ("[training]\ndataset = 3\n", "'training.dataset' in {} takes a string, got 3"),
+    ],
+)  # fmt: skip
+def test_a_toml_value_of_the_wrong_type_is_one_line(tmp_path, text, message):
+    # tyro checks flags; TOML values become its defaults, which it does not check.
+    toml = write_toml(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--job.config_file", toml])
+    assert str(info.value) == message.format(toml)
+
+
+def test_toml_values_that_fit_their_options_parse(tmp_path):
+    toml = write_toml(tmp_path, '[training]\nmax_norm = 1\nsteps = 7\n[compile]\ncomponents = ["model"]\n'
+                                '[model]\nattention_backend = "cudnn"\n')  # fmt: skip
+    config = parse_args(["--job.config_file", toml])
+    assert (config.training.max_norm, config.training.steps) == (1, 7)
+    assert config.compile.components == ["model"] and config.model.attention_backend == "cudnn"
+
+
 def test_unknown_toml_section(tmp_path):
     toml = write_toml(tmp_path, "[trainer]\nsteps = 7\n")
     with pytest.raises(ConfigError, match="unknown key 'trainer'.*did you mean 'training'"):
