@@ -116,6 +116,12 @@ class Training:
     prefetch_factor: int | None = None
     """Batches prefetched per worker (alias of training.dataloader.prefetch_factor)"""
 
+    pin_memory: bool | None = None
+    """Batches in pinned host memory (alias of training.dataloader.pin_memory)"""
+
+    persistent_workers: bool | None = None
+    """Keep the dataloader workers from one epoch to the next (alias of training.dataloader.persistent_workers)"""
+
     batch_size: int | None = None
     """Sequences per device per micro-step (alias of training.local_batch_size)"""
 
@@ -401,6 +407,8 @@ ALIASES: dict[str, str] = {
     "training.batch_size": "training.local_batch_size",
     "training.num_workers": "training.dataloader.num_workers",
     "training.prefetch_factor": "training.dataloader.prefetch_factor",
+    "training.pin_memory": "training.dataloader.pin_memory",
+    "training.persistent_workers": "training.dataloader.persistent_workers",
     "training.seed": "debug.seed",
     "training.deterministic": "debug.deterministic",
     "training.compile": "compile.enable",
@@ -470,6 +478,12 @@ class UpstreamCheckpoint:
 
     model_weights_only: bool | None = None
     """Upstream's name of checkpoint.last_save_model_only"""
+
+    last_save_model_weights_only: bool | None = None
+    """Upstream's newer name of checkpoint.last_save_model_only"""
+
+    initial_load_model_weights_only: bool | None = None
+    """Upstream's name of checkpoint.initial_load_model_only"""
 
 
 @dataclass
@@ -556,6 +570,8 @@ ALIASES.update(
         "training.fsdp_reshard_after_forward": "parallelism.fsdp_reshard_after_forward",
         "checkpoint.enable_checkpoint": "checkpoint.enable",
         "checkpoint.model_weights_only": "checkpoint.last_save_model_only",
+        "checkpoint.last_save_model_weights_only": "checkpoint.last_save_model_only",
+        "checkpoint.initial_load_model_weights_only": "checkpoint.initial_load_model_only",
         "experimental.pipeline_parallel_degree": "parallelism.pipeline_parallel_degree",
         "experimental.pipeline_parallel_schedule": "parallelism.pipeline_parallel_schedule",
         "experimental.pipeline_parallel_schedule_csv": "parallelism.pipeline_parallel_schedule_csv",

@@ -317,6 +317,40 @@ def test_did_you_mean_only_for_a_near_match(option, hint):
     assert str(info.value) == f"unknown option --{option}{hint}"
 
 
+def test_upstream_fla_toml_dataloader_keys_reach_the_dataloader(tmp_path):
+    # The [training] keys of upstream flame's flame/models/fla.toml (fla-org/flame e11e7be, 2025-11-16).
+    toml = tmp_path / "job.toml"
+    toml.write_text("[training]\nnum_workers = 32\npin_memory = false\npersistent_workers = false\n"
+                    "prefetch_factor = 2\n")  # fmt: skip
+    dataloader = parse_args(["--job.config_file", str(toml)]).training.dataloader
+    assert (dataloader.num_workers, dataloader.pin_memory, dataloader.persistent_workers) == (
+        32,
+        False,
+        False,
+    )
+    assert dataloader.prefetch_factor == 2
+    flags = parse_args(
+        ["--job.config_file", str(toml), "--training.pin_memory", "--training.persistent_workers"]
+    )
+    assert (
+        flags.training.dataloader.pin_memory is True and flags.training.dataloader.persistent_workers is True
+    )
+
+
+def test_upstream_checkpoint_weights_only_options_set_torchtitans():
+    # fla-org/flame e11e7be's config_manager names them so (and negates the first with a no_ spelling).
+    config = parse_args(
+        ["--checkpoint.no_initial_load_model_weights_only", "--checkpoint.last_save_model_weights_only"]
+    )
+    assert (
+        config.checkpoint.initial_load_model_only is False and config.checkpoint.last_save_model_only is True
+    )
+    config = parse_args(["--checkpoint.initial_load_model_weights_only"])
+    assert (
+        config.checkpoint.initial_load_model_only is True and config.checkpoint.last_save_model_only is False
+    )
+
+
 def test_fla_toml_uses_upstream_names_and_keeps_every_checkpoint():
     config = parse_args(["--job.config_file", str(REPO / "flame/models/fla.toml")])
     assert config.checkpoint.enable and config.checkpoint.keep_latest_k == 0
