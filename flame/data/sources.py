@@ -4,6 +4,9 @@
 
 * a directory written by ``python -m flame.data.prepare`` (it holds ``flame_tokens.json``): read from its
   token shards, see :mod:`flame.data.shards`;
+* a directory written by datasets' ``save_to_disk`` (a Dataset, or a DatasetDict whose splits are
+  ``training.dataset_split``), such as upstream flame's ``utils/reshard.py`` writes: read with ``load_from_disk``,
+  which ``load_dataset`` refuses for it;
 * a local directory of data files (``datasets.load_dataset(dir)`` infers the format and the splits from the
   file names, e.g. ``train.jsonl.gz`` / ``validation.jsonl.gz``);
 * a local file (json/jsonl, parquet, txt, arrow, csv, optionally compressed: .gz, .bz2, .xz, .zst);
@@ -103,10 +106,13 @@ def open_source(spec: SourceSpec, tokenizer) -> Source:
     """Open and check one dataset; raises DataConfigError with one line for anything wrong."""
     if os.path.isfile(os.path.join(spec.path, INDEX_FILE)):
         return TokenShards.open(spec.path, spec.split, tokenizer)
-    files = local_files(spec)
-    for path in files:
-        check_readable(path, spec)
-    dataset = _load(spec, _builder(spec, files))
+    if saved_to_disk(spec.path):
+        dataset = _load_saved(spec)
+    else:
+        files = local_files(spec)
+        for path in files:
+            check_readable(path, spec)
+        dataset = _load(spec, _builder(spec, files))
     if spec.streaming:
         columns = _row_columns(spec, _first_row_columns(dataset, spec), dataset.features)
         return StreamedTextSource(dataset.select_columns(list(columns)), columns, spec.describe())
@@ -114,6 +120,33 @@ def open_source(spec: SourceSpec, tokenizer) -> Source:
         raise DataConfigError(f"{spec.describe()} has no rows")
     columns = _row_columns(spec, dataset.column_names, dataset.features)
     return IndexedTextSource(dataset.select_columns(list(columns)), columns, spec.describe())
+
+
+def saved_to_disk(path: str) -> bool:
+    """A folder that datasets' save_to_disk wrote: a Dataset's (state.json) or a DatasetDict's (dataset_dict.json)."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in ("state.json", "dataset_dict.json"))
+
+
+def _load_saved(spec: SourceSpec) -> datasets.Dataset | datasets.IterableDataset:
+    """The split of a save_to_disk folder; streamed, one shard per arrow file it holds (the shards that
+    dataloader workers and data-parallel ranks divide among themselves)."""
+    if spec.data_files or spec.data_dir or spec.name:
+        raise DataConfigError(
+            f"{spec.describe()} is a save_to_disk folder: it takes no data_files, data_dir or name"
+        )
+    try:
+        saved = datasets.load_from_disk(spec.path)
+    except Exception as e:
+        raise DataConfigError(f"cannot load {spec.describe()}: {_innermost_message(e)}") from e
+    if isinstance(saved, datasets.DatasetDict):
+        if spec.split not in saved:
+            raise DataConfigError(f"{spec.describe()} has no split '{spec.split}'; it has {', '.join(saved)}")
+        saved = saved[spec.split]
+    elif spec.split != str(saved.split or datasets.Split.TRAIN):
+        raise DataConfigError(
+            f"{spec.describe()} is one saved split ('{saved.split or datasets.Split.TRAIN}'), not '{spec.split}'"
+        )
+    return saved.to_iterable_dataset(num_shards=max(1, len(saved.cache_files))) if spec.streaming else saved
 
 
 def local_files(spec: SourceSpec) -> list[str]:

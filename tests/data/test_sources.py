@@ -118,6 +118,36 @@ def test_missing_split_and_empty_dataset(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("streaming", [False, True])
+def test_a_save_to_disk_folder_is_read_whole(tmp_path, tokenizer, streaming):
+    # As upstream flame's utils/reshard.py writes one: Dataset.save_to_disk(folder, num_shards=N).
+    datasets.Dataset.from_dict({"text": TEXTS, "id": list(range(len(TEXTS)))}).save_to_disk(
+        tmp_path, num_shards=3
+    )
+    source = open_one(tokenizer, str(tmp_path), streaming=streaming)
+    assert isinstance(source, StreamedTextSource if streaming else IndexedTextSource)
+    assert all_texts(source) == TEXTS
+    if streaming:
+        assert source.dataset.num_shards == 3  # what the workers and ranks divide
+    with pytest.raises(DataConfigError, match=r"is one saved split \('train'\), not 'validation'$"):
+        open_one(tokenizer, str(tmp_path), dataset_split="validation")
+    with pytest.raises(
+        DataConfigError, match="is a save_to_disk folder: it takes no data_files, data_dir or name$"
+    ):
+        open_one(tokenizer, str(tmp_path), data_files="x.arrow")
+
+
+def test_a_saved_dataset_dict_gives_its_splits(tmp_path, tokenizer):
+    splits = {"train": TEXTS[:4], "validation": TEXTS[4:]}
+    datasets.DatasetDict(
+        {k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}
+    ).save_to_disk(tmp_path)
+    for split, texts in splits.items():
+        assert all_texts(open_one(tokenizer, str(tmp_path), dataset_split=split)) == texts
+    with pytest.raises(DataConfigError, match="has no split 'test'; it has train, validation$"):
+        open_one(tokenizer, str(tmp_path), dataset_split="test")
+
+
+@pytest.mark.parametrize("streaming", [False, True])
 def test_hub_name_passes_config_name_split_and_streaming(tmp_path, tokenizer, monkeypatch, streaming):
     calls = []
     local = datasets.Dataset.from_dict({"text": TEXTS})
