@@ -269,7 +269,8 @@ def test_a_log_step_is_written_once_the_next_step_is_queued(make_trainer):
                        ("validation", 4, 4)]  # fmt: skip
 
 
-STEP_SECONDS, DATA_SECONDS = 0.15, 0.05  # each step's work, and the wait for each batch
+# Each step's work, and the wait for each batch: long beside a tiny step's own time on a loaded CPU.
+STEP_SECONDS, DATA_SECONDS = 0.3, 0.1
 VALIDATION_SECONDS = 0.5
 
 
