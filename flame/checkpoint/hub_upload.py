@@ -27,23 +27,11 @@ from pathlib import Path
 
 from torchtitan.tools.logging import logger
 
-from flame.checkpoint.layout import STEP_DIR
+from flame.checkpoint.layout import STEP_DIR, link_tree
 
 STAGING = "hub-upload"
 LINKING_SUFFIX = ".linking"
 STEP_FOLDER = re.compile(r"step-(\d+)/")  # a path in the hub repository
-
-
-def _link_tree(source: Path, target: Path) -> None:
-    """``target`` as a copy of ``source`` made of hard links (a plain copy where the file system has none)."""
-    for root, _, files in os.walk(source):
-        folder = target / Path(root).relative_to(source)
-        folder.mkdir(parents=True, exist_ok=True)
-        for name in files:
-            try:
-                os.link(Path(root) / name, folder / name)
-            except OSError:
-                shutil.copy2(Path(root) / name, folder / name)
 
 
 class HubUploader:
@@ -106,7 +94,7 @@ class HubUploader:
         save waits is uploaded after it, and the later commit wins."""
         staged = self.staging / str(time.time_ns())
         linking = staged.with_name(staged.name + LINKING_SUFFIX)
-        _link_tree(checkpoint, linking / checkpoint.name)
+        link_tree(checkpoint, linking / checkpoint.name)
         linking.rename(staged)  # whole: a launch cut short here leaves a .linking folder, never uploaded
         self._enqueue(step, staged)
 

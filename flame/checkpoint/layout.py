@@ -17,6 +17,7 @@ what they load.
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 from flame import __version__
@@ -118,6 +119,25 @@ def checkpoint_folder(path: str | os.PathLike, subfolder: str = "checkpoint") ->
     if len(candidates) == 1:
         return candidates[0]
     raise CheckpointError(f"{path} holds no {subfolder}/ folder and no step-<N> checkpoint")
+
+
+def link_tree(source: Path, target: Path) -> None:
+    """``target`` as a copy of ``source`` made of hard links (a plain copy where the file system has none): a
+    checkpoint handed to a background thread, which a purge may then delete without taking its files."""
+    for root, _, files in os.walk(source):
+        folder = target / Path(root).relative_to(source)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            try:
+                os.link(Path(root) / name, folder / name)
+            except OSError:
+                shutil.copy2(Path(root) / name, folder / name)
+
+
+def hf_export_dir(folder: str | os.PathLike, step: int) -> Path:
+    """Where checkpoint.convert_to_hf_on_save puts the HF export of step-<N>: step-<N>-hf beside it (never taken
+    for a checkpoint: STEP_DIR matches whole names)."""
+    return Path(folder) / f"step-{step}-hf"
 
 
 def write_json(file: Path, data: dict) -> None:

@@ -50,6 +50,7 @@ from torchtitan.tools.logging import logger
 
 from flame import __version__
 from flame.checkpoint.dcp_io import check_model_matches, is_model_only, read_metadata
+from flame.checkpoint.hf_on_save import ExportOnSave
 from flame.checkpoint.hub_upload import HubUploader
 from flame.checkpoint.layout import (
     FORMAT,
@@ -169,6 +170,7 @@ class CheckpointManager(TorchTitanCheckpointManager):
         tokenizer: str | None = None,
         verify_checksums: bool = True,
         hub_uploader: HubUploader | None = None,
+        hf_exporter: ExportOnSave | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -178,6 +180,7 @@ class CheckpointManager(TorchTitanCheckpointManager):
             logger.info(retention_policy(self.folder, self.interval, self.keep_latest_k))
         self.verify_checksums = verify_checksums
         self.hub_uploader = hub_uploader
+        self.hf_exporter = hf_exporter
         self._loading = None  # the metadata of the checkpoint being loaded
         self._saving_step: int | None = None  # the save in progress writes into step-<N>.partial
         self._unfinished_step: int | None = None  # written (or being written) but not yet renamed to step-<N>
@@ -318,6 +321,8 @@ class CheckpointManager(TorchTitanCheckpointManager):
         written.rename(final)
         if self.hub_uploader is not None:  # staged before a later purge can delete it
             self.hub_uploader.submit(step, final)
+        if self.hf_exporter is not None:
+            self.hf_exporter.submit(step, final)
         self._purge_stale_checkpoints()
 
     def _purge(self, path: Path) -> None:

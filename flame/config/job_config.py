@@ -225,6 +225,10 @@ class Checkpoint:
     verify_checksums: bool = True
     """Check the SHA-256 of every file of a checkpoint before resuming from it (sizes are always checked)"""
 
+    convert_to_hf_on_save: bool = False
+    """Export every checkpoint to an HF folder beside it, <checkpoint folder>/step-<N>-hf (checkpoint.export_dtype),
+    from a background thread on rank 0; keep_latest_k removes it with its checkpoint (the softpick fork's flag)"""
+
     # ---- Hub upload, with the softpick fork's flag names (docs/checkpoints.md) ----
     hf_upload_enabled: bool = False
     """Upload every checkpoint to the hub repository checkpoint.hf_repo_base_name as a step-<N>/ folder, from a

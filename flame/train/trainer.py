@@ -22,6 +22,7 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 from flame import compat
+from flame.checkpoint.hf_on_save import ExportOnSave
 from flame.checkpoint.hub_upload import HubUploader
 from flame.checkpoint.lock import hold_for_trainer
 from flame.checkpoint.manager import CheckpointManager
@@ -160,6 +161,9 @@ class Trainer(Stateful):
         self.ntokens_seen = 0
         self.pending_log: PendingLog | None = None  # a log step's metrics, read back during the next step
         self.hub_uploader = self._build_hub_uploader()  # checkpoints to the hub, in the background
+        self.hf_exporter = (
+            self._build_hf_exporter()
+        )  # checkpoints to HF folders beside them, in the background
         self.checkpointer = self._build_checkpointer()
         checkpoint = job_config.checkpoint
         self.preemption = Preemption(
@@ -217,7 +221,16 @@ class Trainer(Stateful):
             tokenizer=self._tokenizer_source(),
             verify_checksums=job_config.checkpoint.verify_checksums,
             hub_uploader=self.hub_uploader,
+            hf_exporter=self.hf_exporter,
         )
+
+    def _build_hf_exporter(self) -> ExportOnSave | None:
+        """checkpoint.convert_to_hf_on_save: the exporter, on rank 0 (which finishes every save: the rename)."""
+        checkpoint = self.job_config.checkpoint
+        if not (checkpoint.enable and checkpoint.convert_to_hf_on_save) or torch.distributed.get_rank() != 0:
+            return None
+        folder = os.path.join(self.job_config.job.dump_folder, checkpoint.folder)
+        return ExportOnSave(folder, export_dtype=checkpoint.export_dtype)
 
     def _build_hub_uploader(self) -> HubUploader | None:
         """checkpoint.hf_upload_enabled: the uploader, on rank 0 (which finishes every save: the rename)."""
@@ -375,10 +388,12 @@ class Trainer(Stateful):
         self.nonfinite_steps.skipped_steps = state_dict.get("skipped_steps", 0)
 
     def close(self) -> None:
-        self.checkpointer.close()  # finishes the last save, which the hub uploader then gets
+        self.checkpointer.close()  # finishes the last save, which the hub uploader and the HF exporter then get
+        # After a preemption signal the grace period is short: the next launch uploads what is left.
+        preempted = self.preemption.received is not None
+        if self.hf_exporter is not None:
+            self.hf_exporter.close(wait=not preempted)
         if self.hub_uploader is not None:
-            # After a preemption signal the grace period is short: the next launch uploads what is left.
-            preempted = self.preemption.received is not None
             self.hub_uploader.close(0 if preempted else self.job_config.checkpoint.hf_upload_timeout)
         self.metrics.close()
         self.preemption.close()

@@ -2,7 +2,6 @@
 huggingface_hub reaches through HF_ENDPOINT: step folders in one repository per run, pruned by keep_latest_k,
 uploads in the background with a bounded wait at exit, failures as one warning line, and the token never logged."""
 
-import json
 import logging
 import os
 import re
@@ -15,7 +14,6 @@ import pytest
 
 from flame.config.job_config import ASSETS
 from tests.checkpoint.hub_server import FakeHub
-from tests.trainer_helpers import TINY, free_port
 
 TOKEN = "hf_flameTestToken4c9e1d"
 REPO = "tester/tiny-run"
@@ -29,38 +27,6 @@ def hub(monkeypatch):
         monkeypatch.setenv("HF_TOKEN", TOKEN)
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         yield server
-
-
-@pytest.fixture
-def small_model(tmp_path) -> str:
-    """A model smaller than the default tiny one: checkpoints of 7 MiB instead of 61 upload in a fraction of the
-    time."""
-    model = tmp_path / "small.json"
-    config = json.loads(TINY_MODEL.read_text())
-    model.write_text(json.dumps({**config, "hidden_size": 64, "num_hidden_layers": 2}))
-    return str(model)
-
-
-@pytest.fixture
-def train(monkeypatch, capfd, small_model):
-    """train(dump, *flags) -> (exit status, everything the run printed): flame.train's main in this process."""
-    from flame.train.trainer import main
-
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                        "MASTER_ADDR": "localhost"}.items():  # fmt: skip
-        monkeypatch.setenv(name, value)
-
-    def run(dump: Path, *flags: str) -> tuple[int, str]:
-        monkeypatch.setenv("MASTER_PORT", str(free_port()))
-        argv = ["--job.dump_folder", str(dump), *TINY, "--model.config", small_model, "--checkpoint.enable"]
-        status = main([*argv, *flags])
-        out, err = capfd.readouterr()
-        return status, out + err
-
-    yield run
-    import torch
-
-    torch.use_deterministic_algorithms(False)
 
 
 UPLOAD = ["--checkpoint.hf_upload_enabled", "--checkpoint.hf_repo_base_name", REPO]
