@@ -182,11 +182,7 @@ def _toml_value_mismatch(value: Any, annotation: Any) -> str | None:
     annotation is one flame does not check: the trainer's own checks, flame.config.checks, see the value then).
     Flags are parsed by tyro; TOML values become tyro's defaults, which it does not check."""
     annotation = _NAMED_TYPES.get(annotation, annotation)
-    options = [
-        a for a in (annotation, *typing.get_args(annotation)) if typing.get_origin(a) is typing.Literal
-    ]
-    if options:
-        choices = typing.get_args(options[0])
+    if (choices := _literal_choices(annotation)) is not None:
         return None if value in choices else f"must be one of {', '.join(map(str, choices))}"
     if typing.get_origin(annotation) is list:
         return None if isinstance(value, list) else "takes a list"
@@ -324,17 +320,20 @@ def _is_bool(annotation: Any) -> bool:
     return annotation is bool or annotation == "bool"
 
 
-def _check_value(flag: str, value: str, annotation: Any) -> None:
-    types = set(typing.get_args(annotation)) or {annotation}
-    if value == "None" and type(None) in types:
-        return
-    # A Literal, or an optional one (Literal[...] | None).
+def _literal_choices(annotation: Any) -> tuple | None:
+    """The choices of a Literal option, or of an optional one (Literal[...] | None); None for any other."""
     literal = next(
         (a for a in (annotation, *typing.get_args(annotation)) if typing.get_origin(a) is typing.Literal),
         None,
     )
-    options = typing.get_args(literal) if literal is not None else None
-    if options is not None:
+    return None if literal is None else typing.get_args(literal)
+
+
+def _check_value(flag: str, value: str, annotation: Any) -> None:
+    types = set(typing.get_args(annotation)) or {annotation}
+    if value == "None" and type(None) in types:
+        return
+    if (options := _literal_choices(annotation)) is not None:
         if value not in [str(o) for o in options]:
             raise ConfigError(f"--{flag} must be one of {', '.join(map(str, options))}, got '{value}'")
         return
