@@ -304,3 +304,22 @@ def test_an_error_raised_from_a_compiler_error_counts_and_any_other_error_is_rai
         assert entry(torch.zeros(2)) == "torch"
     finally:
         del dispatch._TABLE["wrapped_op"]
+
+
+@pytest.mark.parametrize("mark", ["flame", "torch", "none"])
+def test_a_function_marked_constant_runs_once_while_tracing(mark):
+    """constant_to_compiler marks a function as torch.compiler.assume_constant_result does: dynamo calls it while
+    tracing and keeps the result, so a compiled caller does not call it again; unmarked, every call runs it."""
+    calls = []
+
+    def fact():
+        calls.append(1)
+        return 3
+
+    marked = {"flame": dispatch.constant_to_compiler, "torch": torch.compiler.assume_constant_result}
+    fact = marked.get(mark, lambda fn: fn)(fact)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x * fact(), backend="eager")
+    for _ in range(3):
+        torch.testing.assert_close(compiled(torch.ones(2)), torch.full((2,), 3.0))
+    assert len(calls) == (1 if mark != "none" else 3)

@@ -20,6 +20,7 @@ import shutil
 import torch
 from torch import Tensor
 
+from flame.ops.dispatch import constant_to_compiler
 from flame.ops.fla_library import _contiguous, _empty  # contiguous inputs (input_guard) and empty outputs
 from flame.ops.gated_delta_rule.gate import gdn_gate
 
@@ -28,15 +29,15 @@ CAPABILITIES = ((9, 0), (10, 0), (10, 3))
 CHUNK_SIZE = 64
 
 
-# The device and nvcc facts are constants to torch.compile (assume_constant_result: dynamo calls them while it
-# traces a compiled block and keeps their results), so that the refusal traces whole where FlashQLA takes the call.
-@torch.compiler.assume_constant_result
+# The device and nvcc facts are constants to torch.compile (dynamo calls them while it traces a compiled block and
+# keeps their results), so that the refusal traces whole where FlashQLA takes the call.
+@constant_to_compiler
 def device_capability(device: torch.device) -> tuple[int, int]:
     properties = torch.cuda.get_device_properties(device)
     return properties.major, properties.minor
 
 
-@torch.compiler.assume_constant_result
+@constant_to_compiler
 def nvcc_found() -> bool:
     """TileLang compiles FlashQLA's kernels with nvcc at their first call: on PATH, or under CUDA_HOME (default
     /usr/local/cuda, where the GPU machines keep it)."""
