@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     out = args.out or bundle_path(args.device)
     total = write_bundle(out, args.device, args.triton, results)
-    print(f"{out}: {len(results)} results added, {total} in all ({args.device}, Triton {args.triton})")
+    print(f"{out}: {len(results)} results read, {total} in all ({args.device}, Triton {args.triton})")
     return 0
 
 

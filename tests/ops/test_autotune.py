@@ -336,7 +336,7 @@ def test_the_bundle_script_reads_a_cache_archive(tmp_path, capsys):
     out = tmp_path / "bundle.json"
     common = ["--device", "NVIDIA H200", "--triton", "3.6.0", "--out", str(out)]
     assert script.main([str(archive), *common]) == 0
-    assert "1 results added, 1 in all" in capsys.readouterr().out
+    assert "1 results read, 1 in all" in capsys.readouterr().out
     assert script.main([str(cache), *common]) == 0
     assert list(json.loads(out.read_text())["results"]) == [
         f"{'A' * 52}/k.autotune.json",
