@@ -11,3 +11,9 @@ class ConfigError(FlameError):
 
 class ModelConfigError(FlameError):
     """A bad value in a model config JSON."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of an exception's message (its type's name when it has none), for one-line reports."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(error).__name__

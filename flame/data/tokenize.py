@@ -19,6 +19,7 @@ import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from flame.data.config import DataConfigError
+from flame.errors import first_line
 
 # Reasons a text is counted (the keys of the loader's data statistics).
 SKIPPED_NOT_TEXT = "skipped_not_text"
@@ -45,9 +46,8 @@ def build_tokenizer(job_config) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataConfigError(
-            f"cannot load the tokenizer at model.tokenizer_path='{path}': {first_line}"
+            f"cannot load the tokenizer at model.tokenizer_path='{path}': {first_line(e)}"
         ) from e
 
 

@@ -19,7 +19,7 @@ from flame.checkpoint.layout import (
     read_sidecar,
     resolve_step_dir,
 )
-from flame.errors import FlameError
+from flame.errors import FlameError, first_line
 from flame.hf.formats import export_adapter
 from flame.hf.safetensors_io import existing_export_files, parse_size, save_safetensors
 from flame.models.common.args import ModelArgs
@@ -63,8 +63,7 @@ def load_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FlameError(f"cannot load the tokenizer {path}: {first_line}") from e
+        raise FlameError(f"cannot load the tokenizer {path}: {first_line(e)}") from e
 
 
 def check_tokenizer(tokenizer, args: ModelArgs) -> None:

@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from flame.errors import FlameError
+from flame.errors import FlameError, first_line
 
 # owner/name as the hub spells repository ids; a path that exists always wins.
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -31,8 +31,7 @@ def hub_folder(name: str, patterns: list[str], what: str) -> Path:
             f"reachable (huggingface-cli download {name}) or pass a local path"
         ) from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FlameError(f"{what} '{name}' could not be fetched from the hub: {first_line}") from None
+        raise FlameError(f"{what} '{name}' could not be fetched from the hub: {first_line(e)}") from None
 
 
 def resolve_model_config(value: str) -> str:

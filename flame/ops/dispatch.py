@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flame.errors import first_line
+
 logger = logging.getLogger(__name__)
 # Packages whose exceptions mean that a kernel did not build (its compiler, not the call's arguments), and those
 # that raise plain errors for it too (TileLang: RuntimeError("Compilation Failed! ...") when nvcc fails).
@@ -154,11 +156,6 @@ def kernel_build_failure(error: BaseException) -> bool:
 
 def package_of(module_globals: dict) -> str:
     return str(module_globals.get("__name__", "")).split(".")[0]
-
-
-def first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0][:200] if lines else "no message"
 
 
 _TABLE: dict[str, Op] = {}

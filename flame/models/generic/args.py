@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from flame.errors import ModelConfigError
+from flame.errors import ModelConfigError, first_line
 from flame.models import IMPL_KEY, custom
 from flame.models.common.args import ModelArgs
 from flame.models.common.module_flops import module_flops
@@ -248,8 +248,7 @@ class GenericArgs(ModelArgs):
         try:
             hf_config = config_cls(**values)
         except (TypeError, ValueError) as e:
-            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ModelConfigError(f"{config_cls.__name__} refuses this config: {first_line}") from e
+            raise ModelConfigError(f"{config_cls.__name__} refuses this config: {first_line(e)}") from e
         check_kernel_shapes(model_type, hf_config)
         args = cls(
             vocab_size=getattr(hf_config, "vocab_size", None),
