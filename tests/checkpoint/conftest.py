@@ -1,4 +1,4 @@
-"""Fixtures of the checkpoint tests that train: a small model, and flame.train's main run in this process."""
+"""Fixtures of the checkpoint tests: a small model, flame.train's main run in this process, and the stand-in hub."""
 
 import json
 from pathlib import Path
@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 
 from flame.config.job_config import ASSETS
+from tests.checkpoint.hub_server import FakeHub
 from tests.trainer_helpers import TINY, free_port
 
 TINY_MODEL = ASSETS / "tiny.json"
+HUB_TOKEN = "hf_flameTestToken4c9e1d"
 
 
 @pytest.fixture
@@ -41,3 +43,17 @@ def train(monkeypatch, capfd, small_model):
     import torch
 
     torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """The stand-in hub (hub_server.py), reached through HF_ENDPOINT with HUB_TOKEN, online: huggingface_hub reads
+    HF_HUB_OFFLINE once, at its import, which a conftest that sets it (tests/data) may have preceded."""
+    import huggingface_hub.constants as constants
+
+    with FakeHub(HUB_TOKEN) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+        monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        yield server

@@ -13,20 +13,10 @@ from pathlib import Path
 import pytest
 
 from flame.config.job_config import ASSETS
-from tests.checkpoint.hub_server import FakeHub
+from tests.checkpoint.conftest import HUB_TOKEN as TOKEN
 
-TOKEN = "hf_flameTestToken4c9e1d"
 REPO = "tester/tiny-run"
 TINY_MODEL = ASSETS / "tiny.json"
-
-
-@pytest.fixture
-def hub(monkeypatch):
-    with FakeHub(TOKEN) as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-        monkeypatch.setenv("HF_TOKEN", TOKEN)
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        yield server
 
 
 UPLOAD = ["--checkpoint.hf_upload_enabled", "--checkpoint.hf_repo_base_name", REPO]
