@@ -1,6 +1,7 @@
 """Command-line tools, each run as ``python -m flame.cli.<name>`` (or ``python -m flame.utils.<name>``, upstream
 flame's spelling): ``convert_dcp_to_hf``, ``convert_hf_to_dcp``,
-``generate``, ``preprocess``. A mistake in the input is one line ``error: <message>`` on stderr and exit code 2."""
+``generate``, ``preprocess``, and ``download_checkpoint`` (also ``python download_checkpoint.py``, the softpick
+fork's spelling). A mistake in the input is one line ``error: <message>`` on stderr and exit code 2."""
 
 import sys
 from collections.abc import Callable

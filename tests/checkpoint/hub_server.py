@@ -1,6 +1,7 @@
-"""A stand-in for the Hugging Face Hub's HTTP API, for the upload tests: the routes that huggingface_hub's
-create_repo, create_commit (preupload, then the NDJSON commit) and list_repo_files use, on repositories held in
-memory. Every file is committed inline ("regular"); every request must carry the test's token."""
+"""A stand-in for the Hugging Face Hub's HTTP API, for the upload and download tests: the routes that
+huggingface_hub's create_repo, create_commit (preupload, then the NDJSON commit), list_repo_files and hf_hub_download
+(HEAD, then GET of a file's resolve URL) use, on repositories held in memory. Every file is committed inline
+("regular"); every request must carry the test's token."""
 
 import base64
 import hashlib
@@ -11,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
 REPO_ROUTE = re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)/(?P<action>preupload|commit|tree)/(?P<rest>.*)")
+RESOLVE_ROUTE = re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<path>.+)")
 
 
 class FakeHub:
@@ -137,6 +139,22 @@ class FakeHub:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _file(self, method: str, repo_id: str, path: str) -> None:
+                content = hub.repos[repo_id].get(path)
+                if content is None:
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("X-Repo-Commit", hashlib.sha1(f"{len(hub.commits)}".encode()).hexdigest())
+                self.send_header("ETag", f'"{hashlib.sha1(content).hexdigest()}"')
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                if method == "GET":
+                    self.wfile.write(content)
+
             def _route(self, method: str) -> None:
                 url = urlparse(self.path)
                 length = int(self.headers.get("Content-Length") or 0)
@@ -145,6 +163,10 @@ class FakeHub:
                     return self._answer(401, {"error": "Invalid credentials in Authorization header"})
                 if method == "POST" and url.path == "/api/repos/create":
                     return self._answer(*hub._create(json.loads(raw)))
+                if method in ("GET", "HEAD") and (file := RESOLVE_ROUTE.fullmatch(url.path)):
+                    if file["repo"] not in hub.repos:
+                        return self._answer(404, {"error": "Repository not found"})
+                    return self._file(method, file["repo"], file["path"])
                 match = REPO_ROUTE.fullmatch(url.path)
                 if match is None:
                     return self._answer(404, {"error": f"the stand-in hub has no route {method} {url.path}"})
@@ -162,6 +184,9 @@ class FakeHub:
 
             def do_GET(self):
                 self._route("GET")
+
+            def do_HEAD(self):
+                self._route("HEAD")
 
             def do_POST(self):
                 self._route("POST")
