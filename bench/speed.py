@@ -2,6 +2,7 @@
 tokens to a loss, each beside its anchor measured in the same run, on one GPU, by one command.
 
     python bench/speed.py --json /tmp/speed.json                       # every part, one GPU (~35 min on an H100)
+    python bench/speed.py --json /tmp/speed.json --gpus 4              # every part, at once on 4 GPUs (~10 min)
     python bench/speed.py --json /tmp/speed.json --parts long_context  # some parts; the others' results are kept
     python bench/speed.py --json /tmp/speed.json --parts ""            # the table of the parts measured
     python bench/speed.py --tiny --device cpu --parts throughput,train_sh --json /tmp/s.json --no_write  # smoke
@@ -24,14 +25,20 @@ Parts (``--parts``), each a run of another bench script or of train.sh, in this 
 
 ``--json`` keeps every part's results (a part run again replaces its own), so a run stopped part-way continues
 with the parts left, and runs of different parts on the GPUs of one machine can share it (each reads it again
-before writing, under a lock). From the parts there, the table has one row per measurement: what was measured, its anchor
+before writing, under a lock). ``--gpus N`` is such a run by one command: the parts are spread over N GPUs of this
+machine, longest first, and each GPU's parts run in a process of their own that sees that GPU alone
+(``CUDA_VISIBLE_DEVICES``) and an equal, disjoint share of this process's CPU cores, as a one-GPU machine of the
+host's size would have (a part's time depends on the cores it has: a compiled step issued by the host, compiling,
+data loading); the table then names this one command. From the parts there, the table has one row per measurement: what was measured, its anchor
 from the same file, their ratio, the issue's target and whether it is met (or how far it is). It is printed and, on
 a GPU (or with ``--write_doc``), written into docs/performance.md between ``<!-- bench_speed_<device> -->`` markers
 (one table per device) with the command, device and date.
 """
 
 import argparse
+import contextlib
 import fcntl
+import functools
 import json
 import os
 import re
@@ -210,6 +217,81 @@ def part_tokens_to_loss(args, work: Path) -> dict:
         if isinstance(run, dict):
             run["validation"] = {str(step): value for step, value in run["validation"].items()}
     return {"runs": runs, "command": "bash train.sh " + " ".join(extra)}
+
+
+# Seconds each part took on one H200 with 16 cores (2026-11-28): how --gpus spreads the parts.
+PART_SECONDS = {"throughput": 148, "train_sh": 175, "torchtitan": 33, "first_step": 574, "long_context": 515,
+                "tokens_to_loss": 567}  # fmt: skip
+# The options a --gpus run passes on to the process of each GPU.
+PASSED_ON = ("device", "seq_len", "batch_size", "steps", "skip_steps", "log_freq", "warmup", "bench_steps",
+             "timeout_s", "t2l_dataset", "t2l_steps", "t2l_val_freq", "t2l_val_steps")  # fmt: skip
+
+
+def spread(parts: list[str], gpus: int) -> list[list[str]]:
+    """Each GPU's parts (in PARTS order): the longest part first, each to the GPU with the least work so far."""
+    shares: list[list[str]] = [[] for _ in range(gpus)]
+    load = [0.0] * gpus
+    for part in sorted(parts, key=lambda name: -PART_SECONDS[name]):
+        gpu = load.index(min(load))
+        shares[gpu].append(part)
+        load[gpu] += PART_SECONDS[part]
+    return [sorted(share, key=PARTS.index) for share in shares if share]
+
+
+def core_shares(cores: list[int], gpus: int) -> list[list[int]]:
+    """Equal, disjoint runs of ``cores``, one per GPU (all of them to each where there are fewer cores than GPUs)."""
+    size = len(cores) // gpus
+    return [cores[gpu * size : (gpu + 1) * size] if size else cores for gpu in range(gpus)]
+
+
+def worker_argv(args, parts: list[str], work: Path) -> list[str]:
+    """The command-line arguments of the process that runs ``parts`` on one GPU of a --gpus run."""
+    argv = ["--parts", ",".join(parts), "--json", str(args.json), "--work", str(work), "--no_write"]
+    for name in PASSED_ON:
+        argv += [f"--{name}", str(getattr(args, name))]
+    return argv + (["--tiny"] if args.tiny else [])
+
+
+def run_on_gpus(args, parts: list[str], work: Path, run: str) -> dict[str, int]:
+    """Runs the parts at once on ``args.gpus`` GPUs (see the module's doc); each part's process' exit status. The
+    parts' results name ``run`` (this command) as the run that made them."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else []
+    devices += [str(gpu) for gpu in range(len(devices), args.gpus)]
+    shares = spread(parts, args.gpus)
+    cores = core_shares(sorted(os.sched_getaffinity(0)), len(shares))
+    processes = []
+    try:
+        for gpu, share in enumerate(shares):
+            log = work / f"gpu{gpu}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            print(
+                f"GPU {devices[gpu]}: {', '.join(share)} on cores {cores[gpu][0]}-{cores[gpu][-1]} ({log})",
+                flush=True,
+            )
+            command = [
+                sys.executable,
+                str(REPO / "bench" / "speed.py"),
+                *worker_argv(args, share, work / f"gpu{gpu}"),
+            ]
+            with open(log, "w") as out:
+                process = subprocess.Popen(
+                    command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    env={**os.environ, "CUDA_VISIBLE_DEVICES": devices[gpu]},
+                    preexec_fn=functools.partial(os.sched_setaffinity, 0, cores[gpu]),
+                )  # fmt: skip
+            processes.append((share, process))
+        statuses = {part: process.wait() for share, process in processes for part in share}
+    except BaseException:  # stopped: the parts' processes go with this one
+        for _, process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        raise
+    if args.json.exists():
+        saved = json.loads(args.json.read_text())
+        named = {part: {**saved["parts"][part], "run": run} for part in parts if part in saved["parts"]}
+        save_parts(args.json, named, saved["device"])
+    return statuses
 
 
 RUNNERS = {"throughput": part_throughput, "train_sh": part_train_sh, "torchtitan": part_torchtitan,
@@ -481,12 +563,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--t2l_steps", type=int, default=1200)
     parser.add_argument("--t2l_val_freq", type=int, default=100)
     parser.add_argument("--t2l_val_steps", type=int, default=20)
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="run the parts at once on this many GPUs of this machine, each GPU's in a process of its own with an "
+        "equal share of the CPU cores",
+    )
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
     parser.add_argument("--no_write", action="store_true", help="print only")
     parser.add_argument("--write_doc", action="store_true", help="write the doc on a CPU too")
     args = parser.parse_args(argv)
     if unknown := set(filter(None, args.parts.split(","))) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    if args.gpus < 1 or (args.device == "cuda" and args.gpus > torch.cuda.device_count()):
+        parser.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} visible GPU(s)")
     if not args.parts.strip(",") and not args.json.exists():
         parser.error(f"--parts is empty and {args.json} holds no results: name the parts to run")
     defaults = {"seq_len": (2048, 64), "batch_size": (8, 2), "steps": (60, 6), "skip_steps": (20, 2),
@@ -530,7 +621,18 @@ def main(argv: list[str] | None = None) -> int:
     measured = {}
     with tempfile.TemporaryDirectory(prefix="flame-speed-") as scratch:
         work = args.work or Path(scratch)
-        for part in filter(None, args.parts.split(",")):
+        parts_to_run = list(filter(None, args.parts.split(",")))
+        failed = False
+        if args.gpus > 1 and parts_to_run:
+            statuses = run_on_gpus(args, parts_to_run, work, command_line("bench/speed.py", argv))
+            for part, status in statuses.items():
+                print(f"{part}: its process ended with exit status {status}", flush=True)
+            failed = any(statuses.values())
+            parts_to_run = []
+            if not args.json.exists():
+                print(f"no part saved a result in {args.json}; each GPU's log is in {work}", file=sys.stderr)
+                return 1
+        for part in parts_to_run:
             part_started = time.perf_counter()
             measured[part] = RUNNERS[part](args, work / part)
             measured[part]["seconds"] = time.perf_counter() - part_started
@@ -555,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
             "same run (bench/speed.py says how each part runs).",
             text,
         )
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

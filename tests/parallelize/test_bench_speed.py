@@ -243,3 +243,34 @@ def test_each_run_is_named_with_the_dates_its_parts_ran(tmp_path):
     assert dates == {"run A": "2026-01-02", "run B": "2026-01-01"}
     speed.main(["--parts", "", "--json", str(path), "--doc", str(doc), "--write_doc", "--device", "cpu"])
     assert f"`run A` (2026-01-02) and `run B` ({saved['date']})" in doc.read_text()
+
+
+def test_parts_spread_over_gpus_longest_first():
+    assert speed.spread(list(speed.PARTS), 1) == [list(speed.PARTS)]
+    assert speed.spread(list(speed.PARTS), 4) == [
+        ["first_step"],
+        ["tokens_to_loss"],
+        ["long_context"],
+        ["throughput", "train_sh", "torchtitan"],
+    ]
+    assert speed.spread(["torchtitan", "throughput"], 4) == [["throughput"], ["torchtitan"]]
+
+
+def test_each_gpu_gets_its_own_cores():
+    assert speed.core_shares(list(range(64)), 4) == [list(range(16 * g, 16 * g + 16)) for g in range(4)]
+    assert speed.core_shares([0, 1], 4) == [[0, 1]] * 4  # fewer cores than GPUs: each has all
+
+
+def test_gpus_run_the_parts_in_processes_of_their_own_and_name_the_one_command(tmp_path):
+    """--gpus 2 on the CPU: each part in its own process, with its own log; the results name the parent command."""
+    saved = tmp_path / "speed.json"
+    argv = ["--tiny", "--device", "cpu", "--gpus", "2", "--parts", "torchtitan,tokens_to_loss", "--t2l_dataset",
+            "nowhere", "--json", str(saved), "--work", str(tmp_path / "work"), "--no_write"]  # fmt: skip
+    assert speed.main(argv) == 0
+    parts = json.loads(saved.read_text())["parts"]
+    assert set(parts) == {"torchtitan", "tokens_to_loss"}
+    assert "no dataset at nowhere" in parts["tokens_to_loss"]["error"]
+    assert parts["torchtitan"]["tokens_per_s"] > 0
+    assert {parts[p]["run"] for p in parts} == {speed.command_line("bench/speed.py", argv)}
+    for gpu, part in enumerate(("tokens_to_loss", "torchtitan")):  # the longer part first
+        assert f"\n{part}: " in "\n" + (tmp_path / "work" / f"gpu{gpu}.log").read_text()
