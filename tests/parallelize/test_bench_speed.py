@@ -274,3 +274,15 @@ def test_gpus_run_the_parts_in_processes_of_their_own_and_name_the_one_command(t
     assert {parts[p]["run"] for p in parts} == {speed.command_line("bench/speed.py", argv)}
     for gpu, part in enumerate(("tokens_to_loss", "torchtitan")):  # the longer part first
         assert f"\n{part}: " in "\n" + (tmp_path / "work" / f"gpu{gpu}.log").read_text()
+
+
+def test_the_transformer_at_twice_the_batch_is_a_row_beside_the_usual_one():
+    parts = json.loads(json.dumps(PARTS))
+    parts["throughput"]["results"][0].update(batch=8, seq_len=2048)
+    larger = result("transformer", "compiled", 176_000.0, batch=16, seq_len=2048, mfu=0.475, peak_gib=35.4)
+    parts["throughput"]["larger_batch"] = {"results": [larger], "status": 0}
+    rows = [row for row in speed.rows(parts) if row[0] == "4"]
+    assert rows[-1] == ["4", "transformer: bench MFU (tokens/s), 16 x 2048, peak 35.4 GiB", "47.5% (176,000)",
+                        "bench, 8 x 2048: 160,000", "1.10x", ">= 50% MFU", "no: 95% of it"]  # fmt: skip
+    assert len(rows) == 2
+    assert [row for row in speed.rows(PARTS) if row[0] == "4"] == rows[:1]  # no larger-batch result: no row
