@@ -32,7 +32,9 @@ def test_the_first_step_line_is_timed_as_it_comes(tmp_path):
     seconds, note, phases = first_step.time_to_first_step(launch, {}, tmp_path / "a.log", 30)
     assert 0.8 <= seconds < 2.1 and note == "shipped results written: 37"
     assert list(phases) == ["start", "setup", "step 1"] and abs(sum(phases.values()) - seconds) < 1e-9
-    assert phases["start"] >= 0.3 and phases["setup"] < 0.25 and phases["step 1"] >= 0.5
+    # Each phase ends when its line is read: a line read late lengthens one phase and shortens the next, so the
+    # step's 0.5 s sleep reads as at least 0.4 s on a loaded machine (0.498 s seen in CI).
+    assert phases["start"] >= 0.3 and phases["setup"] < 0.25 and phases["step 1"] >= 0.4
     assert "step  1/1" in (tmp_path / "a.log").read_text()
 
 
