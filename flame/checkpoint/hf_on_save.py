@@ -20,6 +20,7 @@ from pathlib import Path
 from torchtitan.tools.logging import logger
 
 from flame.checkpoint.layout import PARTIAL_SUFFIX, hf_export_dir, link_tree, step_dir
+from flame.errors import first_line
 
 STAGING = "hf-export"
 EXPORT_DIR = re.compile(r"step-(\d+)-hf")
@@ -51,9 +52,8 @@ class ExportOnSave:
             try:
                 self._export(step, staged)
             except Exception as e:  # noqa: BLE001 (an exception would end the thread, and every later export)
-                lines = str(e).strip().splitlines()
                 logger.warning(
-                    f"HF export of checkpoint step-{step} failed ({type(e).__name__}: {lines[0] if lines else ''}); "
+                    f"HF export of checkpoint step-{step} failed ({type(e).__name__}: {first_line(e)}); "
                     f"training goes on, the checkpoint is kept; `python -m flame.utils.convert_dcp_to_hf --path "
                     f"{self.folder} --step {step}` exports it later"
                 )

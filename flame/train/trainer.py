@@ -161,9 +161,8 @@ class Trainer(Stateful):
         self.ntokens_seen = 0
         self.pending_log: PendingLog | None = None  # a log step's metrics, read back during the next step
         self.hub_uploader = self._build_hub_uploader()  # checkpoints to the hub, in the background
-        self.hf_exporter = (
-            self._build_hf_exporter()
-        )  # checkpoints to HF folders beside them, in the background
+        # Checkpoints to HF folders beside them, in the background.
+        self.hf_exporter = self._build_hf_exporter()
         self.checkpointer = self._build_checkpointer()
         checkpoint = job_config.checkpoint
         self.preemption = Preemption(

@@ -31,7 +31,7 @@ def checkpoint_files(tmp_path: Path, seed: int) -> dict[str, bytes]:
     return local_files(folder)
 
 
-def put_steps(hub: FakeHub, tmp_path: Path, steps: dict[int, dict[str, bytes]]) -> None:
+def put_steps(hub: FakeHub, steps: dict[int, dict[str, bytes]]) -> None:
     hub.repos[REPO] = {
         f"step-{step}/{name}": data for step, files in steps.items() for name, data in files.items()
     }
@@ -51,7 +51,7 @@ def test_uploaded_steps_come_back_byte_for_byte_and_the_run_resumes_from_them(hu
 
 
 def test_only_the_steps_asked_for_and_kept_local_steps(hub, tmp_path, capsys):
-    put_steps(hub, tmp_path, {3: checkpoint_files(tmp_path, 3), 12: checkpoint_files(tmp_path, 12)})
+    put_steps(hub, {3: checkpoint_files(tmp_path, 3), 12: checkpoint_files(tmp_path, 12)})
     folder = tmp_path / "run" / "checkpoint"
     assert download_checkpoints(REPO, folder, [-1]) == [12]
     assert sorted(p.name for p in folder.iterdir()) == ["step-12"]
@@ -65,7 +65,7 @@ def test_a_step_that_does_not_verify_is_not_added(hub, tmp_path):
     files = checkpoint_files(tmp_path, 1)
     data = next(name for name in files if name.endswith(".distcp"))
     files[data] = files[data][:-1] + bytes([files[data][-1] ^ 1])  # one flipped bit, same size
-    put_steps(hub, tmp_path, {1: files, 2: checkpoint_files(tmp_path, 2)})
+    put_steps(hub, {1: files, 2: checkpoint_files(tmp_path, 2)})
     folder = tmp_path / "run" / "checkpoint"
     with pytest.raises(Exception, match=r"step-1 of tester/tiny-run does not verify: .*SHA-256 differs"):
         download_checkpoints(REPO, folder)
@@ -76,7 +76,6 @@ def test_a_step_that_does_not_verify_is_not_added(hub, tmp_path):
 def test_hf_exports_are_skipped_and_absent_steps_refused(hub, tmp_path, capsys):
     put_steps(
         hub,
-        tmp_path,
         {1: {"config.json": b"{}", "model.safetensors": b"x"}, 2: checkpoint_files(tmp_path, 2)},
     )
     folder = tmp_path / "run" / "checkpoint"
