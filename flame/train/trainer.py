@@ -5,8 +5,10 @@ its metrics, then a checkpoint, validation, text samples and lm-eval's tasks (fl
 training.stop_at_step. ``Trainer.__init__`` assembles the parts, one call each.
 """
 
+import ctypes
 import dataclasses
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -409,7 +411,21 @@ def enable_debug_mode() -> None:
     logger.info("Debug mode: CUDA_LAUNCH_BLOCKING=1, autograd anomaly detection on")
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def end_with_the_launcher() -> None:
+    """Has the kernel kill this rank when torchrun, which started it, ends. torchrun starts each rank in a session
+    of its own and stops it on SIGTERM; a SIGKILL to torchrun or its process group (a timeout's, ``kill -9``) leaves
+    the ranks training and holding their GPUs. Linux's parent-death signal (prctl) ends them with torchrun; a
+    crash mid-save keeps the previous checkpoint, as any crash does. A rank not started by torchrun is left as is."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def main(argv: list[str] | None = None) -> int:
+    end_with_the_launcher()
     init_logger()
     try:
         job_config = parse_args(sys.argv[1:] if argv is None else argv)
