@@ -18,6 +18,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import re
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -111,6 +112,85 @@ def defer_torchtitan_import_compile() -> None:
     imports torchtitan."""
     if not any(isinstance(finder, _DeferTorchtitanCompileFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _DeferTorchtitanCompileFinder())
+
+
+TRANSFORMERS_SKLEARN_MODULE = "transformers.generation.candidate_generator"
+TRANSFORMERS_LAZY_SKLEARN = "5.21.0"  # the first release that imports scikit-learn where it is used
+
+
+def roc_curve_at_first_call(*args, **kwargs):
+    """scikit-learn's ``roc_curve``, imported when assisted generation first adapts its confidence threshold."""
+    from sklearn.metrics import roc_curve
+
+    return roc_curve(*args, **kwargs)
+
+
+class _LazySklearnLoader(importlib.abc.Loader):
+    """Runs transformers' candidate generator with scikit-learn reported absent while its body executes, then gives
+    the module its real ``is_sklearn_available`` and, where scikit-learn is installed, a ``roc_curve`` that imports
+    it at its first call: what transformers 5.21 does."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        import transformers.utils
+
+        available = transformers.utils.is_sklearn_available
+        transformers.utils.is_sklearn_available = lambda: False
+        try:
+            self.loader.exec_module(module)
+        finally:
+            transformers.utils.is_sklearn_available = available
+        module.is_sklearn_available = available
+        if available():
+            module.roc_curve = roc_curve_at_first_call
+
+
+class _LazySklearnFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TRANSFORMERS_SKLEARN_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _LazySklearnLoader(spec.loader)
+        return spec
+
+
+def defer_transformers_sklearn_import() -> None:
+    """transformers before 5.21 imports scikit-learn, where it is installed (lm-eval requires it), at the top of
+    generation/candidate_generator.py, which AutoTokenizer and every model class load: 1.3 s of the rank's imports on
+    this repository's 2-core machine, 2.9 s on an H200 host, for a ROC curve that only assisted generation's
+    confidence threshold computes. flame's loader defers that import to its first call; installed by ``import
+    flame``, before anything imports transformers' generation."""
+    if _transformers_imports_sklearn_at_top() and not any(
+        isinstance(finder, _LazySklearnFinder) for finder in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _LazySklearnFinder())
+
+
+def _transformers_imports_sklearn_at_top() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("transformers")
+    except PackageNotFoundError:
+        return False
+    return _release(installed) < _release(TRANSFORMERS_LAZY_SKLEARN)
+
+
+def _release(version: str) -> tuple[int, int, int]:
+    """(major, minor, patch) of a version string such as 5.17.0 or 5.21.0.dev0."""
+    parts = [int(part) for part in re.findall(r"\d+", version)[:3]]
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def _transformers_candidate_generator_imports_sklearn() -> bool:
+    with open(importlib.util.find_spec(TRANSFORMERS_SKLEARN_MODULE).origin) as source:
+        return "\nif is_sklearn_available():\n    from sklearn.metrics import roc_curve" in source.read()
 
 
 def _torchtitan_compiles_at_import() -> bool:
@@ -605,6 +685,14 @@ SHIMS = (
         fixed_in=None,
         workaround="defer_torchtitan_import_compile",
         reproduces=_torchtitan_compiles_at_import,
+    ),
+    Shim(
+        name="transformers_sklearn_import",
+        applies=_transformers_imports_sklearn_at_top,
+        upstream="not filed: transformers' generation/candidate_generator.py imports scikit-learn at its top",
+        fixed_in=f"transformers {TRANSFORMERS_LAZY_SKLEARN}",
+        workaround="defer_transformers_sklearn_import",
+        reproduces=_transformers_candidate_generator_imports_sklearn,
     ),
     Shim(
         name="fsdp_gloo_premul_sum",

@@ -32,7 +32,9 @@ def reproduced() -> dict[str, bool]:
 @pytest.mark.parametrize("shim", compat.SHIMS, ids=lambda shim: shim.name)
 def test_upstream_still_behaves_as_the_shim_assumes(shim, reproduced):
     if shim.name not in reproduced:
-        pytest.skip(f"{shim.workaround} does not act on this machine (a GPU is visible)")
+        pytest.skip(
+            f"{shim.workaround} does not act on this machine (a GPU is visible, or a fixed release is installed)"
+        )
     assert reproduced[shim.name], (
         f"{shim.upstream} no longer reproduces with the installed packages (fixed in {shim.fixed_in or '?'}): "
         f"delete flame.compat's {shim.workaround} and its SHIMS entry"
@@ -87,6 +89,56 @@ def test_deferred_compile_compiles_once_at_the_first_call():
     assert calls == []
     assert deferred(1, y=2) == ("compiled", 3) and deferred(4) == ("compiled", 4)
     assert calls == [{"mode": "default"}]
+
+
+def test_gpu_stack_transformers_is_one_that_imports_sklearn_at_the_top():
+    # The shim acts only below transformers 5.21 (the CPU stack has a later one); the GPU stack's still needs it.
+    assert compat._release(pinned("constraints-gpu.txt", "transformers")) < compat._release(
+        compat.TRANSFORMERS_LAZY_SKLEARN
+    ), (
+        "the GPU stack's transformers imports scikit-learn where it uses it: delete defer_transformers_sklearn_import"
+    )
+
+
+def test_a_module_written_as_transformers_5_17_s_candidate_generator_loads_without_sklearn(
+    tmp_path, monkeypatch
+):
+    """transformers 5.17's module, its top as written there: under flame's loader it imports no scikit-learn (the
+    import would fail here, as no package of that name exists), keeps transformers' own ``is_sklearn_available``
+    and gets a ``roc_curve`` that imports scikit-learn at its first call."""
+    import transformers.utils
+
+    monkeypatch.setattr(transformers.utils, "is_sklearn_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # any import of it raises ImportError
+    source = tmp_path / "candidate_generator.py"
+    source.write_text(
+        "from transformers.utils import is_sklearn_available\n"
+        "\n"
+        "if is_sklearn_available():\n"
+        "    from sklearn.metrics import roc_curve\n"
+        "SKLEARN_SEEN_AT_IMPORT = is_sklearn_available()\n"
+    )
+    spec = importlib.util.spec_from_file_location("candidate_generator_5_17", source)
+    spec.loader = compat._LazySklearnLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.SKLEARN_SEEN_AT_IMPORT is False
+    assert module.is_sklearn_available() is True
+    assert module.roc_curve is compat.roc_curve_at_first_call
+    with pytest.raises(ImportError):
+        module.roc_curve([0, 1], [0.2, 0.9])
+
+
+def test_roc_curve_at_first_call_is_sklearns():
+    metrics = pytest.importorskip("sklearn.metrics")
+    labels, scores = [0, 1, 1, 0, 1], [0.1, 0.8, 0.65, 0.3, 0.4]
+    got, expected = compat.roc_curve_at_first_call(labels, scores), metrics.roc_curve(labels, scores)
+    assert all((a == b).all() for a, b in zip(got, expected, strict=True))
+
+
+def test_transformers_release_numbers():
+    assert compat._release("5.17.0") == (5, 17, 0) and compat._release("5.21.0.dev0") == (5, 21, 0)
+    assert compat._release("6.0") == (6, 0, 0)
 
 
 def test_flas_tilelang_attention_refuses_the_head_widths_it_cannot_compile():
