@@ -143,6 +143,14 @@ FIELDS = {
         "olmo_hybrid": {"pad_token_id": None, "eos_token_id": None},
     },
 }  # fmt: skip
+LEARNING_RATE = 1e-3
+# Families that diverge at LEARNING_RATE, with the rate their row trains at and why (the row's note says both).
+LEARNING_RATES = {
+    "deltaformer": (
+        3e-4,
+        "FLA's layer feeds b_proj's output to its kernel as beta, unbounded: at 1e-3 the loss is NaN from step 10",
+    ),
+}
 # Messages whose cause is known: (pattern searched in a failed step's output, the reason the row gives).
 KNOWN_REASONS = (
     (r"flash_attn|flash-attn|FlashAttention",
@@ -277,12 +285,21 @@ def step(
     return stdout
 
 
-def train_command(dump: Path, config: Path, args) -> list[str]:
+def learning_rate(family: str, args) -> tuple[float, str]:
+    """The family's learning rate and, where it is not the bench's, the row's note on why: ``--lr``, else the
+    family's entry in LEARNING_RATES, else LEARNING_RATE."""
+    if args.lr is not None:
+        return args.lr, ""
+    lr, why = LEARNING_RATES.get(family, (LEARNING_RATE, ""))
+    return lr, why and f"learning rate {lr:g}: {why}"
+
+
+def train_command(dump: Path, config: Path, lr: float, args) -> list[str]:
     flags = ["--job.dump_folder", str(dump), "--model.config", str(config),
              "--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len),
              "--training.batch_size", str(args.batch_size), "--training.seed", "42",
              "--training.dataset", str(args.dataset), "--model.tokenizer_path", str(args.tokenizer),
-             "--optimizer.lr", str(args.lr), "--lr_scheduler.warmup_steps", str(max(1, args.steps // 6)),
+             "--optimizer.lr", str(lr), "--lr_scheduler.warmup_steps", str(max(1, args.steps // 6)),
              "--checkpoint.interval", str(args.steps // 2), "--metrics.log_freq", "1"]  # fmt: skip
     if args.device == "cuda":
         flags.append("--compile.enable")
@@ -313,7 +330,9 @@ def fill_training(row: Row, scalars: dict[str, dict[int, float]], tokens_per_ste
     diverged = [s for s in range(1, steps + 1) if not math.isfinite(losses[s])]
     if diverged:
         before = f" (step {diverged[0] - 1}: {losses[diverged[0] - 1]:.2f})" if diverged[0] > 1 else ""
-        row.note = f"the loss is not finite from step {diverged[0]}{before}"
+        row.note = "; ".join(
+            filter(None, [row.note, f"the loss is not finite from step {diverged[0]}{before}"])
+        )
     throughput = scalars["throughput/tokens_per_second_per_device"]
     row.first_step_s = tokens_per_step / throughput[1]
     steady = [s for s in throughput if s > min(FIRST_STEPS, steps - 1)]
@@ -421,13 +440,14 @@ def run_family(family: str, args) -> Row:
         except Exception as e:
             raise StepFailed(f"build: {reason_of(f'{type(e).__name__}: {e}')}") from e
         dump, resumed = folder / "run", folder / "resumed"
-        step("train", train_command(dump, config_path, args), folder, args, train_env(), dump)
+        lr, row.note = learning_rate(family, args)
+        step("train", train_command(dump, config_path, lr, args), folder, args, train_env(), dump)
         expected = read_run(dump)
         fill_training(row, expected, args.seq_len * args.batch_size, args.steps)
 
         half = f"step-{args.steps // 2}"
         shutil.copytree(dump / "checkpoint" / half, resumed / "checkpoint" / half)
-        step("resume", train_command(resumed, config_path, args), folder, args, train_env(), resumed)
+        step("resume", train_command(resumed, config_path, lr, args), folder, args, train_env(), resumed)
         row.resume = resume_verdict(expected["loss/train"], read_run(resumed)["loss/train"], args.device)
 
         step(
@@ -464,9 +484,11 @@ POLL_S = 1.0
 def worker_command(family: str, args) -> list[str]:
     """One family in a process of its own, its row printed as JSON (``--row_json``) and not written to the doc."""
     options = ["--size", args.size, "--steps", str(args.steps), "--seq_len", str(args.seq_len),
-               "--batch_size", str(args.batch_size), "--lr", str(args.lr), "--anchor_steps", str(args.anchor_steps),
+               "--batch_size", str(args.batch_size), "--anchor_steps", str(args.anchor_steps),
                "--timeout_s", str(args.timeout_s), "--dataset", str(args.dataset), "--tokenizer", str(args.tokenizer),
                "--work", str(args.work), "--device", args.device]  # fmt: skip
+    if args.lr is not None:
+        options += ["--lr", str(args.lr)]
     return [sys.executable, str(Path(__file__).resolve()), *options, *["--keep_runs"] * args.keep_runs,
             "--families", family, "--no-write_doc", "--row_json"]  # fmt: skip
 
@@ -622,7 +644,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="training steps (even; a checkpoint half-way)")
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"every family's (default: {LEARNING_RATE:g}, or LEARNING_RATES')",
+    )
     parser.add_argument("--anchor_steps", type=int, default=10, help="timed steps of the naive HF loop")
     parser.add_argument("--timeout_s", type=float, default=600, help="per step of a family")
     parser.add_argument("--dataset", type=Path, default=DEFAULT_DATASET)

@@ -405,3 +405,20 @@ def test_a_worker_runs_the_options_it_was_given(tmp_path):
         "device",
     ):
         assert getattr(again, option) == getattr(args, option), option
+
+
+def test_a_family_that_diverges_at_the_bench_s_rate_trains_at_its_own_and_its_row_says_why(tmp_path):
+    args = families.parse([*TINY, "--work", str(tmp_path)])
+    lr, note = families.learning_rate("deltaformer", args)
+    assert lr == 3e-4 and note.startswith("learning rate 0.0003: FLA's layer feeds b_proj's output")
+    assert families.learning_rate("gla", args) == (families.LEARNING_RATE, "")
+    command = families.train_command(tmp_path / "run", tmp_path / "config.json", lr, args)
+    assert command[command.index("--optimizer.lr") + 1] == "0.0003"
+    assert "--lr" not in families.worker_command(
+        "deltaformer", args
+    )  # the worker picks the family's rate itself
+
+    given = families.parse([*TINY, "--work", str(tmp_path), "--lr", "5e-4"])
+    assert families.learning_rate("deltaformer", given) == (5e-4, "")
+    again = families.parse(families.worker_command("deltaformer", given)[2:])
+    assert again.lr == 5e-4
