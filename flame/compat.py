@@ -74,14 +74,41 @@ class DeferredCompile:
         return self.compiled(*args, **kwargs)
 
 
-class _DeferCompileLoader(importlib.abc.Loader):
-    """Runs a module with ``torch.compile`` answered by :class:`DeferredCompile` while its body executes."""
+class _WrappingLoader(importlib.abc.Loader):
+    """A module's own loader, with a subclass's ``exec_module`` around the execution of its body."""
 
     def __init__(self, loader: importlib.abc.Loader):
         self.loader = loader
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
+
+
+class _WrappingFinder(importlib.abc.MetaPathFinder):
+    """Finds one module as Python's path finder does and gives it ``wrapper`` (a _WrappingLoader) around its loader."""
+
+    def __init__(self, module_name: str, wrapper: type[_WrappingLoader]):
+        self.module_name, self.wrapper = module_name, wrapper
+
+    def find_spec(self, name, path, target=None):
+        if name != self.module_name:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = self.wrapper(spec.loader)
+        return spec
+
+
+def _wrap_loading(module_name: str, wrapper: type[_WrappingLoader]) -> None:
+    """Installs the finder of ``module_name``'s wrapped loader first on sys.meta_path, once per process."""
+    if not any(
+        isinstance(finder, _WrappingFinder) and finder.module_name == module_name for finder in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _WrappingFinder(module_name, wrapper))
+
+
+class _DeferCompileLoader(_WrappingLoader):
+    """Runs a module with ``torch.compile`` answered by :class:`DeferredCompile` while its body executes."""
 
     def exec_module(self, module) -> None:
         import torch
@@ -94,24 +121,13 @@ class _DeferCompileLoader(importlib.abc.Loader):
             torch.compile = compile_fn
 
 
-class _DeferTorchtitanCompileFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TORCHTITAN_COMPILING_MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _DeferCompileLoader(spec.loader)
-        return spec
-
-
 def defer_torchtitan_import_compile() -> None:
     """torchtitan.models.attention calls ``torch.compile(flex_attention, ...)`` in a class body, so every import of
     torchtitan (its __init__ imports it through the quantization converters and protocols) loads inductor, also in
     runs that never compile or use FlexAttention (docs/performance.md, "Start-up imports"). flame
     lets that one module's compile wrapper be made at its first call; installed by ``import flame``, before anything
     imports torchtitan."""
-    if not any(isinstance(finder, _DeferTorchtitanCompileFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _DeferTorchtitanCompileFinder())
+    _wrap_loading(TORCHTITAN_COMPILING_MODULE, _DeferCompileLoader)
 
 
 TRANSFORMERS_SKLEARN_MODULE = "transformers.generation.candidate_generator"
@@ -125,16 +141,10 @@ def roc_curve_at_first_call(*args, **kwargs):
     return roc_curve(*args, **kwargs)
 
 
-class _LazySklearnLoader(importlib.abc.Loader):
+class _LazySklearnLoader(_WrappingLoader):
     """Runs transformers' candidate generator with scikit-learn reported absent while its body executes, then gives
     the module its real ``is_sklearn_available`` and, where scikit-learn is installed, a ``roc_curve`` that imports
     it at its first call: what transformers 5.21 does."""
-
-    def __init__(self, loader: importlib.abc.Loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
 
     def exec_module(self, module) -> None:
         import transformers.utils
@@ -150,26 +160,14 @@ class _LazySklearnLoader(importlib.abc.Loader):
             module.roc_curve = roc_curve_at_first_call
 
 
-class _LazySklearnFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TRANSFORMERS_SKLEARN_MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _LazySklearnLoader(spec.loader)
-        return spec
-
-
 def defer_transformers_sklearn_import() -> None:
     """transformers before 5.21 imports scikit-learn, where it is installed (lm-eval requires it), at the top of
     generation/candidate_generator.py, which AutoTokenizer and every model class load: 1.3 s of the rank's imports on
     this repository's 2-core machine, 2.9 s on an H200 host, for a ROC curve that only assisted generation's
     confidence threshold computes. flame's loader defers that import to its first call; installed by ``import
     flame``, before anything imports transformers' generation."""
-    if _transformers_imports_sklearn_at_top() and not any(
-        isinstance(finder, _LazySklearnFinder) for finder in sys.meta_path
-    ):
-        sys.meta_path.insert(0, _LazySklearnFinder())
+    if _transformers_imports_sklearn_at_top():
+        _wrap_loading(TRANSFORMERS_SKLEARN_MODULE, _LazySklearnLoader)
 
 
 def _transformers_imports_sklearn_at_top() -> bool:
