@@ -31,6 +31,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchtitan.tools.logging import logger
 
+from flame.errors import first_line
+
 WARMUP_ITERATIONS = 2  # Triton's compilation and autotuning, cuBLAS's workspaces: all before the capture
 
 
@@ -139,8 +141,9 @@ class BlockGraphs:
     def fail(self, what: str, error: Exception) -> None:
         self.failed, self.capturing, self.graphs, self.written = True, False, [], {}
         torch.cuda.synchronize()
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[-1]
-        logger.warning("The blocks run eagerly: %s failed (%s: %s)", what, type(error).__name__, reason)
+        logger.warning(
+            "The blocks run eagerly: %s failed (%s: %s)", what, type(error).__name__, first_line(error)
+        )
 
     def _capture_forward(self, index: int, args: tuple, kwargs: dict, signature: tuple) -> "_BlockGraph":
         block, forward = self.blocks[index], self.eager_forwards[index]

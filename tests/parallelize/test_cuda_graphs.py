@@ -129,6 +129,16 @@ class LayerBlock(nn.Module):
         return hidden + torch.tanh(self.linear(hidden)) * lower
 
 
+# What torch raises for a kernel that waits on the host while its stream is captured (mom's router, H200): the reason
+# is the first line, CUDA's advice the last.
+CAPTURE_ERROR = (
+    "CUDA error: operation not permitted when stream is capturing\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be "
+    "incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+    "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
+)
+
+
 def stand_in_graphs(monkeypatch, owner, fail_at=None):
     """Capture and replay stood in for (CUDA graphs need a GPU): each forward capture (F<block>:<how many of its
     input tensors an earlier block returned>), replay (R<block>) and backward capture (B<blocks>) is recorded; the
@@ -138,7 +148,7 @@ def stand_in_graphs(monkeypatch, owner, fail_at=None):
 
     def capture_forward(index, args, kwargs, signature):
         if index == fail_at:
-            raise RuntimeError("operation not permitted when stream is capturing")
+            raise RuntimeError(CAPTURE_ERROR)
         tensors = [leaf for leaf in tree_flatten((args, kwargs))[0] if torch.is_tensor(leaf)]
         events.append(f"F{index}:{sum(cuda_graphs.output_key(t) in owner.written for t in tensors)}")
         graph = object.__new__(_BlockGraph)
@@ -233,8 +243,8 @@ def test_a_failed_capture_leaves_its_forward_eager_and_later_ones_too(monkeypatc
         torch.testing.assert_close(run_stack(owner.blocks, x, lowers), want, rtol=0, atol=0)
     assert events == ["F0:0"] and owner.graphs == [] and owner.failed
     assert [r.message for r in caplog.records if r.levelname == "WARNING"] == [
-        "The blocks run eagerly: capturing block 1 as a CUDA graph failed (RuntimeError: operation not permitted "
-        "when stream is capturing)"
+        "The blocks run eagerly: capturing block 1 as a CUDA graph failed (RuntimeError: CUDA error: operation not "
+        "permitted when stream is capturing)"
     ]
     events.clear()
     run_stack(owner.blocks, x, lowers)
