@@ -1,7 +1,9 @@
 """Tensor parallelism on the generic path: transformers' own llama, mistral, qwen2 (q/k/v biases), qwen3 (per-head
 q/k norms replicated with their gradients summed, tied embeddings) and olmo2 (q/k/v gathered for its norms over all
-heads) classes, all with GQA, train on 2 gloo ranks with tensor_parallel_degree 2 as in one process: 1e-5
-relative on the loss and 1e-4 on the gradient norm (float32 summation order) at each of 3 steps. The pre-flight
+heads) classes, all with GQA, train on 2 gloo ranks with tensor_parallel_degree 2 as in one process, within
+float32's summation order: 1e-5 relative on the first step's loss (the same weights), 1e-4 on the gradient norm at
+each of 3 steps and on the later losses (weights updated at lr 1e-2 with those gradients: olmo2's third loss differed
+by 1.02e-5 on an AMD EPYC CPU). The pre-flight
 refuses head counts or MLP widths the degree does not divide, FLA's classes, and the model types whose plans flame
 has not verified, and so does a caller asking for loss parallelism."""
 
@@ -18,7 +20,7 @@ from flame.parallelize import parallelize_model
 from flame.parallelize.checks import check_parallelism
 from tests.parallelize.harness import TINY, Setting, job_config, reference_run, run_world
 
-LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
+FIRST_LOSS_RTOL, LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4, 1e-4
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 
@@ -37,7 +39,8 @@ def test_tp2_matches_one_process(family, results):
     assert len(got) == len(want) == 3
     assert min(loss for loss, _ in want[1:]) < want[0][0] - 0.2  # the steps do train (HF's init, lr 1e-2)
     for step, ((loss, grad_norm), (ref_loss, ref_grad_norm)) in enumerate(zip(got, want), 1):
-        assert loss == pytest.approx(ref_loss, rel=LOSS_RTOL), (step, got, want)
+        loss_rtol = FIRST_LOSS_RTOL if step == 1 else LOSS_RTOL
+        assert loss == pytest.approx(ref_loss, rel=loss_rtol), (step, got, want)
         assert grad_norm == pytest.approx(ref_grad_norm, rel=GRAD_NORM_RTOL), (step, got, want)
 
 
