@@ -208,6 +208,9 @@ class Row:
     anchor_tokens_per_s: float = float("nan")
     note: str = ""
 
+    def add_note(self, text: str) -> None:
+        self.note = "; ".join(filter(None, [self.note, text]))
+
 
 class StepFailed(Exception):
     """A step of a family failed; the message is the row's reason."""
@@ -330,9 +333,7 @@ def fill_training(row: Row, scalars: dict[str, dict[int, float]], tokens_per_ste
     diverged = [s for s in range(1, steps + 1) if not math.isfinite(losses[s])]
     if diverged:
         before = f" (step {diverged[0] - 1}: {losses[diverged[0] - 1]:.2f})" if diverged[0] > 1 else ""
-        row.note = "; ".join(
-            filter(None, [row.note, f"the loss is not finite from step {diverged[0]}{before}"])
-        )
+        row.add_note(f"the loss is not finite from step {diverged[0]}{before}")
     throughput = scalars["throughput/tokens_per_second_per_device"]
     row.first_step_s = tokens_per_step / throughput[1]
     steady = [s for s in throughput if s > min(FIRST_STEPS, steps - 1)]
@@ -440,7 +441,8 @@ def run_family(family: str, args) -> Row:
         except Exception as e:
             raise StepFailed(f"build: {reason_of(f'{type(e).__name__}: {e}')}") from e
         dump, resumed = folder / "run", folder / "resumed"
-        lr, row.note = learning_rate(family, args)
+        lr, why = learning_rate(family, args)
+        row.add_note(why)
         step("train", train_command(dump, config_path, lr, args), folder, args, train_env(), dump)
         expected = read_run(dump)
         fill_training(row, expected, args.seq_len * args.batch_size, args.steps)
@@ -463,10 +465,10 @@ def run_family(family: str, args) -> Row:
                                  "--device", args.device], folder, args)  # fmt: skip
         row.anchor_tokens_per_s = float(output.strip().splitlines()[-1])
     except StepFailed as e:
-        row.note = "; ".join(filter(None, [row.note, str(e)]))
+        row.add_note(str(e))
     except Exception as e:  # reading a step's results failed: this row says so, the other families still run
         traceback.print_exc()
-        row.note = "; ".join(filter(None, [row.note, f"reading the results: {type(e).__name__}: {e}"]))
+        row.add_note(f"reading the results: {type(e).__name__}: {e}")
     finally:
         if (
             not args.keep_runs

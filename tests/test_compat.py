@@ -93,9 +93,8 @@ def test_deferred_compile_compiles_once_at_the_first_call():
 
 def test_gpu_stack_transformers_is_one_that_imports_sklearn_at_the_top():
     # The shim acts only below transformers 5.21 (the CPU stack has a later one); the GPU stack's still needs it.
-    assert compat._release(pinned("constraints-gpu.txt", "transformers")) < compat._release(
-        compat.TRANSFORMERS_LAZY_SKLEARN
-    ), (
+    gpu_stack = compat._release(pinned("constraints-gpu.txt", "transformers"))
+    assert gpu_stack < compat._release(compat.TRANSFORMERS_LAZY_SKLEARN), (
         "the GPU stack's transformers imports scikit-learn where it uses it: delete defer_transformers_sklearn_import"
     )
 

@@ -414,9 +414,8 @@ def test_a_family_that_diverges_at_the_bench_s_rate_trains_at_its_own_and_its_ro
     assert families.learning_rate("gla", args) == (families.LEARNING_RATE, "")
     command = families.train_command(tmp_path / "run", tmp_path / "config.json", lr, args)
     assert command[command.index("--optimizer.lr") + 1] == "0.0003"
-    assert "--lr" not in families.worker_command(
-        "deltaformer", args
-    )  # the worker picks the family's rate itself
+    # The worker picks the family's rate itself.
+    assert "--lr" not in families.worker_command("deltaformer", args)
 
     given = families.parse([*TINY, "--work", str(tmp_path), "--lr", "5e-4"])
     assert families.learning_rate("deltaformer", given) == (5e-4, "")
