@@ -35,6 +35,19 @@ def preflight_only(tmp_path, *args, env=None):
     return result
 
 
+def dry_run_in_process(monkeypatch, capsys, *args: str) -> str:
+    """The pre-flight's dry run called in this process (NGPU=1); its stdout. The dry run through train.sh itself:
+    test_dry_run_prints_config_params_and_flops_without_touching_dump."""
+    from flame.launch import EXIT_DONE, preflight
+
+    monkeypatch.setenv("NGPU", "1")
+    monkeypatch.delenv("NNODE", raising=False)
+    monkeypatch.delenv("FLAME_LAUNCH_ENV", raising=False)
+    capsys.readouterr()
+    assert preflight(["--job.dry_run", *args]) == EXIT_DONE
+    return capsys.readouterr().out
+
+
 def test_unknown_option_fails_in_the_preflight_with_one_line(tmp_path):
     result = preflight_only(tmp_path, "--training.stepz", "3")
     assert result.returncode == 2
@@ -65,20 +78,23 @@ def test_bad_paths_are_one_line(args, message):
     ]
 
 
-def test_malformed_and_unknown_model_configs(tmp_path):
+def test_malformed_and_unknown_model_configs(tmp_path, monkeypatch, capsys):
     bad_json = tmp_path / "bad.json"
     bad_json.write_text('{"model_type": "transformer", ')
     result = train_sh("--model.config", str(bad_json))
     assert result.returncode == 2 and "is not valid JSON" in result.stderr
+    from flame.launch import main
+
     unknown = tmp_path / "unknown.json"
     unknown.write_text('{"model_type": "mamba9"}')
-    result = train_sh("--model.config", str(unknown))
-    assert result.returncode == 2
-    assert "model_type 'mamba9' is not supported" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    monkeypatch.setattr("sys.argv", ["flame.launch", "--model.config", str(unknown)])
+    capsys.readouterr()
+    assert main() == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "model_type 'mamba9' is not supported" in line
 
 
-def test_an_fla_class_without_a_gpu_stops_before_the_ranks_and_still_dry_runs(tmp_path):
+def test_an_fla_class_without_a_gpu_stops_before_the_ranks_and_still_dry_runs(tmp_path, monkeypatch, capsys):
     config = tmp_path / "gla.json"
     config.write_text('{"model_type": "gla", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2}')
     dump = tmp_path / "run"
@@ -89,18 +105,19 @@ def test_an_fla_class_without_a_gpu_stops_before_the_ranks_and_still_dry_runs(tm
         "error: model_type 'gla' is FLA's class, whose layers run Triton kernels only: it needs"
     )
     assert not (dump / "logs").exists()  # no rank started
-    assert train_sh("--model.config", str(config), "--job.dry_run").returncode == 0
+    out = dry_run_in_process(monkeypatch, capsys, "--model.config", str(config))
+    assert re.search(r"^params: \d+$", out, re.M)
 
 
-def test_tokenizer_larger_than_vocab_is_refused_or_resized(tmp_path):
+def test_tokenizer_larger_than_vocab_is_refused_or_resized(tmp_path, monkeypatch, capsys):
     small = tmp_path / "small.json"
     config = json.loads((REPO / "flame/assets/tiny.json").read_text())
     small.write_text(json.dumps({**config, "vocab_size": 1000}))
     result = train_sh("--model.config", str(small))
     assert result.returncode == 2
     assert "the tokenizer has 4096 tokens but the model's vocab_size is 1000" in result.stderr
-    result = train_sh("--model.config", str(small), "--model.resize_vocab", "--job.dry_run")
-    assert result.returncode == 0, result.stderr
+    out = dry_run_in_process(monkeypatch, capsys, "--model.config", str(small), "--model.resize_vocab")
+    assert json.loads(out[: out.index("params:")])["model"]["resize_vocab"] is True
 
 
 def test_ngpu_above_visible_gpus_is_refused(monkeypatch):
@@ -142,22 +159,20 @@ def test_dry_run_prints_config_params_and_flops_without_touching_dump(tmp_path):
     assert merged["job"]["dry_run"] is True and merged["job"]["dump_folder"] == str(dump)
 
 
-def test_dry_run_counts_varlen_attention_over_one_document(tmp_path):
+def test_dry_run_counts_varlen_attention_over_one_document(tmp_path, monkeypatch, capsys):
     """With --training.varlen no query attends past its document of at most context_len tokens: the attention
     terms count that span, as a run of context_len-token rows would."""
 
     def flops(*flags):
-        result = train_sh("--job.dry_run", "--job.dump_folder", str(tmp_path), "--model.config",
-                          str(REPO / "configs/transformer_340M.json"), *flags)  # fmt: skip
-        assert result.returncode == 0, result.stderr
-        return int(re.search(r"^flops_per_token: (\d+)$", result.stdout, re.M).group(1))
+        out = dry_run_in_process(monkeypatch, capsys, "--job.dump_folder", str(tmp_path), "--model.config",
+                                 str(REPO / "configs/transformer_340M.json"), *flags)  # fmt: skip
+        return int(re.search(r"^flops_per_token: (\d+)$", out, re.M).group(1))
 
     row = ("--training.batch_size", "1", "--training.seq_len", "8192")
     rows = flops(*row)
-    assert flops(*row, "--training.varlen", "--training.context_len", "1024") == flops(
-        "--training.seq_len", "1024"
-    )
-    assert flops("--training.seq_len", "1024") < rows
+    short_rows = flops("--training.seq_len", "1024")
+    assert flops(*row, "--training.varlen", "--training.context_len", "1024") == short_rows
+    assert short_rows < rows
     assert flops(*row, "--training.varlen") == rows  # documents as long as the row
 
 
@@ -174,17 +189,11 @@ def fla_transformer_param_count(config_path: Path, monkeypatch) -> int:
         return sum(p.numel() for p in TransformerForCausalLM(config).parameters())
 
 
-def test_dry_run_of_transformer_340m_matches_fla(monkeypatch):
+def test_dry_run_of_transformer_340m_matches_fla(monkeypatch, capsys):
     config = REPO / "configs/transformer_340M.json"
-    result = train_sh(
-        "--job.dry_run",
-        "--model.config",
-        str(config),
-        "--model.tokenizer_path",
-        str(REPO / "flame/assets/tokenizer"),
-    )
-    assert result.returncode == 0, result.stderr
-    params = int(re.search(r"^params: (\d+)$", result.stdout, re.M).group(1))
+    out = dry_run_in_process(monkeypatch, capsys, "--model.config", str(config), "--model.tokenizer_path",
+                             str(REPO / "flame/assets/tokenizer"))  # fmt: skip
+    params = int(re.search(r"^params: (\d+)$", out, re.M).group(1))
     assert params == fla_transformer_param_count(config, monkeypatch)
     assert 370_000_000 < params < 380_000_000
 
