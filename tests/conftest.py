@@ -12,19 +12,6 @@ import torch
 
 from tests.trainer_helpers import make_trainer  # noqa: F401  (fixture)
 
-
-def threads_per_worker() -> int:
-    """The cores each pytest-xdist worker may use: with more CPU threads than cores, OpenMP's waiting threads spin
-    on the cores the other worker needs (two concurrent 20-step CPU runs of train.sh took 118 s with 2 threads
-    each on 2 cores, 41 s with 1)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return max(1, len(os.sched_getaffinity(0)) // workers)
-
-
-# This process's torch threads, and (through OMP_NUM_THREADS, which train.sh and torchrun keep) its children's.
-os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker()))
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
 collect_ignore = [] if torch.cuda.is_available() else ["gpu"]
 # Triton's interpreter must be chosen before triton is imported: tests/ops/test_triton_kernels_interpreted.py runs
 # these in a subprocess with TRITON_INTERPRET=1.
