@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.trainer_helpers import dry_run_output
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -33,19 +35,6 @@ def preflight_only(tmp_path, *args, env=None):
     result = train_sh(*args, env={**(env or {}), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
     assert not mark.exists(), "the refusal came after torchrun started the ranks"
     return result
-
-
-def dry_run_in_process(monkeypatch, capsys, *args: str) -> str:
-    """The pre-flight's dry run called in this process (NGPU=1); its stdout. The dry run through train.sh itself:
-    test_dry_run_prints_config_params_and_flops_without_touching_dump."""
-    from flame.launch import EXIT_DONE, preflight
-
-    monkeypatch.setenv("NGPU", "1")
-    monkeypatch.delenv("NNODE", raising=False)
-    monkeypatch.delenv("FLAME_LAUNCH_ENV", raising=False)
-    capsys.readouterr()
-    assert preflight(["--job.dry_run", *args]) == EXIT_DONE
-    return capsys.readouterr().out
 
 
 def test_unknown_option_fails_in_the_preflight_with_one_line(tmp_path):
@@ -94,7 +83,7 @@ def test_malformed_and_unknown_model_configs(tmp_path, monkeypatch, capsys):
     assert "model_type 'mamba9' is not supported" in line
 
 
-def test_an_fla_class_without_a_gpu_stops_before_the_ranks_and_still_dry_runs(tmp_path, monkeypatch, capsys):
+def test_an_fla_class_without_a_gpu_stops_before_the_ranks_and_still_dry_runs(tmp_path, capsys):
     config = tmp_path / "gla.json"
     config.write_text('{"model_type": "gla", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2}')
     dump = tmp_path / "run"
@@ -105,18 +94,18 @@ def test_an_fla_class_without_a_gpu_stops_before_the_ranks_and_still_dry_runs(tm
         "error: model_type 'gla' is FLA's class, whose layers run Triton kernels only: it needs"
     )
     assert not (dump / "logs").exists()  # no rank started
-    out = dry_run_in_process(monkeypatch, capsys, "--model.config", str(config))
+    out = dry_run_output(capsys, "--model.config", str(config))
     assert re.search(r"^params: \d+$", out, re.M)
 
 
-def test_tokenizer_larger_than_vocab_is_refused_or_resized(tmp_path, monkeypatch, capsys):
+def test_tokenizer_larger_than_vocab_is_refused_or_resized(tmp_path, capsys):
     small = tmp_path / "small.json"
     config = json.loads((REPO / "flame/assets/tiny.json").read_text())
     small.write_text(json.dumps({**config, "vocab_size": 1000}))
     result = train_sh("--model.config", str(small))
     assert result.returncode == 2
     assert "the tokenizer has 4096 tokens but the model's vocab_size is 1000" in result.stderr
-    out = dry_run_in_process(monkeypatch, capsys, "--model.config", str(small), "--model.resize_vocab")
+    out = dry_run_output(capsys, "--model.config", str(small), "--model.resize_vocab")
     assert json.loads(out[: out.index("params:")])["model"]["resize_vocab"] is True
 
 
@@ -159,13 +148,13 @@ def test_dry_run_prints_config_params_and_flops_without_touching_dump(tmp_path):
     assert merged["job"]["dry_run"] is True and merged["job"]["dump_folder"] == str(dump)
 
 
-def test_dry_run_counts_varlen_attention_over_one_document(tmp_path, monkeypatch, capsys):
+def test_dry_run_counts_varlen_attention_over_one_document(tmp_path, capsys):
     """With --training.varlen no query attends past its document of at most context_len tokens: the attention
     terms count that span, as a run of context_len-token rows would."""
 
     def flops(*flags):
-        out = dry_run_in_process(monkeypatch, capsys, "--job.dump_folder", str(tmp_path), "--model.config",
-                                 str(REPO / "configs/transformer_340M.json"), *flags)  # fmt: skip
+        out = dry_run_output(capsys, "--job.dump_folder", str(tmp_path), "--model.config",
+                             str(REPO / "configs/transformer_340M.json"), *flags)  # fmt: skip
         return int(re.search(r"^flops_per_token: (\d+)$", out, re.M).group(1))
 
     row = ("--training.batch_size", "1", "--training.seq_len", "8192")
@@ -191,8 +180,8 @@ def fla_transformer_param_count(config_path: Path, monkeypatch) -> int:
 
 def test_dry_run_of_transformer_340m_matches_fla(monkeypatch, capsys):
     config = REPO / "configs/transformer_340M.json"
-    out = dry_run_in_process(monkeypatch, capsys, "--model.config", str(config), "--model.tokenizer_path",
-                             str(REPO / "flame/assets/tokenizer"))  # fmt: skip
+    out = dry_run_output(capsys, "--model.config", str(config), "--model.tokenizer_path",
+                         str(REPO / "flame/assets/tokenizer"))  # fmt: skip
     params = int(re.search(r"^params: (\d+)$", out, re.M).group(1))
     assert params == fla_transformer_param_count(config, monkeypatch)
     assert 370_000_000 < params < 380_000_000

@@ -1,4 +1,5 @@
-"""Driving flame's Trainer in-process (one CPU rank, gloo) on the tiny default model with short sequences."""
+"""Driving flame's Trainer in-process (one CPU rank, gloo) on the tiny default model with short sequences, and
+train.sh's pre-flight dry run in-process."""
 
 from pathlib import Path
 
@@ -10,6 +11,16 @@ from flame.launch import free_port  # noqa: F401  (the tests' rendezvous ports)
 TINY = ["--training.seq_len", "64", "--training.batch_size", "2", "--training.steps", "4",
         "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--checkpoint.no-enable",
         "--training.seed", "7"]  # fmt: skip
+
+
+def dry_run_output(capsys, *flags: str) -> str:
+    """What train.sh's pre-flight dry run prints (the merged job, ``params:``, ``flops_per_token:``), run in this
+    process."""
+    from flame.launch import EXIT_DONE, preflight
+
+    capsys.readouterr()
+    assert preflight([*flags, "--job.dry_run"]) == EXIT_DONE
+    return capsys.readouterr().out
 
 
 @pytest.fixture

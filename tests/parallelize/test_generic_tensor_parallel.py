@@ -3,9 +3,8 @@ q/k norms replicated with their gradients summed, tied embeddings) and olmo2 (q/
 heads) classes, all with GQA, train on 2 gloo ranks with tensor_parallel_degree 2 as in one process, within
 float32's summation order: 1e-5 relative on the first step's loss (the same weights), 1e-4 on the gradient norm at
 each of 3 steps and on the later losses (weights updated at lr 1e-2 with those gradients: olmo2's third loss differed
-by 1.02e-5 on an AMD EPYC CPU). The pre-flight
-refuses head counts or MLP widths the degree does not divide, FLA's classes, and the model types whose plans flame
-has not verified, and so does a caller asking for loss parallelism."""
+by 1.02e-5 on an AMD EPYC CPU). The pre-flight refuses head counts or MLP widths the degree does not divide, FLA's
+classes, and the model types whose plans flame has not verified, and so does a caller asking for loss parallelism."""
 
 import re
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tests.trainer_helpers import free_port
+from tests.trainer_helpers import dry_run_output, free_port
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -38,10 +38,7 @@ def upstream_params(config: dict) -> int:
 
 def dry_run_params(capsys, *flags: str) -> int:
     """The ``params:`` line of train.sh's pre-flight dry run, run in this process."""
-    from flame.launch import EXIT_DONE, preflight
-
-    assert preflight([*flags, "--job.dry_run"]) == EXIT_DONE
-    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("params: ")]
+    (line,) = [line for line in dry_run_output(capsys, *flags).splitlines() if line.startswith("params: ")]
     return int(line.removeprefix("params: "))
 
 
