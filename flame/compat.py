@@ -495,6 +495,52 @@ def fla_flash_attn_calls_on_flame(functions: dict[str, Callable]) -> None:
                 setattr(module, name, function)
 
 
+# The name under which transformers' Gated DeltaNet modules hold their hooked chunk op.
+TRANSFORMERS_GATED_DELTA_RULE = "torch_chunk_gated_delta_rule"
+
+
+def transformers_gated_delta_rule_on_flame(op: Callable) -> None:
+    """transformers' Gated DeltaNet layers (qwen3_next, qwen3_5, olmo_hybrid, ...) call their module's
+    ``torch_chunk_gated_delta_rule``, which transformers hooks to FLA's op wherever fla imports. In every imported
+    transformers model module that has it, calls under torch.compile and calls with tensors off the GPU go to ``op``
+    (flame's ``chunk_gated_delta_rule`` with transformers' arguments) for the process; eager GPU calls stay on the hook.
+    Compiled, the hook ran transformers' PyTorch reference: an H200 profile of a compiled olmo_hybrid step
+    (docs/models.md) held ~3,500 small matmuls per step and no FLA kernel, at 44.6 GiB against 17.3 GiB eager.
+    Off the GPU it hands CPU tensors to FLA's Triton kernels, which need a GPU. flame's op compiles into the block's
+    graph (flame.ops.fla_library) and runs its PyTorch implementation on the CPU."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or module is None:
+            continue
+        hook = getattr(module, TRANSFORMERS_GATED_DELTA_RULE, None)
+        if hook is not None and not getattr(hook, "flame_routes", False):
+            setattr(module, TRANSFORMERS_GATED_DELTA_RULE, _compiled_and_cpu_calls_on(op, hook))
+
+
+def _compiled_and_cpu_calls_on(op: Callable, hook: Callable) -> Callable:
+    import torch
+
+    @functools.wraps(hook)
+    def gated_delta_rule(query, *args, **kwargs):
+        if torch.compiler.is_compiling() or query.device.type != "cuda":
+            return op(query, *args, **kwargs)
+        return hook(query, *args, **kwargs)
+
+    gated_delta_rule.flame_routes = True
+    return gated_delta_rule
+
+
+def _transformers_hooks_gated_delta_rule_to_fla() -> bool:
+    import inspect
+
+    from transformers.models.olmo_hybrid import modeling_olmo_hybrid
+
+    hook = getattr(modeling_olmo_hybrid, TRANSFORMERS_GATED_DELTA_RULE)
+    if getattr(hook, "flame_routes", False):
+        hook = hook.__wrapped__
+    implementation = inspect.getclosurevars(hook).nonlocals.get("implementation")
+    return getattr(implementation, "__module__", "").startswith("fla.")
+
+
 def _sources_contain(module_names: tuple[str, ...], *texts: str) -> bool:
     """Whether each module's source file holds every one of ``texts``."""
     for module_name in module_names:
@@ -807,5 +853,14 @@ SHIMS = (
         fixed_in=None,
         workaround="fla_layers_on_flame (flame.models.layers.fla_mamba2 on flame.ops.ssd)",
         reproduces=_fla_mamba2_scan_materialises_pairs,
+    ),
+    Shim(
+        name="transformers_gated_delta_rule_hook",
+        applies=_always,
+        upstream="not filed: transformers (5.17-5.24) hooks its Gated DeltaNet layers' chunk op to FLA's wherever "
+        "fla imports, for CPU tensors too, and a compiled block ran its PyTorch reference on an H200",
+        fixed_in=None,
+        workaround="transformers_gated_delta_rule_on_flame",
+        reproduces=_transformers_hooks_gated_delta_rule_to_fla,
     ),
 )

@@ -17,6 +17,7 @@ from flame.compat import (
     fla_moba_on_flame,
     fla_rodimus_blocks_follow_the_model,
     fla_tilelang_attention_takes_its_head_widths,
+    transformers_gated_delta_rule_on_flame,
 )
 from flame.errors import ModelConfigError
 from flame.models.common.decoder import LMHead
@@ -54,6 +55,18 @@ class FlameCausalLM:
         self.flame_constructed = False
         super().__init__(config, *args, **kwargs)
         self.flame_constructed = True
+
+    # transformers decides whether a class may choose its attention and experts kernels by reading the source of
+    # ``cls.__module__`` (this module, for flame's class): the class's own module answers instead. Without it a
+    # mixture-of-experts class (qwen3_next, ...) fell back to its per-expert loop in place of grouped_mm, unless its
+    # own class had been asked first in the process.
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return cls.flame_lm_class._can_set_attn_implementation()
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        return cls.flame_lm_class._can_set_experts_implementation()
 
     def built_again(self) -> nn.Module:
         """The model built from its config again, as build_generic_model built it (FLA's attention included)."""
@@ -188,6 +201,7 @@ def instantiate(lm_class: type, config) -> nn.Module:
     no replacement for stops with one line naming it."""
     cls = flame_class(lm_class)
     if not is_fla_class(lm_class):
+        transformers_gated_delta_rule_on_flame(transformers_chunk_gated_delta_rule)
         return cls(config)
     try:
         with fla_classes_as_flame_builds_them():
@@ -200,6 +214,30 @@ def instantiate(lm_class: type, config) -> nn.Module:
             "runs only on it (flame runs FLA's Attention and BitAttention on its own attention, not this layer); "
             "install flash-attn or choose another model_type"
         ) from e
+
+
+def transformers_chunk_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    **unused,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' ``torch_chunk_gated_delta_rule`` call (its Gated DeltaNet layers') on flame's op, which has FLA's
+    semantics: ``chunk_size`` (FLA's kernels chunk by 64) and the other keyword arguments a layer passes on are
+    dropped, as transformers' hook drops them for FLA's op (flame.compat.transformers_gated_delta_rule_on_flame)."""
+    from flame.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule(
+        query, key, value, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
 
 
 def build_generic_model(args: GenericArgs) -> nn.Module:
