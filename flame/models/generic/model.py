@@ -57,9 +57,8 @@ class FlameCausalLM:
         self.flame_constructed = True
 
     # transformers decides whether a class may choose its attention and experts kernels by reading the source of
-    # ``cls.__module__`` (this module, for flame's class): the class's own module answers instead. Without it a
-    # mixture-of-experts class (qwen3_next, ...) fell back to its per-expert loop in place of grouped_mm, unless its
-    # own class had been asked first in the process.
+    # ``cls.__module__``, which for flame's class is this module: the wrapped class answers instead, so that a
+    # mixture-of-experts class (qwen3_next, ...) keeps grouped_mm rather than its per-expert loop.
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
         return cls.flame_lm_class._can_set_attn_implementation()
