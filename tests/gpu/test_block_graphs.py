@@ -112,6 +112,42 @@ def test_another_shape_runs_eagerly_and_the_captured_shape_still_replays():
     ids=lambda config: config["model_type"],
 )
 def test_blocks_given_per_layer_tensors_replay_with_the_eager_gradients(config):
+    assert_every_block_replays_with_the_eager_gradients(config)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        # flame's attention in FLA's layers (flash-attn absent): its positions once came from a host-to-device copy,
+        # which a capture refuses, and bitnet's and samba's blocks ran eagerly.
+        {
+            "model_type": "bitnet",
+            "vocab_size": 4096,
+            "hidden_size": 128,
+            "num_hidden_layers": 2,
+            "num_heads": 2,
+        },
+        *(
+            {
+                "model_type": "samba",
+                "vocab_size": 4096,
+                "hidden_size": 128,
+                "num_hidden_layers": 2,
+                "attn": {"layers": [1], "num_heads": 2, "num_kv_heads": 2, "window_size": window},
+            }
+            for window in (
+                2048,
+                64,
+            )  # longer than the rows (SDPA), and one that bites (FLA's windowed kernel)
+        ),
+    ],
+    ids=["bitnet", "samba_window_2048", "samba_window_64"],
+)
+def test_attention_blocks_replay_with_the_eager_gradients(config):
+    assert_every_block_replays_with_the_eager_gradients(config)
+
+
+def assert_every_block_replays_with_the_eager_gradients(config):
     eager, graphed, owner = models(config)
     for step in range(3):
         (tokens,) = batches([331])

@@ -5,6 +5,7 @@ keys (queries aligned to the end of the keys) against the last rows of the full 
 (float64, rtol = atol = 1e-12)."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -171,6 +172,34 @@ def test_window_of_one_attends_to_the_query_itself():
     q, k, v = make_qkv(seed=2)
     out = attention(q, k, v, impl="softmax", window_size=1)
     torch.testing.assert_close(out, v.repeat_interleave(2, dim=2), **FLOAT64_TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("query_len", [37, 11])
+def test_a_window_as_long_as_the_keys_is_plain_causal_attention_and_reaches_the_kernel_as_none(
+    impl, query_len, monkeypatch
+):
+    """Samba's 2048-token window over 2048-token rows hides no key: the call goes to the plain causal kernels
+    (SDPA's on a GPU, not FLA's windowed one) with the same result; one token shorter, the window still bites."""
+    q, k, v = make_qkv(seed=4)
+    q = q[:, -query_len:]
+    causal = attention(q, k, v, impl=impl)
+    for window_size in (37, 38, 36):
+        out = attention(q, k, v, impl=impl, window_size=window_size)
+        assert torch.equal(out, causal) == (window_size >= 37), window_size
+    attention_module = sys.modules["flame.ops.attention"]  # flame.ops.attention is also the function's name
+    windows = []
+    kernel = attention_module.ATTENTION
+    monkeypatch.setattr(
+        attention_module,
+        "ATTENTION",
+        lambda *a, window_size, **kw: (
+            windows.append(window_size) or kernel(*a, window_size=window_size, **kw)
+        ),
+    )
+    for window_size in (None, 36, 37, 2048):
+        attention(q, k, v, impl=impl, window_size=window_size)
+    assert windows == [None, 36, None, None]
 
 
 @pytest.mark.parametrize("score", [1e-6, 0.5, 5.0])

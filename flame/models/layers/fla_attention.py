@@ -142,10 +142,11 @@ class FLAAttention(nn.Module):
                 offset = cached_len + attention_mask.sum(-1) - attention_mask.shape[-1]
         if cu_seqlens is not None:
             positions = position_ids_from_cu_seqlens(cu_seqlens).unsqueeze(0)
+        elif isinstance(offset, torch.Tensor):
+            positions = offset.reshape(-1, 1) + torch.arange(q_len, device=q.device)
         else:
-            positions = torch.as_tensor(offset, device=q.device).reshape(-1, 1) + torch.arange(
-                q_len, device=q.device
-            )
+            # From a Python int without a host-to-device copy, which a CUDA graph capture refuses.
+            positions = torch.arange(offset, offset + q_len, device=q.device).unsqueeze(0)
         q, k = self.rotate(q, k, positions)
 
         if past_key_values is not None:

@@ -180,6 +180,8 @@ def attention(
         q, k, impl=impl, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
     )
     if causal:
+        if window_size is not None and window_size >= k.shape[1]:
+            window_size = None  # it hides no key: the plain causal kernels (SDPA's) serve the call
         return ATTENTION(q, k, v, impl=impl, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale)
     return reference_attention(
         q, k, v, impl=impl, causal=False, window_size=window_size, cu_seqlens=cu_seqlens, scale=scale
