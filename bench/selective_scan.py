@@ -2,6 +2,7 @@
 loop that defines it, and the memory-bandwidth floor.
 
     python bench/selective_scan.py [--shapes 8x2048x1536x16] [--no_write]
+    python bench/selective_scan.py --tiles 16x8x4,8x8x8 --no_write   # flame's kernels split other ways, side by side
 
 Per shape batch x T x D x N: u, delta [batch, T, D], B, C [batch, T, N] in bfloat16 and A [D, N] in float32, as
 FLA's Mamba layer (hidden 768, expand 2, state 16: the 97M mamba of docs/models.md) calls it in training. Times are
@@ -10,10 +11,12 @@ medians of triton.testing.do_bench_cudagraph (replays of a CUDA graph: GPU time)
 at batch 1 (its autograd keeps a state per token) and is scaled to the shape's batch. The floor is the time the
 op's bytes take at the bandwidth of a same-size `clone` of u: the forward reads u, delta, B, C and writes y (about
 2.5 clones of u at N much smaller than D), forward + backward also read them again with dy and write du, ddelta
-(about 6). The markdown table goes into docs/performance.md between ``<!-- bench_selective_scan -->`` markers.
+(about 6). ``--tiles`` times flame's kernels with each split of the work given (chunk x block_d x warps,
+flame.ops.selective_scan.triton_kernel.ScanTiles; default: the one the op uses). The markdown table goes into docs/performance.md between ``<!-- bench_selective_scan -->`` markers.
 """
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -28,7 +31,7 @@ import short_conv  # noqa: E402
 from train_throughput import command_line, device_name, write_section  # noqa: E402
 
 from flame.ops.selective_scan import selective_scan_recurrent  # noqa: E402
-from flame.ops.selective_scan.triton_kernel import selective_scan_triton  # noqa: E402
+from flame.ops.selective_scan.triton_kernel import TILES, ScanTiles, selective_scan_triton  # noqa: E402
 
 MARKER = "bench_selective_scan"
 CLONES = {"fwd": 2.5, "fwd+bwd": 6.0}  # bytes moved, in clones of u (one read and one write)
@@ -61,7 +64,7 @@ def timings(scan, args: list[torch.Tensor], rep: int) -> dict[str, float]:
             for mode, fn in (("fwd", forward), ("fwd+bwd", forward_backward))}  # fmt: skip
 
 
-def measure(batch: int, length: int, dim: int, states: int, rep: int) -> list[dict]:
+def measure(batch: int, length: int, dim: int, states: int, rep: int, tiles: list[ScanTiles]) -> list[dict]:
     """[{"impl", "fwd", "fwd+bwd"}] in ms, the floor first."""
     from triton.testing import do_bench_cudagraph
 
@@ -69,7 +72,10 @@ def measure(batch: int, length: int, dim: int, states: int, rep: int) -> list[di
     args = inputs(batch, length, dim, states, generator)
     clone = do_bench_cudagraph(lambda: args[0].detach().clone(), rep=rep, return_mode="median")
     rows = [{"impl": "floor (clone bandwidth)", **{mode: clones * clone for mode, clones in CLONES.items()}}]
-    rows.append({"impl": "flame Triton (chunked scan)", **timings(selective_scan_triton, args, rep)})
+    for split in tiles:
+        scan = functools.partial(selective_scan_triton, tiles=split)
+        used = " (the op's)" if split == TILES else ""
+        rows.append({"impl": f"flame Triton (chunked scan), tiles {split}{used}", **timings(scan, args, rep)})
     loop = timings(selective_scan_recurrent, inputs(1, length, dim, states, generator), rep)
     rows.append(
         {"impl": f"PyTorch token loop (batch 1, x {batch})", **{m: batch * t for m, t in loop.items()}}
@@ -85,6 +91,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="8x2048x1536x16", help="comma separated batch x T x D x N")
     parser.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph repetitions, ms")
+    parser.add_argument(
+        "--tiles", default=str(TILES), help="comma separated chunk x block_d x warps of flame's kernels"
+    )
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
     parser.add_argument("--no_write", action="store_true", help="print the table only")
     return parser.parse_args(argv)
@@ -102,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for shape in args.shapes.split(","):
         batch, length, dim, states = (int(x) for x in shape.split("x"))
-        results = measure(batch, length, dim, states, args.rep)
+        results = measure(
+            batch, length, dim, states, args.rep, [ScanTiles.parse(t) for t in args.tiles.split(",")]
+        )
         for result in results:
             rows.append({**result, "shape": shape, "floor": results[0]})
             print(table(rows[-1:]).splitlines()[-1], flush=True)

@@ -1,30 +1,50 @@
 """flame's Triton selective scan on the GPU against the token-by-token recurrence in float64 on the CPU (the
 interpreted CPU tests cover odd sizes; this one the compiled kernels at a layer's size: 2 x 300 tokens, 200
-channels, 16 states, crossing the 16-token chunks and 8-channel blocks, the last of each ragged; the inputs, their float32 A and the
-tolerances of tests/ops/interpreted/test_selective_scan_triton.py), and a bf16 training step of mamba through flame
-(FLA's Mamba layers on flame's scan)."""
+channels, 16 states, crossing the chunks and channel blocks of every split of the work below, the last of each
+ragged; the inputs, their float32 A and the tolerances of tests/ops/interpreted/test_selective_scan_triton.py), and a
+bf16 training step of mamba through flame (FLA's Mamba layers on flame's scan)."""
+
+import functools
 
 import pytest
 import torch
 
 from flame.models import build_model, model_args_from_dict
 from flame.ops.selective_scan import selective_scan_recurrent
-from flame.ops.selective_scan.triton_kernel import selective_scan_triton
+from flame.ops.selective_scan.triton_kernel import TILES as OP_TILES
+from flame.ops.selective_scan.triton_kernel import ScanTiles, selective_scan_triton
 from tests.ops.interpreted.test_selective_scan_triton import TOLERANCES, inputs, run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernels_equal_the_float64_recurrence(dtype):
+# The op's split of the work and those bench/selective_scan.py --tiles compares it with: each one that the bench
+# times is checked here.
+TILES = ["16x8x4", "8x8x4", "32x8x4", "16x4x4", "16x16x4", "8x4x4", "16x8x8", "8x8x8", "16x8x2", "32x4x8", "16x16x2",
+         "16x32x4", "16x8x1", "32x16x2", "16x32x2", "8x16x2", "32x8x2"]  # fmt: skip
+
+
+@functools.cache
+def problem(dtype):
     args, dy = inputs(dtype, batch=2, length=300, dim=200, states=16)
-    ours = run(selective_scan_triton, [t.cuda() for t in args], dy.cuda())
-    reference = run(selective_scan_recurrent, [t.double() for t in args], dy.double())
+    return args, dy, run(selective_scan_recurrent, [t.double() for t in args], dy.double())
+
+
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_equal_the_float64_recurrence(dtype, tiles):
+    args, dy, reference = problem(dtype)
+    scan = functools.partial(selective_scan_triton, tiles=ScanTiles.parse(tiles))
+    ours = run(scan, [t.cuda() for t in args], dy.cuda())
     rtol, atol = TOLERANCES[dtype]
     for name, mine, want in zip(("y", "last", "u", "delta", "A", "B", "C"), ours, reference):
         torch.testing.assert_close(
             mine.cpu().double(), want, rtol=rtol, atol=atol * want.abs().max().item(), msg=name
         )
+
+
+def test_the_ops_tiles_are_checked():
+    assert str(OP_TILES) in TILES
 
 
 def test_mamba_trains_a_bf16_step_on_flames_scan():

@@ -78,6 +78,9 @@ def test_the_triton_kernels_compile_for_hopper():
             source = ASTSource(
                 kernel,
                 signature(kernel, dtype),
-                constexprs={"CHUNK": kernels.CHUNK, "BLOCK_D": kernels.BLOCK_D, "BLOCK_N": 16},
+                constexprs={"CHUNK": kernels.TILES.chunk, "BLOCK_D": kernels.TILES.block_d, "BLOCK_N": 16},
             )
-            assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+            compiled = triton.compile(
+                source, target=GPUTarget("cuda", 90, 32), options={"num_warps": kernels.TILES.warps}
+            )
+            assert compiled.asm["cubin"]

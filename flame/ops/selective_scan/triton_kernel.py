@@ -29,6 +29,7 @@ in Triton's CPU interpreter (the CPU tests).
 """
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,9 +37,29 @@ import triton.language as tl
 from torch import Tensor
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Tokens scanned at once, and channels per program: a program holds several [CHUNK, BLOCK_D, N] tiles.
-CHUNK = 8 if INTERPRETED else 16
-BLOCK_D = 8
+
+
+@dataclass(frozen=True)
+class ScanTiles:
+    """How the kernels split the work: a program holds several [chunk, block_d, N] tiles."""
+
+    chunk: int  # tokens scanned at once (the backward recomputes the forward's chunks: the same for both)
+    block_d: int  # channels per program
+    warps: int  # per program
+
+    def __str__(self) -> str:
+        return f"{self.chunk}x{self.block_d}x{self.warps}"
+
+    @classmethod
+    def parse(cls, text: str) -> "ScanTiles":
+        """From "chunk x block_d x warps", as ``str`` writes it."""
+        return cls(*(int(x) for x in text.split("x")))
+
+
+# The fastest of the 17 splits timed on an H200 at Mamba's training shape (docs/performance.md, "Selective scan
+# kernel": forward + backward 3.21 ms, 5.56 ms with 4 warps). The interpreter's chunks are short so that the CPU
+# tests cross several.
+TILES = ScanTiles(chunk=8, block_d=8, warps=1) if INTERPRETED else ScanTiles(chunk=16, block_d=8, warps=1)
 
 
 @triton.jit
@@ -174,26 +195,30 @@ def _compute_dtype(u: Tensor) -> torch.dtype:
     return torch.float64 if u.dtype == torch.float64 else torch.float32
 
 
-def _forward(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _forward(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, tiles: ScanTiles
+) -> tuple[Tensor, Tensor, Tensor]:
     """y, the last state and the states entering each chunk."""
     batch, length, dim = u.shape
     state_size = A.shape[1]
-    chunks = triton.cdiv(length, CHUNK)
+    chunks = triton.cdiv(length, tiles.chunk)
     y = torch.empty_like(u)
     states = u.new_empty(batch, chunks, dim, state_size, dtype=_compute_dtype(u))
     last = u.new_empty(batch, dim, state_size, dtype=_compute_dtype(u))
-    _fwd_kernel[(triton.cdiv(dim, BLOCK_D), batch)](
+    _fwd_kernel[(triton.cdiv(dim, tiles.block_d), batch)](
         u, delta, A, B, C, y, states, last, length, dim, state_size, chunks,
         *u.stride()[:2], *delta.stride()[:2], *B.stride()[:2], *C.stride()[:2], *y.stride()[:2],
-        CHUNK=CHUNK, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(state_size),
+        CHUNK=tiles.chunk, BLOCK_D=tiles.block_d, BLOCK_N=triton.next_power_of_2(state_size), num_warps=tiles.warps,
     )  # fmt: skip
     return y, last, states
 
 
-def _backward(u, delta, A, B, C, states, dy) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _backward(
+    u, delta, A, B, C, states, dy, tiles: ScanTiles
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     batch, length, dim = u.shape
     state_size = A.shape[1]
-    blocks = triton.cdiv(dim, BLOCK_D)
+    blocks = triton.cdiv(dim, tiles.block_d)
     block_n = triton.next_power_of_2(state_size)
     compute = _compute_dtype(u)
     du = u.new_empty(batch, length, dim, dtype=compute)
@@ -203,7 +228,7 @@ def _backward(u, delta, A, B, C, states, dy) -> tuple[Tensor, Tensor, Tensor, Te
     _bwd_kernel[(blocks, batch)](
         u, delta, A, B, C, dy, states, du, ddelta, da, db, dc, length, dim, state_size, states.shape[1],
         *u.stride()[:2], *delta.stride()[:2], *B.stride()[:2], *C.stride()[:2], *dy.stride()[:2],
-        CHUNK=CHUNK, BLOCK_D=BLOCK_D, BLOCK_N=block_n,
+        CHUNK=tiles.chunk, BLOCK_D=tiles.block_d, BLOCK_N=block_n, num_warps=tiles.warps,
     )  # fmt: skip
     return (du.to(u.dtype), ddelta.to(delta.dtype), da.sum(0).to(A.dtype), db.sum(1).to(B.dtype),
             dc.sum(1).to(C.dtype))  # fmt: skip
@@ -211,19 +236,22 @@ def _backward(u, delta, A, B, C, states, dy) -> tuple[Tensor, Tensor, Tensor, Te
 
 class SelectiveScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, u, delta, A, B, C):
+    def forward(ctx, u, delta, A, B, C, tiles):
         u, delta, A, B, C = (_row_major(t) for t in (u, delta, A, B, C))
-        y, last, states = _forward(u, delta, A, B, C)
+        y, last, states = _forward(u, delta, A, B, C, tiles)
         ctx.save_for_backward(u, delta, A, B, C, states)
+        ctx.tiles = tiles
         ctx.mark_non_differentiable(last)
         return y, last
 
     @staticmethod
     def backward(ctx, dy, _):
         u, delta, A, B, C, states = ctx.saved_tensors
-        return _backward(u, delta, A, B, C, states, _row_major(dy))
+        return *_backward(u, delta, A, B, C, states, _row_major(dy), ctx.tiles), None
 
 
-def selective_scan_triton(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor) -> tuple[Tensor, Tensor]:
-    """Arguments and results of `selective_scan_recurrent` (naive.py)."""
-    return SelectiveScan.apply(u, delta, A, B, C)
+def selective_scan_triton(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, tiles: ScanTiles = TILES
+) -> tuple[Tensor, Tensor]:
+    """Arguments and results of `selective_scan_recurrent` (naive.py); ``tiles`` for the bench's comparisons."""
+    return SelectiveScan.apply(u, delta, A, B, C, tiles)

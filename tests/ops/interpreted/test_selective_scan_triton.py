@@ -44,7 +44,7 @@ def run(scan, args, dy):
 
 
 def test_the_interpreter_crosses_chunk_and_block_edges():
-    assert kernels.INTERPRETED and kernels.CHUNK == 8 and kernels.BLOCK_D == 8
+    assert kernels.INTERPRETED and kernels.TILES.chunk == 8 and kernels.TILES.block_d == 8
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
