@@ -117,26 +117,27 @@ def test_backward_chunks_longer_than_the_shortest(monkeypatch):
     check_against_reference(*CASES["w4-bias-silu-conv1d_weight"], torch.float32)
 
 
-@pytest.mark.parametrize("kernel", ["_fwd_kernel", "_bwd_kernel"])
-def test_autotuning_is_keyed_on_rounded_token_counts(monkeypatch, kernel):
+def test_autotuning_is_keyed_on_rounded_token_counts(monkeypatch):
     """The kernels tune once per power-of-two bucket of B x T, not once per sequence length: text sampling grows the
-    sequence one token per forward. Two configs make the autotuner choose; its timing (CUDA events) is replaced by
+    sequence one token per forward. Two configs make each autotuner choose; its timing (CUDA events) is replaced by
     a call of the kernel, so the interpreter runs every candidate."""
-    tuner = getattr(kernels, kernel)
-    monkeypatch.setattr(tuner, "configs", kernels._configs([(4, 8, 32, 1, 1), (2, 16, 32, 1, 1)]))
-    monkeypatch.setattr(tuner, "cache", {})
 
     def run_once(fn, quantiles):
         fn()
         return [1.0] * len(quantiles)
 
-    monkeypatch.setitem(tuner.__dict__, "do_bench", run_once)
+    tuners = [kernels._fwd_kernel, kernels._bwd_kernel]
+    for tuner in tuners:
+        monkeypatch.setattr(tuner, "configs", kernels._configs([(4, 8, 32, 1, 1), (2, 16, 32, 1, 1)]))
+        monkeypatch.setattr(tuner, "cache", {})
+        monkeypatch.setitem(tuner.__dict__, "do_bench", run_once)
     weight = torch.randn(8, 4, requires_grad=True)  # one channel block: the keys depend on B x T alone
     for batch, seq_len in ((1, 37), (2, 32), (1, 65), (3, 40)):
         x = torch.randn(batch, seq_len, 8, requires_grad=True)
         short_conv_triton(x, weight, None, "silu", None).sum().backward()
     # B x T = 37, 64, 65, 120: buckets 64 and 128.
-    assert [key[0] for key in tuner.cache] == [64, 128]
+    for tuner in tuners:
+        assert [key[0] for key in tuner.cache] == [64, 128]
     # The backward reads the tuned config to size its partial sums: results stay exact with either config.
     check_against_reference(*CASES["w4-bias-silu-conv1d_weight"], torch.float32)
 
