@@ -12,7 +12,8 @@ at batch 1 (its autograd keeps a state per token) and is scaled to the shape's b
 op's bytes take at the bandwidth of a same-size `clone` of u: the forward reads u, delta, B, C and writes y (about
 2.5 clones of u at N much smaller than D), forward + backward also read them again with dy and write du, ddelta
 (about 6). ``--tiles`` times flame's kernels with each split of the work given (chunk x block_d x warps,
-flame.ops.selective_scan.triton_kernel.ScanTiles; default: the one the op uses). The markdown table goes into docs/performance.md between ``<!-- bench_selective_scan -->`` markers.
+flame.ops.selective_scan.triton_kernel.ScanTiles; default: the one the op uses). The markdown table goes into
+docs/performance.md between ``<!-- bench_selective_scan -->`` markers.
 """
 
 import argparse

@@ -118,8 +118,9 @@ def test_blocks_given_per_layer_tensors_replay_with_the_eager_gradients(config):
 @pytest.mark.parametrize(
     "config",
     [
-        # flame's attention in FLA's layers (flash-attn absent): its positions once came from a host-to-device copy,
-        # which a capture refuses, and bitnet's and samba's blocks ran eagerly.
+        # flame's attention layer in FLA's classes (flash-attn absent): a capture refuses any host-to-device copy,
+        # such as positions made from a Python int. samba: a window longer than the rows (SDPA serves it) and one
+        # that bites (FLA's windowed kernel).
         {
             "model_type": "bitnet",
             "vocab_size": 4096,
@@ -135,10 +136,7 @@ def test_blocks_given_per_layer_tensors_replay_with_the_eager_gradients(config):
                 "num_hidden_layers": 2,
                 "attn": {"layers": [1], "num_heads": 2, "num_kv_heads": 2, "window_size": window},
             }
-            for window in (
-                2048,
-                64,
-            )  # longer than the rows (SDPA), and one that bites (FLA's windowed kernel)
+            for window in (2048, 64)
         ),
     ],
     ids=["bitnet", "samba_window_2048", "samba_window_64"],

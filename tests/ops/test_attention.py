@@ -188,15 +188,13 @@ def test_a_window_as_long_as_the_keys_is_plain_causal_attention_and_reaches_the_
         out = attention(q, k, v, impl=impl, window_size=window_size)
         assert torch.equal(out, causal) == (window_size >= 37), window_size
     attention_module = sys.modules["flame.ops.attention"]  # flame.ops.attention is also the function's name
-    windows = []
-    kernel = attention_module.ATTENTION
-    monkeypatch.setattr(
-        attention_module,
-        "ATTENTION",
-        lambda *a, window_size, **kw: (
-            windows.append(window_size) or kernel(*a, window_size=window_size, **kw)
-        ),
-    )
+    kernel, windows = attention_module.ATTENTION, []
+
+    def recorded(*args, window_size, **kwargs):
+        windows.append(window_size)
+        return kernel(*args, window_size=window_size, **kwargs)
+
+    monkeypatch.setattr(attention_module, "ATTENTION", recorded)
     for window_size in (None, 36, 37, 2048):
         attention(q, k, v, impl=impl, window_size=window_size)
     assert windows == [None, 36, None, None]
