@@ -165,3 +165,30 @@ def test_flash_attn_func_on_flame_in_bf16_equals_flash_attns_semantics():
     packed = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 200, 200, causal=True, window_size=(63, 0))
     want = naive_flash_attention(q[:1].cpu(), k[:1].cpu(), v[:1].cpu(), True, 63, cu_seqlens=cu.cpu())[0]
     assert err_ratio(want, packed.cpu()) < BF16_LIMIT
+
+
+@pytest.mark.parametrize("lengths", [[300, 300], [200, 301]])
+def test_parallel_moba_on_the_gpu_equals_the_pattern_written_out(lengths, exact_float32):
+    """flame's parallel_moba in float32 on the GPU (SDPA's fused kernels with MoBA's mask; rows of one length in one
+    call) against MoBA's pattern written out in float64: output and gradients."""
+    from flame.models.layers.fla_moba import parallel_moba
+    from tests.models.layers.test_fla_moba import naive_moba
+
+    generator = torch.Generator("cuda").manual_seed(len(lengths))
+    total = sum(lengths)
+    cu_seqlens = torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+    )
+    q = torch.randn(1, total, 4, 64, device="cuda", generator=generator, requires_grad=True)
+    k, v = (
+        torch.randn(1, total, 2, 64, device="cuda", generator=generator, requires_grad=True) for _ in "kv"
+    )
+    out = parallel_moba(q, k, v, cu_seqlens, max(lengths), 64, 3)
+    grad = torch.randn(out.shape, device="cuda", generator=generator)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    inputs = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
+    want = naive_moba(*inputs, cu_seqlens.cpu(), 64, 3)
+    want_grads = torch.autograd.grad(want, inputs, grad.cpu().double())
+    assert err_ratio(want, out.cpu()) < FP32_LIMIT
+    for name, got, ref in zip("qkv", grads, want_grads):
+        assert err_ratio(ref, got.cpu()) < FP32_LIMIT, name

@@ -10,8 +10,9 @@ dtype, the product in float32). One softmax over those keys, scale 1/sqrt(head_d
 the number of blocks in the batch that are not their document's last, is 0 or less, attention is plain causal over
 each document (FLA's short cut). The block choice has no gradient.
 
-Cost: a [heads, L, L] mask and SDPA over it for a document of L tokens, dense attention's time, where FLA's op on
-flash-attn computes only the chosen blocks.
+Cost: an additive [heads, L, L] mask and one SDPA call over it (its fused kernels, which take a mask on the GPU,
+in the inputs' dtype) for all documents of one length, dense attention's time, where FLA's op on flash-attn
+computes only the chosen blocks.
 """
 
 import math
@@ -30,51 +31,65 @@ def parallel_moba(
     topk: int,
 ) -> torch.Tensor:
     """FLA's ``parallel_moba`` arguments: q/k/v [1, T, H, D] with documents packed at ``cu_seqlens`` (k/v may have
-    fewer heads: query head h reads head h // (H // HKV)) -> [1, T, H, D]."""
+    fewer heads: query head h reads head h // (H // HKV)) and no document longer than ``max_seqlen`` ->
+    [1, T, H, D]."""
     if q.shape[0] != 1:
         raise ValueError(
             f"MoBA takes documents packed in one row (batch size 1), got batch size {q.shape[0]}"
         )
     groups = q.shape[2] // k.shape[2]
     k, v = (x.repeat_interleave(groups, dim=2) for x in (k, v))
+    documents = cu_seqlens.shape[0] - 1
+    if documents * max_seqlen == q.shape[1]:
+        # None is longer than max_seqlen and together they are T long: each is max_seqlen long (FLA's layer packs
+        # a [B, T] batch so). Known without reading cu_seqlens, so a CUDA graph can capture the call; one call
+        # attends all of them.
+        chosen = min(topk - 1, documents * (math.ceil(max_seqlen / chunk_size) - 1))
+        rows = (x[0].unflatten(0, (documents, max_seqlen)) for x in (q, k, v))
+        return moba_rows(*rows, chunk_size, chosen).flatten(0, 1)[None]
     bounds = cu_seqlens.tolist()
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
-    blocks_not_last = sum(math.ceil(length / chunk_size) - 1 for length in lengths)
-    chosen = min(topk - 1, blocks_not_last)
+    chosen = min(topk - 1, sum(math.ceil(length / chunk_size) - 1 for length in lengths))
     outputs = [
-        document_moba(q[0, start:end], k[0, start:end], v[0, start:end], chunk_size, chosen)
+        moba_rows(q[:, start:end], k[:, start:end], v[:, start:end], chunk_size, chosen)
         for start, end in zip(bounds[:-1], bounds[1:])
     ]
-    return torch.cat(outputs)[None]
+    return torch.cat(outputs, dim=1)
 
 
-def document_moba(
+def moba_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int, chosen: int
 ) -> torch.Tensor:
-    """One document, q/k/v [L, H, D]: its own block causally, and the ``chosen`` best earlier blocks (module
-    docstring); plain causal attention where ``chosen`` <= 0."""
-    length, heads, dim = q.shape
+    """Documents of one length, q/k/v [N, L, H, D]: each query its own block causally, and the ``chosen`` best
+    earlier blocks (module docstring); plain causal attention where ``chosen`` <= 0."""
+    rows, length, heads, dim = q.shape
+    # The earlier blocks a query may choose are full: only the last one is not.
+    full_blocks = length // chunk_size
+    # [N, H, L, D]: SDPA's fused kernels take 4-D inputs only.
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    if chosen <= 0 or full_blocks == 0:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=dim**-0.5)
+        return out.transpose(1, 2)
     position = torch.arange(length, device=q.device)
     block = position // chunk_size
-    causal = position[None, :] <= position[:, None]  # [query, key]
-    full_blocks = length // chunk_size
-    if chosen <= 0:
-        visible = causal.expand(heads, length, length)
+    means = k[:, :, : full_blocks * chunk_size].unflatten(2, (full_blocks, chunk_size)).mean(3).float()
+    scores = q.float() @ means.transpose(-1, -2)  # [N, H, L, full blocks]
+    earlier = torch.arange(full_blocks, device=q.device)[None, :] < block[:, None]  # [L, full blocks]
+    scores = scores.masked_fill(~earlier, -math.inf)
+    best = scores.topk(min(chosen, full_blocks), dim=-1).indices
+    picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, best, True) & earlier
+    # SDPA's additive mask in the inputs' dtype, built in few passes over its [N, H, L, L] elements (a boolean mask
+    # would be converted to it): the picked blocks' keys per query, then each query's own block causally.
+    blocks = math.ceil(length / chunk_size)
+    block_bias = q.new_full((rows, heads, length, blocks), -math.inf)
+    block_bias[..., :full_blocks].masked_fill_(picked, 0)
+    bias = block_bias.index_select(-1, block)
+    if length % chunk_size == 0:  # the own blocks are the diagonal ones: only they are written
+        diagonal = bias.view(rows, heads, blocks, chunk_size, blocks, chunk_size).diagonal(dim1=2, dim2=4)
+        in_block = torch.arange(chunk_size, device=q.device)
+        diagonal.masked_fill_((in_block[None, :] <= in_block[:, None])[..., None], 0)  # [query, key, block]
     else:
-        visible = (causal & (block[None, :] == block[:, None])).expand(heads, length, length)
-        if (
-            full_blocks > 0
-        ):  # the earlier blocks a query may choose are full: only a document's last one is not
-            means = k[: full_blocks * chunk_size].unflatten(0, (full_blocks, chunk_size)).mean(1).float()
-            scores = torch.einsum("thd,bhd->htb", q.float(), means)  # [H, L, blocks]
-            earlier = torch.arange(full_blocks, device=q.device)[None, :] < block[:, None]  # [L, blocks]
-            scores = scores.masked_fill(~earlier, -math.inf)
-            best = scores.topk(min(chosen, full_blocks), dim=-1).indices
-            picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, best, True) & earlier
-            in_full_block = position < full_blocks * chunk_size
-            keys_picked = picked[:, :, block.clamp(max=full_blocks - 1)] & in_full_block  # [H, L, L]
-            visible = visible | keys_picked
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=visible, scale=dim**-0.5
-    )
-    return out.transpose(0, 1)
+        own_block = (position[None, :] <= position[:, None]) & (block[None, :] == block[:, None])
+        bias.masked_fill_(own_block, 0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=dim**-0.5)
+    return out.transpose(1, 2)

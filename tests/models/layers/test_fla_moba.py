@@ -42,17 +42,28 @@ def naive_moba(q, k, v, cu_seqlens, chunk_size, topk):
 
 @pytest.mark.parametrize(
     "lengths, chunk_size, topk, kv_heads",
-    [([37, 20, 5], 4, 3, 3), ([64], 8, 2, 1), ([23, 41], 5, 9, 3), ([30], 4, 1, 3), ([3, 4], 4, 3, 3)],
+    [
+        ([37, 20, 5], 4, 3, 3),
+        ([64], 8, 2, 1),
+        ([23, 41], 5, 9, 3),
+        ([30], 4, 1, 3),
+        ([3, 4], 4, 3, 3),
+        ([24, 24, 24], 5, 3, 1),
+        ([32, 32], 8, 3, 3),
+    ],
 )
-def test_moba_equals_the_pattern_written_out(lengths, chunk_size, topk, kv_heads):
-    """Odd document lengths (tail blocks), GQA, topk above the blocks there are, topk 1 and documents of one block
-    (plain causal attention): outputs and gradients to 1e-6 in float32 against float64."""
+@pytest.mark.parametrize("longest", ["given", "above"])
+def test_moba_equals_the_pattern_written_out(lengths, chunk_size, topk, kv_heads, longest):
+    """Odd document lengths (tail blocks), GQA, topk above the blocks there are, topk 1, documents of one block
+    (plain causal attention) and rows of one length (one call for all of them where max_seqlen says so; per
+    document where it is only a bound above): outputs and gradients to 1e-6 in float32 against float64."""
     generator = torch.Generator().manual_seed(sum(lengths) + topk)
     total = sum(lengths)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(1, total, 3, 8, generator=generator, requires_grad=True)
     k, v = (torch.randn(1, total, kv_heads, 8, generator=generator, requires_grad=True) for _ in range(2))
-    out = parallel_moba(q, k, v, cu_seqlens, max(lengths), chunk_size, topk)
+    max_seqlen = max(lengths) + (0 if longest == "given" else 5)
+    out = parallel_moba(q, k, v, cu_seqlens, max_seqlen, chunk_size, topk)
     want = naive_moba(q, k, v, cu_seqlens, chunk_size, topk)
     assert_output_and_gradients_close(out, want, (q, k, v), generator, tolerance=1e-6)
 
@@ -61,3 +72,13 @@ def test_moba_refuses_rows_that_are_not_packed():
     q = torch.randn(2, 8, 2, 4)
     with pytest.raises(ValueError, match="batch size 1"):
         parallel_moba(q, q, q, torch.tensor([0, 8]), 8, 4, 2)
+
+
+def test_rows_of_one_length_are_attended_without_reading_cu_seqlens():
+    """Where max_seqlen times the documents is the row's length, the op reads only cu_seqlens' shape (cu_seqlens on
+    the meta device has no values to read), so a CUDA graph can capture it; the output equals the pattern's."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 48, 2, 8, generator=generator) for _ in range(3))
+    out = parallel_moba(q, k, v, torch.empty(3, dtype=torch.int32, device="meta"), 24, 4, 3)
+    want = naive_moba(q, k, v, torch.tensor([0, 24, 48]), 4, 3)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-6)
