@@ -17,6 +17,7 @@ Layers are recognised by their classes (FLA's in ``fla.layers``, transformers' a
 name); a block's mixer of any other class gets its matmuls only, and :attr:`ModuleFlops.uncounted` names it.
 """
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -108,6 +109,21 @@ def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
     if name in FLA_SOFTMAX_ATTENTION:
         window = getattr(module, "window_size", None)
         return softmax_attention_flops_per_token(module.num_heads, module.head_dim, seq_len, window)
+    if name == "MoBA":
+        # Each query attends its own block and the topk - 1 earlier blocks it chooses.
+        window = module.moba_topk * module.moba_chunk_size
+        return softmax_attention_flops_per_token(module.num_heads, module.head_dim, seq_len, window)
+    if name == "NativeSparseAttention":
+        # Three branches per query: the compressed keys (one per block), the selected blocks and the sliding window.
+        # The selection's scores, the compressed branch's QK^T again, run forward only and are left out.
+        context = (
+            math.ceil(seq_len / module.block_size)
+            + min(seq_len, module.block_counts * module.block_size)
+            + min(seq_len, module.window_size or 0)
+        )
+        return 12 * module.num_heads * module.head_dim * context
+    if name == "HGRNAttention":
+        return 0  # an elementwise gated recurrence: no product between activations
     if name == "MultiheadLatentAttention":
         # Keys of qk_head_dim and values of v_head_dim per head: half the term above with each.
         context = min(seq_len, module.window_size) if module.window_size else seq_len

@@ -175,12 +175,36 @@ def test_flame_families_and_fla_classes_count_the_same_mixers(fla_attention):
 
 
 def test_layers_without_a_mixer_term_are_named_in_a_warning(caplog):
-    config = {"model_type": "hgrn", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2}
+    config = {"model_type": "raven", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2}
     with caplog.at_level(logging.WARNING):
         count, total = counted(config)
-    assert count.uncounted == ["fla.layers.hgrn.HGRNAttention"] and count.mixer_flops == 0
+    assert count.uncounted == ["fla.layers.raven.Raven"] and count.mixer_flops == 0
     assert total == 6 * count.matmul_params + count.conv_flops
-    assert caplog.records[-1].getMessage().endswith("(MFU reads low): fla.layers.hgrn.HGRNAttention")
+    assert caplog.records[-1].getMessage().endswith("(MFU reads low): fla.layers.raven.Raven")
+
+
+def test_hgrns_elementwise_scan_adds_nothing_and_is_counted():
+    config = {"model_type": "hgrn", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2}
+    count, total = counted(config)
+    assert count.uncounted == [] and count.mixer_flops == 0 and total == count.total
+
+
+@pytest.mark.parametrize(("topk", "context"), [(3, 3 * 16), (8, SEQ_LEN)])
+def test_moba_counts_its_own_and_its_chosen_blocks(topk, context):
+    """Each query attends topk blocks of 16 keys (its own and topk - 1 chosen), at most the sequence."""
+    config = {**FLA_BASE, "model_type": "moba", "num_heads": 4, "moba_chunk_size": 16, "moba_topk": topk}
+    count, total = counted(config)
+    assert count.mixer_flops == 2 * 12 * 4 * 16 * context  # 2 layers of 4 heads of 64 / 4 channels
+    assert count.uncounted == [] and count.total == total
+
+
+def test_native_sparse_attention_counts_its_three_branches():
+    config = {**FLA_BASE, "model_type": "nsa", "num_heads": 16, "num_kv_heads": 1, "head_dim": 8,
+              "block_size": 16, "block_counts": 2, "window_size": 40}  # fmt: skip
+    count, total = counted(config)
+    compressed, selected, window = 96 // 16, 2 * 16, 40
+    assert count.mixer_flops == 2 * 12 * 16 * 8 * (compressed + selected + window)
+    assert count.uncounted == [] and count.total == total
 
 
 def test_flame_hybrid_and_its_transformers_olmo_hybrid_export_count_the_same():
