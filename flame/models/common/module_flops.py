@@ -54,7 +54,8 @@ FLA_LINEAR_ATTENTION = {
     "LightNetAttention",
 }
 # Two chained linear attentions through num_slots memory slots: keys to slots (K x M), slots to values (M x V).
-FLA_SLOT_ATTENTION = {"GatedSlotAttention", "ABCAttention"}
+# Raven's slots are routed (topk of num_slots per token), but its kernel (GSA's) runs over every slot.
+FLA_SLOT_ATTENTION = {"GatedSlotAttention", "ABCAttention", "Raven"}
 # The chunked delta rule and its variants (per-channel gates, Householder products, DPLR, routed memories).
 FLA_DELTA_RULE = {
     "DeltaNet",
@@ -134,6 +135,11 @@ def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
         value_dim = getattr(module, "head_v_dim", None) or module.head_i_dim
         return module.num_heads * chunked_linear_attention_flops_per_token(
             key_dim, value_dim, LINEAR_ATTENTION_CHUNK
+        )
+    if name == "RodimusAttention":
+        # One head of chunked gated linear attention: keys of mem_size, values of d_inner.
+        return chunked_linear_attention_flops_per_token(
+            module.mem_size, module.d_inner, LINEAR_ATTENTION_CHUNK
         )
     if name in FLA_SLOT_ATTENTION:
         slots, chunk = module.num_slots, LINEAR_ATTENTION_CHUNK

@@ -175,12 +175,12 @@ def test_flame_families_and_fla_classes_count_the_same_mixers(fla_attention):
 
 
 def test_layers_without_a_mixer_term_are_named_in_a_warning(caplog):
-    config = {"model_type": "raven", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2}
+    config = {"model_type": "parallax", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2}
     with caplog.at_level(logging.WARNING):
         count, total = counted(config)
-    assert count.uncounted == ["fla.layers.raven.Raven"] and count.mixer_flops == 0
+    assert count.uncounted == ["fla.layers.parallax.Parallax"] and count.mixer_flops == 0
     assert total == 6 * count.matmul_params + count.conv_flops
-    assert caplog.records[-1].getMessage().endswith("(MFU reads low): fla.layers.raven.Raven")
+    assert caplog.records[-1].getMessage().endswith("(MFU reads low): fla.layers.parallax.Parallax")
 
 
 def test_hgrns_elementwise_scan_adds_nothing_and_is_counted():
@@ -243,4 +243,23 @@ def test_fla_path_attention_counts_softmax_attention_over_the_context():
     config = {**FLA_BASE, "model_type": "path_attn", "num_heads": 4}
     count, total = counted(config)
     assert count.mixer_flops == 2 * 12 * 4 * 16 * SEQ_LEN  # heads of 64 / 4 channels over all 96 keys
+    assert count.uncounted == [] and count.total == total
+
+
+def test_rodimus_counts_one_head_of_chunked_linear_attention():
+    """Keys of expand_ratio (16) channels, values of d_inner (2 x 64), one head, chunk 64."""
+    config = {"model_type": "rodimus", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+              "block_type": "rodimus", "expand_ratio": 16}  # fmt: skip
+    count, total = counted(config)
+    assert count.mixer_flops == 2 * 3 * (4 * 16 * 128 + 2 * 64 * (16 + 128))
+    assert count.uncounted == [] and count.total == total
+
+
+def test_raven_counts_gsas_two_linear_attentions_over_every_slot():
+    """Raven routes each token to topk of num_slots slots, and GSA's kernel runs over all of them: per head, K x
+    slots and slots x V (K = V = 16, 16 slots), chunk 64."""
+    config = {"model_type": "raven", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4,
+              "num_slots": 16, "topk": 4}  # fmt: skip
+    count, total = counted(config)
+    assert count.mixer_flops == 2 * 4 * 2 * 3 * (4 * 16 * 16 + 2 * 64 * (16 + 16))
     assert count.uncounted == [] and count.total == total
