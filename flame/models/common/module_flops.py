@@ -25,7 +25,8 @@ from torch import nn
 
 from flame.models.common.flops import DELTA_RULE_CHUNK, chunked_delta_rule_flops_per_token
 
-# Chunk size of FLA's chunked linear-attention kernels (GLA, RetNet, HGRN2, GSA, RWKV6, ...), as of the delta rule.
+# Chunk size of FLA's chunked linear-attention kernels (GLA, RetNet, HGRN2, GSA, RWKV6, MesaNet, ...), as of the
+# delta rule.
 LINEAR_ATTENTION_CHUNK = DELTA_RULE_CHUNK
 
 # FLA 0.6.0's layer classes (fla.layers), by what their training kernel computes.
@@ -104,6 +105,15 @@ def chunked_linear_attention_flops_per_token(key_dim: int, value_dim: int, chunk
     return 3 * (4 * key_dim * value_dim + 2 * chunk * (key_dim + value_dim))
 
 
+def mesa_flops_per_token(key_dim: int, value_dim: int, chunk: int, cg_steps: int) -> int:
+    """Training FLOPs per token of one MesaNet head (FLA's chunked kernels): the K x K and K x V states' updates
+    (2K^2 + 2KV); the conjugate-gradient solve for the query, whose start and each of its ``cg_steps`` iterations
+    multiply by the chunk's K x K state (2K^2) and by its keys twice (4CK); the solved query's readout, as in chunked
+    linear attention (2KV + 2C(K+V)); x3."""
+    k, v, c = key_dim, value_dim, chunk
+    return 3 * (2 * k * k + 4 * k * v + 2 * c * (k + v) + (cg_steps + 1) * (2 * k * k + 4 * c * k))
+
+
 def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
     """Training FLOPs per token of one of FLA's layers beyond its weights; None for a class not classified."""
     name = type(module).__name__
@@ -123,6 +133,14 @@ def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
             + min(seq_len, module.window_size or 0)
         )
         return 12 * module.num_heads * module.head_dim * context
+    if name == "DeltaFormerAttention":
+        # Two passes over the earlier keys per query: the recurrence that builds u (its softmax scores and the
+        # weighted sum of the earlier u), then softmax attention over u.
+        return 2 * softmax_attention_flops_per_token(module.num_heads, module.head_dim, seq_len, None)
+    if name == "MesaNet":
+        return module.num_heads * mesa_flops_per_token(
+            module.head_k_dim, module.head_v_dim, LINEAR_ATTENTION_CHUNK, module.max_cg_step_training
+        )
     if name == "HGRNAttention":
         return 0  # an elementwise gated recurrence: no product between activations
     if name == "MultiheadLatentAttention":

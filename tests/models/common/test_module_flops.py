@@ -263,3 +263,20 @@ def test_raven_counts_gsas_two_linear_attentions_over_every_slot():
     count, total = counted(config)
     assert count.mixer_flops == 2 * 4 * 2 * 3 * (4 * 16 * 16 + 2 * 64 * (16 + 16))
     assert count.uncounted == [] and count.total == total
+
+
+def test_deltaformer_counts_its_recurrence_and_its_attention_over_the_context():
+    config = {**FLA_BASE, "model_type": "deltaformer", "num_heads": 4}
+    count, total = counted(config)
+    assert count.mixer_flops == 2 * 2 * 12 * 4 * 16 * SEQ_LEN  # 2 layers, two passes over all 96 keys
+    assert count.uncounted == [] and count.total == total
+
+
+def test_mesa_net_counts_its_states_conjugate_gradient_and_readout():
+    """K = V = 16, chunk 64, 5 conjugate-gradient iterations after the start: per head the state updates
+    2K^2 + 2KV, six products with the K x K state and the chunk's keys (2K^2 + 4CK), the readout 2KV + 2C(K+V)."""
+    config = {**FLA_BASE, "model_type": "mesa_net", "num_heads": 4, "head_dim": 16, "max_cg_step_training": 5}
+    count, total = counted(config)
+    states, solve, readout = 2 * 256 + 2 * 256, 6 * (2 * 256 + 4 * 64 * 16), 2 * 256 + 2 * 64 * 32
+    assert count.mixer_flops == 2 * 4 * 3 * (states + solve + readout)
+    assert count.uncounted == [] and count.total == total
