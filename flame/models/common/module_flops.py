@@ -137,6 +137,10 @@ def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
         # Two passes over the earlier keys per query: the recurrence that builds u (its softmax scores and the
         # weighted sum of the earlier u), then softmax attention over u.
         return 2 * softmax_attention_flops_per_token(module.num_heads, module.head_dim, seq_len, None)
+    if name == "Parallax":
+        # Two score matrices over the keys (q's and r's) and two weighted sums of the values.
+        window = module.window_size
+        return 2 * softmax_attention_flops_per_token(module.num_heads, module.head_dim, seq_len, window)
     if name == "MesaNet":
         return module.num_heads * mesa_flops_per_token(
             module.head_k_dim, module.head_v_dim, LINEAR_ATTENTION_CHUNK, module.max_cg_step_training

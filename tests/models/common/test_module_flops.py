@@ -175,12 +175,17 @@ def test_flame_families_and_fla_classes_count_the_same_mixers(fla_attention):
 
 
 def test_layers_without_a_mixer_term_are_named_in_a_warning(caplog):
-    config = {"model_type": "parallax", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2}
+    config = {
+        "model_type": "cyclic_flow_attention",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+    }
     with caplog.at_level(logging.WARNING):
         count, total = counted(config)
-    assert count.uncounted == ["fla.layers.parallax.Parallax"] and count.mixer_flops == 0
+    assert count.uncounted == ["fla.layers.cyfa.CyclicFlowAttention"] and count.mixer_flops == 0
     assert total == 6 * count.matmul_params + count.conv_flops
-    assert caplog.records[-1].getMessage().endswith("(MFU reads low): fla.layers.parallax.Parallax")
+    assert caplog.records[-1].getMessage().endswith("(MFU reads low): fla.layers.cyfa.CyclicFlowAttention")
 
 
 def test_hgrns_elementwise_scan_adds_nothing_and_is_counted():
@@ -279,4 +284,12 @@ def test_mesa_net_counts_its_states_conjugate_gradient_and_readout():
     count, total = counted(config)
     states, solve, readout = 2 * 256 + 2 * 256, 6 * (2 * 256 + 4 * 64 * 16), 2 * 256 + 2 * 64 * 32
     assert count.mixer_flops == 2 * 4 * 3 * (states + solve + readout)
+    assert count.uncounted == [] and count.total == total
+
+
+@pytest.mark.parametrize(("window", "context"), [(None, SEQ_LEN), (40, 40)])
+def test_parallax_counts_two_attentions_over_its_window(window, context):
+    config = {**FLA_BASE, "model_type": "parallax", "num_heads": 4, "window_size": window}
+    count, total = counted(config)
+    assert count.mixer_flops == 2 * 2 * 12 * 4 * 16 * context  # 2 layers; q's and r's scores, two value sums
     assert count.uncounted == [] and count.total == total
