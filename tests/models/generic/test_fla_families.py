@@ -22,9 +22,6 @@ OVERRIDES = {
     # Their kernels take heads of 16 channels or more (flame.models.generic.args.FLA_HEAD_WIDTHS): 4 of 16.
     "deltaformer": {"num_heads": 4},
     "path_attn": {"num_heads": 4},
-    # Heads that fit the 64-wide model: the default 16 of 128 channels, with 30 conjugate-gradient steps per token,
-    # cost ~30 x 6N, past the FLOPs bound below.
-    "mesa_net": {"num_heads": 4, "head_dim": 16},
     "samba": {"attn": {"layers": [1], "num_heads": 4}},  # the default 18 heads leave an odd head_dim for RoPE
 }
 # Families whose mixer has no term in flame's FLOPs count (docs/metrics.md): compressed-context attention, cyclic
@@ -76,10 +73,12 @@ def test_every_fla_family_builds_with_fla_parameter_count():
         nparams, flops = args.get_nparams_and_flops(model, 64)
         counts[model_type] = nparams
         # FLOPs per token: at least the weights' (each used once), at most 5 x 6N at 64 tokens (the widest
-        # default heads, Gated DeltaNet's 6 x 256 x 512 in a 64-wide model, cost 4.5 x 6N with their state terms).
+        # default heads, Gated DeltaNet's 6 x 256 x 512 in a 64-wide model, cost 4.5 x 6N with their state terms);
+        # MesaNet's default 16 heads of 128 channels solve for each query in 30 conjugate-gradient steps: 29 x 6N.
+        ceiling = 35 if model_type == "mesa_net" else 5
         count = module_flops(model, [b for name in model.flame_blocks for b in model.get_submodule(name)], 64)
         assert count.total == flops and count.matmul_params <= nparams, model_type
-        assert 6 * count.matmul_params <= flops <= 5 * 6 * nparams, model_type
+        assert 6 * count.matmul_params <= flops <= ceiling * 6 * nparams, model_type
         expected = [MATMULS_ONLY[model_type]] if model_type in MATMULS_ONLY else []
         assert count.uncounted == expected, model_type
         # hgrn's elementwise scan is classified and adds nothing.
