@@ -13,8 +13,9 @@ What one token costs in training (forward + backward = 3 x forward, 2 FLOPs per 
   2 x W per output position, so 6 x W per token (2 x kernel x channels forward for a depthwise one).
 - the sequence mixers' products between activations, which have no weights (:func:`mixer_flops_per_token`).
 
-Layers are recognised by their classes (FLA's in ``fla.layers``, transformers' attention and Gated DeltaNet by
-name); a block's mixer of any other class gets its matmuls only, and :attr:`ModuleFlops.uncounted` names it.
+Layers are recognised by their classes (FLA's in ``fla.layers`` and CAT's attention in its model's module,
+transformers' attention and Gated DeltaNet by name); a block's mixer of any other class gets its matmuls only, and
+:attr:`ModuleFlops.uncounted` names it.
 """
 
 import math
@@ -114,6 +115,30 @@ def mesa_flops_per_token(key_dim: int, value_dim: int, chunk: int, cg_steps: int
     return 3 * (2 * k * k + 4 * k * v + 2 * c * (k + v) + (cg_steps + 1) * (2 * k * k + 4 * c * k))
 
 
+def log_linear_flops_per_token(key_dim: int, value_dim: int, chunk: int, seq_len: int) -> int:
+    """Training FLOPs per token of one head of FLA's chunked log-linear attention: chunked linear attention whose
+    chunk i reads one K x V state per binary digit set in i (its Fenwick-tree levels), popcount(i) readouts of 2KV,
+    averaged over the ceil(seq_len / C) chunks (rounded down); the state update 2KV and the chunk-local products
+    2C(K+V) as in chunked linear attention; x3. The level scales and the merges of the states are elementwise."""
+    chunks = math.ceil(seq_len / chunk)
+    readouts = sum(i.bit_count() for i in range(chunks))
+    per_chunk = 2 * key_dim * value_dim + 2 * chunk * (key_dim + value_dim)
+    return 3 * (per_chunk * chunks + 2 * key_dim * value_dim * readouts) // chunks
+
+
+def cat_attention_context(config, seq_len: int) -> float:
+    """Keys per query of CAT's decoder attention (FLA's mask): the c + 2 positions of its own chunk (the chunk,
+    the previous chunk's compression and a separator) and one compressed key per chunk, ceil(seq_len / c); averaged
+    over the chunk sizes c it trains with, one per step in turn (the powers of two from min_train_chunk_size to
+    max_chunk_size under train_chunk_size_schedule "power_of_2", else max_chunk_size)."""
+    sizes = [config.max_chunk_size]
+    if config.train_chunk_size_schedule == "power_of_2":
+        sizes = [config.min_train_chunk_size]
+        while sizes[-1] * 2 <= config.max_chunk_size:
+            sizes.append(sizes[-1] * 2)
+    return sum(c + 2 + math.ceil(seq_len / c) for c in sizes) / len(sizes)
+
+
 def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
     """Training FLOPs per token of one of FLA's layers beyond its weights; None for a class not classified."""
     name = type(module).__name__
@@ -147,6 +172,37 @@ def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
         )
     if name == "HGRNAttention":
         return 0  # an elementwise gated recurrence: no product between activations
+    if name == "CATDecoderAttention":
+        # Softmax attention over cat_attention_context's keys, per query position as its weights are counted (the
+        # decoder runs (c + 2) / c positions per token, which neither term counts). Its compressor's attention
+        # within each chunk (c + 2 keys; half the heads and a quarter of the layers by default) is left out: under
+        # 1% of this term at 4096 tokens.
+        context = cat_attention_context(module.config, seq_len)
+        return round(12 * module.num_heads * module.head_dim * context)
+    if name == "CyclicFlowAttention":
+        # Two chained chunked linear attentions through M = num_slots slots, as slot attention's (keys to slots,
+        # K x M; slots to values, M x V; chunk 64), and between them each token's slot logits through the readout
+        # table (R = num_slots - 1 rows of M, a parameter no nn.Linear holds) and its probabilities back through it:
+        # 2 x 2RM, x3. The slots' rotations by the clock are elementwise.
+        slots, chunk = module.num_slots, LINEAR_ATTENTION_CHUNK
+        return module.num_heads * (
+            chunked_linear_attention_flops_per_token(module.head_k_dim, slots, chunk)
+            + chunked_linear_attention_flops_per_token(slots, module.head_v_dim, chunk)
+            + 12 * module.num_readout_slots * slots
+        )
+    if name == "LogLinearMamba2":
+        # Mamba2's SSD (K = ssm_state_size, V = head_dim) on FLA's log-linear kernel.
+        return module.num_heads * log_linear_flops_per_token(
+            module.ssm_state_size, module.head_dim, module.chunk_size, seq_len
+        )
+    if name == "Mamba3":
+        # Counted as Mamba2's SSD (mamba_ssm's kernels, which FLA's layer calls): mimo_rank (1 without MIMO) keys and
+        # queries per token, so rank x the SSD term over chunks of rank x chunk_size rows. The trapezoidal rule
+        # (a two-band factor on the chunk's mask) and the rotary angles act elementwise.
+        rank = module.mimo_rank
+        chunk = rank * module.chunk_size
+        per_head = chunked_linear_attention_flops_per_token(module.ssm_state_size, module.head_dim, chunk)
+        return rank * module.num_heads * per_head
     if name == "MultiheadLatentAttention":
         # Keys of qk_head_dim and values of v_head_dim per head: half the term above with each.
         context = min(seq_len, module.window_size) if module.window_size else seq_len
@@ -225,12 +281,14 @@ FLAME_FLA_LAYERS = (
     "flame.models.layers.fla_mamba",
     "flame.models.layers.fla_mamba2",
 )
+# FLA's layers defined in a model's module rather than in fla.layers.
+FLA_MODEL_LAYERS = ("fla.models.cat.modeling_cat",)  # CATDecoderAttention
 
 
 def mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
     """Training FLOPs per token of a sequence mixer beyond its weights, None where its class is not classified."""
     where = type(module).__module__
-    if where.startswith("fla.layers.") or where in FLAME_FLA_LAYERS:
+    if where.startswith("fla.layers.") or where in FLAME_FLA_LAYERS or where in FLA_MODEL_LAYERS:
         return fla_mixer_flops_per_token(module, seq_len)
     if where.startswith("transformers.models."):
         return transformers_mixer_flops_per_token(module, seq_len)

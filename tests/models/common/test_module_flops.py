@@ -21,14 +21,14 @@ def fla_attention(monkeypatch):
     monkeypatch.setattr(fla_attn, "flash_attn_func", object())
 
 
-def counted(config: dict, impl: str = "auto") -> tuple[ModuleFlops, int]:
+def counted(config: dict, impl: str = "auto", seq_len: int = SEQ_LEN) -> tuple[ModuleFlops, int]:
     """The module count of the model a config describes and its get_nparams_and_flops total."""
     args, _ = model_args_from_dict(config, impl=impl)
     with torch.device("meta"):
         model = build_model(args)
-    _, total = args.get_nparams_and_flops(model, SEQ_LEN)
+    _, total = args.get_nparams_and_flops(model, seq_len)
     blocks = [block for name in model.flame_blocks for block in model.get_submodule(name)]
-    return module_flops(model, blocks, SEQ_LEN), total
+    return module_flops(model, blocks, seq_len), total
 
 
 LLAMA = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64,
@@ -175,17 +175,14 @@ def test_flame_families_and_fla_classes_count_the_same_mixers(fla_attention):
 
 
 def test_layers_without_a_mixer_term_are_named_in_a_warning(caplog):
-    config = {
-        "model_type": "cyclic_flow_attention",
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-    }
+    config = {**LLAMA, "model_type": "minimax", "num_local_experts": 2, "num_experts_per_tok": 1,
+              "layer_types": ["linear_attention", "linear_attention"]}  # fmt: skip
+    lightning = "transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention"
     with caplog.at_level(logging.WARNING):
         count, total = counted(config)
-    assert count.uncounted == ["fla.layers.cyfa.CyclicFlowAttention"] and count.mixer_flops == 0
+    assert count.uncounted == [lightning] and count.mixer_flops == 0
     assert total == 6 * count.matmul_params + count.conv_flops
-    assert caplog.records[-1].getMessage().endswith("(MFU reads low): fla.layers.cyfa.CyclicFlowAttention")
+    assert caplog.records[-1].getMessage().endswith(f"(MFU reads low): {lightning}")
 
 
 def test_hgrns_elementwise_scan_adds_nothing_and_is_counted():
@@ -292,4 +289,54 @@ def test_parallax_counts_two_attentions_over_its_window(window, context):
     config = {**FLA_BASE, "model_type": "parallax", "num_heads": 4, "window_size": window}
     count, total = counted(config)
     assert count.mixer_flops == 2 * 2 * 12 * 4 * 16 * context  # 2 layers; q's and r's scores, two value sums
+    assert count.uncounted == [] and count.total == total
+
+
+@pytest.mark.parametrize(
+    ("schedule", "contexts"),
+    [("power_of_2", [4 + 2 + 24, 8 + 2 + 12, 16 + 2 + 6]), ("none", [16 + 2 + 6])],
+)
+def test_cat_counts_its_chunk_and_the_compressed_keys_over_the_chunk_sizes_it_trains_with(schedule, contexts):
+    """Each decoder query attends the c + 2 positions of its chunk and one compressed key per chunk (96 / c):
+    power_of_2 trains with chunk sizes 4, 8 and 16 in turn (the mean of their contexts), "none" with 16 only.
+    4 heads of 16 channels."""
+    config = {**FLA_BASE, "model_type": "cat", "num_heads": 4, "max_chunk_size": 16, "min_train_chunk_size": 4,
+              "train_chunk_size_schedule": schedule}  # fmt: skip
+    count, total = counted(config)
+    assert count.mixer_flops == 2 * 12 * 4 * 16 * sum(contexts) // len(contexts)
+    assert count.uncounted == [] and count.total == total
+
+
+def test_cyclic_flow_attention_counts_two_slot_attentions_and_its_readout_table():
+    """Per head, K = V = 16 and 8 slots, chunk 64: keys to slots (K x 8) and slots to values (8 x V) as chunked
+    linear attention, and the logits through the 7 x 8 readout table and back (2 x 2 x 7 x 8); x3."""
+    config = {**FLA_BASE, "model_type": "cyclic_flow_attention", "num_heads": 4, "head_dim": 16,
+              "num_slots": 8}  # fmt: skip
+    count, total = counted(config)
+    linear_attention = 4 * 16 * 8 + 2 * 64 * (16 + 8)
+    assert count.mixer_flops == 2 * 4 * 3 * (2 * linear_attention + 4 * 7 * 8)
+    assert count.uncounted == [] and count.total == total
+
+
+@pytest.mark.parametrize(("seq_len", "readouts"), [(SEQ_LEN, 1 / 2), (4096, 3)])
+def test_log_linear_mamba2_reads_the_level_states_its_chunk_index_sets(seq_len, readouts):
+    """4 heads, K = state_size 16, V = head_dim 32, chunk 64: chunk i reads popcount(i) level states, 2KV each:
+    0.5 per token over chunks 0 and 1 (96 tokens), 192 / 64 = 3 over 64 chunks (4096 tokens); the update 2KV and
+    the chunk-local products 2C(K+V); x3."""
+    config = {"model_type": "log_linear_mamba2", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+              "expand": 2, "head_dim": 32, "state_size": 16}  # fmt: skip
+    count, total = counted(config, seq_len=seq_len)
+    k, v = 16, 32
+    assert count.mixer_flops == 2 * 4 * 3 * (2 * k * v * (1 + readouts) + 2 * 64 * (k + v))
+    assert count.uncounted == [] and count.total == total
+
+
+@pytest.mark.parametrize(("mimo", "rank"), [(False, 1), (True, 2)])
+def test_mamba3_counts_mamba2s_ssd_per_mimo_rank(mimo, rank):
+    """Built on the meta device (its kernels need mamba_ssm): 4 heads, K = state_size 16, V = head_dim 32, chunk 32;
+    with MIMO rank 2, two keys and queries per token: 2 x the SSD term over chunks of 2 x 32 rows."""
+    config = {"model_type": "mamba3", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "expand": 2,
+              "head_dim": 32, "state_size": 16, "chunk_size": 32, "is_mimo": mimo, "mimo_rank": 2}  # fmt: skip
+    count, total = counted(config)
+    assert count.mixer_flops == 2 * rank * 4 * 3 * (4 * 16 * 32 + 2 * rank * 32 * (16 + 32))
     assert count.uncounted == [] and count.total == total
