@@ -11,9 +11,11 @@ such as HGRN's ``lower_bound``, or RWKV7's ``v_first`` that the first block retu
 so that one block's output buffer is the next block's input buffer and its input-gradient buffer the previous
 block's output-gradient buffer (nothing is copied between blocks); and so that a call unlike the captured one
 (another shape, evaluation, no grad, packed documents' boundaries) runs the block's own forward. The forward that
-captures runs its blocks eagerly: replaying the graphs in it would refill the input buffers that the capture's
-autograd graph saved, whose backward capture then refuses them (seen on an H200: "modified by an inplace
-operation").
+captures replays each block's graph as soon as it is captured, on the buffers the capture read (which hold that
+call's tensors, so nothing is copied into them: a copy would bump the version counters that the capture's autograd
+graph checks when the backward is captured, "modified by an inplace operation" on an H200). Its activations are
+therefore the graphs' pool and nothing beside it: the capturing step's peak memory is a replayed step's, not the
+eager activations plus the pool.
 
 A step's first micro-batch replays; the later ones run eagerly. The backward graphs' parameter gradients live in
 the pool, autograd adopts them as ``.grad``, and a later micro-batch's forward replay would overwrite them before
@@ -24,6 +26,7 @@ One GPU only (a data-parallel or sharded step's hooks and collectives sit betwee
 checkpointing or offloading (they re-run or move what the forward graph keeps in its pool).
 """
 
+import contextlib
 import functools
 
 import torch
@@ -38,12 +41,14 @@ WARMUP_ITERATIONS = 2  # Triton's compilation and autotuning, cuBLAS's workspace
 
 class BlockGraphs:
     """The blocks of one stack (called in order, each on the previous one's first output), replayed as CUDA
-    graphs. The first training forward that the graphs can serve runs its blocks eagerly and captures each one
-    beside its call, with that call's tensors; once the last block, or the first block the graphs cannot serve, is
-    reached, the captured blocks' backward graphs are captured too (the captured blocks form a prefix of the stack),
-    and the graphs replay from the next forward on. Nothing of that first forward runs in the graphs, so a failed
-    capture leaves it as it is: one log line says why, and every later forward runs eagerly. That forward holds its
-    own activations beside the graphs' pool.
+    graphs. The first training forward that the graphs can serve captures each block at its call, with that call's tensors, and replays it at once; once the last block, or the first block the graphs
+    cannot serve, is reached, the captured blocks' backward graphs are captured too (the captured blocks form a
+    prefix of the stack). A failed capture, forward or backward, is one log line, and every later forward runs
+    eagerly; the blocks the capturing forward replayed get their gradients by running each block's forward again
+    eagerly on the inputs its graph kept (the values it replayed on). A host sync in a block (``.item()``, a copy
+    to or from the host) is found in the last warm-up, under torch's sync debug mode, before any capture: a capture
+    that fails leaves torch's CUDA state half-captured (the graphs' memory pool still recording and the random
+    generator still capturing, so a later ``torch.randn`` on the GPU raises; torch 2.11, H200).
 
     A call is served when it is a training call (module in training mode, grad enabled) on CUDA whose structure,
     constants, tensors' shapes, dtypes, strides and ``requires_grad``, and autocast state equal the captured
@@ -55,10 +60,10 @@ class BlockGraphs:
         self.eager_forwards = [block.forward for block in blocks]
         self.graphs: list[_BlockGraph] = []  # the captured prefix of the stack
         self.pool = None
+        self.warmup_stream = None
         self.capturing = False  # a forward is capturing its blocks as they are called
-        # While capturing: each eager output so far, by output_key, with the graph's buffer that holds it in a
-        # replay (the eager tensor kept so that its memory is not reused by another tensor in the meantime).
-        self.written: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # While capturing: the output buffer of the graph that wrote each tensor returned so far, by output_key.
+        self.written: dict[tuple, torch.Tensor] = {}
         self.failed = False
         # The forward being run replays the graphs (decided at its first block); a replayed forward's backward has
         # not run yet (another forward's replay would overwrite what that backward reads: it runs eagerly).
@@ -75,17 +80,22 @@ class BlockGraphs:
         if index == 0:
             self.replaying = self.serves(signature)
         if self.capturing:
-            captured = (
+            if (
                 index == len(self.graphs)
                 and signature is not None
                 and self.capture(index, args, kwargs, signature)
-            )
-            outputs = self.eager_forwards[index](*args, **kwargs)
-            if captured:
-                self.remember(self.graphs[index], outputs)
-            if not captured or index == len(self.blocks) - 1:
-                self.finish_capture()
-            return outputs
+            ):
+                graph = self.graphs[index]
+                self.backward_pending = True
+                # The graph's input buffers hold these tensors' values: the replay copies nothing into them.
+                tensors = [leaf for leaf in leaves if torch.is_tensor(leaf)]
+                outputs = _Replay.apply(self, graph, *tensors, *graph.params)
+                self.remember(graph, outputs)
+                if index == len(self.blocks) - 1:
+                    self.finish_capture()
+                return graph.unflatten(outputs)
+            self.finish_capture()
+            return self.eager_forwards[index](*args, **kwargs)
         if self.replaying and index < len(self.graphs) and self.graphs[index].signature == signature:
             graph = self.graphs[index]
             if index == 0:
@@ -119,7 +129,8 @@ class BlockGraphs:
         return self.graphs[0].signature == signature
 
     def capture(self, index: int, args: tuple, kwargs: dict, signature: tuple) -> bool:
-        """Capture block ``index``'s forward for this call; on failure, drop every graph."""
+        """Capture block ``index``'s forward for this call; on failure, drop every graph (the blocks this forward
+        replayed get their gradients by recomputation)."""
         try:
             with uncached_autocast():
                 graph = self._capture_forward(index, args, kwargs, signature)
@@ -129,14 +140,10 @@ class BlockGraphs:
         self.graphs.append(graph)
         return True
 
-    def remember(self, graph: "_BlockGraph", outputs) -> None:
-        """Where a replay of ``graph`` leaves each of this eager call's output tensors."""
-        eager = [o for o in tree_flatten(outputs)[0] if torch.is_tensor(o)]
-        if len(eager) != len(graph.outputs):
-            self.fail("capturing the blocks as CUDA graphs", ValueError("the captured outputs differ"))
-            return
-        for tensor, buffer in zip(eager, graph.outputs, strict=True):
-            self.written[output_key(tensor)] = (tensor, buffer)
+    def remember(self, graph: "_BlockGraph", outputs: tuple[torch.Tensor, ...]) -> None:
+        """Where a replay of ``graph`` leaves each tensor the capturing forward's replay returned."""
+        for tensor, buffer in zip(outputs, graph.outputs, strict=True):
+            self.written[output_key(tensor)] = buffer
 
     def fail(self, what: str, error: Exception) -> None:
         self.failed, self.capturing, self.graphs, self.written = True, False, [], {}
@@ -154,46 +161,49 @@ class BlockGraphs:
         inputs = []
         for position in positions:
             tensor = leaves[position]
-            _, buffer = self.written.get(output_key(tensor), (None, None))
+            buffer = self.written.get(output_key(tensor))
             if buffer is None:
                 buffer = tensor.detach().clone()
             inputs.append(buffer.detach().requires_grad_(tensor.requires_grad))
 
-        def run(tensors):
-            call_leaves = list(leaves)
-            for position, tensor in zip(positions, tensors, strict=True):
-                call_leaves[position] = tensor
-            call_args, call_kwargs = tree_unflatten(call_leaves, spec)
-            return forward(*call_args, **call_kwargs)
+        run = _Call(forward, leaves, spec)
 
         params = trainable(block)
         torch.cuda.synchronize()
-        with torch.cuda.stream(torch.cuda.Stream()):
-            for _ in range(WARMUP_ITERATIONS):
-                sample = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
-                outputs = [o for o in tree_flatten(run(sample))[0] if torch.is_tensor(o)]
-                if not outputs or outputs[0].shape != sample[0].shape or outputs[0].dtype != sample[0].dtype:
-                    raise ValueError("a block's first output is not hidden states shaped as its input")
-                differentiable = [o for o in outputs if o.requires_grad]
-                wrt = [t for t in (*sample, *params) if t.requires_grad]
-                if differentiable:
-                    with backward_autocast():
-                        torch.autograd.grad(
-                            differentiable,
-                            wrt,
-                            [torch.ones_like(o) for o in differentiable],
-                            allow_unused=True,
-                        )
-                del sample, outputs, differentiable, wrt
+        if self.warmup_stream is None:  # one for every block: the allocator caches freed memory per stream
+            self.warmup_stream = torch.cuda.Stream()
+        with torch.cuda.stream(self.warmup_stream):
+            for iteration in range(WARMUP_ITERATIONS):
+                # The first may tune kernels, which syncs; the last must not sync at all, as in a capture.
+                with host_syncs_refused(iteration == WARMUP_ITERATIONS - 1):
+                    self._warm_up(run, inputs, params)
         torch.cuda.synchronize()
 
-        graph = _BlockGraph(tuple(inputs), params, signature)
+        graph = _BlockGraph(index, tuple(inputs), params, signature, run)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph.forward, pool=self.pool, capture_error_mode="thread_local"):
             structure = run(inputs)
         graph.set_outputs(structure)
         return graph
+
+    @staticmethod
+    def _warm_up(run: "_Call", inputs: list[torch.Tensor], params: tuple[nn.Parameter, ...]) -> None:
+        """One eager forward and backward of the block on copies of its inputs."""
+        sample = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        outputs = [o for o in tree_flatten(run(sample))[0] if torch.is_tensor(o)]
+        if not outputs or outputs[0].shape != sample[0].shape or outputs[0].dtype != sample[0].dtype:
+            raise ValueError("a block's first output is not hidden states shaped as its input")
+        differentiable = [o for o in outputs if o.requires_grad]
+        wrt = [t for t in (*sample, *params) if t.requires_grad]
+        if differentiable:
+            with backward_autocast():
+                torch.autograd.grad(
+                    differentiable,
+                    wrt,
+                    [torch.ones_like(o) for o in differentiable],
+                    allow_unused=True,
+                )
 
     def finish_capture(self) -> None:
         """Capture the captured blocks' backward graphs, in reverse, after all their forwards (the replay order)."""
@@ -223,18 +233,47 @@ class BlockGraphs:
                 later = graph
         torch.cuda.synchronize()
         for graph in self.graphs:
+            graph.backward_captured = True
             graph.release_autograd()
+
+
+class _Call:
+    """A block's call with its tensors replaced: ``_Call(forward, leaves, spec)(tensors)`` calls ``forward`` on the
+    call that ``leaves`` and ``spec`` flatten, with its tensor leaves taken from ``tensors`` in order (the call's own
+    tensors are not kept)."""
+
+    def __init__(self, forward, leaves: list, spec):
+        self.forward, self.spec = forward, spec
+        self.positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
+        self.leaves = [None if torch.is_tensor(leaf) else leaf for leaf in leaves]
+
+    def __call__(self, tensors):
+        leaves = list(self.leaves)
+        for position, tensor in zip(self.positions, tensors, strict=True):
+            leaves[position] = tensor
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        return self.forward(*args, **kwargs)
 
 
 class _BlockGraph:
     """One block's forward and backward graphs and the tensors they read and write."""
 
-    def __init__(self, inputs: tuple[torch.Tensor, ...], params: tuple[nn.Parameter, ...], signature: tuple):
+    def __init__(
+        self,
+        index: int,
+        inputs: tuple[torch.Tensor, ...],
+        params: tuple[nn.Parameter, ...],
+        signature: tuple,
+        call: _Call,
+    ):
+        self.index = index  # the block's place in its stack
         self.inputs = inputs  # the call's tensors, hidden states first: the forward's input buffers
         self.params = params
         self.signature = signature  # of the calls this graph serves
+        self.call = call  # the block's own forward on tensors in the inputs' order
         self.forward = torch.cuda.CUDAGraph()
         self.backward = torch.cuda.CUDAGraph()
+        self.backward_captured = False
 
     def set_outputs(self, structure) -> None:
         leaves, self.spec = tree_flatten(structure)
@@ -283,33 +322,69 @@ class _BlockGraph:
         self.input_grads = [next(grads) if t.requires_grad else None for t in self.inputs]
         self.param_grads = [next(grads) if p.requires_grad else None for p in self.params]
 
+    def recompute_gradients(self, grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+        """The inputs' and parameters' gradients (in that order) from the block's own forward run again eagerly on
+        the input buffers, which hold the values the capturing forward replayed on: the backward of that forward
+        where capturing the backward graphs failed."""
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in self.inputs]
+        enabled, dtype = self.signature[-1]
+        with torch.enable_grad(), torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False):
+            outputs = [o for o in tree_flatten(self.call(inputs))[0] if torch.is_tensor(o)]
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad and g is not None]
+        wrt = [t for t in (*inputs, *self.params) if t.requires_grad]
+        with backward_autocast():
+            found = iter(
+                torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                if pairs
+                else [None] * len(wrt)
+            )
+        return [next(found) if t.requires_grad else None for t in (*self.inputs, *self.params)]
+
 
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, owner: BlockGraphs, graph: _BlockGraph, *tensors: torch.Tensor):
         ctx.owner, ctx.graph = owner, graph
-        for buffer, tensor in zip(graph.inputs, tensors, strict=False):  # the parameters follow the inputs
-            if buffer.data_ptr() != tensor.data_ptr():
-                buffer.copy_(tensor)
+        if not owner.capturing:  # a capturing forward's buffers hold its tensors already
+            # The parameters follow the inputs in ``tensors``: zip stops at the last input buffer.
+            for buffer, tensor in zip(graph.inputs, tensors, strict=False):
+                if buffer.data_ptr() != tensor.data_ptr():
+                    buffer.copy_(tensor)
         graph.forward.replay()
         return tuple(o.detach() for o in graph.outputs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: torch.Tensor):
-        graph = ctx.graph
+        owner, graph = ctx.owner, ctx.graph
+        if owner.capturing:  # a capturing forward that stopped before its stack's last block
+            owner.finish_capture()
+        if graph.index == 0:
+            owner.backward_pending = False
+        if not graph.backward_captured:
+            return (None, None, *graph.recompute_gradients(grads))
         for buffer, grad in zip(graph.grad_outputs, grads, strict=True):
             if buffer is not None and buffer.data_ptr() != grad.data_ptr():
                 buffer.copy_(grad)
         graph.backward.replay()
-        if graph is ctx.owner.graphs[0]:
-            ctx.owner.backward_pending = False
         return (
             None,
             None,
             *(None if g is None else g.detach() for g in graph.input_grads),
             *(None if g is None else g.detach() for g in graph.param_grads),
         )
+
+
+@contextlib.contextmanager
+def host_syncs_refused(refused: bool = True):
+    """Within it (where ``refused``), an operation that waits on the GPU from the host raises, as it would in a
+    capture: torch's sync debug mode set to "error", then put back."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error" if refused else before)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
 
 
 def uncached_autocast() -> torch.autocast:

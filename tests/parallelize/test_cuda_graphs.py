@@ -181,10 +181,11 @@ def run_stack(blocks, x, lowers, packed_from=None):
 
 
 def test_blocks_are_captured_one_by_one_beside_their_first_training_call(monkeypatch, caplog):
-    """The first training forward runs eagerly and captures each block at its call, with the tensors it is given (a
-    per-layer tensor; the hidden states read from the previous block's graph), and the backward graphs after the
-    last block; a later forward replays the captured blocks up to the first call they cannot serve, which runs
-    eagerly with every block after it; a capture stopped by such a call keeps the blocks before it."""
+    """The first training forward captures each block at its call, with the tensors it is given (a per-layer
+    tensor; the hidden states read from the previous block's graph), and replays it at once, and captures the
+    backward graphs after the last block; a later forward replays the captured blocks up to the first call they
+    cannot serve, which runs eagerly with every block after it; a capture stopped by such a call keeps the blocks
+    before it."""
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     torch.manual_seed(0)
     plain = [LayerBlock() for _ in range(3)]
@@ -200,13 +201,13 @@ def test_blocks_are_captured_one_by_one_beside_their_first_training_call(monkeyp
     with caplog.at_level("INFO"):
         got = run_stack(blocks, x, lowers)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert got.grad_fn is not None and "Replay" not in type(got.grad_fn).__name__
-    assert events == ["F0:0", "F1:1", "F2:1", "B210"]
+    assert events == ["F0:0", "R0", "F1:1", "R1", "F2:1", "R2", "B210"]
     assert [r.message for r in caplog.records if "Captured" in r.message] == [
         "Captured 3 of 3 blocks as CUDA graphs for hidden states of shape (2, 5, 6); they replay from the next "
         "training forward"
     ]
-    assert owner.written == {} and not owner.capturing and not owner.backward_pending
+    assert owner.written == {} and not owner.capturing and owner.backward_pending
+    owner.backward_pending = False  # the capturing forward's backward
     events.clear()
     torch.testing.assert_close(run_stack(blocks, x, lowers), want, rtol=0, atol=0)
     assert events == ["R0", "R1", "R2"] and owner.backward_pending
@@ -218,7 +219,8 @@ def test_blocks_are_captured_one_by_one_beside_their_first_training_call(monkeyp
     stopped = BlockGraphs([LayerBlock() for _ in range(3)])
     events = stand_in_graphs(monkeypatch, stopped)
     run_stack(stopped.blocks, x, lowers, packed_from=1)
-    assert events == ["F0:0", "B0"] and not stopped.capturing
+    assert events == ["F0:0", "R0", "B0"] and not stopped.capturing
+    stopped.backward_pending = False
     events.clear()
     run_stack(stopped.blocks, x, lowers)
     assert events == ["R0"]  # the captured prefix replays; the rest runs eagerly
@@ -226,29 +228,57 @@ def test_blocks_are_captured_one_by_one_beside_their_first_training_call(monkeyp
     open_ended = BlockGraphs([LayerBlock() for _ in range(3)])
     events = stand_in_graphs(monkeypatch, open_ended)
     run_stack(open_ended.blocks[:2], x, lowers[:2])  # a forward that stops before the stack's last block
-    assert events == ["F0:0", "F1:1"] and open_ended.capturing
+    assert events == ["F0:0", "R0", "F1:1", "R1"] and open_ended.capturing
+    open_ended.backward_pending = False
     run_stack(open_ended.blocks, x, lowers)  # the next forward finishes that capture first
-    assert events == ["F0:0", "F1:1", "B10", "R0", "R1"]
+    assert events == ["F0:0", "R0", "F1:1", "R1", "B10", "R0", "R1"]
 
 
-def test_a_failed_capture_leaves_its_forward_eager_and_later_ones_too(monkeypatch, caplog):
+@pytest.mark.parametrize("fail_at", [0, 1])
+def test_a_failed_capture_leaves_later_forwards_eager(monkeypatch, caplog, fail_at):
+    """A failed capture drops every graph, with one log line, and every later forward runs eagerly; the blocks the
+    capturing forward replayed before it keep their outputs (their gradients come from recomputation)."""
     torch.manual_seed(0)
     owner = BlockGraphs([LayerBlock() for _ in range(3)])
     x = torch.randn(2, 5, 6, requires_grad=True)
     lowers = [torch.rand(6) for _ in range(3)]
     want = run_stack(owner.blocks, x, lowers)  # on the CPU: the blocks' own forward
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    events = stand_in_graphs(monkeypatch, owner, fail_at=1)
+    events = stand_in_graphs(monkeypatch, owner, fail_at=fail_at)
     with caplog.at_level("INFO"):
         torch.testing.assert_close(run_stack(owner.blocks, x, lowers), want, rtol=0, atol=0)
-    assert events == ["F0:0"] and owner.graphs == [] and owner.failed
+    assert events == ["F0:0", "R0"][: 2 * fail_at] and owner.graphs == [] and owner.failed
     assert [r.message for r in caplog.records if r.levelname == "WARNING"] == [
-        "The blocks run eagerly: capturing block 1 as a CUDA graph failed (RuntimeError: CUDA error: operation not "
-        "permitted when stream is capturing)"
+        f"The blocks run eagerly: capturing block {fail_at} as a CUDA graph failed (RuntimeError: CUDA error: "
+        "operation not permitted when stream is capturing)"
     ]
+    owner.backward_pending = False
     events.clear()
-    run_stack(owner.blocks, x, lowers)
+    torch.testing.assert_close(run_stack(owner.blocks, x, lowers), want, rtol=0, atol=0)
     assert events == []
+
+
+def test_recomputed_gradients_are_the_blocks_own():
+    """Where capturing the backward failed, the capturing forward's backward differentiates the block's forward run
+    again on its graph's input buffers: the gradients of its inputs and parameters, in that order, as autograd gives
+    them for the block's own call (None for an input that takes none)."""
+    torch.manual_seed(0)
+    block = LayerBlock()
+    hidden = torch.randn(2, 5, 6, requires_grad=True)
+    lower = torch.rand(6)  # takes no gradient
+    grad = torch.randn(2, 5, 6)
+    out = block(hidden, lower=lower)
+    want = torch.autograd.grad(out, (hidden, *block.parameters()), grad)
+    leaves, spec = tree_flatten(((hidden,), {"lower": lower}))
+    graph = object.__new__(_BlockGraph)
+    graph.inputs = (hidden.detach().requires_grad_(), lower)  # as a capture keeps them
+    graph.params = tuple(block.parameters())
+    graph.signature = (spec, (), (False, torch.bfloat16))
+    graph.call = cuda_graphs._Call(block.forward, leaves, spec)
+    got = graph.recompute_gradients((grad,))
+    assert got[1] is None and len(got) == 4
+    for g, w in zip((got[0], *got[2:]), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
