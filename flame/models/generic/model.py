@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from flame.compat import (
+    fla_attention_delta_on_flame,
     fla_deltaformer_on_flame,
     fla_flash_attn_calls_on_flame,
     fla_layers_on_flame,
@@ -25,6 +26,7 @@ from flame.models.generic.args import GenericArgs, is_fla_class
 from flame.models.generic.initialization import check_initialized, initialize_as_constructed
 from flame.models.layers.fla_attention import deltaformer_attention, flash_attn_func, flash_attn_varlen_func
 from flame.models.layers.fla_moba import parallel_moba
+from flame.ops.attention_delta import attention_delta
 
 # FLA's layers that flame builds in their place (same parameters) while their fast path does not import: FLA's
 # softmax attention without flash-attn, Mamba and Mamba2 without mamba_ssm. Values: flame's class, the attribute of FLA's layer
@@ -178,7 +180,7 @@ def refusing_layer(error: ImportError) -> str:
 def fla_classes_as_flame_builds_them() -> Iterator[None]:
     """FLA's modules with flame's fixes for the process (flame.compat: flash-attn's calls and DeltaFormer's and
     MoBA's ops on flame's attention, rodimus' residual flag, log-linear attention's scales and masks, the head
-    widths FLA's TileLang attention takes) and, while open, FLA's layers that would need flash-attn or mamba_ssm
+    widths FLA's TileLang attention takes, the attention backward's delta on flame's kernel) and, while open, FLA's layers that would need flash-attn or mamba_ssm
     built as flame's (FLA_LAYER_REPLACEMENTS, the same parameters): FLA's classes built inside it are what flame
     trains, so the bench's naive loop and the export check build FLA's own class the same way."""
     fla_deltaformer_on_flame(deltaformer_attention)
@@ -187,6 +189,7 @@ def fla_classes_as_flame_builds_them() -> Iterator[None]:
     fla_log_linear_scales_in_the_inputs_dtype()
     fla_log_linear_masks_built_once()
     fla_tilelang_attention_takes_its_head_widths()
+    fla_attention_delta_on_flame(attention_delta)
     fla_flash_attn_calls_on_flame(
         {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func}
     )
