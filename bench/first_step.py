@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 from families import stop_on_sigterm, train_env  # noqa: E402
-from train_throughput import MODELS, command_line, device_name, model_config, write_section  # noqa: E402
+from train_throughput import MODELS, add_doc_options, command_line, device_name, model_config, write_section  # noqa: E402
 
 MARKER = "bench_first_step"
 FIRST_STEP = re.compile(r"\bstep\s+1/\d+\b")
@@ -179,8 +179,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
     )
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
-    parser.add_argument("--no_write", action="store_true", help="print only")
+    add_doc_options(parser)
     args = parser.parse_args(argv)
     if unknown := set(args.models.split(",")) - set(MODELS):
         parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_throughput import command_line, device_name, device_synchronize, write_section  # noqa: E402
+from train_throughput import add_doc_options, command_line, device_name, device_synchronize, write_section  # noqa: E402
 
 MARKER = "bench_gated_delta_rule"
 SHAPES = "16x128x128,6x256x512,16x96x192"
@@ -224,8 +224,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--timeout_s", type=float, default=600, help="per variant, compilation and tuning included"
     )
     parser.add_argument("--tiny", action="store_true", help="small shapes (smoke test)")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
-    parser.add_argument("--no_write", action="store_true")
+    add_doc_options(parser)
     parser.add_argument(
         "--variant", choices=list(VARIANTS), help=argparse.SUPPRESS
     )  # a child process's variant

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_throughput import command_line, device_name, write_section  # noqa: E402
+from train_throughput import add_doc_options, command_line, device_name, write_section  # noqa: E402
 
 from flame.loss import IGNORE_INDEX, loss_sums  # noqa: E402
 from flame.ops import dispatch  # noqa: E402
@@ -139,8 +139,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help=f"{TINY} (a smoke test)")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
-    parser.add_argument("--no_write", action="store_true", help="print the table only")
+    add_doc_options(parser)
     args = parser.parse_args(argv)
     if args.tiny:
         vars(args).update(TINY, repeats=2)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import short_conv  # noqa: E402
-from train_throughput import command_line, device_name, write_section  # noqa: E402
+from train_throughput import add_doc_options, command_line, device_name, no_cuda_gpu, write_section  # noqa: E402
 
 from flame.ops.selective_scan import selective_scan_recurrent  # noqa: E402
 from flame.ops.selective_scan.triton_kernel import TILES, ScanTiles, selective_scan_triton  # noqa: E402
@@ -95,18 +95,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tiles", default=str(TILES), help="comma separated chunk x block_d x warps of flame's kernels"
     )
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
-    parser.add_argument("--no_write", action="store_true", help="print the table only")
+    add_doc_options(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if not torch.cuda.is_available():
-        print(
-            "bench/selective_scan.py needs a CUDA GPU (the kernels are Triton); none is visible",
-            file=sys.stderr,
-        )
+    if no_cuda_gpu("bench/selective_scan.py"):
         return 1
     started = time.perf_counter()
     rows = []

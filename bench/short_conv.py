@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_throughput import command_line, device_name, write_section  # noqa: E402
+from train_throughput import add_doc_options, command_line, device_name, no_cuda_gpu, write_section  # noqa: E402
 
 from flame.ops.short_conv.triton_kernel import short_conv_triton  # noqa: E402
 
@@ -92,17 +92,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph repetitions, ms")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
-    parser.add_argument("--no_write", action="store_true", help="print the table only")
+    add_doc_options(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if not torch.cuda.is_available():
-        print(
-            "bench/short_conv.py needs a CUDA GPU (the kernels are Triton); none is visible", file=sys.stderr
-        )
+    if no_cuda_gpu("bench/short_conv.py"):
         return 1
     started = time.perf_counter()
     rows = []

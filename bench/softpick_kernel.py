@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_throughput import command_line, device_name, write_section  # noqa: E402
+from train_throughput import add_doc_options, command_line, device_name, no_cuda_gpu, write_section  # noqa: E402
 
 from flame.ops.attention import reference_attention  # noqa: E402
 from flame.ops.attention.softpick_triton import softpick_attention  # noqa: E402
@@ -115,18 +115,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma separated: " + ", ".join(IMPLS))
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
-    parser.add_argument("--no_write", action="store_true", help="print the table only")
+    add_doc_options(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if not torch.cuda.is_available():
-        print(
-            "bench/softpick_kernel.py needs a CUDA GPU (the kernels are Triton); none is visible",
-            file=sys.stderr,
-        )
+    if no_cuda_gpu("bench/softpick_kernel.py"):
         return 1
     impls = args.impls.split(",")
     unknown = sorted(set(impls) - set(IMPLS))

@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from families import stop_on_sigterm, train_env  # noqa: E402
 from first_step import SHIPPED_VOCAB, measure_model, phase_text  # noqa: E402
-from train_throughput import command_line, device_name, model_config, write_section  # noqa: E402
+from train_throughput import add_doc_options, command_line, device_name, model_config, write_section  # noqa: E402
 
 from flame.plot import read_scalar_events  # noqa: E402
 
@@ -594,8 +594,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="run the parts at once on this many GPUs of this machine, each GPU's in a process of its own with an "
         "equal share of the CPU cores",
     )
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
-    parser.add_argument("--no_write", action="store_true", help="print only")
+    add_doc_options(parser)
     parser.add_argument("--write_doc", action="store_true", help="write the doc on a CPU too")
     args = parser.parse_args(argv)
     if unknown := set(filter(None, args.parts.split(","))) - set(PARTS):

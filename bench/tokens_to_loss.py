@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_throughput import command_line, device_name, write_section  # noqa: E402
+from train_throughput import add_doc_options, command_line, device_name, write_section  # noqa: E402
 
 from flame.plot import PlotError, read_scalar_events  # noqa: E402
 
@@ -103,8 +103,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--val_freq", type=int, default=100, help="validate every this many steps")
     parser.add_argument("--val_steps", type=int, default=20, help="validation batches per validation")
     parser.add_argument("--workdir", type=Path, default=REPO / "exp" / "tokens_to_loss")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "performance.md")
-    parser.add_argument("--no_write", action="store_true", help="print only")
+    add_doc_options(parser)
     parser.add_argument("extra", nargs="*", help="the job's train.sh flags (after --)")
     return parser.parse_args(argv)
 

@@ -560,16 +560,29 @@ def data_description(args) -> str:
     )
 
 
+def add_doc_options(parser: argparse.ArgumentParser) -> None:
+    """--doc and --no_write: the markdown file a bench script writes its section into, or print only."""
+    parser.add_argument(
+        "--doc", type=Path, default=PERFORMANCE_DOC, help="markdown file to write the table into"
+    )
+    parser.add_argument("--no_write", action="store_true", help="print only")
+
+
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options every training bench takes: --device, --tiny, --doc, --no_write."""
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
     )
     parser.add_argument("--tiny", action="store_true", help="tiny versions of the models (smoke test)")
-    parser.add_argument(
-        "--doc", type=Path, default=PERFORMANCE_DOC, help="markdown file to write the table into"
-    )
-    parser.add_argument("--no_write", action="store_true", help="print only")
+    add_doc_options(parser)
+
+
+def no_cuda_gpu(script: str) -> bool:
+    """Whether no CUDA GPU is visible, saying so for a kernel bench ``script`` (its kernels are Triton)."""
+    if torch.cuda.is_available():
+        return False
+    print(f"{script} needs a CUDA GPU (the kernels are Triton); none is visible", file=sys.stderr)
+    return True
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
