@@ -576,6 +576,7 @@ def fla_attention_delta_on_flame(delta_op: Callable) -> None:
     delta = rowsum(o * do) with ``parallel_attn_bwd_preprocess``, which launches one program per row: 0.63 ms a call
     at NSA's 64 heads x 8 x 2048 rows on an H200. After this call (idempotent, for the process) every FLA module
     that holds the function calls ``delta_op`` (flame's ``attention_delta``: the same sums, rows in tiles) instead."""
+    # Imported first, so that every module holding FLA's function is among those _fla_globals_holding finds.
     modules = [importlib.import_module(name) for name in FLA_ATTENTION_DELTA_MODULES]
     original = modules[0].parallel_attn_bwd_preprocess
     if getattr(original, "flame_attention_delta", False):

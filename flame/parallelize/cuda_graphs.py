@@ -41,14 +41,15 @@ WARMUP_ITERATIONS = 2  # Triton's compilation and autotuning, cuBLAS's workspace
 
 class BlockGraphs:
     """The blocks of one stack (called in order, each on the previous one's first output), replayed as CUDA
-    graphs. The first training forward that the graphs can serve captures each block at its call, with that call's tensors, and replays it at once; once the last block, or the first block the graphs
-    cannot serve, is reached, the captured blocks' backward graphs are captured too (the captured blocks form a
-    prefix of the stack). A failed capture, forward or backward, is one log line, and every later forward runs
-    eagerly; the blocks the capturing forward replayed get their gradients by running each block's forward again
-    eagerly on the inputs its graph kept (the values it replayed on). A host sync in a block (``.item()``, a copy
-    to or from the host) is found in the last warm-up, under torch's sync debug mode, before any capture: a capture
-    that fails leaves torch's CUDA state half-captured (the graphs' memory pool still recording and the random
-    generator still capturing, so a later ``torch.randn`` on the GPU raises; torch 2.11, H200).
+    graphs. The first training forward that the graphs can serve captures each block at its call, with that call's
+    tensors, and replays it at once; once the last block, or the first block the graphs cannot serve, is reached,
+    the captured blocks' backward graphs are captured too (the captured blocks form a prefix of the stack). A
+    failed capture, forward or backward, is one log line, and every later forward runs eagerly; the blocks the
+    capturing forward replayed get their gradients by running each block's forward again eagerly on the inputs its
+    graph kept (the values it replayed on). A host sync in a block (``.item()``, a copy to or from the host) is
+    found in the last warm-up, under torch's sync debug mode, before any capture: a capture that fails leaves
+    torch's CUDA state half-captured (the graphs' memory pool still recording and the random generator still
+    capturing, so a later ``torch.randn`` on the GPU raises; torch 2.11, H200).
 
     A call is served when it is a training call (module in training mode, grad enabled) on CUDA whose structure,
     constants, tensors' shapes, dtypes, strides and ``requires_grad``, and autocast state equal the captured
@@ -194,16 +195,8 @@ class BlockGraphs:
         outputs = [o for o in tree_flatten(run(sample))[0] if torch.is_tensor(o)]
         if not outputs or outputs[0].shape != sample[0].shape or outputs[0].dtype != sample[0].dtype:
             raise ValueError("a block's first output is not hidden states shaped as its input")
-        differentiable = [o for o in outputs if o.requires_grad]
-        wrt = [t for t in (*sample, *params) if t.requires_grad]
-        if differentiable:
-            with backward_autocast():
-                torch.autograd.grad(
-                    differentiable,
-                    wrt,
-                    [torch.ones_like(o) for o in differentiable],
-                    allow_unused=True,
-                )
+        with backward_autocast():
+            gradients([(o, torch.ones_like(o)) for o in outputs if o.requires_grad], (*sample, *params))
 
     def finish_capture(self) -> None:
         """Capture the captured blocks' backward graphs, in reverse, after all their forwards (the replay order)."""
@@ -307,20 +300,9 @@ class _BlockGraph:
             else (hidden_grad if i == 0 and hidden_grad is not None else torch.empty_like(o))
             for i, o in enumerate(self.outputs)
         ]
-        differentiable = [o for o in self.outputs if o.requires_grad]
-        wrt = [t for t in (*self.inputs, *self.params) if t.requires_grad]
-        grads = iter(
-            torch.autograd.grad(
-                differentiable,
-                wrt,
-                [g for g in self.grad_outputs if g is not None],
-                allow_unused=True,
-            )
-            if differentiable
-            else [None] * len(wrt)
-        )
-        self.input_grads = [next(grads) if t.requires_grad else None for t in self.inputs]
-        self.param_grads = [next(grads) if p.requires_grad else None for p in self.params]
+        pairs = [(o, g) for o, g in zip(self.outputs, self.grad_outputs, strict=True) if g is not None]
+        grads = gradients(pairs, (*self.inputs, *self.params))
+        self.input_grads, self.param_grads = grads[: len(self.inputs)], grads[len(self.inputs) :]
 
     def recompute_gradients(self, grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
         """The inputs' and parameters' gradients (in that order) from the block's own forward run again eagerly on
@@ -331,14 +313,8 @@ class _BlockGraph:
         with torch.enable_grad(), torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False):
             outputs = [o for o in tree_flatten(self.call(inputs))[0] if torch.is_tensor(o)]
         pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad and g is not None]
-        wrt = [t for t in (*inputs, *self.params) if t.requires_grad]
         with backward_autocast():
-            found = iter(
-                torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                if pairs
-                else [None] * len(wrt)
-            )
-        return [next(found) if t.requires_grad else None for t in (*self.inputs, *self.params)]
+            return gradients(pairs, (*inputs, *self.params))
 
 
 class _Replay(torch.autograd.Function):
@@ -373,6 +349,20 @@ class _Replay(torch.autograd.Function):
             *(None if g is None else g.detach() for g in graph.input_grads),
             *(None if g is None else g.detach() for g in graph.param_grads),
         )
+
+
+def gradients(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], tensors: tuple[torch.Tensor, ...]
+) -> list[torch.Tensor | None]:
+    """The gradient of the (output, output gradient) ``pairs`` with respect to each of ``tensors`` that requires
+    one, None for the others (and for one no output depends on)."""
+    wrt = [t for t in tensors if t.requires_grad]
+    found = iter(
+        torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        if pairs
+        else [None] * len(wrt)
+    )
+    return [next(found) if t.requires_grad else None for t in tensors]
 
 
 @contextlib.contextmanager
