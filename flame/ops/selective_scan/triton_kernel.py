@@ -22,10 +22,10 @@ the chunk's last token, with the g entering from the next chunk), and from g and
     du[t] = delta[t] sum_n g B[t];  ddelta[t] = u[t] sum_n g B[t] + sum_n g a[t] h[t-1] A;  dA = sum_t g a[t] h[t-1] delta[t]
     dB[t] = sum_d g delta[t] u[t];  dC[t] = sum_d dy[t] h[t]
 with a[t] h[t-1] = h[t] - x[t]. dB and dC are summed over the channel blocks, dA over the rows, by torch after the
-kernel (partial buffers, no atomics: deterministic). Sums run in float32 (float64 for float64 inputs). The kernels
-are autograd through torch.autograd.Function: FLA's Mamba blocks run eagerly (and replay as CUDA graphs on one GPU),
-so torch.compile does not trace them. With TRITON_INTERPRET=1 set before this module is imported, the kernels run
-in Triton's CPU interpreter (the CPU tests).
+kernel (partial buffers, no atomics: deterministic). Sums run in float32 (float64 for float64 inputs). Forward and
+backward are torch.library custom ops with shape-only fake implementations, so that a compiled Mamba block traces
+them as single nodes instead of breaking its graph. With TRITON_INTERPRET=1 set before this module is imported, the
+kernels run in Triton's CPU interpreter (the CPU tests).
 """
 
 import os
@@ -234,24 +234,59 @@ def _backward(
             dc.sum(1).to(C.dtype))  # fmt: skip
 
 
-class SelectiveScan(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, u, delta, A, B, C, tiles):
-        u, delta, A, B, C = (_row_major(t) for t in (u, delta, A, B, C))
-        y, last, states = _forward(u, delta, A, B, C, tiles)
-        ctx.save_for_backward(u, delta, A, B, C, states)
-        ctx.tiles = tiles
-        ctx.mark_non_differentiable(last)
-        return y, last
+@torch.library.custom_op("flame::selective_scan_fwd", mutates_args=())
+def selective_scan_fwd(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int, block_d: int, warps: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """y, the last state and the states entering each chunk (saved for the backward)."""
+    u, delta, A, B, C = (_row_major(t) for t in (u, delta, A, B, C))
+    return _forward(u, delta, A, B, C, ScanTiles(chunk, block_d, warps))
 
-    @staticmethod
-    def backward(ctx, dy, _):
-        u, delta, A, B, C, states = ctx.saved_tensors
-        return *_backward(u, delta, A, B, C, states, _row_major(dy), ctx.tiles), None
+
+@selective_scan_fwd.register_fake
+def _(u, delta, A, B, C, chunk, block_d, warps):
+    batch, length, dim = u.shape
+    compute = _compute_dtype(u)
+    states = u.new_empty(batch, -(-length // chunk), dim, A.shape[1], dtype=compute)
+    return (
+        torch.empty_like(u, memory_format=torch.contiguous_format),
+        u.new_empty(batch, dim, A.shape[1], dtype=compute),
+        states,
+    )
+
+
+@torch.library.custom_op("flame::selective_scan_bwd", mutates_args=())
+def selective_scan_bwd(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, states: Tensor, dy: Tensor, chunk: int, block_d: int,
+    warps: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    u, delta, A, B, C = (_row_major(t) for t in (u, delta, A, B, C))
+    return _backward(u, delta, A, B, C, states, _row_major(dy), ScanTiles(chunk, block_d, warps))
+
+
+@selective_scan_bwd.register_fake
+def _(u, delta, A, B, C, states, dy, chunk, block_d, warps):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (u, delta, A, B, C))
+
+
+def _setup_context(ctx, inputs, output):
+    u, delta, A, B, C, chunk, block_d, warps = inputs
+    ctx.save_for_backward(u, delta, A, B, C, output[2])
+    ctx.tiles = (chunk, block_d, warps)
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _gradients(ctx, dy, _last, _states):
+    u, delta, A, B, C, states = ctx.saved_tensors
+    return *selective_scan_bwd(u, delta, A, B, C, states, dy, *ctx.tiles), None, None, None
+
+
+selective_scan_fwd.register_autograd(_gradients, setup_context=_setup_context)
 
 
 def selective_scan_triton(
     u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, tiles: ScanTiles = TILES
 ) -> tuple[Tensor, Tensor]:
     """Arguments and results of `selective_scan_recurrent` (naive.py); ``tiles`` for the bench's comparisons."""
-    return SelectiveScan.apply(u, delta, A, B, C, tiles)
+    y, last, _ = selective_scan_fwd(u, delta, A, B, C, tiles.chunk, tiles.block_d, tiles.warps)
+    return y, last
