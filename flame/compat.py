@@ -21,7 +21,7 @@ import os
 import re
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 
@@ -590,6 +590,41 @@ def fla_attention_delta_on_flame(delta_op: Callable) -> None:
         setattr(module, attribute, functools.wraps(original)(attention_delta))
 
 
+def fla_functions_traced_under_compile(torch_versions: Mapping[str, Callable]) -> None:
+    """FLA 0.6.0's norms and activations (``rms_norm``, ``swish``, ``swiglu`` ...: "module.function" keys) run
+    Triton kernels inside autograd Functions that dynamo does not trace, so each call in a compiled block is a graph
+    break. After this call (idempotent, for the process) every FLA module holding one of them, and FLA's ``ACT2FN``,
+    hold a function that runs its PyTorch version (the value: the same arguments and results, which inductor fuses
+    with the code around it) while torch.compile traces, and FLA's kernel otherwise."""
+    import torch
+
+    activations = importlib.import_module("fla.modules.activations.ops").ACT2FN
+    for dotted, torch_version in torch_versions.items():
+        module_name, name = dotted.rsplit(".", 1)
+        original = getattr(importlib.import_module(module_name), name)
+        if getattr(original, "flame_traced_under_compile", False):
+            continue
+
+        @functools.wraps(original)
+        def traced(*args, _original=original, _torch_version=torch_version, **kwargs):
+            if torch.compiler.is_compiling():
+                return _torch_version(*args, **kwargs)
+            return _original(*args, **kwargs)
+
+        traced.flame_traced_under_compile = True
+        for holder, attribute in _fla_globals_holding(original, "fla"):
+            setattr(holder, attribute, traced)
+        for key, held in list(activations.items()):
+            if held is original:
+                activations[key] = traced
+
+
+def _fla_functions_opaque_to_compile() -> bool:
+    return _sources_contain(
+        ("fla.modules.norm.layernorm",), "return LayerNormFunction.apply(x, weight, bias"
+    ) and (_sources_contain(("fla.modules.activations.ops",), "swish = SwishFunction.apply"))
+
+
 def _fla_attention_delta_one_program_per_row() -> bool:
     return _sources_contain(
         ("fla.ops.attn.parallel",), "parallel_attn_bwd_kernel_preprocess[(delta.numel(),)]("
@@ -879,6 +914,14 @@ SHIMS = (
         fixed_in=None,
         workaround="fla_attention_delta_on_flame",
         reproduces=_fla_attention_delta_one_program_per_row,
+    ),
+    Shim(
+        name="fla_functions_opaque_to_compile",
+        applies=_always,
+        upstream="not filed: FLA 0.6.0's norms and activations run Triton in autograd Functions dynamo does not trace",
+        fixed_in=None,
+        workaround="fla_functions_traced_under_compile",
+        reproduces=_fla_functions_opaque_to_compile,
     ),
     Shim(
         name="fla_attention_flash_attn",

@@ -156,3 +156,34 @@ def test_flas_tilelang_attention_refuses_the_head_widths_it_cannot_compile():
         assert (forward[0], backward[0]) == (accepted, accepted), (width, forward, backward)
     wrapped = AttnTileLangBackend.parallel_attn_fwd_verifier
     assert not getattr(wrapped.__wrapped__, "flame_head_widths", False)
+
+
+def test_flas_functions_run_flames_pytorch_code_while_compiling():
+    """After fla_functions_traced_under_compile, FLA's swish (also as ACT2FN['silu']) and its RMSNorm module trace
+    under torch.compile into flame's PyTorch code with no graph break (on this CPU FLA's kernels cannot run at all);
+    a second call changes nothing."""
+    import torch
+    from fla.modules import RMSNorm
+    from fla.modules.activations import ACT2FN
+
+    from flame.models.generic.model import FLA_FUNCTIONS_IN_PYTORCH
+    from flame.ops.activations import swish
+    from flame.ops.norm import residual_rms_norm_torch
+
+    compat.fla_functions_traced_under_compile(FLA_FUNCTIONS_IN_PYTORCH)
+    silu = ACT2FN["silu"]
+    compat.fla_functions_traced_under_compile(FLA_FUNCTIONS_IN_PYTORCH)
+    assert ACT2FN["silu"] is silu and ACT2FN["swish"] is silu and silu.flame_traced_under_compile
+    norm = RMSNorm(13, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 7, 13)
+
+    def block(x):
+        return ACT2FN["silu"](norm(x))
+
+    torch._dynamo.reset()
+    out = torch.compile(block, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(
+        out, swish(residual_rms_norm_torch(x, norm.weight, None, eps=1e-5)), rtol=0, atol=0
+    )
+    torch._dynamo.reset()

@@ -92,3 +92,31 @@ def gated_rms_norm(
     """RMSNorm(x) * weight * act(gate): FLA's kernel on CUDA in eager, PyTorch elsewhere and under
     torch.compile."""
     return GATED_RMS_NORM(x, gate, weight, eps, activation)
+
+
+def residual_rms_norm_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    prenorm: bool = False,
+    residual_in_fp32: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch code of FLA 0.6.0's ``fla.modules.norm.layernorm.rms_norm``, its arguments and results: h = x +
+    residual (when given), summed in the compute dtype; y = h * rsqrt(mean(h^2) + eps) * weight + bias in x's dtype;
+    with ``prenorm`` also h, in the residual's dtype (float32 with ``residual_in_fp32`` and no residual, else x's)."""
+    compute_dtype = _compute_dtype(x)
+    h = x.to(compute_dtype)
+    if residual is not None:
+        h = h + residual.to(compute_dtype)
+    y = _rms_normalize_in_compute_dtype(h, weight, eps)
+    if bias is not None:
+        y = y + bias.to(compute_dtype)
+    y = y.to(x.dtype)
+    if not prenorm:
+        return y
+    residual_dtype = (
+        residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else x.dtype)
+    )
+    return y, h.to(residual_dtype)

@@ -65,3 +65,24 @@ def test_l2norm_puts_eps_inside_the_square_root():
     torch.testing.assert_close(l2norm(x), expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(l2norm(x[:4]), F.normalize(x[:4], dim=-1), rtol=1e-5, atol=1e-6)
     assert l2norm(x[4:]).norm() < 0.5  # a tiny vector is not blown up to unit norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_residual_rms_norm_matches_fla_reference(dtype, with_residual):
+    """FLA's rms_norm with a residual, a bias and prenorm (its RMSNorm modules' call, which compiled blocks run as
+    residual_rms_norm_torch): y and the summed residual as FLA's upcast reference gives them; the residual comes back
+    in the residual's dtype, float32 without one under residual_in_fp32, as FLA's kernel returns it."""
+    from flame.ops.norm import residual_rms_norm_torch
+
+    x = 3 * random(2, 37, 45, seed=0, dtype=dtype)
+    residual = random(2, 37, 45, seed=1, dtype=dtype) if with_residual else None
+    weight, bias = 1 + 0.1 * random(45, seed=2), 0.1 * random(45, seed=3)
+    y, summed = residual_rms_norm_torch(x, weight, bias, residual, 1e-5, prenorm=True, residual_in_fp32=True)
+    ref_y, ref_summed = rms_norm_ref(x, weight, bias, residual, eps=1e-5, prenorm=True, upcast=True)
+    assert y.dtype == dtype and summed.dtype == (dtype if with_residual else torch.float32)
+    tol = FLOAT32_TOL if dtype == torch.float32 else EXACT
+    torch.testing.assert_close(y, ref_y, **tol)
+    torch.testing.assert_close(summed, ref_summed.to(summed.dtype), **EXACT)
+    alone = residual_rms_norm_torch(x, weight, None, residual, 1e-5)
+    torch.testing.assert_close(alone, rms_norm_ref(x, weight, None, residual, eps=1e-5, upcast=True), **tol)

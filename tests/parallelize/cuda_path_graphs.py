@@ -27,6 +27,12 @@ MODELS = {
                                             "attn": {"layers": [1], "num_heads": 4, "qk_norm": True}}),
     "delta_net": ("delta_net_340M.json", {"num_heads": 4}),
 }  # fmt: skip
+# FLA's classes whose blocks flame compiles (FLA_MODEL_TYPES_TRACED_WHOLE): their whole config.
+FLA_MODELS = {
+    "mamba": {"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256},
+    "samba": {"model_type": "samba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256,
+              "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "window_size": 2048}},
+}  # fmt: skip
 
 
 class PretendCuda(torch.Tensor):
@@ -41,12 +47,14 @@ def take_the_cuda_paths() -> None:
     from flame.ops import dispatch, fla_library
     from flame.ops.attention import softpick_triton
     from flame.ops.gated_delta_rule import flash_qla
+    from flame.ops.selective_scan import triton_kernel as scan
     from flame.ops.short_conv import triton_kernel
 
     for op in (fla_library.gated_delta_rule_fwd, fla_library.gated_delta_rule_bwd, fla_library.delta_rule_fwd,
                fla_library.delta_rule_bwd, triton_kernel.short_conv_fwd, triton_kernel.short_conv_bwd,
                softpick_triton.softpick_attention_fwd, softpick_triton.softpick_attention_bwd,
-               flash_qla.gated_delta_rule_fwd, flash_qla.gated_delta_rule_bwd):  # fmt: skip
+               flash_qla.gated_delta_rule_fwd, flash_qla.gated_delta_rule_bwd, scan.selective_scan_fwd,
+               scan.selective_scan_bwd):  # fmt: skip
         op.register_kernel("cpu")(op._abstract_fn)
     for entry in dispatch._TABLE.values():
         entry.missing = {}  # every backend installed, FlashQLA included
@@ -57,8 +65,11 @@ def take_the_cuda_paths() -> None:
 def graph_breaks(name: str) -> list[str]:
     from flame.models import build_model, model_args_from_dict
 
-    path, overrides = MODELS[name]
-    config = {**json.loads((REPO / "configs" / path).read_text()), **TINY, **overrides}
+    if name in FLA_MODELS:
+        config = FLA_MODELS[name]
+    else:
+        path, overrides = MODELS[name]
+        config = {**json.loads((REPO / "configs" / path).read_text()), **TINY, **overrides}
     args, _ = model_args_from_dict(config)
     torch.manual_seed(0)
     model = build_model(args).to(torch.bfloat16)

@@ -47,13 +47,14 @@ def test_every_block_is_compiled_past_dynamos_recompile_limit(monkeypatch):
 def test_fla_classes_blocks_stay_eager_and_transformers_classes_compile(caplog):
     """The generic family leaves FLA's classes' blocks eager (ModelSpec.eager_blocks: their Triton autograd functions
     split each block into graphs that cost more than they save) with one log line, and compiles a transformers
-    class's blocks."""
+    class's blocks and those of FLA's classes that trace whole (mamba: FLA_MODEL_TYPES_TRACED_WHOLE)."""
     from flame.models import build_model, model_args_from_dict, model_spec
 
     shape = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2}
     configs = {
         "gla": {"model_type": "gla", **shape, "num_heads": 2},
         "llama": {"model_type": "llama", **shape, "intermediate_size": 64, "num_attention_heads": 2},
+        "mamba": {"model_type": "mamba", **shape},
     }
     compiled = {}
     for name, config in configs.items():
@@ -64,7 +65,7 @@ def test_fla_classes_blocks_stay_eager_and_transformers_classes_compile(caplog):
             compile_module.compile_blocks(model, backend="eager")
         blocks = [block for stack in model_spec(args).blocks(model) for block in stack]
         compiled[name] = [isinstance(block, torch._dynamo.eval_frame.OptimizedModule) for block in blocks]
-    assert compiled == {"gla": [False, False], "llama": [True, True]}
+    assert compiled == {"gla": [False, False], "llama": [True, True], "mamba": [True, True]}
     eager_lines = [r.message for r in caplog.records if "leaves the blocks eager" in r.message]
     assert len(eager_lines) == 1 and "model_type 'gla' is FLA's class" in eager_lines[0]
 
@@ -106,8 +107,9 @@ def test_graph_breaks_are_reported_once_after_the_first_compiled_step(make_train
 
 
 def test_flames_models_trace_whole_on_the_cuda_paths_of_their_ops():
-    """Dynamo traces each flame family's forward on the branches a GPU run takes (FLA's ops and flame's kernels as
-    custom ops, FlashQLA installed, serving K = V = 128 heads and refusing the others) without a graph break:
+    """Dynamo traces each flame family's forward, and FLA's mamba and samba, on the branches a GPU run takes (FLA's ops
+    and flame's kernels as custom ops, FlashQLA installed, serving K = V = 128 heads and refusing the others; FLA's
+    norms and activations as flame's PyTorch code) without a graph break:
     cuda_path_graphs.py, in a process of its own (it registers CPU implementations of the custom ops)."""
     import subprocess
     import sys
@@ -121,6 +123,8 @@ def test_flames_models_trace_whole_on_the_cuda_paths_of_their_ops():
         "gated_deltanet_k128",
         "hybrid",
         "delta_net",
+        "mamba",
+        "samba",
     ]
     result = subprocess.run(
         [sys.executable, str(script), *models], capture_output=True, text=True, timeout=600

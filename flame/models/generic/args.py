@@ -150,17 +150,26 @@ def fla_kernels_need_cuda(args: "GenericArgs") -> str | None:
     return None
 
 
+# FLA's classes whose blocks trace whole under torch.compile: their mixers are flame's (the scan a custom op, FLA's
+# layer without mamba_ssm is flame's: FLA_LAYER_REPLACEMENTS) and FLA's norms and activations run as PyTorch code
+# while compiling (FLA_FUNCTIONS_IN_PYTORCH); tests/parallelize/test_compile.py checks that they do.
+FLA_MODEL_TYPES_TRACED_WHOLE = frozenset({"mamba", "samba"})
+
+
 def fla_blocks_run_eagerly(args: "GenericArgs") -> str | None:
     """FLA's classes call FLA's Triton kernels through autograd functions that dynamo does not trace, so a compiled
     block is several graphs whose guards and wrappers cost the host more than inductor saves, and at the family
     table's sizes the step is bound by the host (docs/performance.md, "FLA classes, compiled and eager"); rwkv7's
-    class also fails in inductor (a view of a custom Function modified in place)."""
-    if builds_fla_class(args):
-        return (
-            f"model_type '{args.model_type}' is FLA's class, whose Triton autograd functions split a compiled block "
-            "into several graphs that cost more host time than they save"
-        )
-    return None
+    class also fails in inductor (a view of a custom Function modified in place). Those of
+    FLA_MODEL_TYPES_TRACED_WHOLE compile (mamba_ssm's kernels, where installed, would break their graphs)."""
+    if not builds_fla_class(args):
+        return None
+    if args.model_type in FLA_MODEL_TYPES_TRACED_WHOLE and importlib.util.find_spec("mamba_ssm") is None:
+        return None
+    return (
+        f"model_type '{args.model_type}' is FLA's class, whose Triton autograd functions split a compiled block "
+        "into several graphs that cost more host time than they save"
+    )
 
 
 # FLA 0.6.0 layers whose every path runs a package flame does not install (the package index has no wheels of it):

@@ -12,6 +12,7 @@ from flame.compat import (
     fla_attention_delta_on_flame,
     fla_deltaformer_on_flame,
     fla_flash_attn_calls_on_flame,
+    fla_functions_traced_under_compile,
     fla_layers_on_flame,
     fla_log_linear_masks_built_once,
     fla_log_linear_scales_in_the_inputs_dtype,
@@ -26,7 +27,9 @@ from flame.models.generic.args import GenericArgs, is_fla_class
 from flame.models.generic.initialization import check_initialized, initialize_as_constructed
 from flame.models.layers.fla_attention import deltaformer_attention, flash_attn_func, flash_attn_varlen_func
 from flame.models.layers.fla_moba import parallel_moba
+from flame.ops import activations
 from flame.ops.attention_delta import attention_delta
+from flame.ops.norm import residual_rms_norm_torch
 
 # FLA's layers that flame builds in their place (same parameters) while their fast path does not import: FLA's
 # softmax attention without flash-attn, Mamba and Mamba2 without mamba_ssm. Values: flame's class, the attribute of FLA's layer
@@ -39,6 +42,16 @@ FLA_LAYER_REPLACEMENTS = {
     ),
     "fla.layers.mamba.Mamba": ("flame.models.layers.fla_mamba.FLAMamba", "is_fast_path_available"),
     "fla.layers.mamba2.Mamba2": ("flame.models.layers.fla_mamba2.FLAMamba2", "is_fast_path_available"),
+}
+
+# FLA's functions that compiled blocks run as PyTorch code (flame.compat.fla_functions_traced_under_compile).
+FLA_FUNCTIONS_IN_PYTORCH = {
+    "fla.modules.norm.layernorm.rms_norm": residual_rms_norm_torch,
+    "fla.modules.activations.ops.swish": activations.swish,
+    "fla.modules.activations.ops.sigmoid": activations.sigmoid,
+    "fla.modules.activations.ops.logsigmoid": activations.logsigmoid,
+    "fla.modules.activations.ops.swiglu": activations.swiglu,
+    "fla.modules.activations.ops.swiglu_linear": activations.swiglu_linear,
 }
 
 
@@ -190,6 +203,7 @@ def fla_classes_as_flame_builds_them() -> Iterator[None]:
     fla_log_linear_masks_built_once()
     fla_tilelang_attention_takes_its_head_widths()
     fla_attention_delta_on_flame(attention_delta)
+    fla_functions_traced_under_compile(FLA_FUNCTIONS_IN_PYTORCH)
     fla_flash_attn_calls_on_flame(
         {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func}
     )

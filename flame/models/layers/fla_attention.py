@@ -126,9 +126,9 @@ class FLAAttention(nn.Module):
                 f"{tuple(attention_mask.shape)}"
             )
         batch, q_len, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).unflatten(-1, (-1, self.head_dim))
-        k = self.k_proj(hidden_states).unflatten(-1, (-1, self.head_dim))
-        v = self.v_proj(hidden_states).unflatten(-1, (-1, self.head_dim))
+        q = self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)
+        k = self.k_proj(hidden_states).view(batch, q_len, -1, self.head_dim)
+        v = self.v_proj(hidden_states).view(batch, q_len, -1, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
 

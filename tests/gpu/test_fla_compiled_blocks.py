@@ -1,0 +1,128 @@
+"""FLA's classes whose blocks flame compiles (FLA_MODEL_TYPES_TRACED_WHOLE: mamba, samba) give the eager model's
+results: per-block torch.compile (FLA's norms and activations as flame's PyTorch code, the selective scan as flame's
+custom op) against the same model run eagerly (FLA's Triton norms and activations), float32, odd sizes; and flame's
+PyTorch versions of FLA's functions against FLA's kernels on random inputs.
+
+Tolerances: float32 everywhere; the compiled and eager models differ only in the order of float32 sums (inductor's
+reductions, FLA's kernels), so loss, logits and gradients agree to a relative 1e-4 of their norms (a wrong
+residual, eps, gate or cast gives errors of order 1e-2 or more). The functions agree to 1e-5 (float32) and one
+bfloat16 ulp (bfloat16 inputs, float32 compute in both)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from flame.models import build_model, model_args_from_dict, model_spec
+from flame.models.generic.args import fla_blocks_run_eagerly
+from flame.models.generic.model import FLA_FUNCTIONS_IN_PYTORCH
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("mamba_ssm") is not None, reason="mamba_ssm's kernels serve Mamba"
+    ),
+]
+
+MODELS = {
+    "mamba": {"model_type": "mamba", "vocab_size": 509, "hidden_size": 96, "num_hidden_layers": 3},
+    "samba": {"model_type": "samba", "vocab_size": 509, "hidden_size": 96, "num_hidden_layers": 3,
+              "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "window_size": 2048}},
+}  # fmt: skip
+
+
+def relative(reference: torch.Tensor, other: torch.Tensor) -> float:
+    reference, other = reference.double(), other.double()
+    return ((reference - other).norm() / reference.norm()).item()
+
+
+def loss_and_gradients(model, tokens):
+    logits = model(tokens)
+    logits = logits.logits if hasattr(logits, "logits") else logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return (
+        loss.detach(),
+        logits.detach(),
+        # A compiled block's parameters are named through its wrapper's ``_orig_mod``.
+        {
+            n.replace("._orig_mod", ""): p.grad.clone()
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        },
+    )
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_compiled_blocks_match_the_eager_model(name):
+    args, _ = model_args_from_dict(MODELS[name])
+    assert fla_blocks_run_eagerly(args) is None
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = build_model(args)
+    tokens = torch.randint(
+        0, args.vocab_size, (2, 203), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+    )
+    eager = loss_and_gradients(model, tokens)
+
+    torch._dynamo.reset()
+    for stack in model_spec(args).blocks(model):
+        for layer_id, block in stack.named_children():
+            stack.register_module(layer_id, torch.compile(block, fullgraph=True))
+    compiled = loss_and_gradients(model, tokens)
+
+    assert relative(eager[0], compiled[0]) < 1e-4
+    assert relative(eager[1], compiled[1]) < 1e-4
+    assert eager[2].keys() == compiled[2].keys() and len(eager[2]) > 10
+    worst = max(eager[2], key=lambda n: relative(eager[2][n], compiled[2][n]))
+    assert relative(eager[2][worst], compiled[2][worst]) < 1e-4, worst
+
+
+def fla_function(dotted: str):
+    import importlib
+
+    from flame.compat import fla_functions_traced_under_compile
+
+    fla_functions_traced_under_compile(FLA_FUNCTIONS_IN_PYTORCH)
+    module_name, name = dotted.rsplit(".", 1)
+    return getattr(importlib.import_module(module_name), name)
+
+
+def arguments(dotted: str, dtype: torch.dtype) -> tuple[tuple, dict]:
+    generator = torch.Generator("cuda").manual_seed(0)
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, device="cuda", dtype=dt, generator=generator)
+
+    x, y = randn(3, 37, 83), randn(3, 37, 83)
+    name = dotted.rsplit(".", 1)[1]
+    if name == "rms_norm":
+        return (x, randn(83, dt=torch.float32), randn(83, dt=torch.float32)), {
+            "residual": y, "eps": 1e-5, "prenorm": True, "residual_in_fp32": True}  # fmt: skip
+    if name in ("swiglu",):
+        return (x, y), {}
+    if name == "swiglu_linear":
+        return (x, y, randn(29, 83), randn(29)), {}
+    if name == "logsigmoid":
+        return (x,), {"temperature": 3.0}
+    return (x,), {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dotted", list(FLA_FUNCTIONS_IN_PYTORCH))
+def test_pytorch_versions_match_flas_kernels(dotted, dtype):
+    fla_function(dotted)  # installs the wrappers
+    args, kwargs = arguments(dotted, dtype)
+    leaves = [a.clone().requires_grad_() for a in args]
+    wrapped = fla_function(dotted)
+    kernel_out = wrapped(*leaves, **kwargs)  # eager: FLA's kernel
+    torch_out = FLA_FUNCTIONS_IN_PYTORCH[dotted](*args, **kwargs)
+    kernel_out = kernel_out if isinstance(kernel_out, tuple) else (kernel_out,)
+    torch_out = torch_out if isinstance(torch_out, tuple) else (torch_out,)
+    assert [t.dtype for t in kernel_out] == [t.dtype for t in torch_out]
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2**-7, 1e-2)
+    for kernel, ours in zip(kernel_out, torch_out):
+        torch.testing.assert_close(
+            ours.float(), kernel.float(), rtol=rtol, atol=atol * kernel.abs().max().item()
+        )
