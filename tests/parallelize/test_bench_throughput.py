@@ -169,10 +169,10 @@ def test_bench_anchor_is_the_naive_hf_loop_of_the_same_model(tmp_path, monkeypat
     naive, flame = rows("| model |" + table)
     assert naive[5] == "naive HF loop" and naive[15] == "1.00x"  # vs naive HF loop
     assert flame[5] == "eager" and naive[1] == flame[1]  # the same parameter count
-    tokens_per_s = [float(r[10].replace(",", "")) for r in (naive, flame)]
-    assert (
-        abs(float(flame[15].rstrip("x")) - tokens_per_s[1] / tokens_per_s[0]) <= 0.01
-    )  # from rounded tokens/s
+    naive_tps, flame_tps = (float(r[10].replace(",", "")) for r in (naive, flame))
+    # The ratio is printed to 0.005 from the unrounded rates; the table's rates are rounded to 0.5 token/s each.
+    rounding = flame_tps / naive_tps * (0.5 / naive_tps + 0.5 / flame_tps) + 0.005
+    assert abs(float(flame[15].rstrip("x")) - flame_tps / naive_tps) <= rounding
 
 
 def test_bench_steps_collect_garbage_as_the_trainer_does(monkeypatch):
