@@ -622,7 +622,7 @@ def fla_functions_traced_under_compile(torch_versions: Mapping[str, Callable]) -
 def _fla_functions_opaque_to_compile() -> bool:
     return _sources_contain(
         ("fla.modules.norm.layernorm",), "return LayerNormFunction.apply(x, weight, bias"
-    ) and (_sources_contain(("fla.modules.activations.ops",), "swish = SwishFunction.apply"))
+    ) and _sources_contain(("fla.modules.activations.ops",), "swish = SwishFunction.apply")
 
 
 def _fla_attention_delta_one_program_per_row() -> bool:

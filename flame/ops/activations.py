@@ -1,7 +1,7 @@
-"""PyTorch code of FLA 0.6.0's elementwise activations (``fla.modules.activations``), with their arguments and
-results: each computes in float32 (float64 stays float64) and returns its first input's dtype, as FLA's Triton
-kernels do. Compiled regions run these in place of FLA's kernels (flame.compat.fla_functions_traced_under_compile),
-where inductor fuses them with the code around them."""
+"""PyTorch code of the FLA 0.6.0 elementwise activations that Mamba's and Samba's blocks call
+(``fla.modules.activations``), with their arguments and results: each computes in float32 (float64 stays float64)
+and returns its first input's dtype, as FLA's Triton kernels do. Compiled regions run these in place of FLA's
+kernels (flame.compat.fla_functions_traced_under_compile), where inductor fuses them with the code around them."""
 
 import torch
 import torch.nn.functional as F
@@ -14,14 +14,6 @@ def _compute(x: torch.Tensor) -> torch.Tensor:
 def swish(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x) (FLA's ``swish``, its ACT2FN 'silu' and 'swish')."""
     return F.silu(_compute(x)).to(x.dtype)
-
-
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    return torch.sigmoid(_compute(x)).to(x.dtype)
-
-
-def logsigmoid(x: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    return (F.logsigmoid(_compute(x)) / temperature).to(x.dtype)
 
 
 def swiglu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

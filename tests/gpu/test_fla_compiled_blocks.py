@@ -104,8 +104,6 @@ def arguments(dotted: str, dtype: torch.dtype) -> tuple[tuple, dict]:
         return (x, y), {}
     if name == "swiglu_linear":
         return (x, y, randn(29, 83), randn(29)), {}
-    if name == "logsigmoid":
-        return (x,), {"temperature": 3.0}
     return (x,), {}
 
 

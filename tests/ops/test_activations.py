@@ -20,8 +20,6 @@ def sig(x):
 
 CASES = {
     "swish": (lambda x, y, w, b: (x,), lambda x, y, w, b: x * sig(x)),
-    "sigmoid": (lambda x, y, w, b: (x,), lambda x, y, w, b: sig(x)),
-    "logsigmoid": (lambda x, y, w, b: (x, 3.0), lambda x, y, w, b: torch.log(sig(x)) / 3.0),
     "swiglu": (lambda x, y, w, b: (x, y), lambda x, y, w, b: x * sig(x) * y),
     "swiglu_linear": (lambda x, y, w, b: (x, y, w, b), lambda x, y, w, b: (x * sig(x) * y) @ w.T + b),
 }

@@ -48,8 +48,6 @@ FLA_LAYER_REPLACEMENTS = {
 FLA_FUNCTIONS_IN_PYTORCH = {
     "fla.modules.norm.layernorm.rms_norm": residual_rms_norm_torch,
     "fla.modules.activations.ops.swish": activations.swish,
-    "fla.modules.activations.ops.sigmoid": activations.sigmoid,
-    "fla.modules.activations.ops.logsigmoid": activations.logsigmoid,
     "fla.modules.activations.ops.swiglu": activations.swiglu,
     "fla.modules.activations.ops.swiglu_linear": activations.swiglu_linear,
 }
