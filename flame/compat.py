@@ -554,8 +554,28 @@ def _sources_contain(module_names: tuple[str, ...], *texts: str) -> bool:
 def fla_moba_on_flame(moba_op: Callable) -> None:
     """Where flash-attn is not importable, FLA's MoBA layer calls ``moba_op`` (flame's ``parallel_moba``, one masked
     attention per document) in place of FLA's, which raises there at the first forward; for the process, as
-    fla_deltaformer_on_flame. Where flash-attn imports, nothing changes."""
+    fla_deltaformer_on_flame. Where flash-attn imports, nothing changes.
+
+    FLA's layer passes the op the larger of its rows' length and its ``max_position_embeddings`` as ``max_seqlen``
+    (a bound, which flash-attn takes). flame's op attends rows of one length in one call, without reading
+    ``cu_seqlens`` (which a compiled block or a CUDA graph cannot), only where ``max_seqlen`` is that length, so
+    the layers built after this call keep no ``max_position_embeddings``: they pass their rows' length, and size the
+    rotary table they cache by the longest input instead (the same cos and sin values)."""
     _fla_op_on_flame("fla.ops.moba.parallel", "flash_attn_varlen_func", "parallel_moba", moba_op)
+    layer_module = sys.modules.get("fla.layers.moba")
+    if layer_module is None or layer_module.parallel_moba is not moba_op:
+        return
+    init = layer_module.MoBA.__init__
+    if getattr(init, "flame_rows_length", False):
+        return
+
+    @functools.wraps(init)
+    def rows_length(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.max_position_embeddings = None
+
+    rows_length.flame_rows_length = True
+    layer_module.MoBA.__init__ = rows_length
 
 
 def _fla_moba_needs_flash_attn() -> bool:
@@ -617,6 +637,38 @@ def fla_functions_traced_under_compile(torch_versions: Mapping[str, Callable]) -
         for key, held in list(activations.items()):
             if held is original:
                 activations[key] = traced
+
+
+def fla_rotary_tables_traced_under_compile() -> None:
+    """FLA 0.6.0's RotaryEmbedding rebuilds its cached cos/sin tables when they are too short, on another device or
+    dtype, or inference tensors while training: ``Tensor.is_inference()``, which dynamo does not trace, so a
+    compiled block holding FLA's rotary breaks its graph at every call once the tables exist. After this call
+    (idempotent, for the process) the tables are rebuilt, while torch.compile traces, under the other conditions
+    only (flame makes no inference-mode tensors: its evaluation runs under no_grad); eagerly, as FLA does."""
+    import torch
+    from fla.modules.rotary.ops import RotaryEmbedding
+
+    update = RotaryEmbedding._update_cos_sin_cache
+    if getattr(update, "flame_traced_under_compile", False):
+        return
+
+    @functools.wraps(update)
+    def traced(self, seqlen, device=None, dtype=None):
+        if torch.compiler.is_compiling() and not (
+            seqlen > self._seq_len_cached
+            or self._cos_cached is None
+            or self._cos_cached.device != device
+            or self._cos_cached.dtype != dtype
+        ):
+            return
+        update(self, seqlen, device=device, dtype=dtype)
+
+    traced.flame_traced_under_compile = True
+    RotaryEmbedding._update_cos_sin_cache = traced
+
+
+def _fla_rotary_tables_checked_by_is_inference() -> bool:
+    return _sources_contain(("fla.modules.rotary.ops",), "self._cos_cached.is_inference()")
 
 
 def _fla_functions_opaque_to_compile() -> bool:
@@ -922,6 +974,15 @@ SHIMS = (
         fixed_in=None,
         workaround="fla_functions_traced_under_compile",
         reproduces=_fla_functions_opaque_to_compile,
+    ),
+    Shim(
+        name="fla_rotary_tables_is_inference",
+        applies=_always,
+        upstream="not filed: dynamo (torch 2.11, 2.13) does not trace Tensor.is_inference(), which FLA 0.6.0's "
+        "RotaryEmbedding calls before each rotation",
+        fixed_in=None,
+        workaround="fla_rotary_tables_traced_under_compile",
+        reproduces=_fla_rotary_tables_checked_by_is_inference,
     ),
     Shim(
         name="fla_attention_flash_attn",

@@ -187,3 +187,29 @@ def test_flas_functions_run_flames_pytorch_code_while_compiling():
         out, swish(residual_rms_norm_torch(x, norm.weight, None, eps=1e-5)), rtol=0, atol=0
     )
     torch._dynamo.reset()
+
+
+def test_fla_rotary_tables_trace_after_the_first_call():
+    """FLA's RotaryEmbedding checks its cached tables with Tensor.is_inference(), which dynamo does not trace: after
+    fla_rotary_tables_traced_under_compile, the call after the one that built the tables (a recompile: the tables'
+    length is guarded) traces whole into flame's rotation, and a longer input rebuilds them."""
+    import torch
+    from fla.modules.rotary.ops import RotaryEmbedding
+
+    from flame.models.generic.model import FLA_FUNCTIONS_IN_PYTORCH
+    from flame.ops.rotary import rotary_embedding
+
+    compat.fla_functions_traced_under_compile(FLA_FUNCTIONS_IN_PYTORCH)
+    compat.fla_rotary_tables_traced_under_compile()
+    compat.fla_rotary_tables_traced_under_compile()
+    assert RotaryEmbedding._update_cos_sin_cache.flame_traced_under_compile
+    rotary = RotaryEmbedding(8)
+    compiled = torch.compile(rotary, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    for tokens in (11, 11, 5, 17):
+        q, k = torch.randn(2, tokens, 3, 8), torch.randn(2, tokens, 1, 8)
+        out_q, out_k = compiled(q, k)
+        assert rotary._seq_len_cached == max(11, tokens)
+        want = rotary_embedding(q, rotary._cos_cached, rotary._sin_cached)
+        torch.testing.assert_close(out_q, want, rtol=0, atol=0)
+    torch._dynamo.reset()

@@ -192,3 +192,37 @@ def test_parallel_moba_on_the_gpu_equals_the_pattern_written_out(lengths, exact_
     assert err_ratio(want, out.cpu()) < FP32_LIMIT
     for name, got, ref in zip("qkv", grads, want_grads):
         assert err_ratio(ref, got.cpu()) < FP32_LIMIT, name
+
+
+@pytest.mark.parametrize("documents, length, chunk_size", [(2, 256, 128), (1, 384, 256)])
+def test_compiled_parallel_moba_attends_by_flex_attention_as_the_pattern(
+    documents, length, chunk_size, exact_float32
+):
+    """Compiled, flame's parallel_moba runs FlexAttention with MoBA's block mask (fla_moba.flex_serves) on rows of
+    one length: float32 output and gradients against the pattern written out in float64 (blocks ending mid-row
+    where the row is not a whole number of blocks)."""
+    from flame.models.layers import fla_moba
+    from tests.models.layers.test_fla_moba import naive_moba
+
+    generator = torch.Generator("cuda").manual_seed(length)
+    cu_seqlens = torch.arange(documents + 1, dtype=torch.int32, device="cuda") * length
+    q = torch.randn(1, documents * length, 2, 32, device="cuda", generator=generator, requires_grad=True)
+    k, v = (
+        torch.randn(1, documents * length, 1, 32, device="cuda", generator=generator, requires_grad=True)
+        for _ in "kv"
+    )
+
+    def attend(q, k, v):
+        assert fla_moba.flex_serves(q.transpose(1, 2), chunk_size, length)  # traced: is_compiling() holds
+        return fla_moba.parallel_moba(q, k, v, cu_seqlens, length, chunk_size, 3)
+
+    torch._dynamo.reset()
+    out = torch.compile(attend, fullgraph=True)(q, k, v)
+    grad = torch.randn(out.shape, device="cuda", generator=generator)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    inputs = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
+    want = naive_moba(*inputs, cu_seqlens.cpu(), chunk_size, 3)
+    want_grads = torch.autograd.grad(want, inputs, grad.cpu().double())
+    assert err_ratio(want, out.cpu()) < FP32_LIMIT
+    for name, got, ref in zip("qkv", grads, want_grads):
+        assert err_ratio(ref, got.cpu()) < FP32_LIMIT, name

@@ -28,7 +28,11 @@ MODELS = {
     "mamba": {"model_type": "mamba", "vocab_size": 509, "hidden_size": 96, "num_hidden_layers": 3},
     "samba": {"model_type": "samba", "vocab_size": 509, "hidden_size": 96, "num_hidden_layers": 3,
               "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "window_size": 2048}},
+    # 384-token rows of 128-token blocks: the compiled op is FlexAttention (fla_moba.flex_serves)
+    "moba": {"model_type": "moba", "vocab_size": 509, "hidden_size": 128, "num_hidden_layers": 3,
+             "num_heads": 4, "num_kv_heads": 2, "moba_chunk_size": 128, "moba_topk": 3},
 }  # fmt: skip
+TOKENS = {"moba": 384}
 
 
 def relative(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -55,22 +59,34 @@ def loss_and_gradients(model, tokens):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_compiled_blocks_match_the_eager_model(name):
+def test_compiled_blocks_match_the_eager_model(name, monkeypatch):
+    from flame.models.layers import fla_moba
+
     args, _ = model_args_from_dict(MODELS[name])
     assert fla_blocks_run_eagerly(args) is None
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = build_model(args)
     tokens = torch.randint(
-        0, args.vocab_size, (2, 203), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+        0,
+        args.vocab_size,
+        (2, TOKENS.get(name, 203)),
+        device="cuda",
+        generator=torch.Generator("cuda").manual_seed(1),
     )
     eager = loss_and_gradients(model, tokens)
 
     torch._dynamo.reset()
+    flex_answers = []
+    flex_serves = fla_moba.flex_serves
+    monkeypatch.setattr(
+        fla_moba, "flex_serves", lambda *a: flex_answers.append(flex_serves(*a)) or flex_answers[-1]
+    )
     for stack in model_spec(args).blocks(model):
         for layer_id, block in stack.named_children():
             stack.register_module(layer_id, torch.compile(block, fullgraph=True))
     compiled = loss_and_gradients(model, tokens)
+    assert all(flex_answers) and len(flex_answers) == (args.num_hidden_layers if name == "moba" else 0)
 
     assert relative(eager[0], compiled[0]) < 1e-4
     assert relative(eager[1], compiled[1]) < 1e-4
@@ -104,6 +120,9 @@ def arguments(dotted: str, dtype: torch.dtype) -> tuple[tuple, dict]:
         return (x, y), {}
     if name == "swiglu_linear":
         return (x, y, randn(29, 83), randn(29)), {}
+    if name == "rotary_embedding":  # 48 of 64 channels rotate; positions 3.. of a 45-row table
+        angles = torch.rand(45, 24, device="cuda", generator=generator, dtype=torch.float64) * 40
+        return (randn(3, 37, 5, 64), angles.cos().to(dtype), angles.sin().to(dtype)), {"seqlen_offsets": 3}
     return (x,), {}
 
 
@@ -124,3 +143,34 @@ def test_pytorch_versions_match_flas_kernels(dotted, dtype):
         torch.testing.assert_close(
             ours.float(), kernel.float(), rtol=rtol, atol=atol * kernel.abs().max().item()
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["interleaved", "offsets_per_sequence", "packed_documents"])
+def test_rotary_embedding_matches_flas_kernel_forward_and_backward(case, dtype):
+    """flame's rotary embedding (flame/ops/rotary.py) against FLA's Triton kernel and its backward (the conjugate
+    rotation): outputs and input gradients, float32 to 1e-5 and bfloat16 to one ulp."""
+    from flame.ops.rotary import rotary_embedding
+
+    kernel = fla_function("fla.modules.rotary.ops.rotary_embedding")
+    generator = torch.Generator("cuda").manual_seed(2)
+    batch, kwargs = 3, {}
+    if case == "interleaved":
+        kwargs = {"interleaved": True}
+    elif case == "offsets_per_sequence":
+        kwargs = {"seqlen_offsets": torch.tensor([0, 5, 11], device="cuda")}
+    else:
+        batch, kwargs = 1, {"cu_seqlens": torch.tensor([0, 9, 10, 40, 53], device="cuda", dtype=torch.int32)}
+    x = torch.randn(batch, 53 if batch == 1 else 37, 5, 64, device="cuda", generator=generator).to(dtype)
+    angles = torch.rand(70, 32, device="cuda", generator=generator, dtype=torch.float64) * 60
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    grad = torch.randn(x.shape, device="cuda", generator=generator).to(dtype)
+    results = []
+    for function in (kernel, rotary_embedding):
+        leaf = x.clone().requires_grad_()
+        out = function(leaf, cos, sin, **kwargs)
+        out.backward(grad)
+        results.append((out.float(), leaf.grad.float()))
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2**-7, 1e-2)
+    for theirs, ours in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=rtol, atol=atol * theirs.abs().max().item())

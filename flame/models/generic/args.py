@@ -151,9 +151,11 @@ def fla_kernels_need_cuda(args: "GenericArgs") -> str | None:
 
 
 # FLA's classes whose blocks trace whole under torch.compile: their mixers are flame's (the scan a custom op, FLA's
-# layer without mamba_ssm is flame's: FLA_LAYER_REPLACEMENTS) and FLA's norms and activations run as PyTorch code
-# while compiling (FLA_FUNCTIONS_IN_PYTORCH); tests/parallelize/test_compile.py checks that they do.
-FLA_MODEL_TYPES_TRACED_WHOLE = frozenset({"mamba", "samba"})
+# layer without mamba_ssm is flame's: FLA_LAYER_REPLACEMENTS; MoBA's op without flash-attn is flame's
+# parallel_moba, FlexAttention when compiled) and FLA's norms, activations and rotary embedding run as PyTorch code
+# while compiling (FLA_FUNCTIONS_IN_PYTORCH); tests/parallelize/test_compile.py checks that they do. Values: the
+# package whose kernels FLA's layer calls where it is installed, which would break the graphs.
+FLA_MODEL_TYPES_TRACED_WHOLE = {"mamba": "mamba_ssm", "samba": "mamba_ssm", "moba": "flash_attn"}
 
 
 def fla_blocks_run_eagerly(args: "GenericArgs") -> str | None:
@@ -161,10 +163,11 @@ def fla_blocks_run_eagerly(args: "GenericArgs") -> str | None:
     block is several graphs whose guards and wrappers cost the host more than inductor saves, and at the family
     table's sizes the step is bound by the host (docs/performance.md, "FLA classes, compiled and eager"); rwkv7's
     class also fails in inductor (a view of a custom Function modified in place). Those of
-    FLA_MODEL_TYPES_TRACED_WHOLE compile (mamba_ssm's kernels, where installed, would break their graphs)."""
+    FLA_MODEL_TYPES_TRACED_WHOLE compile, unless the package whose kernels would break their graphs is installed."""
     if not builds_fla_class(args):
         return None
-    if args.model_type in FLA_MODEL_TYPES_TRACED_WHOLE and importlib.util.find_spec("mamba_ssm") is None:
+    breaking_package = FLA_MODEL_TYPES_TRACED_WHOLE.get(args.model_type)
+    if breaking_package is not None and importlib.util.find_spec(breaking_package) is None:
         return None
     return (
         f"model_type '{args.model_type}' is FLA's class, whose Triton autograd functions split a compiled block "

@@ -18,6 +18,7 @@ from flame.compat import (
     fla_log_linear_scales_in_the_inputs_dtype,
     fla_moba_on_flame,
     fla_rodimus_blocks_follow_the_model,
+    fla_rotary_tables_traced_under_compile,
     fla_tilelang_attention_takes_its_head_widths,
     transformers_gated_delta_rule_on_flame,
 )
@@ -27,7 +28,7 @@ from flame.models.generic.args import GenericArgs, is_fla_class
 from flame.models.generic.initialization import check_initialized, initialize_as_constructed
 from flame.models.layers.fla_attention import deltaformer_attention, flash_attn_func, flash_attn_varlen_func
 from flame.models.layers.fla_moba import parallel_moba
-from flame.ops import activations
+from flame.ops import activations, rotary
 from flame.ops.attention_delta import attention_delta
 from flame.ops.norm import residual_rms_norm_torch
 
@@ -50,6 +51,7 @@ FLA_FUNCTIONS_IN_PYTORCH = {
     "fla.modules.activations.ops.swish": activations.swish,
     "fla.modules.activations.ops.swiglu": activations.swiglu,
     "fla.modules.activations.ops.swiglu_linear": activations.swiglu_linear,
+    "fla.modules.rotary.ops.rotary_embedding": rotary.rotary_embedding,
 }
 
 
@@ -202,6 +204,7 @@ def fla_classes_as_flame_builds_them() -> Iterator[None]:
     fla_tilelang_attention_takes_its_head_widths()
     fla_attention_delta_on_flame(attention_delta)
     fla_functions_traced_under_compile(FLA_FUNCTIONS_IN_PYTORCH)
+    fla_rotary_tables_traced_under_compile()
     fla_flash_attn_calls_on_flame(
         {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func}
     )

@@ -154,6 +154,30 @@ def test_flash_attn_callers_run_on_flames_functions_without_flash_attn(model_typ
     assert importlib.import_module("fla.layers.moba").parallel_moba is fla_moba.parallel_moba
 
 
+def test_moba_layers_pass_their_rows_length_to_flames_op(monkeypatch):
+    """Built by flame without flash-attn, FLA's MoBA layers keep no max_position_embeddings, so they pass
+    parallel_moba their rows' length, not max(length, max_position_embeddings): flame's op then attends the rows in
+    one call without reading cu_seqlens (a compiled block cannot read it). A 200-token batch against the config's
+    2048."""
+    import fla.layers.moba
+
+    from flame.models.layers import fla_moba
+
+    args, _ = model_args_from_dict({"model_type": "moba", **TINY, "max_position_embeddings": 2048})
+    with torch.device("meta"):
+        model = build_model(args)
+    layers = [m for m in model.modules() if isinstance(m, fla.layers.moba.MoBA)]
+    assert len(layers) == TINY["num_hidden_layers"]
+    assert all(layer.max_position_embeddings is None for layer in layers)
+    calls = []
+    monkeypatch.setattr(fla.layers.moba, "parallel_moba", lambda q, k, v, **kw: calls.append(kw) or q)
+    # FLA's norms and rotary embedding as flame's PyTorch code, which runs on the meta device.
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    layers[0](torch.empty(2, 200, TINY["hidden_size"], device="meta"))
+    assert calls[0]["max_seqlen"] == 200 and tuple(calls[0]["cu_seqlens"].shape) == (3,)
+    assert fla_moba.parallel_moba is not fla.layers.moba.parallel_moba  # the monkeypatch, undone after
+
+
 @pytest.mark.parametrize("block_residual_in_fp32", [False, True])
 def test_rodimus_blocks_pass_the_residual_as_the_model_does(block_residual_in_fp32):
     """FLA 0.6.0's RodimusBlock reads its residual flag from residual_in_fp32 (default True), its model from

@@ -82,3 +82,34 @@ def test_rows_of_one_length_are_attended_without_reading_cu_seqlens():
     out = parallel_moba(q, k, v, torch.empty(3, dtype=torch.int32, device="meta"), 24, 4, 3)
     want = naive_moba(q, k, v, torch.tensor([0, 24, 48]), 4, 3)
     torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "documents, length, chunk_size, topk",
+    [(2, 512, 128, 3), (1, 384, 256, 4)],
+)
+def test_flex_attention_block_mask_equals_the_pattern(documents, length, chunk_size, topk):
+    """The FlexAttention path (compiled blocks on a GPU) attends by ``moba_block_mask``: here compiled on the CPU,
+    forward only (FlexAttention has no CPU backward), with the choices made outside the compiled function (the CPU
+    template takes no mask input computed inside it): outputs within 1e-5 of the pattern in float64 (the kernel's
+    float32 online softmax). The GPU test compares the whole path, gradients included."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from flame.models.layers.fla_moba import chosen_blocks, moba_block_mask
+
+    generator = torch.Generator().manual_seed(length + topk)
+    q, k, v = (torch.randn(1, documents * length, 3, 16, generator=generator) for _ in range(3))
+    rows = [x[0].unflatten(0, (documents, length)).transpose(1, 2) for x in (q, k, v)]
+    picked = chosen_blocks(*rows[:2], chunk_size, topk - 1)
+
+    def attend(q, k, v, picked):
+        return flex_attention(q, k, v, block_mask=moba_block_mask(picked, chunk_size, length), scale=0.25)
+
+    out = (
+        torch.compile(attend, fullgraph=True, dynamic=False)(*rows, picked)
+        .transpose(1, 2)
+        .flatten(0, 1)[None]
+    )
+    cu_seqlens = torch.arange(documents + 1) * length
+    want = naive_moba(q, k, v, cu_seqlens, chunk_size, topk)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5)
