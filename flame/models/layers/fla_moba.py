@@ -143,10 +143,8 @@ def moba_block_mask(picked: torch.Tensor, chunk_size: int, length: int) -> Block
     tile = torch.arange(tiles, device=picked.device)
     tile_block = tile * FLEX_TILE // chunk_size
     own_earlier = (tile_block[:, None] == tile_block[None, :]) & (tile[None, :] < tile[:, None])
-    chosen = picked.view(rows, heads, tiles, FLEX_TILE, blocks).any(3)[
-        ..., tile_block
-    ]  # [N, H, q tile, k tile]
-    partial = chosen | torch.eye(tiles, dtype=torch.bool, device=picked.device)
+    chosen = picked.view(rows, heads, tiles, FLEX_TILE, blocks).any(3)  # [N, H, query tile, block]
+    partial = chosen[..., tile_block] | torch.eye(tiles, dtype=torch.bool, device=picked.device)
 
     def listed(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per query tile: how many key tiles, and their indices first (FlexAttention's kv_num_blocks, kv_indices)."""
