@@ -78,7 +78,7 @@ def test_packed_documents_restart_at_their_offsets(dtype, per_document_offsets):
     torch.testing.assert_close(out, reference(x, cos, sin, False, positions), **TOL[dtype])
 
 
-def test_gradient_is_the_inverse_rotation_and_inplace_writes_the_input():
+def test_gradient_passes_gradcheck_and_inplace_writes_the_input():
     x = randn(2, 13, 3, 10, dtype=torch.float64, seed=2).requires_grad_()
     cos, sin = tables(20, 4, torch.float64)
     torch.autograd.gradcheck(lambda t: rotary_embedding(t, cos, sin, interleaved=True), (x,))
