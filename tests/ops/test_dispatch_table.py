@@ -4,11 +4,12 @@ import pytest
 import torch
 
 import flame.ops.selective_scan  # noqa: F401 (registers its op)
+import flame.ops.ssd  # noqa: F401 (registers its op)
 from flame.ops import attention, dispatch, gated_rms_norm, rms_norm, short_conv
 from flame.ops.norm import rms_norm_torch
 
 OPS = ("attention", "chunk_gated_delta_rule", "chunk_delta_rule", "fused_recurrent_delta_rule", "rms_norm",
-       "gated_rms_norm", "short_conv", "selective_scan")  # fmt: skip
+       "gated_rms_norm", "short_conv", "selective_scan", "ssd")  # fmt: skip
 
 
 class PretendCuda(torch.Tensor):

@@ -1,9 +1,11 @@
-"""flame.ops.ssd (Mamba-2's scan in chunks) against the token-by-token recurrence, float64, odd sizes."""
+"""flame.ops.ssd (Mamba-2's scan): the chunked PyTorch implementation against the token-by-token recurrence, float64,
+odd sizes; the kernel backend's refusals. tests/gpu/test_ssd.py checks FLA's kernel against the recurrence."""
 
 import pytest
 import torch
 
-from flame.ops.ssd import ssd
+from flame.ops import dispatch
+from flame.ops.ssd import fla_ssd_refuses, ssd, ssd_chunked
 from flame.ops.ssd.naive import ssd_recurrent
 
 
@@ -29,7 +31,7 @@ def test_chunked_scan_equals_the_recurrence_and_its_gradients(batch, length, hea
     leaves = [t.requires_grad_() for t in inputs(batch, length, heads, head_dim, state)]
     grad = torch.randn(batch, length, heads, head_dim, dtype=torch.float64)
     results = []
-    for op in (lambda *a: ssd(*a, chunk=chunk), ssd_recurrent):
+    for op in (lambda *a: ssd_chunked(*a, chunk=chunk), ssd_recurrent):
         out, state = op(*leaves)
         grads = torch.autograd.grad(out, leaves, grad)
         results.append((out, state, *grads))
@@ -47,6 +49,27 @@ def test_scan_carries_state_across_chunks():
     changed = x.clone()
     changed[:, 0] += 1.0
     difference = (
-        (ssd(changed, dt, A, B, C, chunk=10)[0] - ssd(x, dt, A, B, C, chunk=10)[0])[:, -1].abs().max()
+        (ssd_chunked(changed, dt, A, B, C, chunk=10)[0] - ssd_chunked(x, dt, A, B, C, chunk=10)[0])[:, -1]
+        .abs()
+        .max()
     )
     assert difference > 1e-6
+
+
+def test_cpu_calls_run_the_chunked_code():
+    x, dt, A, B, C = inputs(1, 70, 2, 3, 4)
+    assert dispatch._TABLE["ssd"].implementation(x, dt, A, B, C) is ssd_chunked
+    for ours, expected in zip(ssd(x, dt, A, B, C), ssd_chunked(x, dt, A, B, C), strict=True):
+        torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "state", "refused"),
+    [(torch.bfloat16, 64, 128, False), (torch.bfloat16, 5, 128, True), (torch.float16, 64, 7, True),
+     (torch.float32, 5, 7, False)],
+)  # fmt: skip
+def test_fla_takes_odd_widths_in_float32_only(dtype, head_dim, state, refused):
+    x = torch.zeros(1, 4, 2, head_dim, dtype=dtype)
+    B = torch.zeros(1, 4, 2, state, dtype=dtype)
+    reason = fla_ssd_refuses(x, torch.zeros(1, 4, 2), torch.zeros(2), B, B)
+    assert (reason is not None) == refused, reason

@@ -1,46 +1,63 @@
-"""Mamba-2's state-space scan (SSD) in chunks, in PyTorch on any device: the structured matrix of the Mamba-2 paper
-(Dao and Gu, 2024, "Transformers are SSMs", section 6) computed as masked attention inside each chunk of
-``CHUNK`` tokens plus a recurrence over the chunks' states, with matmuls only. FLA's Mamba2 layer runs
-mamba_ssm's kernels where they are installed and otherwise a PyTorch path that materialises a state-sized product
-per pair of tokens in a chunk (24 GiB for one layer of a 97M model at 8 x 2048 tokens); flame's layer
-(flame.models.layers.fla_mamba2) runs this instead. ``naive.ssd_recurrent`` is the token-by-token reference."""
+"""Mamba-2's state-space scan (SSD), the sequence mixer of FLA's Mamba2 layer without mamba_ssm.
+
+`ssd` dispatches on the device of x (flame/ops/dispatch.py): CUDA tensors go to FLA's chunked simple-GLA Triton
+kernel, anything else to `ssd_chunked` (chunk.py, the Mamba-2 paper's chunked form in PyTorch); naive.py holds the
+token-by-token recurrence both are tested against.
+
+The scan is simple gated linear attention with a scalar decay per head and token (Yang et al., "Gated Linear
+Attention Transformers", arXiv 2312.06635; the Mamba-2 paper's section 6 writes the same matrix): per head,
+``S_t = exp(dt_t A) S_{t-1} + (dt_t x_t) B_t^T`` and ``y_t = S_t C_t`` are FLA's ``chunk_simple_gla`` with queries C,
+keys B, values dt x, log decay g = dt A and scale 1, its state value-first ([head_dim, state_size], flame's layout).
+FLA's Mamba2 layer runs mamba_ssm's kernels where they are installed and otherwise a PyTorch path that materialises
+a state-sized product per pair of tokens in a chunk (24 GiB for one layer of a 97M model at 8 x 2048 tokens);
+flame's layer (flame.models.layers.fla_mamba2) calls this op instead, with float32 x, B and C as FLA's PyTorch path
+takes them: FLA's kernel then multiplies in TF32 (Triton's default for float32) and, where tilelang is installed
+on Hopper, runs its backward's dq/dk/dg in TileLang (tests/gpu/test_ssd.py states the errors of each).
+"""
 
 import torch
-import torch.nn.functional as F
 
-# Tokens per chunk: the masked products take batch x heads x T x CHUNK values; the result does not depend on it.
-CHUNK = 64
+from flame.ops import dispatch
+from flame.ops.ssd.chunk import CHUNK, ssd_chunked
+from flame.ops.ssd.naive import ssd_recurrent
+
+
+def fla_ssd(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan on FLA 0.6.0's ``chunk_simple_gla`` (imported on first use: it pulls in Triton). On Hopper GPUs with
+    Triton 3.4-3.7.0 its gated backward is served by flame's kernel or FLA's TileLang one (FLA issue 640)."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
+
+    serve_where_fla_refuses()
+    values = (x * dt[..., None]).to(x.dtype)
+    y, state = chunk_simple_gla(
+        C, B, values, g=dt * A, scale=1.0, output_final_state=True, state_v_first=True
+    )
+    return y.to(x.dtype), state.to(x.dtype)
+
+
+def fla_ssd_refuses(x, dt, A, B, C) -> str | None:
+    # FLA's chunk_bwd_dv asserts even widths for 16-bit inputs (odd ones miscompile to out-of-bounds reads).
+    if x.dtype in (torch.bfloat16, torch.float16) and (x.shape[-1] % 2 or B.shape[-1] % 2):
+        return f"takes 16-bit inputs of even widths only, not head_dim {x.shape[-1]} x state {B.shape[-1]}"
+    return None
+
+
+SSD = dispatch.register_op(
+    "ssd", ssd_chunked, {"fla": dispatch.Backend(fla_ssd, refuses=fla_ssd_refuses, requires=("fla",))}
+)
 
 
 def ssd(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk: int = CHUNK
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SSD scan of ``naive.ssd_recurrent`` (same arguments and results), chunk by chunk, in x's dtype: y and the
-    state after the last token."""
-    batch, length, heads, head_dim = x.shape
-    pad = -length % chunk
-    # Padding at the end: zero input adds nothing and decay exp(0) = 1 changes no earlier token.
-    x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x * dt[..., None], B, C))
-    log_decay = F.pad(dt * A, (0, 0, 0, pad))
-    chunks = (length + pad) // chunk
-    x, B, C = (t.reshape(batch, chunks, chunk, heads, t.shape[-1]) for t in (x, B, C))
-    cumulative = log_decay.reshape(batch, chunks, chunk, heads).permute(0, 3, 1, 2).cumsum(-1)  # [b, h, c, l]
+    """x [batch, T, heads, head_dim], dt [batch, T, heads] (after softplus and clamping), A [heads] (negative), B and
+    C [batch, T, heads, state_size] (one per head) -> (y [batch, T, heads, head_dim], the state after the last token
+    [batch, heads, head_dim, state_size]), both in x's dtype."""
+    return SSD(x, dt, A, B, C)
 
-    # Inside each chunk: y_i = sum_{j <= i} exp(cum_i - cum_j) (C_i . B_j) x_j.
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
-    gaps = (cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(~causal, float("-inf"))
-    scores = torch.einsum("bclhn,bcshn->bhcls", C, B) * torch.exp(gaps)
-    y = torch.einsum("bhcls,bcshp->bclhp", scores, x)
 
-    # Each chunk's own state at its end, then the state entering each chunk by the recurrence over chunks.
-    to_end = torch.exp(cumulative[..., -1:] - cumulative)  # [b, h, c, l]
-    chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, to_end, x)
-    chunk_decay = torch.exp(cumulative[..., -1])  # [b, h, c]
-    state = x.new_zeros(batch, heads, head_dim, B.shape[-1])
-    entering = []
-    for c in range(chunks):
-        entering.append(state)
-        state = chunk_decay[:, :, c, None, None] * state + chunk_states[:, c]
-    entering = torch.stack(entering, dim=1)  # [b, c, h, p, n]
-    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", C, entering, torch.exp(cumulative))
-    return y.reshape(batch, chunks * chunk, heads, head_dim)[:, :length], state
+__all__ = ["CHUNK", "fla_ssd", "ssd", "ssd_chunked", "ssd_recurrent"]
