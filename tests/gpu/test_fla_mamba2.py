@@ -1,7 +1,7 @@
-"""flame's Mamba2 layer (FLA's class on flame.ops.ssd) on the GPU, with FLA's Triton SiLU and gated RMSNorm, against
-the same layer in float64 on the CPU with PyTorch's (tests/models/layers/test_fla_mamba2.py's): float32 without TF32,
-output and gradients within 1e-4 of each tensor's largest value (float32 rounding; a wrong kernel differs at order
-one)."""
+"""flame's Mamba2 layer (FLA's class on flame.ops.ssd: FLA's simple-GLA Triton kernel) on the GPU, with FLA's Triton
+SiLU and gated RMSNorm, against the same layer in float64 on the CPU with PyTorch's
+(tests/models/layers/test_fla_mamba2.py's): float32 without TF32 and Triton's kernels only, output and gradients
+within 1e-4 of each tensor's largest value (float32 rounding; a wrong kernel differs at order one)."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from tests.models.layers.test_fla_mamba2 import GatedRMSNorm, layers
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_layer_on_the_gpu_equals_the_float64_layer(exact_float32):
+def test_layer_on_the_gpu_equals_the_float64_layer(exact_float32, fla_tilelang_off):
     _, reference = layers(n_groups=2)
     _, gpu = layers(n_groups=2)
     from fla.layers.mamba2 import Mamba2
