@@ -99,12 +99,13 @@ def measure(shape: tuple[int, ...], rep: int) -> list[dict]:
         rows.append({"shape": "x".join(map(str, shape)), "impl": name, **times, "peak": peak,
                      "first_call": first_call, "error_y": rms_error(y, reference_y),
                      "error_dx": rms_error(dx, reference_dx)})  # fmt: skip
-        print(table(rows[-1:], rows[0]).splitlines()[-1], flush=True)
+        rows[-1]["speed-up"] = rows[0]["fwd+bwd"] / rows[-1]["fwd+bwd"]
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
         del args, y, dx
     return rows
 
 
-def table(rows: list[dict], baseline: dict) -> str:
+def table(rows: list[dict]) -> str:
     lines = [
         "| batch x T x heads x head_dim x state | implementation | fwd ms | bwd ms | fwd+bwd ms | "
         "speed-up (fwd+bwd) | peak GiB | error y, dx | first call s |",
@@ -113,7 +114,7 @@ def table(rows: list[dict], baseline: dict) -> str:
     for row in rows:
         lines.append(
             f"| {row['shape']} | {row['impl']} | {row['fwd']:.3f} | {row['fwd+bwd'] - row['fwd']:.3f} | "
-            f"{row['fwd+bwd']:.3f} | {baseline['fwd+bwd'] / row['fwd+bwd']:.2f}x | {row['peak']:.2f} | "
+            f"{row['fwd+bwd']:.3f} | {row['speed-up']:.2f}x | {row['peak']:.2f} | "
             f"{row['error_y']:.1e}, {row['error_dx']:.1e} | {row['first_call']:.1f} |"
         )
     return "\n".join(lines)
@@ -134,11 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     if no_cuda_gpu("bench/ssd.py"):
         return 1
     started = time.perf_counter()
-    lines = []
+    rows = []
     for shape in args.shapes.split(","):
-        rows = measure(tuple(int(x) for x in shape.split("x")), args.rep)
-        lines.extend(table(rows, rows[0]).splitlines()[len(lines) and 2 :])
-    text = "\n".join(lines)
+        rows += measure(tuple(int(x) for x in shape.split("x")), args.rep)
+    text = table(rows)
     print("\n" + text)
     if not args.no_write:
         write_section(
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             f"Command: `{command_line('bench/ssd.py', argv)}` on {device_name(torch.device('cuda'))}, "
             f"torch {torch.__version__} ({time.strftime('%Y-%m-%d')}); dt and A float32, x, B and C as each row "
             "says. Medians of triton.testing.do_bench; bwd = fwd+bwd - fwd; speed-up against "
-            "the first row; error: relative RMS against float64. "
+            "the shape's first row; error: relative RMS against float64. "
             f"Total run time {time.perf_counter() - started:.0f} s.",
             text,
         )
