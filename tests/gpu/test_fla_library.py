@@ -73,10 +73,36 @@ def gdn_inputs(in_kernel: bool, lengths, dtype=torch.bfloat16, heads=2, v_heads=
     return (q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens), flags
 
 
+@pytest.fixture(params=fla_library.CHUNK_STATES)
+def chunk_states(request):
+    """Each way of the gated delta rule's backward to its chunk states: recomputed, or kept by the forward."""
+    before = "save" if fla_library.saves_chunk_states() else "recompute"
+    fla_library.set_chunk_states(request.param)
+    yield request.param
+    fla_library.set_chunk_states(before)
+
+
 @pytest.mark.parametrize("case", list(GDN_CASES))
-def test_gated_delta_rule_ops_pass_opcheck(case):
+@pytest.mark.parametrize("save_states", [False, True], ids=["recompute", "save"])
+def test_gated_delta_rule_ops_pass_opcheck(case, save_states):
     (q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens), flags = gdn_inputs(**GDN_CASES[case])
-    args = (q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, None, 0.125, True, *flags.values(), 64)
+    args = (
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        h0,
+        cu_seqlens,
+        None,
+        0.125,
+        True,
+        *flags.values(),
+        64,
+        save_states,
+    )
     torch.library.opcheck(fla_library.gated_delta_rule_fwd, args, rtol=1e-2, atol=1e-2)
 
 
@@ -100,7 +126,7 @@ def relative_rms(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("case", list(GDN_CASES))
-def test_gated_delta_rule_ops_equal_fla_function(case):
+def test_gated_delta_rule_ops_equal_fla_function(case, chunk_states):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
 
     serve_where_fla_refuses()  # FLA's own backward needs flame's kernel on Hopper + Triton 3.6
@@ -113,7 +139,8 @@ def test_gated_delta_rule_ops_equal_fla_function(case):
             f"output {index}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
         )
         print(
-            f"{case} output {index}: ours vs FLA {relative_rms(a, b):.2e}, FLA vs FLA {relative_rms(c, b):.2e}"
+            f"{case}, {chunk_states}, output {index}: ours vs FLA {relative_rms(a, b):.2e}, "
+            f"FLA vs FLA {relative_rms(c, b):.2e}"
         )
         assert torch.isfinite(a).all()
         assert relative_rms(a, b) <= SAME_KERNELS_LIMIT, f"output {index}: {relative_rms(a, b):.2e}"
@@ -164,7 +191,7 @@ def test_compiled_deltanet_layer_is_one_graph_and_matches_eager():
     check_compiled_layer_is_one_graph(DeltaNet(hidden_size=256, num_heads=4).cuda())
 
 
-def test_compiled_gated_deltanet_layer_is_one_graph_and_matches_eager():
+def test_compiled_gated_deltanet_layer_is_one_graph_and_matches_eager(chunk_states):
     torch.manual_seed(0)
     layer = GatedDeltaNet(
         hidden_size=256, head_dim=64, num_heads=2, num_v_heads=4, allow_neg_eigval=True

@@ -1,12 +1,13 @@
 """The bodies of flame.ops.fla_library's custom ops on CPU, with FLA's internal functions replaced by recorders.
 
-The custom ops call FLA 0.6.0's internal functions (chunk_gated_delta_rule_fwd / _bwd, l2norm_fwd / _bwd,
-fused_beta_sigmoid_fwd / _bwd, prepare_chunk_indices), not its public API, so a new FLA
-release may rename their arguments or change what they return. Their Triton kernels need a GPU
-(tests/gpu/test_fla_library.py runs them); here each recorder binds its call to the real function's signature (an
-argument name FLA does not accept raises TypeError) and returns CPU tensors of the shapes and dtypes FLA's source
-returns, so API drift and wiring mistakes show on CPU CI. The fake (shape-only) implementations are compared with
-what the bodies return.
+The custom ops call FLA 0.6.0's internal functions (the gated delta rule's kernels one by one, in the order of
+FLA's chunk_gated_delta_rule_fwd / _bwd; chunk_delta_rule_fwd / _bwd; l2norm_fwd / _bwd, fused_beta_sigmoid_fwd /
+_bwd, prepare_chunk_indices), not its public API, so a new FLA release may rename their arguments or change what they
+return. Their Triton kernels need a GPU (tests/gpu/test_fla_library.py runs them); here each recorder binds its call
+to the real function's signature (an argument name FLA does not accept raises TypeError) and returns CPU tensors of
+the shapes and dtypes FLA's source returns, so API drift and wiring mistakes show on CPU CI. flame's composition of
+the gated delta rule's kernels is compared call by call with FLA's own functions run on the same recorders. The fake
+(shape-only) implementations are compared with what the bodies return.
 """
 
 import inspect
@@ -33,19 +34,62 @@ def f32(*shape):
     return torch.empty(*shape, dtype=torch.float32)
 
 
-def gdn_fwd(a):  # (g cumsum, o, A, final state, initial state, g_input)
-    batch = a["v"].shape[0]
+def chunks(a) -> int:
+    """The chunks of a call: of each row, or of the packed documents (the chunk indices' rows)."""
+    if a["cu_seqlens"] is None:
+        return -(-a["k"].shape[1] // a["chunk_size"])
+    return len(a["chunk_indices"])
+
+
+def state_shape(a) -> tuple[int, int]:
+    return (V, K) if a["state_v_first"] else (K, V)
+
+
+def fwd_h(a):  # (h per chunk, v_new, final state)
+    batch = a["k"].shape[0]
     states = batch if a["cu_seqlens"] is None else len(a["cu_seqlens"]) - 1
-    state = f32(states, HV, *((V, K) if a["state_v_first"] else (K, V))) if a["output_final_state"] else None
-    return (f32(batch, T, HV), torch.empty_like(a["v"]), a["k"].new_empty(batch, T, HV, a["chunk_size"]), state,
-            a["initial_state"], a["g"] if a["use_gate_in_kernel"] else None)  # fmt: skip
+    final = f32(states, HV, *state_shape(a)) if a["output_final_state"] else None
+    return a["k"].new_empty(batch, chunks(a), HV, *state_shape(a)), torch.empty_like(a["u"]), final
 
 
-def gdn_bwd(a):  # (dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias); dq, dk, dv, dbeta like q, k, v, beta
-    gate, h0 = a["use_gate_in_kernel"], a["initial_state"]
-    return (*(torch.empty_like(a[name]) for name in ("q", "k", "v", "beta")), f32(*a["g"].shape),
-            None if h0 is None else f32(*h0.shape), f32(HV) if gate else None,
-            f32(HV) if gate and a["dt_bias"] is not None else None)  # fmt: skip
+def w_u(a):  # the WY keys w [B, T, HV, K] and new values u, as recompute_w_u_fwd
+    return a["k"].new_empty(*a["v"].shape[:3], K), torch.empty_like(a["v"])
+
+
+# FLA's namespace of the gated delta rule's kernels: its chunk_gated_delta_rule_fwd / _bwd call them from there, and
+# so do flame's custom ops.
+FLA_GDN = fla.ops.gated_delta_rule.chunk
+# What each returns (per FLA's source), given its bound arguments.
+GDN_KERNELS = {
+    "gdn_gate_chunk_cumsum": lambda a: f32(*a["g"].shape),
+    "chunk_local_cumsum": lambda a: f32(*a["g"].shape),
+    "chunk_gated_delta_rule_fwd_intra": lambda a: (
+        *w_u(a),
+        a["k"].new_empty(*a["v"].shape[:3], a["chunk_size"]),
+    ),
+    "chunk_gated_delta_rule_fwd_h": fwd_h,
+    "chunk_fwd_o": lambda a: torch.empty_like(a["v"]),
+    "recompute_w_u_fwd": w_u,
+    "chunk_bwd_dv_local": lambda a: torch.empty_like(a["do"]),
+    "chunk_gated_delta_rule_bwd_dhu": lambda a: (
+        a["q"].new_empty(a["q"].shape[0], chunks(a), HV, *state_shape(a)),
+        None if a["h0"] is None else f32(*a["h0"].shape),
+        torch.empty_like(a["dv"]),
+    ),
+    "chunk_bwd_dqkwg": lambda a: (
+        torch.empty_like(a["q"]),
+        torch.empty_like(a["k"]),
+        torch.empty_like(a["w"]),
+        f32(*a["g"].shape),
+    ),  # fmt: skip
+    "prepare_wy_repr_bwd": lambda a: (
+        torch.empty_like(a["k"]),
+        torch.empty_like(a["v"]),
+        torch.empty_like(a["beta"]),
+        torch.empty_like(a["g"]),
+    ),  # fmt: skip
+    "gdn_gate_bwd": lambda a: (torch.empty_like(a["g"]), f32(HV), None if a["dt_bias"] is None else f32(HV)),
+}
 
 
 def delta_fwd(a):  # (o, A, final state)
@@ -70,34 +114,106 @@ INTERNALS = {
     (fla.ops.common.gate, "fused_beta_sigmoid_fwd"): lambda a: torch.empty_like(a["x"], dtype=torch.float32),
     (fla.ops.common.gate, "fused_beta_sigmoid_bwd"): lambda a: torch.empty_like(a["x"]),
     (fla.ops.utils.index, "prepare_chunk_indices"): lambda a: torch.zeros(2, 2, dtype=torch.long),
-    (fla.ops.gated_delta_rule.chunk, "chunk_gated_delta_rule_fwd"): gdn_fwd,
-    (fla.ops.gated_delta_rule.chunk, "chunk_gated_delta_rule_bwd"): gdn_bwd,
+    **{(FLA_GDN, name): result for name, result in GDN_KERNELS.items()},
     (flame.ops.gated_delta_rule.dqkwg_triton, "serve_where_fla_refuses"): lambda a: None,
     (fla.ops.delta_rule.chunk, "chunk_delta_rule_fwd"): delta_fwd,
     (fla.ops.delta_rule.chunk, "chunk_delta_rule_bwd"): delta_bwd,
 }
 
 
-def recorder(real, result, calls):
-    """Binds each call to real's signature (which follows decorators' __wrapped__), records it, returns result."""
+def recorder(real, name, result, calls, sequence):
+    """Binds each call to real's signature (which follows decorators' __wrapped__), records it in ``calls`` and,
+    with ``name``, in ``sequence``, and returns result."""
     signature = inspect.signature(real)
 
     def record(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         calls.append((bound.arguments, result(bound.arguments)))
+        sequence.append((name, *calls[-1]))
         return calls[-1][1]
 
     return record
 
 
+SEQUENCE = "in order"
+
+
+def patch_with_recorders(monkeypatch, functions: dict, calls: dict) -> None:
+    for (module, name), result in functions.items():
+        calls[name] = []
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, recorder(real, name, result, calls[name], calls[SEQUENCE]))
+
+
 @pytest.fixture
 def fla_calls(monkeypatch):
-    """Replaces FLA's internals by recorders; returns {name: [(bound arguments, result), ...]}."""
-    calls = {name: [] for _, name in INTERNALS}
-    for (module, name), result in INTERNALS.items():
-        monkeypatch.setattr(module, name, recorder(getattr(module, name), result, calls[name]))
+    """Replaces FLA's internals by recorders; returns {name: [(bound arguments, result), ...]}, and under
+    SEQUENCE every call in order as (name, bound arguments, result)."""
+    calls = {SEQUENCE: []}
+    patch_with_recorders(monkeypatch, INTERNALS, calls)
     return calls
+
+
+def gdn_forward_result(a):  # _gdn_forward's (g cumsum, o, A, final state, w, h, v_new)
+    batch = a["v"].shape[0]
+    states = batch if a["cu_seqlens"] is None else len(a["cu_seqlens"]) - 1
+    state = f32(states, HV, *state_shape(a)) if a["output_final_state"] else None
+    w, u = w_u(a)
+    h = a["k"].new_empty(batch, chunks(a), HV, *state_shape(a))
+    return (
+        f32(batch, T, HV),
+        torch.empty_like(a["v"]),
+        a["k"].new_empty(batch, T, HV, a["chunk_size"]),
+        state,
+        w,
+        h,
+        u,
+    )
+
+
+def gdn_backward_result(a):  # _gdn_backward's (dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias)
+    gate, h0 = a["use_gate_in_kernel"], a["initial_state"]
+    return (*(torch.empty_like(a[name]) for name in ("q", "k", "v", "beta")), f32(*a["g"].shape),
+            None if h0 is None else f32(*h0.shape), f32(HV) if gate else None,
+            f32(HV) if gate and a["dt_bias"] is not None else None)  # fmt: skip
+
+
+@pytest.fixture
+def gdn_calls(fla_calls, monkeypatch):
+    """fla_calls, with flame's composition of the gated delta rule's kernels (fla_library._gdn_forward and
+    _gdn_backward, compared with FLA's own below) recorded instead of run: what the custom ops hand it."""
+    compositions = {(fla_library, "_gdn_forward"): gdn_forward_result,
+                    (fla_library, "_gdn_backward"): gdn_backward_result}  # fmt: skip
+    patch_with_recorders(monkeypatch, compositions, fla_calls)
+    return fla_calls
+
+
+def symbolic(sequence, names: dict[int, str]) -> tuple[list[tuple[str, dict]], dict[int, str]]:
+    """The calls of ``sequence`` with each tensor argument named: by ``names`` (id -> name) when given there, else
+    as the output of an earlier call ("kernel#n[i]": output i of the kernel's n-th call); other arguments as they
+    are. Two runs that call the same kernels with the same inputs and each other's outputs in the same places give
+    equal lists. Returns the calls and the names, those of the calls' outputs added."""
+    names, seen, calls = dict(names), {}, []
+    for name, arguments, result in sequence:
+        calls.append(
+            (
+                name,
+                {
+                    key: names.get(id(value), "unnamed tensor") if isinstance(value, torch.Tensor) else value
+                    for key, value in arguments.items()
+                },
+            )  # fmt: skip
+        )
+        count = seen[name] = seen.get(name, -1) + 1
+        for index, output in enumerate(result if isinstance(result, tuple) else (result,)):
+            if isinstance(output, torch.Tensor):
+                names.setdefault(id(output), f"{name}#{count}[{index}]")
+    return calls, names
+
+
+def named(values, names: dict[int, str]) -> list:
+    return [names.get(id(x), "unnamed tensor") if isinstance(x, torch.Tensor) else x for x in values]
 
 
 def same(actual, expected):
@@ -111,11 +227,18 @@ def check_like(actual, expected):
     assert [(x.shape, x.dtype) for x in actual] == [(x.shape, x.dtype) for x in expected]
 
 
-def gdn_arguments(layer: bool):
-    """bf16 inputs (as under FSDP's mixed precision) with the flags of flame's GatedDeltaNet layer on packed
-    documents and a state in and out, or with none of them (a batch, no state)."""
+LAYER_CASES = {
+    "layer-flags-varlen": (True, True),
+    "layer-flags-batch": (True, False),
+    "no-flags-batch": (False, False),
+}
+
+
+def gdn_arguments(layer: bool, varlen: bool, save_states: bool = True):
+    """The custom forward op's arguments: bf16 inputs (as under FSDP's mixed precision) with the flags of flame's
+    GatedDeltaNet layer and a state in and out, or with none of them and no state; packed documents or a batch."""
     dtype = torch.bfloat16
-    batch, cu_seqlens = (1, torch.tensor([0, 5, 8])) if layer else (B, None)
+    batch, cu_seqlens = (1, torch.tensor([0, 5, 8])) if varlen else (B, None)
     q, k, v = (torch.randn(batch, T, heads, dim, dtype=dtype) for heads, dim in ((H, K), (H, K), (HV, V)))
     g, beta = (torch.randn(batch, T, HV, dtype=dtype) for _ in range(2))
     flags = ("use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first",
@@ -123,9 +246,9 @@ def gdn_arguments(layer: bool):
     return dict(
         q=q, k=k, v=v, g=g, beta=beta, A_log=torch.randn(HV, dtype=dtype) if layer else None,
         dt_bias=torch.randn(HV, dtype=dtype) if layer else None,
-        initial_state=torch.randn(2, HV, V, K, dtype=dtype) if layer else None,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens.clone() if layer else None, scale=0.5, chunk_size=CHUNK,
-        **dict.fromkeys(flags, layer),
+        initial_state=torch.randn(2 if varlen else batch, HV, V, K, dtype=dtype) if layer else None,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens.clone() if varlen else None, scale=0.5, chunk_size=CHUNK,
+        **dict.fromkeys(flags, layer), save_states=save_states,
     )  # fmt: skip
 
 
@@ -139,7 +262,7 @@ def forward_backward(forward_op, backward_op, backward_name, setup_context, back
         return calls[-1][1]
 
     monkeypatch.setattr(fla_library, backward_name, recorded_backward_op)
-    ctx = SimpleNamespace(mark_non_differentiable=lambda *_: None)
+    ctx = SimpleNamespace(mark_non_differentiable=lambda *_: None, set_materialize_grads=lambda _: None)
     ctx.save_for_backward = lambda *saved: setattr(ctx, "saved_tensors", saved)
     inputs = tuple(a[name] for name in inspect.signature(forward_op._init_fn).parameters)
     setup_context(ctx, inputs, outputs)
@@ -151,33 +274,110 @@ def forward_backward(forward_op, backward_op, backward_name, setup_context, back
 
 def gdn_forward_backward(a, monkeypatch):
     return forward_backward(GDN_FWD, GDN_BWD, "gated_delta_rule_bwd", fla_library._gdn_setup_context,
-                            fla_library._gdn_backward, a, monkeypatch)  # fmt: skip
+                            fla_library._gdn_autograd_backward, a, monkeypatch)  # fmt: skip
 
 
 PASSED_THROUGH = ("scale", "initial_state", "state_v_first", "cu_seqlens", "use_gate_in_kernel", "A_log", "dt_bias",
                   "chunk_size")  # fmt: skip
 
 
-@pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
-def test_gated_delta_rule_forward_calls_fla_as_its_function_does(layer, fla_calls):
-    a = gdn_arguments(layer)
-    o, state, q_normed, q_rstd, k_normed, k_rstd, g_cumsum, beta_act, A = GDN_FWD._init_fn(**a)
-    l2norm, sigmoid = fla_calls["l2norm_fwd"], fla_calls["fused_beta_sigmoid_fwd"]
+def kernel_inputs(layer: bool, varlen: bool) -> dict:
+    """The arguments of FLA's chunk_gated_delta_rule_fwd and _bwd (and flame's compositions), backward's
+    included."""
+    a = gdn_arguments(layer, varlen)
+    batch = a["q"].shape[0]
+    return dict(
+        q=a["q"], k=a["k"], v=a["v"], g=f32(batch, T, HV), beta=a["beta"], scale=0.5,
+        initial_state=a["initial_state"], output_final_state=layer, state_v_first=layer, cu_seqlens=a["cu_seqlens"],
+        chunk_indices=torch.zeros(2, 2, dtype=torch.long) if varlen else None, use_gate_in_kernel=layer,
+        A_log=a["A_log"], dt_bias=a["dt_bias"], chunk_size=CHUNK, A=a["k"].new_empty(batch, T, HV, CHUNK),
+        do=torch.randn_like(a["v"]), dht=f32(*a["initial_state"].shape) if layer else None,
+        g_input=a["g"] if layer else None,
+    )  # fmt: skip
+
+
+def input_names(inputs: dict) -> dict[int, str]:
+    return {id(value): name for name, value in inputs.items() if isinstance(value, torch.Tensor)}
+
+
+FORWARD_ARGUMENTS = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "state_v_first",
+                     "cu_seqlens", "chunk_indices", "use_gate_in_kernel", "A_log", "dt_bias", "chunk_size")  # fmt: skip
+BACKWARD_ARGUMENTS = ("q", "k", "v", "g", "beta", "A", "scale", "initial_state", "do", "dht", "state_v_first",
+                      "cu_seqlens", "chunk_indices", "use_gate_in_kernel", "g_input", "A_log", "dt_bias",
+                      "chunk_size")  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_gated_delta_rule_forward_runs_fla_kernels_as_fla_does(case, fla_calls):
+    """flame's forward calls FLA's kernels as FLA's chunk_gated_delta_rule_fwd does, and returns what they made,
+    w, h and v_new (the state recurrence's results) included."""
+    inputs = kernel_inputs(*LAYER_CASES[case])
+    arguments = {name: inputs[name] for name in FORWARD_ARGUMENTS}
+    theirs = FLA_GDN.chunk_gated_delta_rule_fwd(**arguments)  # (g, o, A, final state, initial state, g_input)
+    fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
+    fla_calls[SEQUENCE].clear()
+    ours = fla_library._gdn_forward(**arguments)
+    sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
+    assert [name for name, _ in sequence] == [name for name, _ in fla_sequence]
+    assert sequence == fla_sequence
+    assert named(ours[:4], names) == named(theirs[:4], fla_names)
+    fwd_intra, fwd_h = "chunk_gated_delta_rule_fwd_intra#0", "chunk_gated_delta_rule_fwd_h#0"
+    assert named(ours[4:], names) == [f"{fwd_intra}[0]", f"{fwd_h}[0]", f"{fwd_h}[1]"]
+
+
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_gated_delta_rule_backward_runs_fla_kernels_as_fla_does(case, fla_calls):
+    """flame's backward calls FLA's kernels as FLA's chunk_gated_delta_rule_bwd does; given the forward's w, h and
+    v_new it leaves out the two kernels that recompute them and reads them where FLA reads its recomputed ones."""
+    inputs = kernel_inputs(*LAYER_CASES[case])
+    arguments = {name: inputs[name] for name in BACKWARD_ARGUMENTS}
+    theirs = FLA_GDN.chunk_gated_delta_rule_bwd(**arguments)
+    fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
+    recomputing = ["recompute_w_u_fwd", "chunk_gated_delta_rule_fwd_h"]
+    assert [name for name, _ in fla_sequence[:2]] == recomputing
+    assert recomputing[1] not in [name for name, _ in fla_sequence[2:]]
+
+    fla_calls[SEQUENCE].clear()
+    ours = fla_library._gdn_backward(**arguments, w=None, h=None, v_new=None)
+    sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
+    assert sequence == fla_sequence
+    assert named(ours, names) == named(theirs, fla_names)
+
+    fla_calls[SEQUENCE].clear()
+    w, h, v_new = (torch.empty(0) for _ in range(3))  # stand-ins, named as FLA's recomputed ones
+    states = {
+        id(w): "recompute_w_u_fwd#0[0]",
+        id(h): f"{recomputing[1]}#0[0]",
+        id(v_new): f"{recomputing[1]}#0[1]",
+    }
+    ours = fla_library._gdn_backward(**arguments, w=w, h=h, v_new=v_new)
+    sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs) | states)
+    assert sequence == fla_sequence[2:]
+    assert named(ours, names) == named(theirs, fla_names)
+
+
+@pytest.mark.parametrize("save_states", [True, False], ids=["save", "recompute"])
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_gated_delta_rule_forward_op_passes_what_fla_function_passes(case, save_states, gdn_calls):
+    layer, varlen = LAYER_CASES[case]
+    a = gdn_arguments(layer, varlen, save_states)
+    o, state, q_normed, q_rstd, k_normed, k_rstd, g_cumsum, beta_act, A, w, h, v_new = GDN_FWD._init_fn(**a)
+    l2norm, sigmoid = gdn_calls["l2norm_fwd"], gdn_calls["fused_beta_sigmoid_fwd"]
     assert same([x["x"] for x, _ in l2norm], [a["q"], a["k"]] if layer else [])
     assert same(
         [value for x, _ in sigmoid for value in (x["x"], x["scale"])], [a["beta"], 2.0] if layer else []
     )
-    ((call, (fla_g, fla_o, fla_A, fla_state, _, _)),) = fla_calls["chunk_gated_delta_rule_fwd"]
+    ((call, (fla_g, fla_o, fla_A, fla_state, fla_w, fla_h, fla_v_new)),) = gdn_calls["_gdn_forward"]
     # the normalised q, k and the sigmoid of beta reach the delta rule; the rest as given
     activated = [l2norm[0][1][0], l2norm[1][1][0], sigmoid[0][1]] if layer else [a["q"], a["k"], a["beta"]]
     assert same([call[name] for name in ("q", "k", "beta")], activated)
     names = ("v", "g", "output_final_state", *PASSED_THROUGH)
     assert same([call[name] for name in names], [a[name] for name in names])
-    indices = fla_calls["prepare_chunk_indices"]
-    assert call["chunk_indices"] is (indices[0][1] if layer else None)
+    indices = gdn_calls["prepare_chunk_indices"]
+    assert call["chunk_indices"] is (indices[0][1] if varlen else None)
     assert same(
         [value for x, _ in indices for value in x.values()],
-        [a["cu_seqlens"], CHUNK, a["cu_seqlens_cpu"]] if layer else [],
+        [a["cu_seqlens"], CHUNK, a["cu_seqlens_cpu"]] if varlen else [],
     )
 
     assert (o.shape, o.dtype) == (fla_o.shape, a["q"].dtype) and g_cumsum is fla_g and A is fla_A
@@ -186,27 +386,38 @@ def test_gated_delta_rule_forward_calls_fla_as_its_function_does(layer, fla_call
         assert same(optional, [fla_state, *l2norm[0][1], *l2norm[1][1], sigmoid[0][1]])
     else:  # custom ops may not return their inputs: what would be q, k or beta comes back empty, as does no state
         assert all(x.numel() == 0 for x in optional)
+    # The state recurrence's results: kept for the backward when asked to, except for packed documents.
+    if save_states and not varlen:
+        assert same([w, h, v_new], [fla_w, fla_h, fla_v_new])
+    else:
+        assert all(x.numel() == 0 for x in (w, h, v_new))
 
 
-@pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
-def test_gated_delta_rule_backward_calls_fla_as_its_function_does(layer, fla_calls, monkeypatch):
-    a = gdn_arguments(layer)
+@pytest.mark.parametrize("save_states", [True, False], ids=["save", "recompute"])
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_gated_delta_rule_backward_op_passes_what_fla_function_passes(
+    case, save_states, gdn_calls, monkeypatch
+):
+    layer, varlen = LAYER_CASES[case]
+    a = gdn_arguments(layer, varlen, save_states)
     outputs, (do, dht, *_), op_grads, grads = gdn_forward_backward(a, monkeypatch)
-    _, _, q_normed, q_rstd, k_normed, k_rstd, g_cumsum, beta_act, A = outputs
-    assert len(fla_calls["serve_where_fla_refuses"]) == 1 and (dht is not None) == layer
-    ((call, (fla_dq, fla_dk, _, fla_dbeta, *_)),) = fla_calls["chunk_gated_delta_rule_bwd"]
+    _, _, q_normed, q_rstd, k_normed, k_rstd, g_cumsum, beta_act, A, w, h, v_new = outputs
+    assert len(gdn_calls["serve_where_fla_refuses"]) == 1 and (dht is not None) == layer
+    ((call, (fla_dq, fla_dk, _, fla_dbeta, *_)),) = gdn_calls["_gdn_backward"]
     saved = [q_normed, k_normed, beta_act, a["g"]] if layer else [a["q"], a["k"], a["beta"], None]
     assert same([call[name] for name in ("q", "k", "beta", "g_input")], saved)
     names = ("v", "g", "A", "do", "dht", "chunk_indices", *PASSED_THROUGH)
-    indices = fla_calls["prepare_chunk_indices"][-1][1] if layer else None
+    indices = gdn_calls["prepare_chunk_indices"][-1][1] if varlen else None
     assert same(
         [call[name] for name in names],
         [a["v"], g_cumsum, A, do, dht, indices, *(a[n] for n in PASSED_THROUGH)],
     )
-    l2norm = [value for x, _ in fla_calls["l2norm_bwd"] for value in (x["y"], x["rstd"], x["dy"])]
+    kept = save_states and not varlen
+    assert same([call[name] for name in ("w", "h", "v_new")], [w, h, v_new] if kept else [None] * 3)
+    l2norm = [value for x, _ in gdn_calls["l2norm_bwd"] for value in (x["y"], x["rstd"], x["dy"])]
     assert same(l2norm, [q_normed, q_rstd, fla_dq, k_normed, k_rstd, fla_dk] if layer else [])
     sigmoid = [
-        value for x, _ in fla_calls["fused_beta_sigmoid_bwd"] for value in (x["x"], x["dy"], x["scale"])
+        value for x, _ in gdn_calls["fused_beta_sigmoid_bwd"] for value in (x["x"], x["dy"], x["scale"])
     ]
     assert same(sigmoid, [a["beta"], fla_dbeta, 2.0] if layer else [])
 
@@ -219,7 +430,26 @@ def test_gated_delta_rule_backward_calls_fla_as_its_function_does(layer, fla_cal
         assert all(x.numel() == 0 for x in op_grads[5:])
     dh0, dA_log, ddt_bias = op_grads[5:] if layer else [None] * 3
     # autograd's gradients, one per input of the forward op
-    assert same(grads, [*op_grads[:5], dA_log, ddt_bias, dh0] + [None] * 10)
+    assert same(grads, [*op_grads[:5], dA_log, ddt_bias, dh0] + [None] * 11)
+
+
+def test_the_chunk_states_policy_reaches_the_forward_op(monkeypatch):
+    """set_chunk_states decides the forward op's save_states (and so whether FLA's state recurrence runs twice)."""
+    seen = []
+    monkeypatch.setattr(
+        fla_library, "gated_delta_rule_fwd", lambda *args: seen.append(args[-1]) or (None, None)
+    )
+    q = torch.zeros(1, T, H, K)
+    assert not fla_library.saves_chunk_states()  # FLA's way unless a job asks
+    try:
+        for policy in ("recompute", "save"):
+            fla_library.set_chunk_states(policy)
+            fla_library.chunk_gated_delta_rule(q, q, q, q[..., 0], q[..., 0])
+    finally:
+        fla_library.set_chunk_states("recompute")
+    assert seen == [False, True]
+    with pytest.raises(ValueError, match="chunk states must be one of"):
+        fla_library.set_chunk_states("keep")
 
 
 def strided_like(x: torch.Tensor) -> torch.Tensor:
@@ -230,41 +460,45 @@ def strided_like(x: torch.Tensor) -> torch.Tensor:
 def test_gated_delta_rule_ops_give_fla_contiguous_tensors(fla_calls):
     """FLA's kernels index every tensor as contiguous (its Functions' input_guard makes them so); the gradient of
     a sum is an expanded tensor of stride 0, which a kernel would read past its storage (it did on the GPU)."""
-    a = gdn_arguments(layer=True)
+    a = gdn_arguments(layer=True, varlen=True)
     a.update({name: strided_like(a[name]) for name in ("q", "k", "v", "g", "beta", "A_log", "initial_state")})
     assert not any(a[name].is_contiguous() for name in ("q", "v", "g", "initial_state"))
     outputs = GDN_FWD._init_fn(**a)
     do, dht = torch.ones(()).expand_as(outputs[0]), torch.ones(()).expand_as(outputs[1])
     backward_arguments = (do, dht, a["q"], None, a["k"], None, a["v"], a["g"], outputs[6], a["beta"], outputs[7],
                           strided_like(outputs[8]), a["A_log"], a["dt_bias"], a["initial_state"], a["cu_seqlens"],
-                          a["cu_seqlens_cpu"], a["scale"], False, True, True, True, True, CHUNK)  # fmt: skip
+                          a["cu_seqlens_cpu"], None, None, None, a["scale"], False, True, True, True, True,
+                          CHUNK)  # fmt: skip
     GDN_BWD._init_fn(*backward_arguments)
     received = [
-        (name, value)
-        for function in ("chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd", "l2norm_fwd")
-        for call, _ in fla_calls[function]
+        (f"{function}.{name}", value)
+        for function, call, _ in fla_calls[SEQUENCE]
         for name, value in call.items()
         if isinstance(value, torch.Tensor)
     ]
-    assert len(received) > 20
+    assert len(received) > 40
     assert [name for name, value in received if not value.is_contiguous()] == []
 
 
-@pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
-def test_gated_delta_rule_fakes_agree_with_the_bodies(layer, fla_calls, monkeypatch):
-    a = gdn_arguments(layer)
+@pytest.mark.parametrize("save_states", [True, False], ids=["save", "recompute"])
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_gated_delta_rule_fakes_agree_with_the_bodies(case, save_states, fla_calls, monkeypatch):
+    a = gdn_arguments(*LAYER_CASES[case], save_states)
     outputs, backward_arguments, backward_outputs, _ = gdn_forward_backward(a, monkeypatch)
     check_like(GDN_BWD._abstract_fn(*backward_arguments), backward_outputs)
     check_like(GDN_FWD._abstract_fn(**a), outputs)
 
 
 def test_recorders_reject_an_argument_fla_does_not_take(fla_calls, monkeypatch):
-    """Each recorder binds: a call replayed with its own arguments passes, with one more keyword it fails."""
-    gdn_forward_backward(gdn_arguments(layer=True), monkeypatch)
+    """Each recorder binds: a call replayed with its own arguments passes, with one more keyword it fails (unless
+    FLA's function takes any keyword: chunk_local_cumsum's ``**kwargs``)."""
+    gdn_forward_backward(gdn_arguments(layer=True, varlen=True), monkeypatch)
     delta_forward_backward(delta_arguments(layer=True), monkeypatch)
     for module, name in INTERNALS:
         (arguments, _), *_ = fla_calls[name]
         getattr(module, name)(**arguments)
+        if "kwargs" in arguments:
+            continue
         with pytest.raises(TypeError, match="bogus"):
             getattr(module, name)(**arguments, bogus=None)
 

@@ -34,14 +34,16 @@ CHUNK_SIZES = (16, 32, 64)
 
 
 def fla_chunk_gated_delta_rule(*args, **kwargs):
-    """FLA 0.6.0's Triton op, imported on first use (importing fla.ops pulls in Triton). Under torch.compile it
-    runs through flame's torch.library custom ops (`flame.ops.fla_library`), so that a block compiles to one graph
-    instead of breaking at FLA's ``torch.compiler.disable``; FLA's context parallelism (``cp_context``) stays on
-    FLA's op. On Hopper GPUs with Triton 3.4-3.7.0 its gated backward is served by flame's correct one
-    (dqkwg_reference.py)."""
-    if torch.compiler.is_compiling() and kwargs.get("cp_context") is None:
-        from flame.ops import fla_library
+    """FLA 0.6.0's Triton op, imported on first use (importing fla.ops pulls in Triton). Under torch.compile, and
+    wherever the forward keeps the chunk states for the backward (`fla_library.set_chunk_states`), it runs through
+    flame's torch.library custom ops (`flame.ops.fla_library`), so that a block compiles to one graph instead of
+    breaking at FLA's ``torch.compiler.disable``; FLA's context parallelism (``cp_context``) stays on FLA's op. On
+    Hopper GPUs with Triton 3.4-3.7.0 its gated backward is served by flame's correct one (dqkwg_reference.py)."""
+    from flame.ops import fla_library
 
+    if (torch.compiler.is_compiling() or fla_library.saves_chunk_states()) and kwargs.get(
+        "cp_context"
+    ) is None:
         return fla_library.chunk_gated_delta_rule(*args, **kwargs)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
 
