@@ -1,7 +1,10 @@
-"""flame.train.model_parts.prepare_gpu_kernels: what a GPU process sets up before its model is built."""
+"""flame.train.model_parts: what a GPU process sets up before its model is built (prepare_gpu_kernels), and how
+the gated delta rule keeps its chunk states (chunk_states)."""
 
+import pytest
 import torch
 
+from flame.config import parse_args
 from flame.ops.gated_delta_rule import dqkwg_triton
 from flame.train import model_parts
 
@@ -31,3 +34,27 @@ def test_a_gpu_process_tunes_once_seeds_the_shipped_results_and_fixes_flas_backe
         "flame's dqkwg for FLA",
         "FLA's TileLang attention on its head widths",
     ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "policy"),
+    [
+        ([], "recompute"),
+        (["--compile.enable", "--compile.mode", "reduce-overhead"], "save"),
+        (["--compile.mode", "reduce-overhead"], "recompute"),  # not compiled: no CUDA graphs
+        (["--compile.enable", "--compile.mode", "max-autotune-no-cudagraphs"], "recompute"),
+        (["--activation_checkpoint.chunk_states", "save"], "save"),
+        (
+            [
+                "--compile.enable",
+                "--compile.mode",
+                "reduce-overhead",
+                "--activation_checkpoint.chunk_states",
+                "recompute",
+            ],
+            "recompute",
+        ),  # fmt: skip
+    ],
+)
+def test_chunk_states_auto_keeps_them_where_the_blocks_replay_as_cuda_graphs(flags, policy):
+    assert model_parts.chunk_states(parse_args(flags)) == policy
