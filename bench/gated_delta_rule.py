@@ -16,6 +16,9 @@ another's timing:
   installed and takes it (the table says which served), with FLA's backend switches unset, so that flame's ``fla``
   backend is FLA's op as FLA configures itself (on Hopper its gated dq/dk/dw/dg is FLA's TileLang kernel where
   tilelang and nvcc are installed, else flame's Triton kernel);
+- ``flame-save``: the same with the forward keeping the state recurrence's results for the backward instead of
+  the backward recomputing them (``--activation_checkpoint.chunk_states save``, flame/ops/fla_library.py); calls
+  that FlashQLA serves keep no states either way;
 - ``fla+tilelang``, ``fla+flash-qla``: FLA 0.6.0's ``chunk_gated_delta_rule`` with that backend of FLA's switched
   on (it falls back to FLA's Triton kernels for calls the backend refuses);
 - ``fla``: FLA's op with its backends off: FLA's Triton kernels alone (which refuse the gated backward on Hopper
@@ -51,6 +54,7 @@ SHAPES = "16x128x128,6x256x512,16x96x192"
 # FLA's backend switches per variant (None: unset, FLA's default, as in a training job).
 VARIANTS = {
     "flame": {"FLA_TILELANG": None, "FLA_FLASH_QLA": None},
+    "flame-save": {"FLA_TILELANG": None, "FLA_FLASH_QLA": None},
     "fla+tilelang": {"FLA_TILELANG": "1", "FLA_FLASH_QLA": "0"},
     "fla+flash-qla": {"FLA_TILELANG": "0", "FLA_FLASH_QLA": "1"},
     "fla": {"FLA_TILELANG": "0", "FLA_FLASH_QLA": "0"},
@@ -101,8 +105,16 @@ def relative_error(results: dict, reference: dict) -> tuple[float, str]:
 
 def variant_op(variant: str, device: torch.device):
     """The op this variant calls, and a function of the inputs naming what serves them."""
-    if variant == "flame":
+    if variant.startswith("flame"):
+        from flame.ops.fla_library import set_chunk_states
         from flame.ops.gated_delta_rule import GATED_DELTA_RULE, chunk_gated_delta_rule
+
+        if variant == "flame-save":
+            set_chunk_states("save")
+        if device.type == "cuda":  # as a training job: flame's shipped tuning results, its Hopper dq/dk/dw/dg
+            from flame.train.model_parts import prepare_gpu_kernels
+
+            prepare_gpu_kernels(device)
 
         def served_by(tensors: dict) -> str:
             q, k, v, g, beta = (tensors[name] for name in GRADIENTS)
