@@ -28,7 +28,6 @@ from flame.models.layers.gated_deltanet import GatedDeltaNet
 from flame.parallelize.compile import uses_cuda_graphs
 from flame.parallelize.context_parallel import check_context_parallel
 from flame.parallelize.float8 import check_converters, float8_enabled
-from flame.parallelize.generic_tensor_parallel import block_plan
 
 SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 COMPILE_COMPONENTS = ("model", "loss")
@@ -121,6 +120,9 @@ def check_tensor_parallel(model, tp: int, seq_len: int) -> None:
 
 def check_generic_tensor_parallel(model_args, tp: int) -> None:
     """A generic-path model's declared plan splits the attention heads and the MLP width over the TP ranks."""
+    # Imported here: DTensor's modules take ~0.7 s, which a pre-flight without tensor parallelism need not pay.
+    from flame.parallelize.generic_tensor_parallel import block_plan
+
     config = model_args.hf_config()
     block_plan(config)  # a style flame does not map stops here
     heads = config.num_attention_heads

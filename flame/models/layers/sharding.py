@@ -9,15 +9,21 @@ gradient of a replicated parameter is then a partial sum over ranks and is reduc
 ``redistribute``) before the optimizer uses it. Without tensor parallelism parameters are returned unchanged.
 """
 
+import sys
+
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
 
 
 def local_param(module: nn.Module, name: str) -> torch.Tensor | None:
     param = getattr(module, name)
-    if not isinstance(param, DTensor):
+    # No DTensor exists before torch.distributed.tensor is imported, and importing it costs a process that builds
+    # no parallel model (train.sh's pre-flight) ~0.7 s (sympy, through DTensor's sharding propagation).
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not isinstance(param, dtensor.DTensor):
         return param
+    from torch.distributed.tensor import Partial
+
     if getattr(module, "tp_sharded_input", False):
         grads = [Partial() if p.is_replicate() else p for p in param.placements]
         return param.to_local(grad_placements=grads)

@@ -22,7 +22,6 @@ import torch
 
 from flame.ops import dispatch
 from flame.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_torch
-from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
 from flame.ops.gated_delta_rule.flash_qla import flash_qla_chunk_gated_delta_rule, flash_qla_refuses
 from flame.ops.gated_delta_rule.gate import gdn_gate
 from flame.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
@@ -41,11 +40,12 @@ def fla_chunk_gated_delta_rule(*args, **kwargs):
     Hopper GPUs with Triton 3.4-3.7.0 its gated backward is served by flame's correct one (dqkwg_reference.py)."""
     from flame.ops import fla_library
 
-    if (torch.compiler.is_compiling() or fla_library.saves_chunk_states()) and kwargs.get(
-        "cp_context"
-    ) is None:
+    custom_ops = torch.compiler.is_compiling() or fla_library.saves_chunk_states()
+    if custom_ops and kwargs.get("cp_context") is None:
         return fla_library.chunk_gated_delta_rule(*args, **kwargs)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+
+    from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses  # imports Triton
 
     serve_where_fla_refuses()
     return fla_op(*args, **kwargs)
