@@ -1,6 +1,6 @@
 """flame's Triton chunk_bwd_dqkwg on the GPU against the PyTorch one (float64 on the same inputs).
 
-bf16 inputs (training) and float32 (no TF32: exact products), head sizes of the seed configs (K 64/128/256, V up
+bf16 inputs (training) and float32 (no TF32: exact products, ``exact_float32``), head sizes of the seed configs (K 64/128/256, V up
 to 512), both state layouts, with and without dw, grouped value heads and varlen. Limits on the relative RMS error
 ||x - ref|| / ||ref||: 1e-5 in float32, 0.01 in bf16 (the products take bf16 inputs, and dq/dk/dw are stored in
 bf16 as FLA stores them).
@@ -19,6 +19,8 @@ from flame.ops.gated_delta_rule.dqkwg_triton import (
     chunk_bwd_dqkwg_triton,
 )
 
+# float32 products in IEEE float32: the kernel multiplies float32 as Triton's default says, as FLA's kernels do.
+pytestmark = pytest.mark.usefixtures("exact_float32")
 LIMITS = {torch.float32: 1e-5, torch.bfloat16: 0.01}
 CASES = [
     # K, V, heads, value heads, lengths (several = varlen), state_v_first, with w

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flame.ops.gated_delta_rule.dqkwg_reference import chunk_bwd_dqkwg_torch
-from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds, chunk_bwd_dqkwg_triton
+from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds, chunk_bwd_dqkwg_triton, dot_precision
 
 # Small blocks: several key and value blocks per chunk, and the partial dg sums over key blocks.
 LAUNCH = {"BK": 16, "BV": 16, "num_warps": 4, "num_stages": 1}
@@ -80,3 +80,12 @@ def test_refuses_the_ungated_case():
         chunk_bwd_dqkwg_triton(
             x, x, x, x, torch.zeros(1, 1, 1, 16, 16), torch.zeros(1, 1, 1, 16, 16), launch=LAUNCH
         )
+
+
+def test_float32_products_follow_tritons_default(monkeypatch):
+    """As FLA's kernels that it stands in for: TF32 unless TRITON_F32_DEFAULT says otherwise (IEEE float32 products
+    ran 49x slower on an H200, at Mamba-2's scan)."""
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    assert dot_precision() == "tf32"
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    assert dot_precision() == "ieee"
