@@ -357,8 +357,8 @@ class ActivationCheckpoint:
     """Activation checkpointing: none, selective, full or memory_budget"""
 
     chunk_states: Literal["auto", "recompute", "save"] = "auto"
-    """The gated delta rule on FLA's kernels: recompute runs the forward's state recurrence again in the backward
-    (FLA's way), save keeps its results for the backward instead (per layer B x T/64 x value heads x K x V values,
+    """The gated and plain delta rules on FLA's kernels: recompute runs the forward's state recurrence again in the
+    backward (FLA's way), save keeps its results for the backward instead (per layer B x T/64 x value heads x K x V values,
     plus B x T x value heads x (K + V), in the activation dtype: 10.8 GiB more for gated_deltanet_340M at 8 x 2048),
     which is faster where the GPU, not the host, bounds the step; auto saves them where the blocks replay as CUDA
     graphs (compile.mode reduce-overhead) and recomputes them elsewhere; packed documents (varlen) always recompute

@@ -4,16 +4,16 @@ FLA wraps its public ops in ``torch.compiler.disable`` (and its autograd Functio
 not trace), so a compiled Gated DeltaNet or DeltaNet block broke into a graph per FLA call: every break costs a return to
 Python, guard checks and a separate compiled region in forward and backward. Registered as custom ops with fake
 (shape-only) implementations, the forward and backward of each op are single opaque nodes, and a block compiles to
-one graph. The Triton work inside is FLA's: the delta rule's `chunk_delta_rule_fwd` / `_bwd`, called as FLA's
-autograd Function calls them, and the gated delta rule's kernels, called one by one in the order and with the
-arguments of FLA's `chunk_gated_delta_rule_fwd` / `_bwd` (tests/ops/test_fla_library.py compares the two call by
-call). (The short convolution is flame's own custom op: short_conv/triton_kernel.py.)
+one graph. The Triton work inside is FLA's: the kernels of both rules, called one by one in the order and with the
+arguments of FLA's `chunk_gated_delta_rule_fwd` / `_bwd` and `chunk_delta_rule_fwd` / `_bwd`
+(tests/ops/test_fla_library.py compares them call by call). (The short convolution is flame's own custom op:
+short_conv/triton_kernel.py.)
 
-Composing the gated rule's kernels gives one choice FLA does not offer (`set_chunk_states`): the forward can keep
-what its state recurrence made, the chunk states h (one [K, V] state per 64 tokens and value head), the WY keys w
-and the new values v_new, for the backward, where FLA's backward runs `recompute_w_u_fwd` and
-`chunk_gated_delta_rule_fwd_h` again to get them (0.38 ms of the op's 2.97 ms of kernels at 8 x 2048 tokens and
-6 heads of K = 256, V = 512 on an H200). Keeping them costs their memory instead.
+Composing the kernels gives one choice FLA does not offer (`set_chunk_states`): the forward can keep what its state
+recurrence made, the chunk states h (one [K, V] state per 64 tokens and value head), the WY keys w and the new
+values v_new, for the backward, where FLA's backward of either rule runs `recompute_w_u_fwd` and
+`chunk_gated_delta_rule_fwd_h` again to get them (0.38 ms of the gated op's 2.97 ms of kernels at 8 x 2048 tokens
+and 6 heads of K = 256, V = 512 on an H200). Keeping them costs their memory instead.
 
 Custom ops may not return their inputs, so intermediates that FLA saves only sometimes (the l2-normalised q/k, the
 sigmoid of beta) come back as empty tensors when they are the input itself, and absent gradients as empty tensors
@@ -31,7 +31,7 @@ _chunk_states: Literal["recompute", "save"] = "recompute"
 
 
 def set_chunk_states(policy: Literal["recompute", "save"]) -> None:
-    """Whether the gated delta rule's forward keeps what its backward needs of the state recurrence (``save``:
+    """Whether the forward of either delta rule keeps what its backward needs of the state recurrence (``save``:
     h, w and v_new, which cost B x T/64 x HV x K x V plus B x T x HV x (K + V) values in the inputs' dtype per call)
     or the backward recomputes them (``recompute``, FLA's way); process-wide. Packed documents (cu_seqlens), whose
     number of chunks depends on their lengths, always recompute."""
@@ -471,6 +471,81 @@ def chunk_gated_delta_rule(
     return o, final_state if output_final_state else None
 
 
+def _delta_forward(
+    q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, chunk_size
+):
+    """FLA 0.6.0's ``chunk_delta_rule_fwd``, its kernels in its order: (o, A, final state, w, h, v_new), the last
+    three being what its backward recomputes."""
+    import fla.ops.delta_rule.chunk as fla_delta
+
+    indices = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    w, u, A = fla_delta.prepare_wy_repr_fwd(k=k, v=v, beta=beta, chunk_size=chunk_size, **indices)
+    h, v_new, final_state = fla_delta.chunk_gated_delta_rule_fwd_h(
+        k=k,
+        w=w,
+        u=u,
+        g=None,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        chunk_size=chunk_size,
+        **indices,
+    )
+    o = fla_delta.chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=None, scale=scale, chunk_size=chunk_size, **indices)
+    return o, A, final_state, w, h, v_new
+
+
+def _delta_backward(q, k, v, beta, A, scale, initial_state, do, dht, cu_seqlens, chunk_indices, chunk_size, w, h,
+                    v_new):  # fmt: skip
+    """FLA 0.6.0's ``chunk_delta_rule_bwd``, its kernels in its order, reading w, h and v_new where the forward
+    kept them (else recomputed, as FLA does): (dq, dk, dv, dbeta, dh0)."""
+    import fla.ops.delta_rule.chunk as fla_delta
+
+    indices = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    if h is None:
+        w, u = fla_delta.recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, **indices)
+        h, v_new, _ = fla_delta.chunk_gated_delta_rule_fwd_h(
+            k=k,
+            w=w,
+            u=u,
+            g=None,
+            initial_state=initial_state,
+            output_final_state=False,
+            chunk_size=chunk_size,
+            **indices,
+        )
+    dv = fla_delta.chunk_bwd_dv_local(q=q, k=k, do=do, g=None, scale=scale, chunk_size=chunk_size, **indices)
+    dh, dh0, dv = fla_delta.chunk_gated_delta_rule_bwd_dhu(
+        q=q,
+        k=k,
+        w=w,
+        g=None,
+        h0=initial_state,
+        dht=dht,
+        do=do,
+        dv=dv,
+        scale=scale,
+        chunk_size=chunk_size,
+        **indices,
+    )
+    dq, dk, dw, _ = fla_delta.chunk_bwd_dqkwg(
+        q=q,
+        k=k,
+        v=v_new,
+        h=h,
+        w=w,
+        dv=dv,
+        do=do,
+        dh=dh,
+        g=None,
+        scale=scale,
+        chunk_size=chunk_size,
+        **indices,
+    )
+    dk2, dv, dbeta = fla_delta.prepare_wy_repr_bwd(k=k, v=v, beta=beta, A=A, dw=dw, du=dv, **indices)
+    dk.add_(dk2)
+    return dq, dk, dv, dbeta, dh0
+
+
 @torch.library.custom_op("flame::fla_delta_rule_fwd", mutates_args=(), device_types="cuda")
 def delta_rule_fwd(
     q: Tensor,
@@ -484,29 +559,23 @@ def delta_rule_fwd(
     output_final_state: bool,
     use_qk_l2norm_in_kernel: bool,
     chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(o, final state, q_normed, q_rstd, k_normed, k_rstd, A); see the module docstring for the empty ones. What
-    FLA's ``ChunkDeltaRuleFunction.forward`` computes and saves."""
+    save_states: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, final state, q_normed, q_rstd, k_normed, k_rstd, A, w, h, v_new); see the module docstring for the empty
+    ones. What FLA's ``ChunkDeltaRuleFunction.forward`` computes and saves, and with ``save_states`` (calls without
+    cu_seqlens) the state recurrence's results for the backward."""
     from fla.modules.norm.l2norm import l2norm_fwd
-    from fla.ops.delta_rule.chunk import chunk_delta_rule_fwd
 
     q, k, v, beta, initial_state = _contiguous(q, k, v, beta, initial_state)
     q_normed, q_rstd, k_normed, k_rstd = q, _empty(q), k, _empty(k)
     if use_qk_l2norm_in_kernel:
         q_normed, q_rstd = l2norm_fwd(q)
         k_normed, k_rstd = l2norm_fwd(k)
-    o, A, final_state = chunk_delta_rule_fwd(
-        q=q_normed,
-        k=k_normed,
-        v=v,
-        beta=beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_indices=_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size),
-        chunk_size=chunk_size,
-    )
+    o, A, final_state, w, h, v_new = _delta_forward(
+        q_normed, k_normed, v, beta, scale, initial_state, output_final_state, cu_seqlens,
+        _chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size), chunk_size,
+    )  # fmt: skip
+    keep = save_states and cu_seqlens is None
     return (
         o.to(q.dtype),
         final_state if output_final_state else _empty(q),
@@ -515,17 +584,28 @@ def delta_rule_fwd(
         k_normed if use_qk_l2norm_in_kernel else _empty(k),
         k_rstd,
         A,
+        *((w, h, v_new) if keep else (_empty(k), _empty(k), _empty(v))),
     )
 
 
 @delta_rule_fwd.register_fake
 def _(q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, use_qk_l2norm_in_kernel,
-      chunk_size):  # fmt: skip
+      chunk_size, save_states):  # fmt: skip
     batch, seq_len, num_heads, key_dim = q.shape
+    value_dim = v.shape[3]
     num_sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if save_states and cu_seqlens is None:
+        num_chunks = (seq_len + chunk_size - 1) // chunk_size
+        states = (
+            k.new_empty(batch, seq_len, num_heads, key_dim),
+            k.new_empty(batch, num_chunks, num_heads, key_dim, value_dim),
+            v.new_empty(batch, seq_len, num_heads, value_dim),
+        )
+    else:
+        states = (_empty(k), _empty(k), _empty(v))
     return (
-        q.new_empty(batch, seq_len, num_heads, v.shape[3]),
-        q.new_empty(num_sequences, num_heads, key_dim, v.shape[3], dtype=torch.float32)
+        q.new_empty(batch, seq_len, num_heads, value_dim),
+        q.new_empty(num_sequences, num_heads, key_dim, value_dim, dtype=torch.float32)
         if output_final_state
         else _empty(q),
         torch.empty_like(q, memory_format=torch.contiguous_format) if use_qk_l2norm_in_kernel else _empty(q),
@@ -533,6 +613,7 @@ def _(q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_fi
         torch.empty_like(k, memory_format=torch.contiguous_format) if use_qk_l2norm_in_kernel else _empty(k),
         k.new_empty(batch, seq_len, num_heads, dtype=torch.float32) if use_qk_l2norm_in_kernel else _empty(k),
         k.new_empty(batch, seq_len, num_heads, chunk_size),
+        *states,
     )
 
 
@@ -550,32 +631,26 @@ def delta_rule_bwd(
     initial_state: Tensor | None,
     cu_seqlens: Tensor | None,
     cu_seqlens_cpu: Tensor | None,
+    w: Tensor | None,
+    h: Tensor | None,
+    v_new: Tensor | None,
     scale: float,
     use_qk_l2norm_in_kernel: bool,
     chunk_size: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbeta, dh0) in the dtypes of the forward's inputs, with q, k the l2-normalised ones when that is
-    on (q_rstd, k_rstd given). As FLA's backward."""
+    on (q_rstd, k_rstd given); w, h and v_new the forward's where it kept them. As FLA's backward."""
     from fla.modules.norm.l2norm import l2norm_bwd
-    from fla.ops.delta_rule.chunk import chunk_delta_rule_bwd
 
     do, dht, q, q_rstd, k, k_rstd, v, beta, A, initial_state = _contiguous(
         do, dht, q, q_rstd, k, k_rstd, v, beta, A, initial_state
     )
-    dq, dk, dv, dbeta, dh0 = chunk_delta_rule_bwd(
-        q=q,
-        k=k,
-        v=v,
-        beta=beta,
-        A=A,
-        scale=scale,
-        initial_state=initial_state,
-        do=do,
-        dht=dht,
-        cu_seqlens=cu_seqlens,
-        chunk_indices=_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size),
-        chunk_size=chunk_size,
-    )
+    if h is None or h.numel() == 0:
+        w = h = v_new = None
+    dq, dk, dv, dbeta, dh0 = _delta_backward(
+        q, k, v, beta, A, scale, initial_state, do, dht, cu_seqlens,
+        _chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size), chunk_size, w, h, v_new,
+    )  # fmt: skip
     if use_qk_l2norm_in_kernel:
         dq, dk = l2norm_bwd(q, q_rstd, dq), l2norm_bwd(k, k_rstd, dk)
     return (
@@ -588,17 +663,23 @@ def delta_rule_bwd(
 
 
 @delta_rule_bwd.register_fake
-def _(do, dht, q, q_rstd, k, k_rstd, v, beta, A, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
+def _(do, dht, q, q_rstd, k, k_rstd, v, beta, A, initial_state, cu_seqlens, cu_seqlens_cpu, w, h, v_new, scale,
       use_qk_l2norm_in_kernel, chunk_size):  # fmt: skip
     return tuple(_gradient_like(x, do) for x in (q, k, v, beta, initial_state))
 
 
-_DELTA_NON_TENSOR_INPUTS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "chunk_size")
+_DELTA_NON_TENSOR_INPUTS = (
+    "scale",
+    "output_final_state",
+    "use_qk_l2norm_in_kernel",
+    "chunk_size",
+    "save_states",
+)
 
 
 def _delta_setup_context(ctx, inputs, output):
     q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, *flags = inputs
-    o, final_state, q_normed, q_rstd, k_normed, k_rstd, A = output
+    o, final_state, q_normed, q_rstd, k_normed, k_rstd, A, w, h, v_new = output
     ctx.flags = dict(zip(_DELTA_NON_TENSOR_INPUTS, flags, strict=True))
     l2norm = ctx.flags["use_qk_l2norm_in_kernel"]
     ctx.save_for_backward(
@@ -612,15 +693,18 @@ def _delta_setup_context(ctx, inputs, output):
         initial_state,
         cu_seqlens,
         cu_seqlens_cpu,
+        w,
+        h,
+        v_new,
     )
     ctx.has_initial_state = initial_state is not None
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(q_normed, q_rstd, k_normed, k_rstd, A)
+    ctx.mark_non_differentiable(q_normed, q_rstd, k_normed, k_rstd, A, w, h, v_new)
     if not ctx.flags["output_final_state"]:
         ctx.mark_non_differentiable(final_state)
 
 
-def _delta_backward(ctx, do, dht, *_unused_grads):
+def _delta_autograd_backward(ctx, do, dht, *_unused_grads):
     flags = ctx.flags
     if do is None:  # only the final state's gradient arrived
         q, v = ctx.saved_tensors[0], ctx.saved_tensors[4]
@@ -644,7 +728,7 @@ def _delta_backward(ctx, do, dht, *_unused_grads):
     )
 
 
-delta_rule_fwd.register_autograd(_delta_backward, setup_context=_delta_setup_context)
+delta_rule_fwd.register_autograd(_delta_autograd_backward, setup_context=_delta_setup_context)
 
 
 def chunk_delta_rule(
@@ -665,6 +749,6 @@ def chunk_delta_rule(
         scale = q.shape[-1] ** -0.5
     o, final_state, *_ = delta_rule_fwd(
         q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, float(scale), output_final_state,
-        use_qk_l2norm_in_kernel, chunk_size,
+        use_qk_l2norm_in_kernel, chunk_size, saves_chunk_states(),
     )  # fmt: skip
     return o, final_state if output_final_state else None

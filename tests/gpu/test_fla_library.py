@@ -75,7 +75,7 @@ def gdn_inputs(in_kernel: bool, lengths, dtype=torch.bfloat16, heads=2, v_heads=
 
 @pytest.fixture(params=fla_library.CHUNK_STATES)
 def chunk_states(request):
-    """Each way of the gated delta rule's backward to its chunk states: recomputed, or kept by the forward."""
+    """Each way of a delta rule's backward to its chunk states: recomputed, or kept by the forward."""
     before = "save" if fla_library.saves_chunk_states() else "recompute"
     fla_library.set_chunk_states(request.param)
     yield request.param
@@ -156,14 +156,28 @@ def delta_inputs(in_kernel: bool, lengths, dtype=torch.bfloat16, heads=2, head_d
 
 
 @pytest.mark.parametrize("case", list(GDN_CASES))
-def test_delta_rule_ops_pass_opcheck(case):
+@pytest.mark.parametrize("save_states", [False, True], ids=["recompute", "save"])
+def test_delta_rule_ops_pass_opcheck(case, save_states):
     (q, k, v, beta, h0, cu_seqlens), flags = delta_inputs(**GDN_CASES[case])
-    args = (q, k, v, beta, h0, cu_seqlens, None, 0.125, True, flags["use_qk_l2norm_in_kernel"], 64)
+    args = (
+        q,
+        k,
+        v,
+        beta,
+        h0,
+        cu_seqlens,
+        None,
+        0.125,
+        True,
+        flags["use_qk_l2norm_in_kernel"],
+        64,
+        save_states,
+    )
     torch.library.opcheck(fla_library.delta_rule_fwd, args, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("case", list(GDN_CASES))
-def test_delta_rule_ops_equal_fla_function(case):
+def test_delta_rule_ops_equal_fla_function(case, chunk_states):
     from fla.ops.delta_rule import chunk_delta_rule as fla_op
 
     (q, k, v, beta, h0, cu_seqlens), flags = delta_inputs(**GDN_CASES[case])
@@ -186,7 +200,7 @@ def test_delta_rule_ops_equal_fla_function(case):
         )
 
 
-def test_compiled_deltanet_layer_is_one_graph_and_matches_eager():
+def test_compiled_deltanet_layer_is_one_graph_and_matches_eager(chunk_states):
     torch.manual_seed(0)
     check_compiled_layer_is_one_graph(DeltaNet(hidden_size=256, num_heads=4).cuda())
 

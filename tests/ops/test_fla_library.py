@@ -1,12 +1,12 @@
 """The bodies of flame.ops.fla_library's custom ops on CPU, with FLA's internal functions replaced by recorders.
 
-The custom ops call FLA 0.6.0's internal functions (the gated delta rule's kernels one by one, in the order of
-FLA's chunk_gated_delta_rule_fwd / _bwd; chunk_delta_rule_fwd / _bwd; l2norm_fwd / _bwd, fused_beta_sigmoid_fwd /
-_bwd, prepare_chunk_indices), not its public API, so a new FLA release may rename their arguments or change what they
+The custom ops call FLA 0.6.0's internal functions (the kernels of both delta rules one by one, in the order of
+FLA's chunk_gated_delta_rule_fwd / _bwd and chunk_delta_rule_fwd / _bwd; l2norm_fwd / _bwd, fused_beta_sigmoid_fwd
+/ _bwd, prepare_chunk_indices), not its public API, so a new FLA release may rename their arguments or change what they
 return. Their Triton kernels need a GPU (tests/gpu/test_fla_library.py runs them); here each recorder binds its call
 to the real function's signature (an argument name FLA does not accept raises TypeError) and returns CPU tensors of
-the shapes and dtypes FLA's source returns, so API drift and wiring mistakes show on CPU CI. flame's composition of
-the gated delta rule's kernels is compared call by call with FLA's own functions run on the same recorders. The fake
+the shapes and dtypes FLA's source returns, so API drift and wiring mistakes show on CPU CI. flame's compositions
+of each rule's kernels are compared call by call with FLA's own functions run on the same recorders. The fake
 (shape-only) implementations are compared with what the bodies return.
 """
 
@@ -46,10 +46,10 @@ def state_shape(a) -> tuple[int, int]:
 
 
 def fwd_h(a):  # (h per chunk, v_new, final state)
-    batch = a["k"].shape[0]
+    batch, heads = a["k"].shape[0], a["u"].shape[2]
     states = batch if a["cu_seqlens"] is None else len(a["cu_seqlens"]) - 1
-    final = f32(states, HV, *state_shape(a)) if a["output_final_state"] else None
-    return a["k"].new_empty(batch, chunks(a), HV, *state_shape(a)), torch.empty_like(a["u"]), final
+    final = f32(states, heads, *state_shape(a)) if a["output_final_state"] else None
+    return a["k"].new_empty(batch, chunks(a), heads, *state_shape(a)), torch.empty_like(a["u"]), final
 
 
 def w_u(a):  # the WY keys w [B, T, HV, K] and new values u, as recompute_w_u_fwd
@@ -72,7 +72,7 @@ GDN_KERNELS = {
     "recompute_w_u_fwd": w_u,
     "chunk_bwd_dv_local": lambda a: torch.empty_like(a["do"]),
     "chunk_gated_delta_rule_bwd_dhu": lambda a: (
-        a["q"].new_empty(a["q"].shape[0], chunks(a), HV, *state_shape(a)),
+        a["q"].new_empty(a["q"].shape[0], chunks(a), a["do"].shape[2], *state_shape(a)),
         None if a["h0"] is None else f32(*a["h0"].shape),
         torch.empty_like(a["dv"]),
     ),
@@ -80,7 +80,7 @@ GDN_KERNELS = {
         torch.empty_like(a["q"]),
         torch.empty_like(a["k"]),
         torch.empty_like(a["w"]),
-        f32(*a["g"].shape),
+        None if a["g"] is None else f32(*a["g"].shape),
     ),  # fmt: skip
     "prepare_wy_repr_bwd": lambda a: (
         torch.empty_like(a["k"]),
@@ -92,19 +92,21 @@ GDN_KERNELS = {
 }
 
 
-def delta_fwd(a):  # (o, A, final state)
-    batch = a["v"].shape[0]
-    states = batch if a["cu_seqlens"] is None else len(a["cu_seqlens"]) - 1
-    return (torch.empty_like(a["v"]), a["k"].new_empty(batch, T, H, a["chunk_size"]),
-            f32(states, H, K, V) if a["output_final_state"] else None)  # fmt: skip
+# FLA's namespace of the delta rule's kernels (the gated rule's state recurrence and output kernels, with g None, and
+# its own WY representation), from which its chunk_delta_rule_fwd / _bwd and flame's custom ops call them.
+FLA_DELTA = fla.ops.delta_rule.chunk
+DELTA_KERNELS = {
+    **{name: GDN_KERNELS[name] for name in ("chunk_gated_delta_rule_fwd_h", "chunk_fwd_o", "recompute_w_u_fwd",
+                                            "chunk_bwd_dv_local", "chunk_gated_delta_rule_bwd_dhu", "chunk_bwd_dqkwg")},
+    "prepare_wy_repr_fwd": lambda a: (*w_u(a), a["k"].new_empty(*a["v"].shape[:3], a["chunk_size"])),
+    "prepare_wy_repr_bwd": lambda a: tuple(torch.empty_like(a[name]) for name in ("k", "v", "beta")),
+}  # fmt: skip
 
 
-def delta_bwd(a):  # (dq, dk, dv, dbeta, dh0); dq, dk, dv, dbeta like q, k, v, beta; dh0 float32
-    h0 = a["initial_state"]
-    return (
-        *(torch.empty_like(a[name]) for name in ("q", "k", "v", "beta")),
-        None if h0 is None else f32(*h0.shape),
-    )
+def label(module, name: str) -> str:
+    """The name a recorded function goes by in the calls: the delta rule's kernels carry their namespace, since the
+    gated rule's namespace holds the same names."""
+    return f"delta_rule.{name}" if module is FLA_DELTA else name
 
 
 # (module, name) of each FLA function the ops call: what it returns (per FLA's source), given its bound arguments
@@ -116,8 +118,7 @@ INTERNALS = {
     (fla.ops.utils.index, "prepare_chunk_indices"): lambda a: torch.zeros(2, 2, dtype=torch.long),
     **{(FLA_GDN, name): result for name, result in GDN_KERNELS.items()},
     (flame.ops.gated_delta_rule.dqkwg_triton, "serve_where_fla_refuses"): lambda a: None,
-    (fla.ops.delta_rule.chunk, "chunk_delta_rule_fwd"): delta_fwd,
-    (fla.ops.delta_rule.chunk, "chunk_delta_rule_bwd"): delta_bwd,
+    **{(FLA_DELTA, name): result for name, result in DELTA_KERNELS.items()},
 }
 
 
@@ -141,9 +142,10 @@ SEQUENCE = "in order"
 
 def patch_with_recorders(monkeypatch, functions: dict, calls: dict) -> None:
     for (module, name), result in functions.items():
-        calls[name] = []
+        key = label(module, name)
+        calls[key] = []
         real = getattr(module, name)
-        monkeypatch.setattr(module, name, recorder(real, name, result, calls[name], calls[SEQUENCE]))
+        monkeypatch.setattr(module, name, recorder(real, key, result, calls[key], calls[SEQUENCE]))
 
 
 @pytest.fixture
@@ -433,21 +435,22 @@ def test_gated_delta_rule_backward_op_passes_what_fla_function_passes(
     assert same(grads, [*op_grads[:5], dA_log, ddt_bias, dh0] + [None] * 11)
 
 
-def test_the_chunk_states_policy_reaches_the_forward_op(monkeypatch):
-    """set_chunk_states decides the forward op's save_states (and so whether FLA's state recurrence runs twice)."""
+def test_the_chunk_states_policy_reaches_the_forward_ops(monkeypatch):
+    """set_chunk_states decides each forward op's save_states (and so whether FLA's state recurrence runs twice)."""
     seen = []
-    monkeypatch.setattr(
-        fla_library, "gated_delta_rule_fwd", lambda *args: seen.append(args[-1]) or (None, None)
-    )
+    for op in ("gated_delta_rule_fwd", "delta_rule_fwd"):
+        monkeypatch.setattr(fla_library, op, lambda *args, op=op: seen.append((op, args[-1])) or (None, None))
     q = torch.zeros(1, T, H, K)
     assert not fla_library.saves_chunk_states()  # FLA's way unless a job asks
     try:
         for policy in ("recompute", "save"):
             fla_library.set_chunk_states(policy)
             fla_library.chunk_gated_delta_rule(q, q, q, q[..., 0], q[..., 0])
+            fla_library.chunk_delta_rule(q, q, q, q[..., 0])
     finally:
         fla_library.set_chunk_states("recompute")
-    assert seen == [False, True]
+    assert seen == [("gated_delta_rule_fwd", False), ("delta_rule_fwd", False),
+                    ("gated_delta_rule_fwd", True), ("delta_rule_fwd", True)]  # fmt: skip
     with pytest.raises(ValueError, match="chunk states must be one of"):
         fla_library.set_chunk_states("keep")
 
@@ -495,7 +498,7 @@ def test_recorders_reject_an_argument_fla_does_not_take(fla_calls, monkeypatch):
     gdn_forward_backward(gdn_arguments(layer=True, varlen=True), monkeypatch)
     delta_forward_backward(delta_arguments(layer=True), monkeypatch)
     for module, name in INTERNALS:
-        (arguments, _), *_ = fla_calls[name]
+        (arguments, _), *_ = fla_calls[label(module, name)]
         getattr(module, name)(**arguments)
         if "kwargs" in arguments:
             continue
@@ -509,7 +512,7 @@ def test_the_gated_delta_rule_wrapper_refuses_fla_context_parallelism():
         fla_library.chunk_gated_delta_rule(q, q, q, q[..., 0], q[..., 0], cp_context=object())
 
 
-def delta_arguments(layer: bool):
+def delta_arguments(layer: bool, save_states: bool = True):
     """bf16 inputs with the flags of flame's DeltaNet layer on packed documents and a state in and out, or with none
     of them (a batch, no state)."""
     dtype = torch.bfloat16
@@ -519,27 +522,124 @@ def delta_arguments(layer: bool):
         q=q, k=k, v=v, beta=torch.rand(batch, T, H, dtype=dtype),
         initial_state=torch.randn(2, H, K, V, dtype=dtype) if layer else None, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens.clone() if layer else None, scale=0.5, output_final_state=layer,
-        use_qk_l2norm_in_kernel=layer, chunk_size=CHUNK,
+        use_qk_l2norm_in_kernel=layer, chunk_size=CHUNK, save_states=save_states,
     )  # fmt: skip
 
 
 def delta_forward_backward(a, monkeypatch):
     return forward_backward(DELTA_FWD, DELTA_BWD, "delta_rule_bwd", fla_library._delta_setup_context,
-                            fla_library._delta_backward, a, monkeypatch)  # fmt: skip
+                            fla_library._delta_autograd_backward, a, monkeypatch)  # fmt: skip
 
 
-@pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
-def test_delta_rule_forward_calls_fla_as_its_function_does(layer, fla_calls):
+DELTA_CASES = {"layer-flags-varlen": True, "no-flags-batch": False}
+DELTA_FORWARD_ARGUMENTS = ("q", "k", "v", "beta", "scale", "initial_state", "output_final_state", "cu_seqlens",
+                           "chunk_indices", "chunk_size")  # fmt: skip
+DELTA_BACKWARD_ARGUMENTS = ("q", "k", "v", "beta", "A", "scale", "initial_state", "do", "dht", "cu_seqlens",
+                            "chunk_indices", "chunk_size")  # fmt: skip
+
+
+def delta_kernel_inputs(layer: bool) -> dict:
+    """The arguments of FLA's chunk_delta_rule_fwd and _bwd (and flame's compositions), backward's included."""
     a = delta_arguments(layer)
-    o, state, q_normed, q_rstd, k_normed, k_rstd, A = DELTA_FWD._init_fn(**a)
-    l2norm = fla_calls["l2norm_fwd"]
+    return dict(
+        q=a["q"], k=a["k"], v=a["v"], beta=a["beta"], scale=0.5, initial_state=a["initial_state"],
+        output_final_state=layer, cu_seqlens=a["cu_seqlens"],
+        chunk_indices=torch.zeros(2, 2, dtype=torch.long) if layer else None, chunk_size=CHUNK,
+        A=a["k"].new_empty(a["q"].shape[0], T, H, CHUNK), do=torch.randn_like(a["v"]),
+        dht=f32(*a["initial_state"].shape) if layer else None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(DELTA_CASES))
+def test_delta_rule_forward_runs_fla_kernels_as_fla_does(case, fla_calls):
+    """flame's forward calls FLA's kernels as FLA's chunk_delta_rule_fwd does, and returns what they made, w, h
+    and v_new (the state recurrence's results) included."""
+    inputs = delta_kernel_inputs(DELTA_CASES[case])
+    arguments = {name: inputs[name] for name in DELTA_FORWARD_ARGUMENTS}
+    theirs = FLA_DELTA.chunk_delta_rule_fwd(**arguments)  # (o, A, final state)
+    fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
+    fla_calls[SEQUENCE].clear()
+    ours = fla_library._delta_forward(**arguments)
+    sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
+    assert [name for name, _ in sequence] == [name for name, _ in fla_sequence]
+    assert sequence == fla_sequence
+    assert named(ours[:3], names) == named(theirs, fla_names)
+    wy, fwd_h = "delta_rule.prepare_wy_repr_fwd#0", "delta_rule.chunk_gated_delta_rule_fwd_h#0"
+    assert named(ours[3:], names) == [f"{wy}[0]", f"{fwd_h}[0]", f"{fwd_h}[1]"]
+
+
+@pytest.mark.parametrize("case", list(DELTA_CASES))
+def test_delta_rule_backward_runs_fla_kernels_as_fla_does(case, fla_calls):
+    """flame's backward calls FLA's kernels as FLA's chunk_delta_rule_bwd does; given the forward's w, h and v_new
+    it leaves out the two kernels that recompute them and reads them where FLA reads its recomputed ones."""
+    inputs = delta_kernel_inputs(DELTA_CASES[case])
+    arguments = {name: inputs[name] for name in DELTA_BACKWARD_ARGUMENTS}
+    theirs = FLA_DELTA.chunk_delta_rule_bwd(**arguments)
+    fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
+    recomputing = ["delta_rule.recompute_w_u_fwd", "delta_rule.chunk_gated_delta_rule_fwd_h"]
+    assert [name for name, _ in fla_sequence[:2]] == recomputing
+    assert recomputing[1] not in [name for name, _ in fla_sequence[2:]]
+
+    fla_calls[SEQUENCE].clear()
+    ours = fla_library._delta_backward(**arguments, w=None, h=None, v_new=None)
+    sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
+    assert sequence == fla_sequence
+    assert named(ours, names) == named(theirs, fla_names)
+
+    fla_calls[SEQUENCE].clear()
+    w, h, v_new = (torch.empty(0) for _ in range(3))  # stand-ins, named as FLA's recomputed ones
+    states = {
+        id(w): f"{recomputing[0]}#0[0]",
+        id(h): f"{recomputing[1]}#0[0]",
+        id(v_new): f"{recomputing[1]}#0[1]",
+    }
+    ours = fla_library._delta_backward(**arguments, w=w, h=h, v_new=v_new)
+    sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs) | states)
+    assert sequence == fla_sequence[2:]
+    assert named(ours, names) == named(theirs, fla_names)
+
+
+def delta_forward_result(a):  # _delta_forward's (o, A, final state, w, h, v_new)
+    batch = a["v"].shape[0]
+    states = batch if a["cu_seqlens"] is None else len(a["cu_seqlens"]) - 1
+    w, u = w_u(a)
+    return (torch.empty_like(a["v"]), a["k"].new_empty(batch, T, H, a["chunk_size"]),
+            f32(states, H, K, V) if a["output_final_state"] else None, w,
+            a["k"].new_empty(batch, chunks(a), H, K, V), u)  # fmt: skip
+
+
+def delta_backward_result(a):  # _delta_backward's (dq, dk, dv, dbeta, dh0)
+    h0 = a["initial_state"]
+    return (
+        *(torch.empty_like(a[name]) for name in ("q", "k", "v", "beta")),
+        None if h0 is None else f32(*h0.shape),
+    )
+
+
+@pytest.fixture
+def delta_calls(fla_calls, monkeypatch):
+    """fla_calls, with flame's composition of the delta rule's kernels (fla_library._delta_forward and
+    _delta_backward, compared with FLA's own above) recorded instead of run: what the custom ops hand it."""
+    compositions = {(fla_library, "_delta_forward"): delta_forward_result,
+                    (fla_library, "_delta_backward"): delta_backward_result}  # fmt: skip
+    patch_with_recorders(monkeypatch, compositions, fla_calls)
+    return fla_calls
+
+
+@pytest.mark.parametrize("save_states", [True, False], ids=["save", "recompute"])
+@pytest.mark.parametrize("case", list(DELTA_CASES))
+def test_delta_rule_forward_op_passes_what_fla_function_passes(case, save_states, delta_calls):
+    layer = DELTA_CASES[case]
+    a = delta_arguments(layer, save_states)
+    o, state, q_normed, q_rstd, k_normed, k_rstd, A, w, h, v_new = DELTA_FWD._init_fn(**a)
+    l2norm = delta_calls["l2norm_fwd"]
     assert same([x["x"] for x, _ in l2norm], [a["q"], a["k"]] if layer else [])
-    ((call, (fla_o, fla_A, fla_state)),) = fla_calls["chunk_delta_rule_fwd"]
+    ((call, (fla_o, fla_A, fla_state, fla_w, fla_h, fla_v_new)),) = delta_calls["_delta_forward"]
     # the normalised q, k reach the delta rule; the rest as given
     assert same([call["q"], call["k"]], [l2norm[0][1][0], l2norm[1][1][0]] if layer else [a["q"], a["k"]])
     names = ("v", "beta", "scale", "initial_state", "output_final_state", "cu_seqlens", "chunk_size")
     assert same([call[name] for name in names], [a[name] for name in names])
-    indices = fla_calls["prepare_chunk_indices"]
+    indices = delta_calls["prepare_chunk_indices"]
     assert call["chunk_indices"] is (indices[0][1] if layer else None)
 
     assert (o.shape, o.dtype) == (fla_o.shape, a["q"].dtype) and A is fla_A
@@ -548,15 +648,22 @@ def test_delta_rule_forward_calls_fla_as_its_function_does(layer, fla_calls):
         assert same(optional, [fla_state, *l2norm[0][1], *l2norm[1][1]])
     else:  # custom ops may not return their inputs: what would be q or k comes back empty, as does no state
         assert all(x.numel() == 0 for x in optional)
+    # The state recurrence's results: kept for the backward when asked to, except for packed documents.
+    if save_states and not layer:
+        assert same([w, h, v_new], [fla_w, fla_h, fla_v_new])
+    else:
+        assert all(x.numel() == 0 for x in (w, h, v_new))
 
 
-@pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
-def test_delta_rule_backward_calls_fla_as_its_function_does(layer, fla_calls, monkeypatch):
-    a = delta_arguments(layer)
+@pytest.mark.parametrize("save_states", [True, False], ids=["save", "recompute"])
+@pytest.mark.parametrize("case", list(DELTA_CASES))
+def test_delta_rule_backward_op_passes_what_fla_function_passes(case, save_states, delta_calls, monkeypatch):
+    layer = DELTA_CASES[case]
+    a = delta_arguments(layer, save_states)
     outputs, (do, dht, *_), op_grads, grads = delta_forward_backward(a, monkeypatch)
-    _, _, q_normed, q_rstd, k_normed, k_rstd, A = outputs
+    _, _, q_normed, q_rstd, k_normed, k_rstd, A, w, h, v_new = outputs
     assert (dht is not None) == layer
-    ((call, (fla_dq, fla_dk, *_)),) = fla_calls["chunk_delta_rule_bwd"]
+    ((call, (fla_dq, fla_dk, *_)),) = delta_calls["_delta_backward"]
     assert same([call["q"], call["k"]], [q_normed, k_normed] if layer else [a["q"], a["k"]])
     names = (
         "v",
@@ -570,12 +677,14 @@ def test_delta_rule_backward_calls_fla_as_its_function_does(layer, fla_calls, mo
         "cu_seqlens",
         "chunk_size",
     )
-    indices = fla_calls["prepare_chunk_indices"][-1][1] if layer else None
+    indices = delta_calls["prepare_chunk_indices"][-1][1] if layer else None
     assert same(
         [call[name] for name in names],
         [a["v"], a["beta"], A, do, dht, indices, a["scale"], a["initial_state"], a["cu_seqlens"], CHUNK],
     )
-    l2norm = [value for x, _ in fla_calls["l2norm_bwd"] for value in (x["y"], x["rstd"], x["dy"])]
+    kept = save_states and not layer
+    assert same([call[name] for name in ("w", "h", "v_new")], [w, h, v_new] if kept else [None] * 3)
+    l2norm = [value for x, _ in delta_calls["l2norm_bwd"] for value in (x["y"], x["rstd"], x["dy"])]
     assert same(l2norm, [q_normed, q_rstd, fla_dq, k_normed, k_rstd, fla_dk] if layer else [])
 
     # gradients in the dtypes of the inputs, an absent one empty; autograd turns the empty one into None
@@ -586,12 +695,13 @@ def test_delta_rule_backward_calls_fla_as_its_function_does(layer, fla_calls, mo
     else:
         assert op_grads[4].numel() == 0
     # autograd's gradients, one per input of the forward op
-    assert same(grads, [*op_grads[:4], op_grads[4] if layer else None] + [None] * 6)
+    assert same(grads, [*op_grads[:4], op_grads[4] if layer else None] + [None] * 7)
 
 
-@pytest.mark.parametrize("layer", [True, False], ids=["layer-flags-varlen", "no-flags-batch"])
-def test_delta_rule_fakes_agree_with_the_bodies(layer, fla_calls, monkeypatch):
-    a = delta_arguments(layer)
+@pytest.mark.parametrize("save_states", [True, False], ids=["save", "recompute"])
+@pytest.mark.parametrize("case", list(DELTA_CASES))
+def test_delta_rule_fakes_agree_with_the_bodies(case, save_states, fla_calls, monkeypatch):
+    a = delta_arguments(DELTA_CASES[case], save_states)
     outputs, backward_arguments, backward_outputs, _ = delta_forward_backward(a, monkeypatch)
     check_like(DELTA_BWD._abstract_fn(*backward_arguments), backward_outputs)
     check_like(DELTA_FWD._abstract_fn(**a), outputs)
@@ -604,13 +714,13 @@ def test_delta_rule_ops_give_fla_contiguous_tensors(fla_calls):
     outputs = DELTA_FWD._init_fn(**a)
     do, dht = torch.ones(()).expand_as(outputs[0]), torch.ones(()).expand_as(outputs[1])
     DELTA_BWD._init_fn(do, dht, a["q"], None, a["k"], None, a["v"], a["beta"], strided_like(outputs[6]),
-                       a["initial_state"], a["cu_seqlens"], a["cu_seqlens_cpu"], a["scale"], False, CHUNK)  # fmt: skip
+                       a["initial_state"], a["cu_seqlens"], a["cu_seqlens_cpu"], None, None, None, a["scale"],
+                       False, CHUNK)  # fmt: skip
     received = [
-        (name, value)
-        for function in ("chunk_delta_rule_fwd", "chunk_delta_rule_bwd", "l2norm_fwd")
-        for call, _ in fla_calls[function]
+        (f"{function}.{name}", value)
+        for function, call, _ in fla_calls[SEQUENCE]
         for name, value in call.items()
         if isinstance(value, torch.Tensor)
     ]
-    assert len(received) > 15
+    assert len(received) > 30
     assert [name for name, value in received if not value.is_contiguous()] == []

@@ -23,12 +23,13 @@ from flame.ops.varlen import check_packed_batch
 
 
 def fla_chunk_delta_rule(*args, **kwargs):
-    """FLA 0.6.0's chunked Triton op, imported on first use (importing fla.ops pulls in Triton). Under torch.compile
-    it runs through flame's torch.library custom ops (`flame.ops.fla_library`), so that a DeltaNet block compiles to
-    one graph instead of breaking at FLA's ``torch.compiler.disable``."""
-    if torch.compiler.is_compiling():
-        from flame.ops import fla_library
+    """FLA 0.6.0's chunked Triton op, imported on first use (importing fla.ops pulls in Triton). Under torch.compile,
+    and wherever the forward keeps the chunk states for the backward (`fla_library.set_chunk_states`), it runs
+    through flame's torch.library custom ops (`flame.ops.fla_library`), so that a DeltaNet block compiles to one
+    graph instead of breaking at FLA's ``torch.compiler.disable``."""
+    from flame.ops import fla_library
 
+    if torch.compiler.is_compiling() or fla_library.saves_chunk_states():
         return fla_library.chunk_delta_rule(*args, **kwargs)
     from fla.ops.delta_rule import chunk_delta_rule as fla_op
 
