@@ -71,6 +71,88 @@ def _chunk_indices(
     return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
+def _recurrence_forward(fla, q, k, w, u, g, scale, initial_state, output_final_state, state_v_first, chunk_size,
+                        indices):  # fmt: skip
+    """What both rules' forwards run after their WY representation, with the kernels of FLA's namespace ``fla`` (the
+    rule's chunk module; g None for the plain rule): the state recurrence, then the output. (o, final state, h,
+    v_new)."""
+    h, v_new, final_state = fla.chunk_gated_delta_rule_fwd_h(
+        k=k,
+        w=w,
+        u=u,
+        g=g,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        chunk_size=chunk_size,
+        **indices,
+    )
+    o = fla.chunk_fwd_o(
+        q=q,
+        k=k,
+        v=v_new,
+        h=h,
+        g=g,
+        scale=scale,
+        state_v_first=state_v_first,
+        chunk_size=chunk_size,
+        **indices,
+    )
+    return o, final_state, h, v_new
+
+
+def _recurrence_backward(fla, q, k, v, g, beta, A, scale, initial_state, do, dht, state_v_first, chunk_size, indices,
+                         w, h, v_new):  # fmt: skip
+    """What both rules' backwards run before their WY representation's backward, with the kernels of FLA's
+    namespace ``fla``: w, h and v_new recomputed unless the forward kept them, then the state recurrence's backward
+    and the gradients of q, k and w: (dq, dk, dw, dg (None for the plain rule), dv, dh0)."""
+    if h is None:
+        gate = {} if g is None else {"g": g}  # the plain rule's recompute_w_u_fwd takes no gate
+        w, u = fla.recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, **gate, **indices)
+        h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(
+            k=k,
+            w=w,
+            u=u,
+            g=g,
+            initial_state=initial_state,
+            output_final_state=False,
+            state_v_first=state_v_first,
+            chunk_size=chunk_size,
+            **indices,
+        )
+    dv = fla.chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=scale, chunk_size=chunk_size, **indices)
+    dh, dh0, dv = fla.chunk_gated_delta_rule_bwd_dhu(
+        q=q,
+        k=k,
+        w=w,
+        g=g,
+        h0=initial_state,
+        dht=dht,
+        do=do,
+        dv=dv,
+        scale=scale,
+        state_v_first=state_v_first,
+        chunk_size=chunk_size,
+        **indices,
+    )
+    dq, dk, dw, dg = fla.chunk_bwd_dqkwg(
+        q=q,
+        k=k,
+        v=v_new,
+        w=w,
+        g=g,
+        h=h,
+        dv=dv,
+        do=do,
+        dh=dh,
+        scale=scale,
+        state_v_first=state_v_first,
+        chunk_size=chunk_size,
+        **indices,
+    )
+    return dq, dk, dw, dg, dv, dh0
+
+
 def _gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
                  chunk_indices, use_gate_in_kernel, A_log, dt_bias, chunk_size):  # fmt: skip
     """FLA 0.6.0's ``chunk_gated_delta_rule_fwd`` without context parallelism, its kernels in its order: (g cumsum,
@@ -87,27 +169,8 @@ def _gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, sta
     w, u, A = fla_gdn.chunk_gated_delta_rule_fwd_intra(
         k=k, v=v, g=g, beta=beta, chunk_size=chunk_size, **indices
     )
-    h, v_new, final_state = fla_gdn.chunk_gated_delta_rule_fwd_h(
-        k=k,
-        w=w,
-        u=u,
-        g=g,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        state_v_first=state_v_first,
-        chunk_size=chunk_size,
-        **indices,
-    )
-    o = fla_gdn.chunk_fwd_o(
-        q=q,
-        k=k,
-        v=v_new,
-        h=h,
-        g=g,
-        scale=scale,
-        state_v_first=state_v_first,
-        chunk_size=chunk_size,
-        **indices,
+    o, final_state, h, v_new = _recurrence_forward(
+        fla_gdn, q, k, w, u, g, scale, initial_state, output_final_state, state_v_first, chunk_size, indices
     )
     return g, o, A, final_state, w, h, v_new
 
@@ -120,48 +183,24 @@ def _gdn_backward(q, k, v, g, beta, A, scale, initial_state, do, dht, state_v_fi
     import fla.ops.gated_delta_rule.chunk as fla_gdn
 
     indices = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    if h is None:
-        w, u = fla_gdn.recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g, **indices)
-        h, v_new, _ = fla_gdn.chunk_gated_delta_rule_fwd_h(
-            k=k,
-            w=w,
-            u=u,
-            g=g,
-            initial_state=initial_state,
-            output_final_state=False,
-            state_v_first=state_v_first,
-            chunk_size=chunk_size,
-            **indices,
-        )
-    dv = fla_gdn.chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=scale, chunk_size=chunk_size, **indices)
-    dh, dh0, dv = fla_gdn.chunk_gated_delta_rule_bwd_dhu(
-        q=q,
-        k=k,
-        w=w,
-        g=g,
-        h0=initial_state,
-        dht=dht,
-        do=do,
-        dv=dv,
-        scale=scale,
-        state_v_first=state_v_first,
-        chunk_size=chunk_size,
-        **indices,
-    )
-    dq, dk, dw, dg = fla_gdn.chunk_bwd_dqkwg(
-        q=q,
-        k=k,
-        v=v_new,
-        w=w,
-        g=g,
-        h=h,
-        dv=dv,
-        do=do,
-        dh=dh,
-        scale=scale,
-        state_v_first=state_v_first,
-        chunk_size=chunk_size,
-        **indices,
+    dq, dk, dw, dg, dv, dh0 = _recurrence_backward(
+        fla_gdn,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A,
+        scale,
+        initial_state,
+        do,
+        dht,
+        state_v_first,
+        chunk_size,
+        indices,
+        w,
+        h,
+        v_new,
     )
     dk2, dv, dbeta, dg2 = fla_gdn.prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g, A=A, dw=dw, du=dv, **indices)
     dk.add_(dk2)
@@ -480,17 +519,9 @@ def _delta_forward(
 
     indices = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     w, u, A = fla_delta.prepare_wy_repr_fwd(k=k, v=v, beta=beta, chunk_size=chunk_size, **indices)
-    h, v_new, final_state = fla_delta.chunk_gated_delta_rule_fwd_h(
-        k=k,
-        w=w,
-        u=u,
-        g=None,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        chunk_size=chunk_size,
-        **indices,
+    o, final_state, h, v_new = _recurrence_forward(
+        fla_delta, q, k, w, u, None, scale, initial_state, output_final_state, False, chunk_size, indices
     )
-    o = fla_delta.chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=None, scale=scale, chunk_size=chunk_size, **indices)
     return o, A, final_state, w, h, v_new
 
 
@@ -501,45 +532,24 @@ def _delta_backward(q, k, v, beta, A, scale, initial_state, do, dht, cu_seqlens,
     import fla.ops.delta_rule.chunk as fla_delta
 
     indices = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    if h is None:
-        w, u = fla_delta.recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, **indices)
-        h, v_new, _ = fla_delta.chunk_gated_delta_rule_fwd_h(
-            k=k,
-            w=w,
-            u=u,
-            g=None,
-            initial_state=initial_state,
-            output_final_state=False,
-            chunk_size=chunk_size,
-            **indices,
-        )
-    dv = fla_delta.chunk_bwd_dv_local(q=q, k=k, do=do, g=None, scale=scale, chunk_size=chunk_size, **indices)
-    dh, dh0, dv = fla_delta.chunk_gated_delta_rule_bwd_dhu(
-        q=q,
-        k=k,
-        w=w,
-        g=None,
-        h0=initial_state,
-        dht=dht,
-        do=do,
-        dv=dv,
-        scale=scale,
-        chunk_size=chunk_size,
-        **indices,
-    )
-    dq, dk, dw, _ = fla_delta.chunk_bwd_dqkwg(
-        q=q,
-        k=k,
-        v=v_new,
-        h=h,
-        w=w,
-        dv=dv,
-        do=do,
-        dh=dh,
-        g=None,
-        scale=scale,
-        chunk_size=chunk_size,
-        **indices,
+    dq, dk, dw, _, dv, dh0 = _recurrence_backward(
+        fla_delta,
+        q,
+        k,
+        v,
+        None,
+        beta,
+        A,
+        scale,
+        initial_state,
+        do,
+        dht,
+        False,
+        chunk_size,
+        indices,
+        w,
+        h,
+        v_new,
     )
     dk2, dv, dbeta = fla_delta.prepare_wy_repr_bwd(k=k, v=v, beta=beta, A=A, dw=dw, du=dv, **indices)
     dk.add_(dk2)
