@@ -309,55 +309,6 @@ BACKWARD_ARGUMENTS = ("q", "k", "v", "g", "beta", "A", "scale", "initial_state",
                       "chunk_size")  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(LAYER_CASES))
-def test_gated_delta_rule_forward_runs_fla_kernels_as_fla_does(case, fla_calls):
-    """flame's forward calls FLA's kernels as FLA's chunk_gated_delta_rule_fwd does, and returns what they made,
-    w, h and v_new (the state recurrence's results) included."""
-    inputs = kernel_inputs(*LAYER_CASES[case])
-    arguments = {name: inputs[name] for name in FORWARD_ARGUMENTS}
-    theirs = FLA_GDN.chunk_gated_delta_rule_fwd(**arguments)  # (g, o, A, final state, initial state, g_input)
-    fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
-    fla_calls[SEQUENCE].clear()
-    ours = fla_library._gdn_forward(**arguments)
-    sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
-    assert [name for name, _ in sequence] == [name for name, _ in fla_sequence]
-    assert sequence == fla_sequence
-    assert named(ours[:4], names) == named(theirs[:4], fla_names)
-    fwd_intra, fwd_h = "chunk_gated_delta_rule_fwd_intra#0", "chunk_gated_delta_rule_fwd_h#0"
-    assert named(ours[4:], names) == [f"{fwd_intra}[0]", f"{fwd_h}[0]", f"{fwd_h}[1]"]
-
-
-@pytest.mark.parametrize("case", list(LAYER_CASES))
-def test_gated_delta_rule_backward_runs_fla_kernels_as_fla_does(case, fla_calls):
-    """flame's backward calls FLA's kernels as FLA's chunk_gated_delta_rule_bwd does; given the forward's w, h and
-    v_new it leaves out the two kernels that recompute them and reads them where FLA reads its recomputed ones."""
-    inputs = kernel_inputs(*LAYER_CASES[case])
-    arguments = {name: inputs[name] for name in BACKWARD_ARGUMENTS}
-    theirs = FLA_GDN.chunk_gated_delta_rule_bwd(**arguments)
-    fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
-    recomputing = ["recompute_w_u_fwd", "chunk_gated_delta_rule_fwd_h"]
-    assert [name for name, _ in fla_sequence[:2]] == recomputing
-    assert recomputing[1] not in [name for name, _ in fla_sequence[2:]]
-
-    fla_calls[SEQUENCE].clear()
-    ours = fla_library._gdn_backward(**arguments, w=None, h=None, v_new=None)
-    sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
-    assert sequence == fla_sequence
-    assert named(ours, names) == named(theirs, fla_names)
-
-    fla_calls[SEQUENCE].clear()
-    w, h, v_new = (torch.empty(0) for _ in range(3))  # stand-ins, named as FLA's recomputed ones
-    states = {
-        id(w): "recompute_w_u_fwd#0[0]",
-        id(h): f"{recomputing[1]}#0[0]",
-        id(v_new): f"{recomputing[1]}#0[1]",
-    }
-    ours = fla_library._gdn_backward(**arguments, w=w, h=h, v_new=v_new)
-    sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs) | states)
-    assert sequence == fla_sequence[2:]
-    assert named(ours, names) == named(theirs, fla_names)
-
-
 @pytest.mark.parametrize("save_states", [True, False], ids=["save", "recompute"])
 @pytest.mark.parametrize("case", list(LAYER_CASES))
 def test_gated_delta_rule_forward_op_passes_what_fla_function_passes(case, save_states, gdn_calls):
@@ -550,38 +501,62 @@ def delta_kernel_inputs(layer: bool) -> dict:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(DELTA_CASES))
-def test_delta_rule_forward_runs_fla_kernels_as_fla_does(case, fla_calls):
-    """flame's forward calls FLA's kernels as FLA's chunk_delta_rule_fwd does, and returns what they made, w, h
-    and v_new (the state recurrence's results) included."""
-    inputs = delta_kernel_inputs(DELTA_CASES[case])
-    arguments = {name: inputs[name] for name in DELTA_FORWARD_ARGUMENTS}
-    theirs = FLA_DELTA.chunk_delta_rule_fwd(**arguments)  # (o, A, final state)
+# Per rule: FLA's forward and backward, flame's compositions of the same kernels, their inputs for a case, their
+# argument names, how many of the forward's results FLA's forward returns too, and the label prefix of its kernels.
+RULES = {
+    "gated": SimpleNamespace(
+        fla=FLA_GDN, forward="chunk_gated_delta_rule_fwd", backward="chunk_gated_delta_rule_bwd",
+        ours_forward="_gdn_forward", ours_backward="_gdn_backward", inputs=lambda case: kernel_inputs(*LAYER_CASES[case]),
+        forward_arguments=FORWARD_ARGUMENTS, backward_arguments=BACKWARD_ARGUMENTS, shared=4, prefix="",
+        wy="chunk_gated_delta_rule_fwd_intra", cases=LAYER_CASES,
+    ),
+    "delta": SimpleNamespace(
+        fla=FLA_DELTA, forward="chunk_delta_rule_fwd", backward="chunk_delta_rule_bwd", ours_forward="_delta_forward",
+        ours_backward="_delta_backward", inputs=lambda case: delta_kernel_inputs(DELTA_CASES[case]),
+        forward_arguments=DELTA_FORWARD_ARGUMENTS, backward_arguments=DELTA_BACKWARD_ARGUMENTS, shared=3,
+        prefix="delta_rule.", wy="delta_rule.prepare_wy_repr_fwd", cases=DELTA_CASES,
+    ),
+}  # fmt: skip
+RULE_CASES = [(rule, case) for rule, spec in RULES.items() for case in spec.cases]
+
+
+@pytest.mark.parametrize(("rule", "case"), RULE_CASES, ids=[f"{rule}-{case}" for rule, case in RULE_CASES])
+def test_forward_runs_fla_kernels_as_fla_does(rule, case, fla_calls):
+    """flame's forward of each rule calls FLA's kernels as FLA's forward (chunk_gated_delta_rule_fwd,
+    chunk_delta_rule_fwd) does, and returns what they made, w, h and v_new (the state recurrence's results)
+    included."""
+    spec = RULES[rule]
+    inputs = spec.inputs(case)
+    arguments = {name: inputs[name] for name in spec.forward_arguments}
+    # gated: (g, o, A, final state, initial state, g_input); plain: (o, A, final state)
+    theirs = getattr(spec.fla, spec.forward)(**arguments)
     fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
     fla_calls[SEQUENCE].clear()
-    ours = fla_library._delta_forward(**arguments)
+    ours = getattr(fla_library, spec.ours_forward)(**arguments)
     sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
     assert [name for name, _ in sequence] == [name for name, _ in fla_sequence]
     assert sequence == fla_sequence
-    assert named(ours[:3], names) == named(theirs, fla_names)
-    wy, fwd_h = "delta_rule.prepare_wy_repr_fwd#0", "delta_rule.chunk_gated_delta_rule_fwd_h#0"
-    assert named(ours[3:], names) == [f"{wy}[0]", f"{fwd_h}[0]", f"{fwd_h}[1]"]
+    assert named(ours[: spec.shared], names) == named(theirs[: spec.shared], fla_names)
+    wy, fwd_h = f"{spec.wy}#0", f"{spec.prefix}chunk_gated_delta_rule_fwd_h#0"
+    assert named(ours[spec.shared :], names) == [f"{wy}[0]", f"{fwd_h}[0]", f"{fwd_h}[1]"]
 
 
-@pytest.mark.parametrize("case", list(DELTA_CASES))
-def test_delta_rule_backward_runs_fla_kernels_as_fla_does(case, fla_calls):
-    """flame's backward calls FLA's kernels as FLA's chunk_delta_rule_bwd does; given the forward's w, h and v_new
+@pytest.mark.parametrize(("rule", "case"), RULE_CASES, ids=[f"{rule}-{case}" for rule, case in RULE_CASES])
+def test_backward_runs_fla_kernels_as_fla_does(rule, case, fla_calls):
+    """flame's backward of each rule calls FLA's kernels as FLA's backward does; given the forward's w, h and v_new
     it leaves out the two kernels that recompute them and reads them where FLA reads its recomputed ones."""
-    inputs = delta_kernel_inputs(DELTA_CASES[case])
-    arguments = {name: inputs[name] for name in DELTA_BACKWARD_ARGUMENTS}
-    theirs = FLA_DELTA.chunk_delta_rule_bwd(**arguments)
+    spec = RULES[rule]
+    inputs = spec.inputs(case)
+    arguments = {name: inputs[name] for name in spec.backward_arguments}
+    theirs = getattr(spec.fla, spec.backward)(**arguments)
     fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
-    recomputing = ["delta_rule.recompute_w_u_fwd", "delta_rule.chunk_gated_delta_rule_fwd_h"]
+    recomputing = [f"{spec.prefix}recompute_w_u_fwd", f"{spec.prefix}chunk_gated_delta_rule_fwd_h"]
     assert [name for name, _ in fla_sequence[:2]] == recomputing
     assert recomputing[1] not in [name for name, _ in fla_sequence[2:]]
+    ours_backward = getattr(fla_library, spec.ours_backward)
 
     fla_calls[SEQUENCE].clear()
-    ours = fla_library._delta_backward(**arguments, w=None, h=None, v_new=None)
+    ours = ours_backward(**arguments, w=None, h=None, v_new=None)
     sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
     assert sequence == fla_sequence
     assert named(ours, names) == named(theirs, fla_names)
@@ -593,7 +568,7 @@ def test_delta_rule_backward_runs_fla_kernels_as_fla_does(case, fla_calls):
         id(h): f"{recomputing[1]}#0[0]",
         id(v_new): f"{recomputing[1]}#0[1]",
     }
-    ours = fla_library._delta_backward(**arguments, w=w, h=h, v_new=v_new)
+    ours = ours_backward(**arguments, w=w, h=h, v_new=v_new)
     sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs) | states)
     assert sequence == fla_sequence[2:]
     assert named(ours, names) == named(theirs, fla_names)
