@@ -97,7 +97,7 @@ def prepare_gpu_kernels(device: torch.device) -> None:
 
 def chunk_states(job_config) -> str:
     """--activation_checkpoint.chunk_states with auto resolved: the states are kept where the blocks replay as CUDA
-    graphs, whose steps the GPU bounds (gated_deltanet_340M on an H200: 5.6% faster, docs/performance.md "Chunk
+    graphs, whose steps the GPU bounds (gated_deltanet_340M on an H200: 5.8% faster, docs/performance.md "Chunk
     states"); elsewhere the host issuing FLA's kernels bounded the step, and keeping them cost memory for no gain."""
     policy = job_config.activation_checkpoint.chunk_states
     if policy == "auto":
