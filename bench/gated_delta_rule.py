@@ -19,6 +19,8 @@ another's timing:
 - ``flame-save``: the same with the forward keeping the state recurrence's results for the backward instead of
   the backward recomputing them (``--activation_checkpoint.chunk_states save``, flame/ops/fla_library.py); calls
   that FlashQLA serves keep no states either way;
+- ``flame-triton``: ``flame`` with FLA's TileLang backend off, so that on Hopper flame's Triton kernel serves the
+  gated dq/dk/dw/dg (the two kernels side by side);
 - ``fla+tilelang``, ``fla+flash-qla``: FLA 0.6.0's ``chunk_gated_delta_rule`` with that backend of FLA's switched
   on (it falls back to FLA's Triton kernels for calls the backend refuses);
 - ``fla``: FLA's op with its backends off: FLA's Triton kernels alone (which refuse the gated backward on Hopper
@@ -55,6 +57,7 @@ SHAPES = "16x128x128,6x256x512,16x96x192"
 VARIANTS = {
     "flame": {"FLA_TILELANG": None, "FLA_FLASH_QLA": None},
     "flame-save": {"FLA_TILELANG": None, "FLA_FLASH_QLA": None},
+    "flame-triton": {"FLA_TILELANG": "0", "FLA_FLASH_QLA": None},
     "fla+tilelang": {"FLA_TILELANG": "1", "FLA_FLASH_QLA": "0"},
     "fla+flash-qla": {"FLA_TILELANG": "0", "FLA_FLASH_QLA": "1"},
     "fla": {"FLA_TILELANG": "0", "FLA_FLASH_QLA": "0"},

@@ -356,15 +356,36 @@ def _profiler_rejects_none_activity() -> bool:
 
 def serve_gated_dqkwg_on_hopper(kernel: Callable) -> None:
     """Register ``kernel`` (flame's Triton chunk_bwd_dqkwg) with FLA's 'common' backend registry where FLA refuses
-    its own (idempotent), behind FLA's TileLang kernel for the same call, which FLA turns on by default on Hopper
-    where tilelang and nvcc are there and which ran the whole gated delta rule 1.08-1.43x faster on an H200
-    (docs/performance.md, "Gated delta rule, every implementation"): flame's kernel serves where TileLang cannot."""
+    its own (idempotent), ranked per call against FLA's TileLang kernel (which FLA turns on by default on Hopper
+    where tilelang and nvcc are there) by what measured faster on an H200 (docs/performance.md, "flame's dq/dk/dw/dg
+    kernel"): flame's first for calls without ``w`` (simple GLA's and Mamba2's backward), TileLang's first for the
+    delta rules' calls, and flame's wherever TileLang cannot serve."""
     import torch
 
     global _hopper_backend_registered
     if _hopper_backend_registered or not fla_refuses_gated_dqkwg_here():
         return
     from fla.backends import BaseBackend, TileLangBackend, register
+
+    def serve(*args, **kwargs):
+        # The named range makes its share of a step visible in torch.profiler tables.
+        with torch.profiler.record_function("flame_chunk_bwd_dqkwg"):
+            return kernel(*args, **kwargs)
+
+    @register("common")
+    class FlameHopperBackendWithoutW(BaseBackend):
+        backend_type = "flame_hopper_dqkwg_without_w"
+        priority = TileLangBackend.priority - 1
+
+        def chunk_bwd_dqkwg_verifier(
+            self, *args, w=None, g=None, g_gamma=None, **kwargs
+        ) -> tuple[bool, str | None]:
+            if g is None or g_gamma is not None or w is not None:
+                return False, "flame's Hopper backward is ranked first for gated calls without w only"
+            return True, None
+
+        def chunk_bwd_dqkwg(self, *args, **kwargs):
+            return serve(*args, **kwargs)
 
     @register("common")
     class FlameHopperBackend(BaseBackend):
@@ -378,9 +399,7 @@ def serve_gated_dqkwg_on_hopper(kernel: Callable) -> None:
             return True, None
 
         def chunk_bwd_dqkwg(self, *args, **kwargs):
-            # The named range makes its share of a step visible in torch.profiler tables.
-            with torch.profiler.record_function("flame_chunk_bwd_dqkwg"):
-                return kernel(*args, **kwargs)
+            return serve(*args, **kwargs)
 
     _hopper_backend_registered = True
 

@@ -213,3 +213,37 @@ def test_fla_rotary_tables_trace_after_the_first_call():
         want = rotary_embedding(q, rotary._cos_cached, rotary._sin_cached)
         torch.testing.assert_close(out_q, want, rtol=0, atol=0)
     torch._dynamo.reset()
+
+
+def test_hopper_dqkwg_ranks_flame_first_without_w_and_tilelang_first_for_the_delta_rules(monkeypatch):
+    """Where FLA refuses its gated chunk_bwd_dqkwg, flame's kernel serves calls without w (simple GLA, Mamba2) ahead
+    of FLA's TileLang kernel, the delta rules' calls behind it, and no ungated call or g_gamma call."""
+    import fla.backends
+    from fla.backends import TileLangBackend
+
+    registry = fla.backends._load_operation_registry("common")
+    monkeypatch.setattr(
+        registry, "_backends", dict(registry._backends)
+    )  # the test's registrations end with it
+    monkeypatch.setattr(compat, "_hopper_backend_registered", False)
+    monkeypatch.setattr(compat, "fla_refuses_gated_dqkwg_here", lambda: True)
+    served = []
+    compat.serve_gated_dqkwg_on_hopper(lambda *args, **kwargs: served.append(kwargs) or "flame")
+    compat.serve_gated_dqkwg_on_hopper(lambda *args, **kwargs: "registered twice")  # idempotent
+
+    ranked = [b.backend_type for b in registry._get_sorted_backends()]
+    assert ranked.index("flame_hopper_dqkwg_without_w") < ranked.index(TileLangBackend.backend_type)
+    assert ranked.index(TileLangBackend.backend_type) < ranked.index("flame_hopper_dqkwg")
+
+    def taking(**call) -> list[str]:
+        return [
+            b
+            for b in ("flame_hopper_dqkwg_without_w", "flame_hopper_dqkwg")
+            if registry._backends[b].verify("chunk_bwd_dqkwg", q=1, k=1, v=1, **call)[0]
+        ]
+
+    assert taking(g=1, w=None) == ["flame_hopper_dqkwg_without_w", "flame_hopper_dqkwg"]
+    assert taking(g=1, w=1) == ["flame_hopper_dqkwg"]
+    assert taking(g=None, w=None) == [] and taking(g=1, g_gamma=1) == []
+    first = registry._backends["flame_hopper_dqkwg_without_w"].get_implementation("chunk_bwd_dqkwg")
+    assert first(q=1, g=2) == "flame" and served == [{"q": 1, "g": 2}]
