@@ -41,6 +41,29 @@ def test_chunked_scan_equals_the_recurrence_and_its_gradients(batch, length, hea
         torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_a_per_token_equals_the_recurrence_and_its_gradients():
+    """A [batch, T, heads] (Mamba-3's data-dependent A) in the chunked form against the recurrence, float64, 1e-10;
+    with every token's A equal to a per-head A, the result equals the per-head call's."""
+    x, dt, A, B, C = inputs(2, 45, 3, 5, 4, seed=2)
+    per_token = (
+        -torch.rand(2, 45, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 4
+    ).requires_grad_()
+    leaves = [x.requires_grad_(), dt.requires_grad_(), per_token, B.requires_grad_(), C.requires_grad_()]
+    grad = torch.randn_like(x)
+    results = []
+    for op in (lambda *a: ssd_chunked(*a, chunk=16), ssd_recurrent):
+        out, state = op(*leaves)
+        results.append((out, state, *torch.autograd.grad(out, leaves, grad)))
+    for name, ours, reference in zip(
+        ("y", "last state", "dx", "ddt", "dA", "dB", "dC"), *results, strict=True
+    ):
+        torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    with torch.no_grad():
+        broadcast = A.expand(2, 45, 3)
+        for op in (lambda *a: ssd_chunked(*a, chunk=16), ssd_recurrent):
+            torch.testing.assert_close(op(x, dt, broadcast, B, C), op(x, dt, A, B, C), rtol=1e-12, atol=1e-12)
+
+
 def test_scan_carries_state_across_chunks():
     """A token's output depends on tokens of earlier chunks (the recurrence over chunks is not dropped): changing the
     first token changes the last one's output, through three chunk borders."""

@@ -54,8 +54,8 @@ SSD = dispatch.register_op(
 def ssd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [batch, T, heads, head_dim], dt [batch, T, heads] (after softplus and clamping), A [heads] (negative), B and
-    C [batch, T, heads, state_size] (one per head) -> (y [batch, T, heads, head_dim], the state after the last token
+    """x [batch, T, heads, head_dim], dt [batch, T, heads] (after softplus and clamping), A [heads] (negative; or
+    [batch, T, heads], one per token, as Mamba-3's), B and C [batch, T, heads, state_size] (one per head) -> (y [batch, T, heads, head_dim], the state after the last token
     [batch, heads, head_dim, state_size]), both in x's dtype."""
     return SSD(x, dt, A, B, C)
 
