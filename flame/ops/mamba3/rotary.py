@@ -1,0 +1,26 @@
+"""Mamba-3's data-dependent rotary angles: the complex-valued state of the paper written as rotations of the queries
+and keys (Lahoti et al., "Mamba-3: Improved Sequence Modeling using State Space Principles", ICLR 2026)."""
+
+import math
+
+import torch
+
+
+def cumulative_angles(angles: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """angles [batch, T, heads, pairs] (the layer's projection, before the bound) and dt [batch, T, heads] -> the
+    angle of each token, sum over s <= t of dt_s pi tanh(angles_s), in [0, 2 pi) as mamba_ssm keeps it (float32 at
+    least: the sum grows with the sequence)."""
+    dtype = torch.promote_types(angles.dtype, torch.float32)
+    total = torch.cumsum(torch.tanh(angles.to(dtype)) * math.pi * dt.to(dtype)[..., None], dim=1)
+    return total - 2 * math.pi * torch.floor(total / (2 * math.pi))
+
+
+def rotate_pairs(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """x [..., width] with channels (2i, 2i + 1) rotated by theta[..., i] for i < theta's last size; the channels
+    past twice that are left as they are."""
+    rotated = 2 * theta.shape[-1]
+    pairs = x[..., :rotated].unflatten(-1, (-1, 2))
+    first, second = pairs[..., 0], pairs[..., 1]
+    cos, sin = theta.cos().to(x.dtype), theta.sin().to(x.dtype)
+    turned = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1).flatten(-2)
+    return torch.cat((turned, x[..., rotated:]), dim=-1)

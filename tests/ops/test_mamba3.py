@@ -1,0 +1,125 @@
+"""flame.ops.mamba3 (Mamba-3's SISO scan as Mamba-2's scan plus a diagonal term) against the token-by-token
+trapezoidal recurrence, float64, odd sizes: outputs, the states after the last token and every input's gradient
+within 1e-10."""
+
+import math
+
+import pytest
+import torch
+
+from flame.ops.mamba3 import mamba3_siso, mamba3_siso_recurrent
+from flame.ops.mamba3.rotary import cumulative_angles, rotate_pairs
+
+
+def inputs(batch, length, groups, heads, state, head_dim, pairs, seed=0, with_d=True, with_z=True):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    dt = torch.nn.functional.softplus(randn(batch, heads, length) - 1)
+    adt = -torch.nn.functional.softplus(randn(batch, heads, length)) * dt
+    return dict(
+        q=randn(batch, length, groups, state),
+        k=randn(batch, length, groups, state),
+        v=randn(batch, length, heads, head_dim),
+        adt=adt,
+        dt=dt,
+        trap=randn(batch, heads, length),
+        q_bias=randn(heads, state),
+        k_bias=randn(heads, state),
+        angles=randn(batch, length, heads, pairs),
+        D=randn(heads) if with_d else None,
+        z=randn(batch, length, heads, head_dim) if with_z else None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("batch", "length", "groups", "heads", "state", "head_dim", "pairs", "with_d", "with_z"),
+    [
+        (
+            2,
+            37,
+            1,
+            3,
+            6,
+            5,
+            2,
+            True,
+            True,
+        ),  # 2 of 3 channel pairs rotated
+        (
+            1,
+            70,
+            2,
+            4,
+            8,
+            3,
+            4,
+            False,
+            True,
+        ),  # every channel rotated (rope_fraction 1); two groups of two heads
+        (1, 1, 1, 1, 4, 2, 1, True, False),  # one token
+        (
+            2,
+            65,
+            3,
+            3,
+            5,
+            4,
+            2,
+            True,
+            True,
+        ),  # an odd state, its last channel unrotated; a chunk border crossed
+    ],
+)
+def test_ssd_form_equals_the_recurrence_and_its_gradients(
+    batch, length, groups, heads, state, head_dim, pairs, with_d, with_z
+):
+    arguments = inputs(batch, length, groups, heads, state, head_dim, pairs, with_d=with_d, with_z=with_z)
+    leaves = {name: t.requires_grad_() for name, t in arguments.items() if t is not None}
+    grad = torch.randn(batch, length, heads, head_dim, dtype=torch.float64)
+    results = []
+    for op in (mamba3_siso, mamba3_siso_recurrent):
+        y, states = op(**arguments)
+        # The states enter the loss too, so that their gradients are compared as well.
+        loss = (y * grad).sum() + sum((s * (i + 1)).sum() for i, s in enumerate(states))
+        results.append((y, *states, *torch.autograd.grad(loss, list(leaves.values()))))
+    names = ("y", "angle state", "ssm state", "k state", "v state", *(f"d{name}" for name in leaves))
+    for name, ours, reference in zip(names, *results, strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_trapezoid_hands_a_tokens_value_on_to_the_next_token():
+    """With lambda = 1 (trap large) the rule is Euler's, Mamba-2's: y_t then depends on no token's share handed on;
+    with lambda < 1 a token's value reaches the next output through (1 - lambda) dt exp(adt): changing v_0 changes
+    y_1 differently under the two rules."""
+    arguments = inputs(1, 4, 1, 1, 4, 2, 1, with_d=False, with_z=False)
+    changed = dict(arguments, v=arguments["v"].clone())
+    changed["v"][:, 0] += 1.0
+    euler = dict(trap=torch.full_like(arguments["trap"], 50.0))
+
+    def effect(rule):
+        return mamba3_siso(**{**changed, **rule})[0][:, 1] - mamba3_siso(**{**arguments, **rule})[0][:, 1]
+
+    lam, dt, adt = 0.5, arguments["dt"][0, 0], arguments["adt"][0, 0]
+    half = dict(trap=torch.zeros_like(arguments["trap"]))  # lambda = 1/2, the trapezoid
+    q = rotate_pairs(
+        arguments["q"] + arguments["q_bias"], cumulative_angles(arguments["angles"], dt[None, :, None])
+    )[0, 1, 0]
+    k = rotate_pairs(
+        arguments["k"] + arguments["k_bias"], cumulative_angles(arguments["angles"], dt[None, :, None])
+    )[0, 0, 0]
+    # Token 0 reaches y_1 with weight exp(adt_1) (lambda dt_0 + (1 - lambda) dt_1) (q_1 . k_0).
+    want_half = math.exp(adt[1]) * (lam * dt[0] + (1 - lam) * dt[1]) * (q @ k)
+    want_euler = math.exp(adt[1]) * dt[0] * (q @ k)
+    torch.testing.assert_close(effect(half)[0, 0], want_half.expand(2), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(effect(euler)[0, 0], want_euler.expand(2), rtol=1e-8, atol=1e-10)
+
+
+def test_angles_accumulate_bounded_and_modulo_two_pi():
+    angles = torch.full((1, 5, 1, 1), 100.0, dtype=torch.float64)  # tanh -> 1: pi per unit of dt
+    dt = torch.full((1, 5, 1), 0.75, dtype=torch.float64)
+    theta = cumulative_angles(angles, dt)[0, :, 0, 0]
+    want = torch.tensor([0.75 * math.pi * (t + 1) % (2 * math.pi) for t in range(5)], dtype=torch.float64)
+    torch.testing.assert_close(theta, want, rtol=0, atol=1e-12)
