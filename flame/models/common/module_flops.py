@@ -195,8 +195,8 @@ def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
         return module.num_heads * log_linear_flops_per_token(
             module.ssm_state_size, module.head_dim, module.chunk_size, seq_len
         )
-    if name == "Mamba3":
-        # Counted as Mamba2's SSD (mamba_ssm's kernels, which FLA's layer calls): mimo_rank (1 without MIMO) keys and
+    if name in ("Mamba3", "FLAMamba3"):
+        # Counted as Mamba2's SSD (mamba_ssm's kernels, which FLA's layer calls; flame's layer runs Mamba2's scan): mimo_rank (1 without MIMO) keys and
         # queries per token, so rank x the SSD term over chunks of rank x chunk_size rows. The trapezoidal rule
         # (a two-band factor on the chunk's mask) and the rotary angles act elementwise.
         rank = module.mimo_rank
@@ -280,6 +280,7 @@ FLAME_FLA_LAYERS = (
     "flame.models.layers.fla_attention",
     "flame.models.layers.fla_mamba",
     "flame.models.layers.fla_mamba2",
+    "flame.models.layers.fla_mamba3",
 )
 # FLA's layers defined in a model's module rather than in fla.layers.
 FLA_MODEL_LAYERS = ("fla.models.cat.modeling_cat",)  # CATDecoderAttention

@@ -33,7 +33,7 @@ from flame.ops.attention_delta import attention_delta
 from flame.ops.norm import residual_rms_norm_torch
 
 # FLA's layers that flame builds in their place (same parameters) while their fast path does not import: FLA's
-# softmax attention without flash-attn, Mamba and Mamba2 without mamba_ssm. Values: flame's class, the attribute of FLA's layer
+# softmax attention without flash-attn, Mamba, Mamba2 and Mamba3 (SISO) without mamba_ssm. Values: flame's class, the attribute of FLA's layer
 # module that holds the fast path (flame.compat.fla_layers_on_flame).
 FLA_LAYER_REPLACEMENTS = {
     "fla.layers.attn.Attention": ("flame.models.layers.fla_attention.FLAAttention", "flash_attn_func"),
@@ -43,6 +43,7 @@ FLA_LAYER_REPLACEMENTS = {
     ),
     "fla.layers.mamba.Mamba": ("flame.models.layers.fla_mamba.FLAMamba", "is_fast_path_available"),
     "fla.layers.mamba2.Mamba2": ("flame.models.layers.fla_mamba2.FLAMamba2", "is_fast_path_available"),
+    "fla.layers.mamba3.Mamba3": ("flame.models.layers.fla_mamba3.FLAMamba3", "is_fast_path_available"),
 }
 
 # FLA's functions that compiled blocks run as PyTorch code (flame.compat.fla_functions_traced_under_compile).

@@ -288,13 +288,17 @@ def test_fla_classes_build_as_flame_builds_them_without_flash_attn(model_type):
 
 
 def test_a_family_whose_layers_need_a_missing_package_is_refused_before_it_trains(monkeypatch):
-    """FLA's Mamba3 layer runs only on mamba_ssm's kernels: without mamba_ssm the launch refuses it in one line
-    (on any device); with it, the check passes."""
+    """FLA's Mamba3 layer with MIMO runs only on mamba_ssm's kernels: without mamba_ssm the launch refuses it in one
+    line (on any device); with it, the check passes. SISO layers (the default) run on flame's scan and pass."""
     from flame.models import check_device
     from flame.models.generic import args as generic_args
 
-    args, _ = model_args_from_dict({"model_type": "mamba3", **TINY})
-    with pytest.raises(ModelConfigError, match="'mamba3' needs mamba_ssm's Mamba-3 kernels.*not installed"):
+    check_device(model_args_from_dict({"model_type": "mamba3", **TINY})[0], "cuda")
+    args, _ = model_args_from_dict({"model_type": "mamba3", "is_mimo": True, **TINY})
+    with pytest.raises(
+        ModelConfigError,
+        match="'mamba3' with is_mimo true needs mamba_ssm's Mamba-3 MIMO kernels.*not installed",
+    ):
         check_device(args, "cuda")
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(

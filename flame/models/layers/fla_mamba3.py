@@ -1,0 +1,83 @@
+"""FLA 0.6.0's Mamba3 layer with its SISO scan on flame.ops.mamba3, for machines without mamba_ssm.
+
+``fla.layers.mamba3.Mamba3`` has one path: mamba_ssm's Mamba-3 kernels (the package index has no wheels of them),
+without which its first forward raises. :class:`FLAMamba3` is FLA's class (same constructor, parameters and cache
+layout) whose forward over a whole sequence (training, or a prompt's prefill) computes what FLA's calls to
+``mamba3_siso_combined`` compute: the in-projection and its split, the RMSNorms of B and C, A, dt and the angles as
+FLA's code forms them, the scan (flame.ops.mamba3, in float32 at least, as FLA's PyTorch paths compute their scans), the D
+skip, the z gate or the gated output norm, and the out-projection; with a cache, the states mamba_ssm returns.
+Everything else is FLA's own path, which says what it needs: MIMO layers (``is_mimo``: mamba_ssm's TileLang
+kernels), decoding token by token from a cache (its CuTe kernels), and batches with padding or packed documents.
+The generic family builds it in place of FLA's layer while mamba_ssm's fast path is missing
+(flame.compat.fla_layers_on_flame).
+"""
+
+import torch
+import torch.nn.functional as F
+from fla.layers.mamba3 import Mamba3
+from fla.layers.utils import get_layer_cache, update_layer_cache
+
+from flame.ops.mamba3 import mamba3_siso
+
+
+class FLAMamba3(Mamba3):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        output_attentions: bool | None = False,
+        cu_seqlens: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if (
+            self.is_mimo
+            or cu_seqlens is not None
+            or padded
+            or get_layer_cache(self, past_key_values) is not None
+        ):
+            return super().forward(
+                hidden_states,
+                attention_mask,
+                past_key_values,
+                use_cache,
+                output_attentions,
+                cu_seqlens,
+                **kwargs,
+            )
+        batch, length, _ = hidden_states.shape
+        z, x, B, C, dd_dt, dd_A, trap, angles = self._project_and_split(hidden_states)
+        dtype = x.dtype
+        scan = torch.promote_types(dtype, torch.float32)  # float32 at least
+        z, x = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in (z, x))
+        B, C = (
+            norm(t.unflatten(-1, (self.n_groups, self.ssm_state_size)))
+            for norm, t in ((self.B_norm, B), (self.C_norm, C))
+        )
+        dt = F.softplus(dd_dt + self.dt_bias).to(scan)  # [batch, T, heads]
+        adt = self._compute_a(dd_A) * dt
+        angles = angles.unsqueeze(-2).expand(-1, -1, self.num_heads, -1)
+        y, (angle_state, ssm_state, k_state, v_state) = mamba3_siso(
+            C.to(scan),
+            B.to(scan),
+            x.to(scan),
+            adt.transpose(1, 2),
+            dt.transpose(1, 2),
+            trap.to(scan).transpose(1, 2),
+            self.C_bias.squeeze(1).to(scan),
+            self.B_bias.squeeze(1).to(scan),
+            angles.to(scan),
+            D=self.D.to(scan),
+            z=None if self.is_outproj_norm else z.to(scan),
+        )
+        y = y.flatten(-2)
+        if self.is_outproj_norm:
+            y = self.norm(y, z.flatten(-2))
+        out = self.out_proj(y.to(dtype))
+        if use_cache and past_key_values is not None:
+            # The step's layout: the key state with a rank dimension (1 for SISO), as FLA's layer aligns it.
+            states = (angle_state, ssm_state, k_state.unsqueeze(1).to(dtype), v_state.to(dtype))
+            update_layer_cache(self, past_key_values, recurrent_state=states, offset=length)
+        return out, None, past_key_values

@@ -1,0 +1,160 @@
+"""flame.models.layers.fla_mamba3: FLA's Mamba3 layer with its SISO scan on flame.ops.mamba3, on the CPU in float64,
+against the layer computed token by token as FLA's decoding path does: FLA's own per-token preprocessing
+(``Mamba3._preprocess_step``: A, dt, the trapezoid's sigmoid, the normed B and C per head, the angles), then the
+recurrence that mamba_ssm's step kernels compute (its test reference ``mamba3_siso_step_ref``: the biased queries
+and keys rotated by the accumulated angles, the trapezoidal state update, the D skip and the z gate or the gated
+output norm), then FLA's out-projection. Outputs, the input's and every parameter's gradient within 1e-12 relative
+to the largest value (float64 both sides; a wrong split, bias, rotation, trapezoid term or gate differs at order
+one). FLA's RMSNormGated is a Triton kernel: both sides get a PyTorch one, checked against FLA's PyTorch reference."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("fla")
+
+from fla.modules.layernorm_gated import rms_norm_ref  # noqa: E402
+
+from flame.models import build_model, model_args_from_dict  # noqa: E402
+from flame.models.layers.fla_mamba3 import FLAMamba3  # noqa: E402
+from flame.ops.mamba3.rotary import rotate_pairs  # noqa: E402
+
+LIMIT = 1e-12
+
+
+class ReferenceRMSNorm(nn.Module):
+    """FLA's RMSNormGated (same weight, eps, group size, gate order) in the input's dtype: FLA's PyTorch reference
+    (``rms_norm_ref``) takes the weight in float32, which would round its gradient to float32."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x, z=None):
+        n = self.norm
+        if z is not None and not n.norm_before_gate:
+            x = x * nn.functional.silu(z)
+        groups = x.unflatten(-1, (-1, n.group_size or x.shape[-1]))
+        out = (groups * torch.rsqrt(groups.square().mean(-1, keepdim=True) + n.eps)).flatten(-2) * n.weight
+        return out * nn.functional.silu(z) if z is not None and n.norm_before_gate else out
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_norm_stand_in_is_flas_reference(gated):
+    from fla.modules.layernorm_gated import RMSNormGated
+
+    torch.manual_seed(0)
+    for norm in (RMSNormGated(8), RMSNormGated(16, norm_before_gate=True, group_size=4)):
+        with torch.no_grad():
+            norm.weight.add_(torch.randn_like(norm.weight))
+        x = torch.randn(3, 5, norm.weight.shape[0], dtype=torch.float64)
+        z = torch.randn_like(x) if gated else None
+        want = rms_norm_ref(x, norm.weight, None, z=z, eps=norm.eps, group_size=norm.group_size,
+                            norm_before_gate=norm.norm_before_gate, upcast=False)  # fmt: skip
+        torch.testing.assert_close(ReferenceRMSNorm(norm.double())(x, z), want, rtol=1e-7, atol=1e-7)
+
+
+def layer(**options) -> FLAMamba3:
+    torch.manual_seed(0)
+    layer = FLAMamba3(hidden_size=24, state_size=8, head_dim=4, expand=2, chunk_size=16, **options).double()
+    with torch.no_grad():  # biases and D away from their constant initial values, so that a mix-up shows
+        for p in (layer.B_bias, layer.C_bias, layer.D):
+            p.add_(torch.randn_like(p) * 0.5)
+    layer.B_norm, layer.C_norm = ReferenceRMSNorm(layer.B_norm), ReferenceRMSNorm(layer.C_norm)
+    # FLA's formula for A in the input's dtype: FLA's rounds it to float32, whose softplus rounds differently for a
+    # whole sequence and for one token (1e-9 apart here), on both sides alike.
+    layer._compute_a = lambda dd_A: (-nn.functional.softplus(dd_A)).clamp(max=-layer.A_floor)
+    if layer.is_outproj_norm:
+        layer.norm = ReferenceRMSNorm(layer.norm)
+    return layer
+
+
+def token_by_token(layer: FLAMamba3, hidden: torch.Tensor) -> torch.Tensor:
+    batch, length, _ = hidden.shape
+    heads, state_size = layer.num_heads, layer.ssm_state_size
+    angle_state = hidden.new_zeros(batch, heads, layer.num_rope_angles)
+    state = hidden.new_zeros(batch, heads, layer.head_dim, state_size)
+    k_state = hidden.new_zeros(batch, heads, state_size)
+    v_state = hidden.new_zeros(batch, heads, layer.head_dim)
+    outputs = []
+    for t in range(length):
+        z, x, B, C, dd_dt, dd_A, trap, angles = layer._project_and_split(hidden[:, t])
+        dt, B, C, x, z, trap, A, angles = layer._preprocess_step(dd_A, dd_dt, B, C, x, z, trap, angles)
+        angle_state = angle_state + torch.tanh(angles) * math.pi * dt[..., None]
+        angle_state = angle_state - 2 * math.pi * torch.floor(angle_state / (2 * math.pi))
+        q = rotate_pairs(C[:, 0] + layer.C_bias.squeeze(1), angle_state)
+        k = rotate_pairs(B[:, 0] + layer.B_bias.squeeze(1), angle_state)
+        alpha = torch.exp(A * dt)
+        state = (
+            alpha[..., None, None] * state
+            + ((1 - trap) * dt * alpha)[..., None, None] * v_state[..., None] * k_state[..., None, :]
+            + (trap * dt)[..., None, None] * x[..., None] * k[..., None, :]
+        )
+        y = torch.einsum("bhpn,bhn->bhp", state, q) + layer.D[:, None] * x
+        k_state, v_state = k, x
+        if layer.is_outproj_norm:
+            y = layer.norm(y.flatten(-2), z.flatten(-2))
+        else:
+            y = (y * z * torch.sigmoid(z)).flatten(-2)
+        outputs.append(layer.out_proj(y))
+    return torch.stack(outputs, dim=1)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"n_groups": 2, "rope_fraction": 1.0}, {"is_outproj_norm": True}],
+    ids=["siso", "two_groups_full_rotation", "output_norm"],
+)
+def test_forward_and_gradients_equal_the_token_by_token_layer(options):
+    """37 tokens (past two of FLA's 16-token chunks and not a multiple of flame's 64): the whole-sequence forward
+    against the token-by-token one, output and gradients."""
+    ours = layer(**options)
+    hidden = torch.randn(2, 37, 24, dtype=torch.float64)
+    grad = torch.randn(2, 37, 24, dtype=torch.float64)
+    results = []
+    for forward in (lambda h: ours(h)[0], lambda h: token_by_token(ours, h)):
+        ours.zero_grad()
+        leaf = hidden.clone().requires_grad_()
+        out = forward(leaf)
+        out.backward(grad)
+        results.append((out, leaf.grad, {n: p.grad.clone() for n, p in ours.named_parameters()}))
+    (out, dx, grads), (want, want_dx, want_grads) = results
+    for name, got, reference in [("output", out, want), ("input", dx, want_dx)] + [
+        (n, grads[n], want_grads[n]) for n in want_grads
+    ]:
+        difference = (got - reference).abs().max() / reference.abs().max()
+        assert difference <= LIMIT, f"{name}: {difference:.1e} of the largest value"
+
+
+def test_mimo_padding_and_decoding_stay_flas_path():
+    """What flame's scan does not compute goes to FLA's own path, which on the CPU refuses in its own words."""
+    hidden = torch.randn(1, 5, 24, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="Mamba-3 currently requires a CUDA device"):
+        layer(is_mimo=True, mimo_rank=2)(hidden)
+    mask = torch.ones(1, 5, dtype=torch.long)
+    layer()(hidden, attention_mask=mask)  # no padding: flame's scan
+    mask[0, 0] = 0
+    with pytest.raises(NotImplementedError, match="Mamba-3 currently requires a CUDA device"):
+        layer()(hidden, attention_mask=mask)
+
+
+def test_generic_mamba3_builds_flames_layer_with_flas_state_dict():
+    """mamba3 through the generic family (no mamba_ssm here) builds FLAMamba3 layers with FLA's state-dict layout."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = {"model_type": "mamba3", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "head_dim": 16,
+              "state_size": 16}  # fmt: skip
+    args, _ = model_args_from_dict(config)
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = build_model(args)
+        reference = AutoModelForCausalLM.from_config(AutoConfig.for_model("mamba3", **fields))
+    assert sum(isinstance(m, FLAMamba3) for m in model.modules()) == 2
+    assert not any(isinstance(m, FLAMamba3) for m in reference.modules())
+
+    def layout(m):
+        return {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()}
+
+    assert layout(model) == layout(reference)
