@@ -4,13 +4,15 @@
 without which its first forward raises. :class:`FLAMamba3` is FLA's class (same constructor, parameters and cache
 layout) whose forward over a whole sequence (training, or a prompt's prefill) computes what FLA's calls to
 ``mamba3_siso_combined`` compute: the in-projection and its split, the RMSNorms of B and C, A, dt and the angles as
-FLA's code forms them, the scan (flame.ops.mamba3, in float32 at least, as FLA's PyTorch paths compute their scans), the D
-skip, the z gate or the gated output norm, and the out-projection; with a cache, the states mamba_ssm returns.
+FLA's code forms them, the scan (flame.ops.mamba3, in float32 at least, as FLA's PyTorch paths compute their
+scans), the D skip, the z gate or the gated output norm, and the out-projection; with a cache, the states mamba_ssm
+returns, from which ``step`` decodes token by token in PyTorch (where FLA's step calls mamba_ssm's CuTe kernels).
 Everything else is FLA's own path, which says what it needs: MIMO layers (``is_mimo``: mamba_ssm's TileLang
-kernels), decoding token by token from a cache (its CuTe kernels), and batches with padding or packed documents.
-The generic family builds it in place of FLA's layer while mamba_ssm's fast path is missing
-(flame.compat.fla_layers_on_flame).
+kernels), and batches with padding or packed documents. The generic family builds it in place of FLA's layer while
+mamba_ssm's fast path is missing (flame.compat.fla_layers_on_flame).
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from fla.layers.mamba3 import Mamba3
 from fla.layers.utils import get_layer_cache, update_layer_cache
 
 from flame.ops.mamba3 import mamba3_siso
+from flame.ops.mamba3.rotary import rotate_pairs
 
 
 class FLAMamba3(Mamba3):
@@ -32,12 +35,9 @@ class FLAMamba3(Mamba3):
         **kwargs,
     ):
         padded = attention_mask is not None and not bool(attention_mask.all())
-        if (
-            self.is_mimo
-            or cu_seqlens is not None
-            or padded
-            or get_layer_cache(self, past_key_values) is not None
-        ):
+        last_state = get_layer_cache(self, past_key_values)
+        decoding = last_state is not None and hidden_states.shape[1] == 1
+        if self.is_mimo or cu_seqlens is not None or padded or (last_state is not None and not decoding):
             return super().forward(
                 hidden_states,
                 attention_mask,
@@ -47,7 +47,12 @@ class FLAMamba3(Mamba3):
                 cu_seqlens,
                 **kwargs,
             )
-        batch, length, _ = hidden_states.shape
+        if decoding:
+            states = last_state["recurrent_state"]
+            out = self.step(hidden_states, *states)
+            update_layer_cache(self, past_key_values, recurrent_state=states, offset=1)
+            return out, None, past_key_values
+        length = hidden_states.shape[1]
         z, x, B, C, dd_dt, dd_A, trap, angles = self._project_and_split(hidden_states)
         dtype = x.dtype
         scan = torch.promote_types(dtype, torch.float32)  # float32 at least
@@ -81,3 +86,32 @@ class FLAMamba3(Mamba3):
             states = (angle_state, ssm_state, k_state.unsqueeze(1).to(dtype), v_state.to(dtype))
             update_layer_cache(self, past_key_values, recurrent_state=states, offset=length)
         return out, None, past_key_values
+
+    def step(self, hidden_states, angle_state, ssm_state, k_state, v_state):
+        """One token from the cache, which it updates in place as FLA's step does: the recurrence of
+        flame.ops.mamba3.naive for one token after FLA's own per-token preprocessing (SISO; a MIMO layer runs FLA's
+        step, which needs mamba_ssm)."""
+        if self.is_mimo:
+            return super().step(hidden_states, angle_state, ssm_state, k_state, v_state)
+        z, x, B, C, dd_dt, dd_A, trap, angles = self._project_and_split(hidden_states.squeeze(1))
+        dt, B, C, x, z, trap, A, angles = self._preprocess_step(dd_A, dd_dt, B, C, x, z, trap, angles)
+        dtype, scan = x.dtype, ssm_state.dtype
+        dt, A, trap, x, z = (t.to(scan) for t in (dt, A, trap, x, z))
+        angle = angle_state + torch.tanh(angles.to(scan)) * math.pi * dt[..., None]
+        angle = angle - 2 * math.pi * torch.floor(angle / (2 * math.pi))
+        q = rotate_pairs(C[:, 0].to(scan) + self.C_bias.squeeze(1), angle)
+        k = rotate_pairs(B[:, 0].to(scan) + self.B_bias.squeeze(1), angle)
+        decay = torch.exp(A * dt)
+        handed_on = v_state.to(scan)[..., None] * k_state[:, 0].to(scan)[..., None, :]
+        state = (
+            decay[..., None, None] * ssm_state
+            + ((1 - trap) * dt * decay)[..., None, None] * handed_on
+            + (trap * dt)[..., None, None] * x[..., None] * k[..., None, :]
+        )
+        y = torch.einsum("bhpn,bhn->bhp", state, q) + self.D[:, None].to(scan) * x
+        y = self.norm(y.flatten(-2), z.flatten(-2)) if self.is_outproj_norm else (y * F.silu(z)).flatten(-2)
+        angle_state.copy_(angle)
+        ssm_state.copy_(state)
+        k_state.copy_(k.unsqueeze(1))
+        v_state.copy_(x)
+        return self.out_proj(y.to(dtype)).unsqueeze(1)

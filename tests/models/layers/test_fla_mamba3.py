@@ -128,7 +128,7 @@ def test_forward_and_gradients_equal_the_token_by_token_layer(options):
         assert difference <= LIMIT, f"{name}: {difference:.1e} of the largest value"
 
 
-def test_mimo_padding_and_decoding_stay_flas_path():
+def test_mimo_and_padding_stay_flas_path():
     """What flame's scan does not compute goes to FLA's own path, which on the CPU refuses in its own words."""
     hidden = torch.randn(1, 5, 24, dtype=torch.float64)
     with pytest.raises(NotImplementedError, match="Mamba-3 currently requires a CUDA device"):
@@ -138,6 +138,25 @@ def test_mimo_padding_and_decoding_stay_flas_path():
     mask[0, 0] = 0
     with pytest.raises(NotImplementedError, match="Mamba-3 currently requires a CUDA device"):
         layer()(hidden, attention_mask=mask)
+
+
+@pytest.mark.parametrize("options", [{}, {"is_outproj_norm": True}], ids=["siso", "output_norm"])
+def test_prefill_then_decoding_equals_the_whole_sequence(options):
+    """A prompt's prefill of 30 tokens keeps the states mamba_ssm returns in FLA's cache, and the next 7 tokens
+    decoded one at a time from it give the whole sequence's last 7 outputs (float64, 1e-12 of the largest value)."""
+    from fla.models.cache_utils import Cache
+
+    ours = layer(layer_idx=0, **options)
+    hidden = torch.randn(2, 37, 24, dtype=torch.float64)
+    with torch.no_grad():
+        whole = ours(hidden)[0]
+        cache = Cache()
+        outputs = [ours(hidden[:, :30], past_key_values=cache, use_cache=True)[0]]
+        for t in range(30, 37):
+            outputs.append(ours(hidden[:, t : t + 1], past_key_values=cache, use_cache=True)[0])
+    decoded = torch.cat(outputs, dim=1)
+    assert (decoded - whole).abs().max() <= 1e-12 * whole.abs().max()
+    assert cache.get_seq_length(0) == 37
 
 
 def test_generic_mamba3_builds_flames_layer_with_flas_state_dict():
