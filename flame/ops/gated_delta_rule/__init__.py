@@ -37,7 +37,8 @@ def fla_chunk_gated_delta_rule(*args, **kwargs):
     wherever the forward keeps the chunk states for the backward (`fla_library.set_chunk_states`), it runs through
     flame's torch.library custom ops (`flame.ops.fla_library`), so that a block compiles to one graph instead of
     breaking at FLA's ``torch.compiler.disable``; FLA's context parallelism (``cp_context``) stays on FLA's op. On
-    Hopper GPUs with Triton 3.4-3.7.0 its gated backward is served by flame's correct one (dqkwg_reference.py)."""
+    Hopper GPUs with Triton 3.4-3.7.0, where FLA refuses its own gated dq/dk/dw/dg, FLA's TileLang kernel or flame's
+    Triton one (dqkwg_triton.py) serves it, ranked per call (flame.compat.serve_gated_dqkwg_on_hopper)."""
     from flame.ops import fla_library
 
     custom_ops = torch.compiler.is_compiling() or fla_library.saves_chunk_states()
