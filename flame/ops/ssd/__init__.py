@@ -11,8 +11,9 @@ keys B, values dt x, log decay g = dt A and scale 1, its state value-first ([hea
 FLA's Mamba2 layer runs mamba_ssm's kernels where they are installed and otherwise a PyTorch path that materialises
 a state-sized product per pair of tokens in a chunk (24 GiB for one layer of a 97M model at 8 x 2048 tokens);
 flame's layer (flame.models.layers.fla_mamba2) calls this op instead, with float32 x, B and C as FLA's PyTorch path
-takes them: FLA's kernel then multiplies in TF32 (Triton's default for float32) and, where tilelang is installed
-on Hopper, runs its backward's dq/dk/dg in TileLang (tests/gpu/test_ssd.py states the errors of each).
+takes them: FLA's kernel then multiplies in TF32 (Triton's default for float32), and on Hopper with Triton
+3.4-3.7.0 its backward's dq/dk/dg is flame's Triton kernel, ranked there ahead of FLA's TileLang one
+(flame.compat.serve_gated_dqkwg_on_hopper; tests/gpu/test_ssd.py states the errors).
 """
 
 import torch
