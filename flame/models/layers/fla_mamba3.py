@@ -12,15 +12,14 @@ kernels), and batches with padding or packed documents. The generic family build
 mamba_ssm's fast path is missing (flame.compat.fla_layers_on_flame).
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 from fla.layers.mamba3 import Mamba3
 from fla.layers.utils import get_layer_cache, update_layer_cache
 
 from flame.ops.mamba3 import mamba3_siso
-from flame.ops.mamba3.rotary import rotate_pairs
+from flame.ops.mamba3.naive import trapezoid_step
+from flame.ops.mamba3.rotary import cumulative_angles, rotate_pairs
 
 
 class FLAMamba3(Mamba3):
@@ -97,17 +96,10 @@ class FLAMamba3(Mamba3):
         dt, B, C, x, z, trap, A, angles = self._preprocess_step(dd_A, dd_dt, B, C, x, z, trap, angles)
         dtype, scan = x.dtype, ssm_state.dtype
         dt, A, trap, x, z = (t.to(scan) for t in (dt, A, trap, x, z))
-        angle = angle_state + torch.tanh(angles.to(scan)) * math.pi * dt[..., None]
-        angle = angle - 2 * math.pi * torch.floor(angle / (2 * math.pi))
+        angle = cumulative_angles(angles[:, None], dt[:, None], start=angle_state)[:, 0]
         q = rotate_pairs(C[:, 0].to(scan) + self.C_bias.squeeze(1), angle)
         k = rotate_pairs(B[:, 0].to(scan) + self.B_bias.squeeze(1), angle)
-        decay = torch.exp(A * dt)
-        handed_on = v_state.to(scan)[..., None] * k_state[:, 0].to(scan)[..., None, :]
-        state = (
-            decay[..., None, None] * ssm_state
-            + ((1 - trap) * dt * decay)[..., None, None] * handed_on
-            + (trap * dt)[..., None, None] * x[..., None] * k[..., None, :]
-        )
+        state = trapezoid_step(ssm_state, k_state[:, 0].to(scan), v_state.to(scan), k, x, A * dt, dt, trap)
         y = torch.einsum("bhpn,bhn->bhp", state, q) + self.D[:, None].to(scan) * x
         y = self.norm(y.flatten(-2), z.flatten(-2)) if self.is_outproj_norm else (y * F.silu(z)).flatten(-2)
         angle_state.copy_(angle)

@@ -32,17 +32,13 @@ def mamba3_siso_recurrent(
     q, k = rotate_pairs(q, theta), rotate_pairs(k, theta)
     weight = torch.sigmoid(trap)
     state = v.new_zeros(v.shape[0], heads, v.shape[-1], k.shape[-1])
-    previous = torch.zeros_like(state)
+    k_previous, v_previous = torch.zeros_like(k[:, 0]), torch.zeros_like(v[:, 0])
     outputs = []
     for t in range(v.shape[1]):
-        decay = torch.exp(adt[:, :, t])
-        now = v[:, t, :, :, None] * k[:, t, :, None, :]
-        state = (
-            decay[..., None, None] * state
-            + ((1 - weight[:, :, t]) * dt[:, :, t] * decay)[..., None, None] * previous
-            + (weight[:, :, t] * dt[:, :, t])[..., None, None] * now
+        state = trapezoid_step(
+            state, k_previous, v_previous, k[:, t], v[:, t], adt[:, :, t], dt[:, :, t], weight[:, :, t]
         )
-        previous = now
+        k_previous, v_previous = k[:, t], v[:, t]
         outputs.append(torch.einsum("bhpn,bhn->bhp", state, q[:, t]))
     y = torch.stack(outputs, dim=1)
     if D is not None:
@@ -50,3 +46,15 @@ def mamba3_siso_recurrent(
     if z is not None:
         y = y * F.silu(z)
     return y, (theta[:, -1], state, k[:, -1], v[:, -1])
+
+
+def trapezoid_step(state, k_previous, v_previous, k, v, adt, dt, weight):
+    """The state after one token by the trapezoidal rule: state [batch, heads, head_dim, state_size], the previous
+    token's and this token's rotated keys [batch, heads, state_size] and values [batch, heads, head_dim], adt, dt and
+    the trapezoid's weight lambda = sigmoid(trap) [batch, heads]."""
+    decay = torch.exp(adt)
+    return (
+        decay[..., None, None] * state
+        + ((1 - weight) * dt * decay)[..., None, None] * v_previous[..., None] * k_previous[..., None, :]
+        + (weight * dt)[..., None, None] * v[..., None] * k[..., None, :]
+    )

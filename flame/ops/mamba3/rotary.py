@@ -6,12 +6,17 @@ import math
 import torch
 
 
-def cumulative_angles(angles: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+def cumulative_angles(
+    angles: torch.Tensor, dt: torch.Tensor, start: torch.Tensor | None = None
+) -> torch.Tensor:
     """angles [batch, T, heads, pairs] (the layer's projection, before the bound) and dt [batch, T, heads] -> the
-    angle of each token, sum over s <= t of dt_s pi tanh(angles_s), in [0, 2 pi) as mamba_ssm keeps it (float32 at
-    least: the sum grows with the sequence)."""
+    angle of each token, ``start`` (the angles before the first token, [batch, heads, pairs]; default 0) plus the
+    sum over s <= t of dt_s pi tanh(angles_s), in [0, 2 pi) as mamba_ssm keeps it (float32 at least: the sum grows
+    with the sequence)."""
     dtype = torch.promote_types(angles.dtype, torch.float32)
     total = torch.cumsum(torch.tanh(angles.to(dtype)) * math.pi * dt.to(dtype)[..., None], dim=1)
+    if start is not None:
+        total = total + start[:, None]
     return total - 2 * math.pi * torch.floor(total / (2 * math.pi))
 
 
