@@ -367,26 +367,6 @@ def serve_gated_dqkwg_on_hopper(kernel: Callable) -> None:
         return
     from fla.backends import BaseBackend, TileLangBackend, register
 
-    def serve(*args, **kwargs):
-        # The named range makes its share of a step visible in torch.profiler tables.
-        with torch.profiler.record_function("flame_chunk_bwd_dqkwg"):
-            return kernel(*args, **kwargs)
-
-    @register("common")
-    class FlameHopperBackendWithoutW(BaseBackend):
-        backend_type = "flame_hopper_dqkwg_without_w"
-        priority = TileLangBackend.priority - 1
-
-        def chunk_bwd_dqkwg_verifier(
-            self, *args, w=None, g=None, g_gamma=None, **kwargs
-        ) -> tuple[bool, str | None]:
-            if g is None or g_gamma is not None or w is not None:
-                return False, "flame's Hopper backward is ranked first for gated calls without w only"
-            return True, None
-
-        def chunk_bwd_dqkwg(self, *args, **kwargs):
-            return serve(*args, **kwargs)
-
     @register("common")
     class FlameHopperBackend(BaseBackend):
         backend_type = "flame_hopper_dqkwg"
@@ -399,7 +379,19 @@ def serve_gated_dqkwg_on_hopper(kernel: Callable) -> None:
             return True, None
 
         def chunk_bwd_dqkwg(self, *args, **kwargs):
-            return serve(*args, **kwargs)
+            # The named range makes its share of a step visible in torch.profiler tables.
+            with torch.profiler.record_function("flame_chunk_bwd_dqkwg"):
+                return kernel(*args, **kwargs)
+
+    @register("common")
+    class FlameHopperBackendWithoutW(FlameHopperBackend):
+        backend_type = "flame_hopper_dqkwg_without_w"
+        priority = TileLangBackend.priority - 1  # ahead of FLA's TileLang backend
+
+        def chunk_bwd_dqkwg_verifier(self, *args, w=None, **kwargs) -> tuple[bool, str | None]:
+            if w is not None:
+                return False, "flame's Hopper backward is ranked first for gated calls without w only"
+            return super().chunk_bwd_dqkwg_verifier(*args, **kwargs)
 
     _hopper_backend_registered = True
 
