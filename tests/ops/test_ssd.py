@@ -43,7 +43,7 @@ def test_chunked_scan_equals_the_recurrence_and_its_gradients(batch, length, hea
 
 def test_a_per_token_equals_the_recurrence_and_its_gradients():
     """A [batch, T, heads] (Mamba-3's data-dependent A) in the chunked form against the recurrence, float64, 1e-10;
-    with every token's A equal to a per-head A, the result equals the per-head call's."""
+    with every token's A equal to a per-head A, the result equals the per-head call's; dt None equals dt 1."""
     x, dt, A, B, C = inputs(2, 45, 3, 5, 4, seed=2)
     per_token = (
         -torch.rand(2, 45, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 4
@@ -62,6 +62,11 @@ def test_a_per_token_equals_the_recurrence_and_its_gradients():
         broadcast = A.expand(2, 45, 3)
         for op in (lambda *a: ssd_chunked(*a, chunk=16), ssd_recurrent):
             torch.testing.assert_close(op(x, dt, broadcast, B, C), op(x, dt, A, B, C), rtol=1e-12, atol=1e-12)
+            # dt None: x and the per-token A taken as they are, as with dt 1.
+            ones = torch.ones_like(dt)
+            torch.testing.assert_close(
+                op(x, None, per_token, B, C), op(x, ones, per_token, B, C), rtol=1e-12, atol=1e-12
+            )
 
 
 def test_scan_carries_state_across_chunks():

@@ -47,7 +47,7 @@ def mamba3_siso(
     # (1 - lambda_{t+1}) dt_{t+1}: the share of token t's key and value that enters at the next token.
     handed_on = F.pad((1 - weight[:, 1:]) * dt[:, 1:], (0, 0, 0, 1))
     keys = k * (weight * dt + handed_on)[..., None].to(k.dtype)
-    y, state = ssd(v, torch.ones_like(adt), adt, keys, q)
+    y, state = ssd(v, None, adt, keys, q)
     y = y - ((q * k).sum(-1) * handed_on)[..., None].to(y.dtype) * v
     if D is not None:
         y = y + D[:, None].to(y.dtype) * v

@@ -20,11 +20,11 @@ import torch
 
 from flame.ops import dispatch
 from flame.ops.ssd.chunk import CHUNK, ssd_chunked
-from flame.ops.ssd.naive import ssd_recurrent
+from flame.ops.ssd.naive import scaled_inputs, ssd_recurrent
 
 
 def fla_ssd(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+    x: torch.Tensor, dt: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan on FLA 0.6.0's ``chunk_simple_gla`` (imported on first use: it pulls in Triton). On Hopper GPUs with
     Triton 3.4-3.7.0 its gated backward is served by flame's kernel or FLA's TileLang one (FLA issue 640)."""
@@ -33,9 +33,9 @@ def fla_ssd(
     from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
 
     serve_where_fla_refuses()
-    values = (x * dt[..., None]).to(x.dtype)
+    values, log_decay = scaled_inputs(x, dt, A)
     y, state = chunk_simple_gla(
-        C, B, values, g=dt * A, scale=1.0, output_final_state=True, state_v_first=True
+        C, B, values.to(x.dtype), g=log_decay, scale=1.0, output_final_state=True, state_v_first=True
     )
     return y.to(x.dtype), state.to(x.dtype)
 
@@ -53,10 +53,10 @@ SSD = dispatch.register_op(
 
 
 def ssd(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+    x: torch.Tensor, dt: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [batch, T, heads, head_dim], dt [batch, T, heads] (after softplus and clamping), A [heads] (negative; or
-    [batch, T, heads], one per token, as Mamba-3's), B and C [batch, T, heads, state_size] (one per head) -> (y [batch, T, heads, head_dim], the state after the last token
+    """x [batch, T, heads, head_dim], dt [batch, T, heads] (after softplus and clamping; None: 1, x and A taken as
+    they are), A [heads] (negative; or [batch, T, heads], one per token, as Mamba-3's), B and C [batch, T, heads, state_size] (one per head) -> (y [batch, T, heads, head_dim], the state after the last token
     [batch, heads, head_dim, state_size]), both in x's dtype."""
     return SSD(x, dt, A, B, C)
 

@@ -6,20 +6,28 @@
 import torch
 import torch.nn.functional as F
 
+from flame.ops.ssd.naive import scaled_inputs
+
 # Tokens per chunk: the masked products take batch x heads x T x CHUNK values; the result does not depend on it.
 CHUNK = 64
 
 
 def ssd_chunked(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk: int = CHUNK
+    x: torch.Tensor,
+    dt: torch.Tensor | None,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The SSD scan of ``naive.ssd_recurrent`` (same arguments and results), chunk by chunk, in x's dtype: y and the
     state after the last token."""
     batch, length, heads, head_dim = x.shape
     pad = -length % chunk
     # Padding at the end: zero input adds nothing and decay exp(0) = 1 changes no earlier token.
-    x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x * dt[..., None], B, C))
-    log_decay = F.pad(dt * A, (0, 0, 0, pad))
+    values, log_decay = scaled_inputs(x, dt, A)
+    x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (values, B, C))
+    log_decay = F.pad(log_decay, (0, 0, 0, pad))
     chunks = (length + pad) // chunk
     x, B, C = (t.reshape(batch, chunks, chunk, heads, t.shape[-1]) for t in (x, B, C))
     cumulative = log_decay.reshape(batch, chunks, chunk, heads).permute(0, 3, 1, 2).cumsum(-1)  # [b, h, c, l]
