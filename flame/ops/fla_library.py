@@ -1,4 +1,4 @@
-"""FLA 0.6.0's chunk gated delta rule and chunk delta rule registered as torch.library custom ops.
+"""FLA 0.6.0's chunk gated delta rule, chunk delta rule and chunk simple GLA registered as torch.library custom ops.
 
 FLA wraps its public ops in ``torch.compiler.disable`` (and its autograd Functions hold Python state that dynamo does
 not trace), so a compiled Gated DeltaNet or DeltaNet block broke into a graph per FLA call: every break costs a return to
@@ -762,3 +762,121 @@ def chunk_delta_rule(
         use_qk_l2norm_in_kernel, chunk_size, saves_chunk_states(),
     )  # fmt: skip
     return o, final_state if output_final_state else None
+
+
+@torch.library.custom_op("flame::fla_simple_gla_fwd", mutates_args=(), device_types="cuda")
+def simple_gla_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, state_v_first: bool, chunk_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(o, final state, g cumsum): what FLA's ``ChunkSimpleGLAFunction.forward`` computes and saves for a scalar
+    log decay g per head and token [B, T, H], without an initial state or packed documents, the final state
+    always returned (Mamba-2's scan, flame.ops.ssd, keeps it for a prompt's cache)."""
+    import fla.ops.simple_gla.chunk as fla_simple_gla
+
+    q, k, v, g = _contiguous(q, k, v, g)
+    g_cumsum = fla_simple_gla.chunk_local_cumsum(g, chunk_size=chunk_size, scale=fla_simple_gla.RCP_LN2)
+    o, final_state = fla_simple_gla.chunk_simple_gla_fwd(
+        q=q,
+        k=k,
+        v=v,
+        g=g_cumsum,
+        g_gamma=None,
+        scale=scale,
+        initial_state=None,
+        output_final_state=True,
+        state_v_first=state_v_first,
+        chunk_size=chunk_size,
+    )
+    return o.to(q.dtype), final_state, g_cumsum
+
+
+@simple_gla_fwd.register_fake
+def _(q, k, v, g, scale, state_v_first, chunk_size):
+    batch, _, heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    state_shape = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
+    return (
+        q.new_empty(*v.shape),
+        k.new_empty(batch, heads, *state_shape, dtype=torch.float32),
+        g.new_empty(g.shape, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("flame::fla_simple_gla_bwd", mutates_args=(), device_types="cuda")
+def simple_gla_bwd(
+    do: Tensor,
+    dht: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g_cumsum: Tensor,
+    scale: float,
+    state_v_first: bool,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg), dg in float32: FLA's ``ChunkSimpleGLAFunction.backward``, its dq/dk/dg served on Hopper by
+    flame's kernel or FLA's TileLang one where FLA refuses it (FLA issue 640)."""
+    import fla.ops.simple_gla.chunk as fla_simple_gla
+
+    from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
+
+    serve_where_fla_refuses()
+    do, dht, q, k, v, g_cumsum = _contiguous(do, dht, q, k, v, g_cumsum)
+    dq, dk, dv, dg, _ = fla_simple_gla.chunk_simple_gla_bwd(
+        q=q,
+        k=k,
+        v=v,
+        g=g_cumsum,
+        g_gamma=None,
+        initial_state=None,
+        do=do,
+        dht=dht,
+        scale=scale,
+        state_v_first=state_v_first,
+        chunk_size=chunk_size,
+    )
+    dg = fla_simple_gla.chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.float()
+
+
+@simple_gla_bwd.register_fake
+def _(do, dht, q, k, v, g_cumsum, scale, state_v_first, chunk_size):
+    return (
+        *(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)),
+        torch.empty_like(g_cumsum, dtype=torch.float32, memory_format=torch.contiguous_format),
+    )
+
+
+def _simple_gla_setup_context(ctx, inputs, output):
+    q, k, v, g, scale, state_v_first, chunk_size = inputs
+    ctx.save_for_backward(q, k, v, output[2])
+    ctx.flags = (scale, state_v_first, chunk_size)
+    ctx.g_dtype = g.dtype
+    ctx.set_materialize_grads(False)  # no zero-filled final-state gradient where the state is not used
+    ctx.mark_non_differentiable(output[2])
+
+
+def _simple_gla_autograd_backward(ctx, do, dht, _g_cumsum_grad):
+    q, k, v, g_cumsum = ctx.saved_tensors
+    if do is None:  # only the final state's gradient arrived
+        do = torch.zeros_like(v, dtype=q.dtype)
+    dq, dk, dv, dg = simple_gla_bwd(do, dht, q, k, v, g_cumsum, *ctx.flags)
+    return dq, dk, dv, dg.to(ctx.g_dtype), None, None, None
+
+
+simple_gla_fwd.register_autograd(_simple_gla_autograd_backward, setup_context=_simple_gla_setup_context)
+
+
+def chunk_simple_gla(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    scale: float,
+    state_v_first: bool = False,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """FLA's ``chunk_simple_gla`` with a per-token g and ``output_final_state`` (no g_gamma, initial state or
+    cu_seqlens) through the custom ops: (o in q's dtype, the final state in float32)."""
+    o, final_state, _ = simple_gla_fwd(q, k, v, g, float(scale), state_v_first, chunk_size)
+    return o, final_state

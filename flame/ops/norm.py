@@ -94,6 +94,34 @@ def gated_rms_norm(
     return GATED_RMS_NORM(x, gate, weight, eps, activation)
 
 
+def group_rms_norm_gated_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    z: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    group_size: int | None = None,
+    norm_before_gate: bool = True,
+) -> torch.Tensor:
+    """PyTorch code of FLA 0.6.0's ``fla.modules.norm.layernorm_gated.rmsnorm_fn`` (the RMSNormGated of its Mamba2
+    and Mamba3 layers), its arguments and results: RMSNorm over each group of ``group_size`` channels (all of them
+    when None), times weight, plus bias; silu(z) multiplies the result (``norm_before_gate``) or the input; in the
+    compute dtype, cast to x's."""
+    compute_dtype = _compute_dtype(x)
+    h = x.to(compute_dtype)
+    if z is not None and not norm_before_gate:
+        h = h * F.silu(z.to(compute_dtype))
+    groups = torch.unflatten(h, -1, (-1, group_size or h.shape[-1]))
+    y = (groups * torch.rsqrt(groups.square().mean(-1, keepdim=True) + eps)).flatten(-2) * weight.to(
+        compute_dtype
+    )
+    if bias is not None:
+        y = y + bias.to(compute_dtype)
+    if z is not None and norm_before_gate:
+        y = y * F.silu(z.to(compute_dtype))
+    return y.to(x.dtype)
+
+
 def residual_rms_norm_torch(
     x: torch.Tensor,
     weight: torch.Tensor | None,

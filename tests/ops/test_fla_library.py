@@ -699,3 +699,105 @@ def test_delta_rule_ops_give_fla_contiguous_tensors(fla_calls):
     ]
     assert len(received) > 30
     assert [name for name, value in received if not value.is_contiguous()] == []
+
+
+# The simple-GLA ops (Mamba-2's scan): FLA's chunk_local_cumsum, chunk_simple_gla_fwd and chunk_simple_gla_bwd
+# replaced by PyTorch code computing what their Triton kernels compute (a chunk-local cumulative log decay in base 2;
+# the backward's dg with respect to the natural-log cumulative decay, which the op sums back over each chunk), so that
+# the op bodies and their autograd wiring can be compared on the CPU with the token-by-token scan.
+def chunk_local_cumsum_in_pytorch(g, chunk_size, reverse=False, scale=None, **_):
+    batch, length, heads = g.shape
+    chunks = g.new_zeros(batch, -(-length // chunk_size) * chunk_size, heads)
+    chunks[:, :length] = g
+    chunks = chunks.unflatten(1, (-1, chunk_size))
+    summed = chunks.flip(2).cumsum(2).flip(2) if reverse else chunks.cumsum(2)
+    return (summed * (scale or 1.0)).flatten(1, 2)[:, :length].float()
+
+
+def simple_gla_in_pytorch(q, k, v, g, scale, chunk_size, state_v_first):
+    """o and the final state from base-2 chunk-local cumulative decays g [B, T, H], chunk by chunk."""
+    batch, length, heads, key_dim = k.shape
+    state = q.new_zeros(batch, heads, key_dim, v.shape[-1], dtype=torch.float64)
+    outputs = []
+    for start in range(0, length, chunk_size):
+        qc, kc, vc, gc = (t[:, start : start + chunk_size].double() for t in (q, k, v, g))
+        decay = torch.exp2(gc)  # [B, L, H]
+        causal = torch.ones(gc.shape[1], gc.shape[1], dtype=torch.bool).tril()
+        gaps = (gc[:, :, None] - gc[:, None, :]).permute(0, 3, 1, 2)  # [B, H, L, S]
+        gaps = torch.exp2(gaps.masked_fill(~causal, float("-inf")))
+        scores = torch.einsum("blhk,bshk->bhls", qc, kc) * gaps
+        inner = torch.einsum("bhls,bshv->blhv", scores, vc)
+        outputs.append(scale * (torch.einsum("blhk,bhkv->blhv", qc * decay[..., None], state) + inner))
+        to_end = torch.exp2(gc[:, -1:] - gc)
+        state = state * torch.exp2(gc[:, -1])[..., None, None] + torch.einsum(
+            "bshk,bsh,bshv->bhkv", kc, to_end, vc
+        )
+    final = state.transpose(-1, -2) if state_v_first else state
+    return torch.cat(outputs, 1).to(q.dtype), final.float()
+
+
+def patch_simple_gla_in_pytorch(monkeypatch):
+    import fla.ops.simple_gla.chunk as fla_simple_gla
+
+    def forward(
+        q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, chunk_size, **_
+    ):
+        assert g_gamma is None and initial_state is None and output_final_state
+        return simple_gla_in_pytorch(q, k, v, g, scale, chunk_size, state_v_first)
+
+    def backward(q, k, v, g, g_gamma, initial_state, do, dht, scale, state_v_first, chunk_size, **_):
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v, g)]
+        o, final = simple_gla_in_pytorch(*leaves, scale, chunk_size, state_v_first)
+        total = (o * do.double()).sum() + (0 if dht is None else (final * dht).sum())
+        dq, dk, dv, dg = torch.autograd.grad(total, leaves)
+        log2 = torch.log(torch.tensor(2.0, dtype=torch.float64))
+        return dq, dk, dv, (dg / log2).float(), None  # dg with respect to the natural-log decay
+
+    monkeypatch.setattr(fla_simple_gla, "chunk_local_cumsum", chunk_local_cumsum_in_pytorch)
+    monkeypatch.setattr(fla_simple_gla, "chunk_simple_gla_fwd", forward)
+    monkeypatch.setattr(fla_simple_gla, "chunk_simple_gla_bwd", backward)
+    monkeypatch.setattr(flame.ops.gated_delta_rule.dqkwg_triton, "serve_where_fla_refuses", lambda: None)
+
+
+@pytest.mark.parametrize("final_state_gradient", [False, True], ids=["output-only", "with-state"])
+def test_simple_gla_ops_give_the_token_by_token_scan_and_its_gradients(final_state_gradient, monkeypatch):
+    """The forward op's body, autograd's setup_context and backward with the backward op's body, on FLA's kernels'
+    computations in PyTorch: y, the final state and every input's gradient equal the float64 token-by-token scan's
+    (flame.ops.ssd.naive) over 150 tokens (chunks of 64 and a partial one) within 1e-5 of each tensor's largest
+    value (float64 inputs; the cumulative log decay, the final state and the decay's gradient are float32, as FLA's);
+    the fakes give the bodies' shapes and dtypes. A missing base-2 scale, a forward cumulative sum in the backward or a state in the wrong layout
+    differs at order one."""
+    from flame.ops.ssd import ssd_recurrent
+
+    patch_simple_gla_in_pytorch(monkeypatch)
+    forward_op, backward_op = fla_library.simple_gla_fwd, fla_library.simple_gla_bwd
+    monkeypatch.setattr(fla_library, "simple_gla_bwd", backward_op._init_fn)
+    torch.manual_seed(0)
+    batch, length, heads, head_dim, state_size = 2, 150, 3, 5, 4
+    x = torch.randn(batch, length, heads, head_dim, dtype=torch.float64)
+    B, C = (torch.randn(batch, length, heads, state_size, dtype=torch.float64) for _ in range(2))
+    log_decay = -torch.rand(batch, length, heads, dtype=torch.float64)
+    do = torch.randn_like(x)
+    dht = (
+        torch.randn(batch, heads, head_dim, state_size, dtype=torch.float64) if final_state_gradient else None
+    )
+
+    leaves = [t.clone().requires_grad_() for t in (x, log_decay, B, C)]
+    y, state = ssd_recurrent(leaves[0], None, leaves[1], leaves[2], leaves[3])
+    total = (y * do).sum() + (0 if dht is None else (state * dht).sum())
+    expected = {"y": y, "state": state, **dict(zip("xgBC", torch.autograd.grad(total, leaves), strict=True))}
+
+    args = (C, B, x, log_decay, 1.0, True, 64)
+    outputs = forward_op._init_fn(*args)
+    check_like(forward_op._abstract_fn(*args), outputs)
+    ctx = SimpleNamespace(mark_non_differentiable=lambda *_: None, set_materialize_grads=lambda _: None)
+    ctx.save_for_backward = lambda *saved: setattr(ctx, "saved_tensors", saved)
+    fla_library._simple_gla_setup_context(ctx, args, outputs)
+    dht_arg = None if dht is None else dht.float()
+    backward_arguments = (do, dht_arg, *ctx.saved_tensors, *ctx.flags)
+    check_like(backward_op._abstract_fn(*backward_arguments), backward_op._init_fn(*backward_arguments))
+    dC, dB, dx, dg, *rest = fla_library._simple_gla_autograd_backward(ctx, do, dht_arg, None)
+    assert rest == [None, None, None] and dg.dtype == log_decay.dtype
+    ours = {"y": outputs[0], "state": outputs[1], "x": dx, "g": dg, "B": dB, "C": dC}
+    for name, value in expected.items():
+        assert (ours[name].double() - value).abs().max() <= 1e-5 * value.abs().max(), name

@@ -31,6 +31,10 @@ MODELS = {
 # FLA's classes whose blocks flame compiles (FLA_MODEL_TYPES_TRACED_WHOLE): their whole config.
 FLA_MODELS = {
     "mamba": {"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256},
+    "mamba2": {"model_type": "mamba2", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256, "head_dim": 32,
+               "state_size": 16, "n_groups": 2},
+    "mamba3": {"model_type": "mamba3", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256, "head_dim": 32,
+               "state_size": 16, "n_groups": 2},
     "samba": {"model_type": "samba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256,
               "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "window_size": 2048}},
     "moba": {"model_type": "moba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256, "num_heads": 4,
@@ -57,7 +61,7 @@ def take_the_cuda_paths() -> None:
                fla_library.delta_rule_bwd, triton_kernel.short_conv_fwd, triton_kernel.short_conv_bwd,
                softpick_triton.softpick_attention_fwd, softpick_triton.softpick_attention_bwd,
                flash_qla.gated_delta_rule_fwd, flash_qla.gated_delta_rule_bwd, scan.selective_scan_fwd,
-               scan.selective_scan_bwd):  # fmt: skip
+               scan.selective_scan_bwd, fla_library.simple_gla_fwd, fla_library.simple_gla_bwd):  # fmt: skip
         op.register_kernel("cpu")(op._abstract_fn)
     for entry in dispatch._TABLE.values():
         entry.missing = {}  # every backend installed, FlashQLA included

@@ -150,12 +150,18 @@ def fla_kernels_need_cuda(args: "GenericArgs") -> str | None:
     return None
 
 
-# FLA's classes whose blocks trace whole under torch.compile: their mixers are flame's (the scan a custom op, FLA's
-# layer without mamba_ssm is flame's: FLA_LAYER_REPLACEMENTS; MoBA's op without flash-attn is flame's
+# FLA's classes whose blocks trace whole under torch.compile: their mixers are flame's (the scans custom ops, FLA's
+# layers without mamba_ssm are flame's: FLA_LAYER_REPLACEMENTS; MoBA's op without flash-attn is flame's
 # parallel_moba, FlexAttention when compiled) and FLA's norms, activations and rotary embedding run as PyTorch code
 # while compiling (FLA_FUNCTIONS_IN_PYTORCH); tests/parallelize/test_compile.py checks that they do. Values: the
 # package whose kernels FLA's layer calls where it is installed, which would break the graphs.
-FLA_MODEL_TYPES_TRACED_WHOLE = {"mamba": "mamba_ssm", "samba": "mamba_ssm", "moba": "flash_attn"}
+FLA_MODEL_TYPES_TRACED_WHOLE = {
+    "mamba": "mamba_ssm",
+    "mamba2": "mamba_ssm",
+    "mamba3": "mamba_ssm",
+    "samba": "mamba_ssm",
+    "moba": "flash_attn",
+}
 
 
 def fla_blocks_run_eagerly(args: "GenericArgs") -> str | None:

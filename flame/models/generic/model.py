@@ -30,7 +30,7 @@ from flame.models.layers.fla_attention import deltaformer_attention, flash_attn_
 from flame.models.layers.fla_moba import parallel_moba
 from flame.ops import activations, rotary
 from flame.ops.attention_delta import attention_delta
-from flame.ops.norm import residual_rms_norm_torch
+from flame.ops.norm import group_rms_norm_gated_torch, residual_rms_norm_torch
 
 # FLA's layers that flame builds in their place (same parameters) while their fast path does not import: FLA's
 # softmax attention without flash-attn, Mamba, Mamba2 and Mamba3 (SISO) without mamba_ssm. Values: flame's class, the attribute of FLA's layer
@@ -49,6 +49,7 @@ FLA_LAYER_REPLACEMENTS = {
 # FLA's functions that compiled blocks run as PyTorch code (flame.compat.fla_functions_traced_under_compile).
 FLA_FUNCTIONS_IN_PYTORCH = {
     "fla.modules.norm.layernorm.rms_norm": residual_rms_norm_torch,
+    "fla.modules.norm.layernorm_gated.rmsnorm_fn": group_rms_norm_gated_torch,
     "fla.modules.activations.ops.swish": activations.swish,
     "fla.modules.activations.ops.swiglu": activations.swiglu,
     "fla.modules.activations.ops.swiglu_linear": activations.swiglu_linear,

@@ -32,8 +32,8 @@ class FLAMamba2(Mamba2):
         projected = self.in_proj(input_states)
         groups_width = self.n_groups * self.ssm_state_size
         d_mlp = (projected.shape[-1] - 2 * self.intermediate_size - 2 * groups_width - self.num_heads) // 2
-        _, _, gate, x_B_C, dt = projected.split(
-            [d_mlp, d_mlp, self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
+        _, _, gate, x_B_C, dt = torch.split(
+            projected, [d_mlp, d_mlp, self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
         )
         x_B_C = apply_mask_to_padding_states(x_B_C, attention_mask)
         conv_state = None

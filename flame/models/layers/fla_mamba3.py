@@ -55,9 +55,9 @@ class FLAMamba3(Mamba3):
         z, x, B, C, dd_dt, dd_A, trap, angles = self._project_and_split(hidden_states)
         dtype = x.dtype
         scan = torch.promote_types(dtype, torch.float32)  # float32 at least
-        z, x = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in (z, x))
+        z, x = (torch.unflatten(t, -1, (self.num_heads, self.head_dim)) for t in (z, x))
         B, C = (
-            norm(t.unflatten(-1, (self.n_groups, self.ssm_state_size)))
+            norm(torch.unflatten(t, -1, (self.n_groups, self.ssm_state_size)))
             for norm, t in ((self.B_norm, B), (self.C_norm, C))
         )
         dt = F.softplus(dd_dt + self.dt_bias).to(scan)  # [batch, T, heads]

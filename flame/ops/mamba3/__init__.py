@@ -44,8 +44,9 @@ def mamba3_siso(
     theta = cumulative_angles(angles, dt)
     q, k = rotate_pairs(q, theta), rotate_pairs(k, theta)
     weight = torch.sigmoid(trap).transpose(1, 2)
-    # (1 - lambda_{t+1}) dt_{t+1}: the share of token t's key and value that enters at the next token.
-    handed_on = F.pad((1 - weight[:, 1:]) * dt[:, 1:], (0, 0, 0, 1))
+    # (1 - lambda_{t+1}) dt_{t+1}: the share of token t's key and value that enters at the next token
+    # (1 - sigmoid(a) = sigmoid(-a)).
+    handed_on = F.pad(torch.sigmoid(-trap).transpose(1, 2)[:, 1:] * dt[:, 1:], (0, 0, 0, 1))
     keys = k * (weight * dt + handed_on)[..., None].to(k.dtype)
     y, state = ssd(v, None, adt, keys, q)
     y = y - ((q * k).sum(-1) * handed_on)[..., None].to(y.dtype) * v

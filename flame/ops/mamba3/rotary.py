@@ -24,7 +24,7 @@ def rotate_pairs(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     """x [..., width] with channels (2i, 2i + 1) rotated by theta[..., i] for i < theta's last size; the channels
     past twice that are left as they are."""
     rotated = 2 * theta.shape[-1]
-    pairs = x[..., :rotated].unflatten(-1, (-1, 2))
+    pairs = torch.unflatten(x[..., :rotated], -1, (-1, 2))
     first, second = pairs[..., 0], pairs[..., 1]
     cos, sin = theta.cos().to(x.dtype), theta.sin().to(x.dtype)
     turned = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1).flatten(-2)

@@ -11,8 +11,8 @@ keys B, values dt x, log decay g = dt A and scale 1, its state value-first ([hea
 FLA's Mamba2 layer runs mamba_ssm's kernels where they are installed and otherwise a PyTorch path that materialises
 a state-sized product per pair of tokens in a chunk (24 GiB for one layer of a 97M model at 8 x 2048 tokens);
 flame's layer (flame.models.layers.fla_mamba2) calls this op instead, with float32 x, B and C as FLA's PyTorch path
-takes them: FLA's kernel then multiplies in TF32 (Triton's default for float32), and on Hopper with Triton
-3.4-3.7.0 its backward's dq/dk/dg is flame's Triton kernel, ranked there ahead of FLA's TileLang one
+takes them: FLA's kernel then multiplies in TF32 (Triton's default for float32); its forward and backward run as torch.library
+custom ops (one graph per compiled block), and on Hopper with Triton 3.4-3.7.0 its backward's dq/dk/dg is flame's Triton kernel, ranked there ahead of FLA's TileLang one
 (flame.compat.serve_gated_dqkwg_on_hopper; tests/gpu/test_ssd.py states the errors).
 """
 
@@ -26,17 +26,14 @@ from flame.ops.ssd.naive import scaled_inputs, ssd_recurrent
 def fla_ssd(
     x: torch.Tensor, dt: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scan on FLA 0.6.0's ``chunk_simple_gla`` (imported on first use: it pulls in Triton). On Hopper GPUs with
-    Triton 3.4-3.7.0 its gated backward is served by flame's kernel or FLA's TileLang one (FLA issue 640)."""
-    from fla.ops.simple_gla import chunk_simple_gla
+    """The scan on FLA 0.6.0's simple-GLA kernels through flame's custom ops (flame.ops.fla_library: FLA's
+    ``chunk_simple_gla`` is a graph break under torch.compile, the ops are one node each, so a compiled Mamba2 or
+    Mamba3 block is one graph). On Hopper GPUs with Triton 3.4-3.7.0 its gated backward is served by flame's kernel
+    or FLA's TileLang one (FLA issue 640)."""
+    from flame.ops.fla_library import chunk_simple_gla
 
-    from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
-
-    serve_where_fla_refuses()
     values, log_decay = scaled_inputs(x, dt, A)
-    y, state = chunk_simple_gla(
-        C, B, values.to(x.dtype), g=log_decay, scale=1.0, output_final_state=True, state_v_first=True
-    )
+    y, state = chunk_simple_gla(C, B, values.to(x.dtype), log_decay, scale=1.0, state_v_first=True)
     return y.to(x.dtype), state.to(x.dtype)
 
 
