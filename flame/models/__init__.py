@@ -118,10 +118,7 @@ def build_model(args: ModelArgs):
 
 
 def check_device(args: ModelArgs, device_type: str) -> None:
-    """Refuse, in one line, to train a model that cannot run here: one that needs a package this environment
-    lacks, or a CUDA GPU on another device."""
-    if reason := model_spec(args).unavailable_reason(args):
-        raise ModelConfigError(reason)
+    """Refuse, in one line, to train a model that cannot run here: one that needs a CUDA GPU, on another device."""
     if device_type != "cuda" and (reason := model_spec(args).cuda_reason(args)):
         raise ModelConfigError(
             f"{reason}: it needs a CUDA GPU and this run has none; on a CPU flame trains its own families "

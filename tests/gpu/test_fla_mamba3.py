@@ -14,7 +14,11 @@ from tests.models.layers.test_fla_mamba3 import ReferenceRMSNorm, layer, token_b
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("options", [{}, {"n_groups": 2, "rope_fraction": 1.0}], ids=["siso", "two_groups"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"n_groups": 2, "rope_fraction": 1.0}, {"is_mimo": True, "mimo_rank": 3}],
+    ids=["siso", "two_groups", "mimo"],
+)
 def test_layer_on_the_gpu_equals_the_float64_token_by_token_layer(options, exact_float32, fla_tilelang_off):
     reference = layer(**options)
     gpu = copy.deepcopy(reference)

@@ -1,5 +1,5 @@
-"""flame.ops.mamba3 (Mamba-3's SISO scan as Mamba-2's scan plus a diagonal term) against the token-by-token
-trapezoidal recurrence, float64, odd sizes: outputs, the states after the last token and every input's gradient
+"""flame.ops.mamba3 (Mamba-3's SISO and MIMO scans as Mamba-2's scan plus per-token terms) against the token-by-token
+trapezoidal recurrences, float64, odd sizes: outputs, the states after the last token and every input's gradient
 within 1e-10."""
 
 import math
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from flame.ops.mamba3 import mamba3_siso, mamba3_siso_recurrent
-from flame.ops.mamba3.rotary import cumulative_angles, rotate_pairs
+from flame.ops.mamba3 import mamba3_mimo, mamba3_mimo_recurrent, mamba3_siso, mamba3_siso_recurrent
+from flame.ops.mamba3.rotary import cumulative_angles, rotate_halves, rotate_pairs
 
 
 def inputs(batch, length, groups, heads, state, head_dim, pairs, seed=0, with_d=True, with_z=True):
@@ -123,3 +123,99 @@ def test_angles_accumulate_bounded_and_modulo_two_pi():
     theta = cumulative_angles(angles, dt)[0, :, 0, 0]
     want = torch.tensor([0.75 * math.pi * (t + 1) % (2 * math.pi) for t in range(5)], dtype=torch.float64)
     torch.testing.assert_close(theta, want, rtol=0, atol=1e-12)
+
+
+def mimo_inputs(batch, length, rank, groups, heads, state, head_dim, pairs, with_d, with_z, with_out, seed=0):
+    arguments = inputs(batch, length, groups, heads, state, head_dim, pairs, seed, with_d, with_z)
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    return dict(
+        arguments,
+        q=randn(batch, length, rank, groups, state),
+        k=randn(batch, length, rank, groups, state),
+        q_bias=randn(heads, rank, state),
+        k_bias=randn(heads, rank, state),
+        mimo_x=randn(heads, rank, head_dim),
+        mimo_z=randn(heads, rank, head_dim) if with_z else None,
+        mimo_o=randn(heads, rank, head_dim) if with_out else None,
+    )
+
+
+@pytest.mark.parametrize(
+    (
+        "batch",
+        "length",
+        "rank",
+        "groups",
+        "heads",
+        "state",
+        "head_dim",
+        "pairs",
+        "with_d",
+        "with_z",
+        "with_out",
+    ),
+    [
+        (2, 37, 3, 1, 3, 6, 5, 2, True, True, True),  # 2 of 3 channel pairs rotated
+        (
+            1,
+            70,
+            2,
+            2,
+            4,
+            8,
+            3,
+            4,
+            False,
+            True,
+            True,
+        ),  # every pair rotated; two groups; a chunk border crossed
+        (
+            2,
+            19,
+            4,
+            1,
+            2,
+            6,
+            3,
+            1,
+            True,
+            False,
+            False,
+        ),  # each rank's output (a norm comes before the contraction)
+        (1, 1, 2, 1, 1, 4, 2, 1, True, True, True),  # one token
+    ],
+)
+def test_mimo_ssd_form_equals_the_recurrence_and_its_gradients(
+    batch, length, rank, groups, heads, state, head_dim, pairs, with_d, with_z, with_out
+):
+    """The MIMO scan as Mamba-2's scan over rank sub-tokens plus the per-token terms, against the token-by-token
+    rank-r recurrence (mamba_ssm's ``mamba3_MIMO_step_ref``): outputs, the four states and every input's gradient
+    within 1e-10, float64."""
+    arguments = mimo_inputs(
+        batch, length, rank, groups, heads, state, head_dim, pairs, with_d, with_z, with_out
+    )
+    leaves = {name: t.requires_grad_() for name, t in arguments.items() if t is not None}
+    results = []
+    for op in (mamba3_mimo, mamba3_mimo_recurrent):
+        y, states = op(**arguments)
+        grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        loss = (y * grad).sum() + sum((s * (i + 1)).sum() for i, s in enumerate(states))
+        results.append((y, *states, *torch.autograd.grad(loss, list(leaves.values()))))
+    names = ("y", "angle state", "ssm state", "k state", "v state", *(f"d{name}" for name in leaves))
+    for name, ours, reference in zip(names, *results, strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_rotate_halves_turns_channel_i_with_channel_i_plus_half_the_width():
+    """Channels (i, i + 4) of 8 as the complex number x_i + j x_{i+4} times exp(j theta_i) for the 2 angles given;
+    channels 2, 3, 6, 7 unchanged."""
+    x = torch.randn(3, 8, dtype=torch.float64)
+    theta = torch.randn(3, 2, dtype=torch.float64)
+    turned = torch.complex(x[:, :2], x[:, 4:6]) * torch.exp(1j * theta)
+    want = x.clone()
+    want[:, :2], want[:, 4:6] = turned.real, turned.imag
+    torch.testing.assert_close(rotate_halves(x, theta), want, rtol=0, atol=1e-14)

@@ -35,6 +35,8 @@ FLA_MODELS = {
                "state_size": 16, "n_groups": 2},
     "mamba3": {"model_type": "mamba3", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256, "head_dim": 32,
                "state_size": 16, "n_groups": 2},
+    "mamba3_mimo": {"model_type": "mamba3", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256,
+                    "head_dim": 32, "state_size": 16, "n_groups": 2, "is_mimo": True, "mimo_rank": 2},
     "samba": {"model_type": "samba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256,
               "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "window_size": 2048}},
     "moba": {"model_type": "moba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256, "num_heads": 4,

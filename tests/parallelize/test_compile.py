@@ -126,6 +126,7 @@ def test_flames_models_trace_whole_on_the_cuda_paths_of_their_ops():
         "mamba",
         "mamba2",
         "mamba3",
+        "mamba3_mimo",
         "samba",
         "moba",
     ]

@@ -12,8 +12,6 @@
   generic family: varlen for the transformers classes that keep packed documents apart).
 - ``needs_cuda``: for models that cannot run without a CUDA GPU, why (read from the model's args; the generic
   family: FLA's classes, whose layers run Triton kernels only); None where the model also trains on the CPU.
-- ``unavailable``: for models that cannot run in this Python environment at all, why (the generic family: an FLA
-  layer whose every path runs a package flame does not install); None where they can.
 - ``eager_blocks``: for models whose blocks ``--compile.enable`` leaves eager, why (measured slower compiled than
   eager: the generic family's FLA classes); None where the blocks are compiled.
 """
@@ -48,11 +46,6 @@ class ModelSpec:
     config_parallelisms: Callable[[ModelArgs], frozenset[str]] | None = None
     needs_cuda: Callable[[ModelArgs], str | None] | None = None
     eager_blocks: Callable[[ModelArgs], str | None] | None = None
-    unavailable: Callable[[ModelArgs], str | None] | None = None
-
-    def unavailable_reason(self, args: ModelArgs) -> str | None:
-        """Why a model of these args cannot run in this environment, or None where it can."""
-        return self.unavailable(args) if self.unavailable else None
 
     def cuda_reason(self, args: ModelArgs) -> str | None:
         """Why a model of these args needs a CUDA GPU, or None when it also runs on the CPU."""

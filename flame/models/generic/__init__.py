@@ -10,7 +10,6 @@ from flame.models.generic.args import (
     config_parallelisms,
     fla_blocks_run_eagerly,
     fla_kernels_need_cuda,
-    fla_layers_missing_packages,
 )
 from flame.models.generic.model import build_generic_model, generic_blocks
 
@@ -22,5 +21,4 @@ SPEC = ModelSpec(
     config_parallelisms=config_parallelisms,
     needs_cuda=fla_kernels_need_cuda,
     eager_blocks=fla_blocks_run_eagerly,
-    unavailable=fla_layers_missing_packages,
 )

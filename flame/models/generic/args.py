@@ -181,31 +181,6 @@ def fla_blocks_run_eagerly(args: "GenericArgs") -> str | None:
     )
 
 
-# FLA 0.6.0 layers whose every path, for configs that set a key, runs a package flame does not install (the package
-# index has no wheels of it): model_type -> (the key, the module FLA imports, what it provides, what to train
-# instead). A first step would stop in the layer's forward.
-FLA_REQUIRED_MODULES = {
-    "mamba3": (
-        "is_mimo",
-        "mamba_ssm",
-        "mamba_ssm's Mamba-3 MIMO kernels (flame runs FLA's Mamba3 layer on its own scan for SISO layers only)",
-        "with is_mimo false (SISO layers)",
-    ),
-}
-
-
-def fla_layers_missing_packages(args: "GenericArgs") -> str | None:
-    if not builds_fla_class(args) or args.model_type not in FLA_REQUIRED_MODULES:
-        return None
-    key, module, provides, instead = FLA_REQUIRED_MODULES[args.model_type]
-    if not args.config.get(key) or importlib.util.find_spec(module) is not None:
-        return None
-    return (
-        f"model_type '{args.model_type}' with {key} true needs {provides}, and {module} is not installed: install "
-        f"it, or train {instead}"
-    )
-
-
 # FLA 0.6.0 families whose kernels take only some head shapes: the model builds, and the first step stops in a
 # Triton compilation error (deltaformer: its kernels tile a head's channels, so the width must be a power of 2 that
 # tl.dot takes) or an assertion (path_attn's head widths, NSA's query heads per key/value head). The dry run refuses

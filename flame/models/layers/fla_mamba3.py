@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from fla.layers.mamba3 import Mamba3
 from fla.layers.utils import get_layer_cache, update_layer_cache
 
-from flame.ops.mamba3 import mamba3_siso
+from flame.ops.mamba3 import mamba3_mimo, mamba3_siso
 from flame.ops.mamba3.naive import trapezoid_step
-from flame.ops.mamba3.rotary import cumulative_angles, rotate_pairs
+from flame.ops.mamba3.rotary import cumulative_angles, rotate_halves, rotate_pairs
 
 
 class FLAMamba3(Mamba3):
@@ -36,7 +36,7 @@ class FLAMamba3(Mamba3):
         padded = attention_mask is not None and not bool(attention_mask.all())
         last_state = get_layer_cache(self, past_key_values)
         decoding = last_state is not None and hidden_states.shape[1] == 1
-        if self.is_mimo or cu_seqlens is not None or padded or (last_state is not None and not decoding):
+        if cu_seqlens is not None or padded or (last_state is not None and not decoding):
             return super().forward(
                 hidden_states,
                 attention_mask,
@@ -57,53 +57,101 @@ class FLAMamba3(Mamba3):
         scan = torch.promote_types(dtype, torch.float32)  # float32 at least
         z, x = (torch.unflatten(t, -1, (self.num_heads, self.head_dim)) for t in (z, x))
         B, C = (
-            norm(torch.unflatten(t, -1, (self.n_groups, self.ssm_state_size)))
+            norm(torch.unflatten(t, -1, (self.mimo_rank, self.n_groups, self.ssm_state_size)))
             for norm, t in ((self.B_norm, B), (self.C_norm, C))
-        )
+        )  # [batch, T, rank, groups, state]
         dt = F.softplus(dd_dt + self.dt_bias).to(scan)  # [batch, T, heads]
         adt = self._compute_a(dd_A) * dt
-        angles = angles.unsqueeze(-2).expand(-1, -1, self.num_heads, -1)
-        y, (angle_state, ssm_state, k_state, v_state) = mamba3_siso(
-            C.to(scan),
-            B.to(scan),
-            x.to(scan),
-            adt.transpose(1, 2),
-            dt.transpose(1, 2),
-            trap.to(scan).transpose(1, 2),
-            self.C_bias.squeeze(1).to(scan),
-            self.B_bias.squeeze(1).to(scan),
-            angles.to(scan),
-            D=self.D.to(scan),
-            z=None if self.is_outproj_norm else z.to(scan),
-        )
-        y = y.flatten(-2)
-        if self.is_outproj_norm:
-            y = self.norm(y, z.flatten(-2))
+        angles = angles.unsqueeze(-2).expand(-1, -1, self.num_heads, -1).to(scan)
+        gate = None if self.is_outproj_norm else z.to(scan)
+        if self.is_mimo:
+            y, (angle_state, ssm_state, k_state, v_state) = mamba3_mimo(
+                C.to(scan),
+                B.to(scan),
+                x.to(scan),
+                adt.transpose(1, 2),
+                dt.transpose(1, 2),
+                trap.to(scan).transpose(1, 2),
+                self.C_bias.to(scan),
+                self.B_bias.to(scan),
+                angles,
+                self.mimo_x.to(scan),
+                D=self.D.to(scan),
+                z=gate,
+                mimo_z=self.mimo_z.to(scan),
+                mimo_o=None if self.is_outproj_norm else self.mimo_o.to(scan),
+            )
+            if self.is_outproj_norm:  # each rank's output normed with its own gate, then contracted
+                gates = z.to(scan)[:, :, None] * self.mimo_z.transpose(0, 1).to(scan)
+                y = torch.unflatten(
+                    self.norm(y.flatten(-2), gates.flatten(-2)), -1, (self.num_heads, self.head_dim)
+                )
+                y = torch.einsum("btrhp,hrp->bthp", y.to(scan), self.mimo_o.to(scan))
+            y = y.flatten(-2)
+        else:
+            y, (angle_state, ssm_state, k_state, v_state) = mamba3_siso(
+                C.squeeze(2).to(scan),
+                B.squeeze(2).to(scan),
+                x.to(scan),
+                adt.transpose(1, 2),
+                dt.transpose(1, 2),
+                trap.to(scan).transpose(1, 2),
+                self.C_bias.squeeze(1).to(scan),
+                self.B_bias.squeeze(1).to(scan),
+                angles,
+                D=self.D.to(scan),
+                z=gate,
+            )
+            k_state = k_state.unsqueeze(
+                1
+            )  # the step's layout: a rank dimension (1 for SISO), as FLA's layer aligns it
+            y = y.flatten(-2)
+            if self.is_outproj_norm:
+                y = self.norm(y, z.flatten(-2))
         out = self.out_proj(y.to(dtype))
         if use_cache and past_key_values is not None:
-            # The step's layout: the key state with a rank dimension (1 for SISO), as FLA's layer aligns it.
-            states = (angle_state, ssm_state, k_state.unsqueeze(1).to(dtype), v_state.to(dtype))
+            states = (angle_state, ssm_state, k_state.to(dtype), v_state.to(dtype))
             update_layer_cache(self, past_key_values, recurrent_state=states, offset=length)
         return out, None, past_key_values
 
     def step(self, hidden_states, angle_state, ssm_state, k_state, v_state):
         """One token from the cache, which it updates in place as FLA's step does: the recurrence of
-        flame.ops.mamba3.naive for one token after FLA's own per-token preprocessing (SISO; a MIMO layer runs FLA's
-        step, which needs mamba_ssm)."""
-        if self.is_mimo:
-            return super().step(hidden_states, angle_state, ssm_state, k_state, v_state)
+        flame.ops.mamba3.naive for one token after FLA's own per-token preprocessing, SISO or MIMO."""
         z, x, B, C, dd_dt, dd_A, trap, angles = self._project_and_split(hidden_states.squeeze(1))
         dt, B, C, x, z, trap, A, angles = self._preprocess_step(dd_A, dd_dt, B, C, x, z, trap, angles)
         dtype, scan = x.dtype, ssm_state.dtype
         dt, A, trap, x, z = (t.to(scan) for t in (dt, A, trap, x, z))
         angle = cumulative_angles(angles[:, None], dt[:, None], start=angle_state)[:, 0]
-        q = rotate_pairs(C[:, 0].to(scan) + self.C_bias.squeeze(1), angle)
-        k = rotate_pairs(B[:, 0].to(scan) + self.B_bias.squeeze(1), angle)
-        state = trapezoid_step(ssm_state, k_state[:, 0].to(scan), v_state.to(scan), k, x, A * dt, dt, trap)
-        y = torch.einsum("bhpn,bhn->bhp", state, q) + self.D[:, None].to(scan) * x
-        y = self.norm(y.flatten(-2), z.flatten(-2)) if self.is_outproj_norm else (y * F.silu(z)).flatten(-2)
+        rotate = rotate_halves if self.is_mimo else rotate_pairs
+        q, k = (
+            rotate(t.to(scan) + bias.transpose(0, 1).to(scan), angle[:, None])
+            for t, bias in ((C, self.C_bias), (B, self.B_bias))
+        )  # [batch, rank, heads, state]
+
+        def ranks(name):  # a MIMO layer's projection [rank, heads, head_dim]; SISO layers have none
+            return getattr(self, name).transpose(0, 1).to(scan) if self.is_mimo else 1
+
+        values, previous = (t[:, None] * ranks("mimo_x") for t in (x, v_state.to(scan)))
+        state = trapezoid_step(
+            ssm_state,
+            *(t.transpose(1, 2) for t in (k_state.to(scan), previous, k, values)),
+            A * dt,
+            dt,
+            trap,
+        )
+        y = torch.einsum("bhpn,brhn->brhp", state, q) + self.D[:, None].to(scan) * values
+        gates = z[:, None] * ranks("mimo_z")
+        if self.is_outproj_norm:
+            y = (
+                self.norm(y.flatten(-2), gates.flatten(-2))
+                .unflatten(-1, (self.num_heads, self.head_dim))
+                .to(scan)
+            )
+        else:
+            y = y * F.silu(gates)
+        y = torch.einsum("brhp,hrp->bhp", y, self.mimo_o.to(scan)) if self.is_mimo else y[:, 0]
         angle_state.copy_(angle)
         ssm_state.copy_(state)
-        k_state.copy_(k.unsqueeze(1))
+        k_state.copy_(k)
         v_state.copy_(x)
-        return self.out_proj(y.to(dtype)).unsqueeze(1)
+        return self.out_proj(y.flatten(-2).to(dtype)).unsqueeze(1)

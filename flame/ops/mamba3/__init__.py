@@ -14,8 +14,8 @@ reference (``mamba3_siso_fwd_ref``) computes the same sum as one masked matrix p
 import torch
 import torch.nn.functional as F
 
-from flame.ops.mamba3.naive import mamba3_siso_recurrent
-from flame.ops.mamba3.rotary import cumulative_angles, rotate_pairs
+from flame.ops.mamba3.naive import mamba3_mimo_recurrent, mamba3_siso_recurrent
+from flame.ops.mamba3.rotary import cumulative_angles, rotate_halves, rotate_pairs
 from flame.ops.ssd import ssd
 
 
@@ -57,4 +57,67 @@ def mamba3_siso(
     return y, (theta[:, -1], state, k[:, -1], v[:, -1])
 
 
-__all__ = ["mamba3_siso", "mamba3_siso_recurrent"]
+def mamba3_mimo(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    adt: torch.Tensor,
+    dt: torch.Tensor,
+    trap: torch.Tensor,
+    q_bias: torch.Tensor,
+    k_bias: torch.Tensor,
+    angles: torch.Tensor,
+    mimo_x: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    mimo_z: torch.Tensor | None = None,
+    mimo_o: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Mamba-3's MIMO scan: each token updates the state with ``rank`` key-value pairs and reads it with ``rank``
+    queries. q, k [batch, T, rank, groups, state], v [batch, T, heads, head_dim], adt, dt, trap [batch, heads, T],
+    q_bias and k_bias [heads, rank, state], angles [batch, T, heads, pairs] (pairs <= state / 2; channel i turns
+    with channel i + state / 2), mimo_x, mimo_z, mimo_o [heads, rank, head_dim], D [heads], z [batch, T, heads,
+    head_dim] -> y [batch, T, heads, head_dim] (with mimo_o; without it each rank's [batch, T, rank, heads,
+    head_dim], for a norm before the contraction), and the states after the last token in the layout of FLA's MIMO
+    decoding step: the angles [batch, heads, pairs], the state [batch, heads, head_dim, state], the last rotated
+    keys [batch, rank, heads, state] and the last x [batch, heads, head_dim].
+
+    As Mamba-2's scan over rank sub-tokens per token: sub-token (t, r) carries the key c_t k_{t,r}, the value
+    v_{t,r} = x_t * mimo_x[r] and the query q_{t,r}; the decay applies at a token's first sub-token. Query (t, r)
+    then sees every rank of the earlier tokens as the recurrence does, and of its own token the ranks up to r; the
+    ranks after r and the trapezoid's diagonal term are added per token (rank x rank products)."""
+    batch, length, rank = q.shape[:3]
+    heads = v.shape[2]
+    q, k = (
+        t.repeat_interleave(heads // t.shape[3], dim=3) + bias.transpose(0, 1)
+        for t, bias in ((q, q_bias), (k, k_bias))
+    )  # [batch, T, rank, heads, state]
+    dt, adt = dt.transpose(1, 2), adt.transpose(1, 2)  # [batch, T, heads]
+    theta = cumulative_angles(angles, dt)
+    q, k = (rotate_halves(t, theta[:, :, None]) for t in (q, k))
+    values = v[:, :, None] * mimo_x.transpose(0, 1)  # [batch, T, rank, heads, head_dim]
+    weight = torch.sigmoid(trap).transpose(1, 2)
+    handed_on = F.pad(torch.sigmoid(-trap).transpose(1, 2)[:, 1:] * dt[:, 1:], (0, 0, 0, 1))
+    scale = (weight * dt + handed_on)[:, :, None, :, None].to(k.dtype)
+    decay = F.pad(
+        adt[:, :, None], (0, 0, 0, rank - 1)
+    )  # [batch, T, rank, heads]: the token's first sub-token
+    y, state = ssd(
+        values.flatten(1, 2), None, decay.flatten(1, 2), (k * scale).flatten(1, 2), q.flatten(1, 2)
+    )
+    y = y.unflatten(1, (length, rank))
+    # Of its own token, query r has seen the keys of ranks <= r with weight c_t: add ranks > r, remove the diagonal.
+    later = torch.ones(rank, rank, dtype=torch.bool, device=q.device).triu(1)
+    own = torch.where(later[..., None], (weight * dt)[:, :, None, None], -handed_on[:, :, None, None])
+    scores = torch.einsum("btrhn,btahn->btrah", q, k) * own.to(q.dtype)  # own: [batch, T, rank, rank, heads]
+    y = y + torch.einsum("btrah,btahp->btrhp", scores, values)
+    if D is not None:
+        y = y + D[:, None].to(y.dtype) * values
+    if z is not None:
+        y = y * F.silu(z[:, :, None] * mimo_z.transpose(0, 1))
+    if mimo_o is not None:
+        y = torch.einsum("btrhp,hrp->bthp", y, mimo_o)
+    return y, (theta[:, -1], state, k[:, -1], v[:, -1])
+
+
+__all__ = ["mamba3_mimo", "mamba3_mimo_recurrent", "mamba3_siso", "mamba3_siso_recurrent"]

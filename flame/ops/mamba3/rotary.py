@@ -29,3 +29,16 @@ def rotate_pairs(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     cos, sin = theta.cos().to(x.dtype), theta.sin().to(x.dtype)
     turned = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1).flatten(-2)
     return torch.cat((turned, x[..., rotated:]), dim=-1)
+
+
+def rotate_halves(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """x [..., width] with channels (i, i + width / 2) rotated by theta[..., i] for i < theta's last size (the
+    pairing of mamba_ssm's Mamba-3 MIMO kernels and of FLA's MIMO decoding step); the other channels are left as
+    they are."""
+    half, count = x.shape[-1] // 2, theta.shape[-1]
+    first, second = x[..., :count], x[..., half : half + count]
+    cos, sin = theta.cos().to(x.dtype), theta.sin().to(x.dtype)
+    return torch.cat(
+        (first * cos - second * sin, x[..., count:half], first * sin + second * cos, x[..., half + count :]),
+        dim=-1,
+    )

@@ -19,7 +19,6 @@ from fla.modules.layernorm_gated import rms_norm_ref  # noqa: E402
 
 from flame.models import build_model, model_args_from_dict  # noqa: E402
 from flame.models.layers.fla_mamba3 import FLAMamba3  # noqa: E402
-from flame.ops.mamba3.rotary import rotate_pairs  # noqa: E402
 
 LIMIT = 1e-12
 
@@ -59,8 +58,12 @@ def test_the_norm_stand_in_is_flas_reference(gated):
 def layer(**options) -> FLAMamba3:
     torch.manual_seed(0)
     layer = FLAMamba3(hidden_size=24, state_size=8, head_dim=4, expand=2, chunk_size=16, **options).double()
-    with torch.no_grad():  # biases and D away from their constant initial values, so that a mix-up shows
-        for p in (layer.B_bias, layer.C_bias, layer.D):
+    with (
+        torch.no_grad()
+    ):  # biases, D and the rank projections off their constant initial values: a mix-up shows
+        for p in (layer.B_bias, layer.C_bias, layer.D) + (
+            (layer.mimo_x, layer.mimo_z, layer.mimo_o) if layer.is_mimo else ()
+        ):
             p.add_(torch.randn_like(p) * 0.5)
     layer.B_norm, layer.C_norm = ReferenceRMSNorm(layer.B_norm), ReferenceRMSNorm(layer.C_norm)
     # FLA's formula for A in the input's dtype: FLA's rounds it to float32, whose softplus rounds differently for a
@@ -71,42 +74,74 @@ def layer(**options) -> FLAMamba3:
     return layer
 
 
+def rotate(x: torch.Tensor, theta: torch.Tensor, pairwise: bool) -> torch.Tensor:
+    """x's channel pairs as complex numbers times exp(i theta): (2i, 2i + 1) for SISO layers, (i, i + width / 2)
+    for MIMO ones (mamba_ssm's kernels and FLA's MIMO step); channels past theta's pairs stay."""
+    count, half = theta.shape[-1], x.shape[-1] // 2
+    if pairwise:
+        index = torch.arange(2 * count).view(-1, 2)
+    else:
+        index = torch.stack((torch.arange(count), torch.arange(count) + half), dim=-1)
+    turned = torch.view_as_real(
+        torch.complex(x[..., index[:, 0]], x[..., index[:, 1]]) * torch.exp(1j * theta)
+    )
+    out = x.clone()
+    out[..., index[:, 0]], out[..., index[:, 1]] = turned[..., 0], turned[..., 1]
+    return out
+
+
 def token_by_token(layer: FLAMamba3, hidden: torch.Tensor) -> torch.Tensor:
+    """mamba_ssm's step references (``mamba3_siso_step_ref``, ``mamba3_MIMO_step_ref``) after FLA's per-token
+    preprocessing: the rank's values x * mimo_x, the state's rank-r update, each rank's output gated by z * mimo_z
+    (or normed with it) and contracted with mimo_o; a SISO layer is rank 1 with no projections."""
     batch, length, _ = hidden.shape
-    heads, state_size = layer.num_heads, layer.ssm_state_size
+    heads, state_size, rank = layer.num_heads, layer.ssm_state_size, layer.mimo_rank
+    ones = hidden.new_ones(heads, 1, layer.head_dim)
+    mimo_x, mimo_z, mimo_o = (
+        (layer.mimo_x, layer.mimo_z, layer.mimo_o) if layer.is_mimo else (ones, ones, ones)
+    )
     angle_state = hidden.new_zeros(batch, heads, layer.num_rope_angles)
     state = hidden.new_zeros(batch, heads, layer.head_dim, state_size)
-    k_state = hidden.new_zeros(batch, heads, state_size)
-    v_state = hidden.new_zeros(batch, heads, layer.head_dim)
+    k_state = hidden.new_zeros(batch, rank, heads, state_size)
+    v_state = hidden.new_zeros(batch, rank, heads, layer.head_dim)
     outputs = []
     for t in range(length):
         z, x, B, C, dd_dt, dd_A, trap, angles = layer._project_and_split(hidden[:, t])
         dt, B, C, x, z, trap, A, angles = layer._preprocess_step(dd_A, dd_dt, B, C, x, z, trap, angles)
         angle_state = angle_state + torch.tanh(angles) * math.pi * dt[..., None]
         angle_state = angle_state - 2 * math.pi * torch.floor(angle_state / (2 * math.pi))
-        q = rotate_pairs(C[:, 0] + layer.C_bias.squeeze(1), angle_state)
-        k = rotate_pairs(B[:, 0] + layer.B_bias.squeeze(1), angle_state)
+        q = rotate(C + layer.C_bias.transpose(0, 1), angle_state[:, None], pairwise=not layer.is_mimo)
+        k = rotate(B + layer.B_bias.transpose(0, 1), angle_state[:, None], pairwise=not layer.is_mimo)
+        v = x[:, None] * mimo_x.transpose(0, 1)  # [batch, rank, heads, head_dim]
         alpha = torch.exp(A * dt)
         state = (
             alpha[..., None, None] * state
-            + ((1 - trap) * dt * alpha)[..., None, None] * v_state[..., None] * k_state[..., None, :]
-            + (trap * dt)[..., None, None] * x[..., None] * k[..., None, :]
+            + ((1 - trap) * dt * alpha)[..., None, None] * torch.einsum("brhp,brhn->bhpn", v_state, k_state)
+            + (trap * dt)[..., None, None] * torch.einsum("brhp,brhn->bhpn", v, k)
         )
-        y = torch.einsum("bhpn,bhn->bhp", state, q) + layer.D[:, None] * x
-        k_state, v_state = k, x
+        y = torch.einsum("bhpn,brhn->brhp", state, q) + layer.D[:, None] * v
+        k_state, v_state = k, v
+        gates = z[:, None] * mimo_z.transpose(0, 1)
         if layer.is_outproj_norm:
-            y = layer.norm(y.flatten(-2), z.flatten(-2))
+            y = layer.norm(y.flatten(-2), gates.flatten(-2)).unflatten(-1, (heads, layer.head_dim))
         else:
-            y = (y * z * torch.sigmoid(z)).flatten(-2)
-        outputs.append(layer.out_proj(y))
+            y = y * gates * torch.sigmoid(gates)
+        outputs.append(layer.out_proj(torch.einsum("brhp,hrp->bhp", y, mimo_o).flatten(-2)))
     return torch.stack(outputs, dim=1)
 
 
-@pytest.mark.parametrize(
-    "options",
-    [{}, {"n_groups": 2, "rope_fraction": 1.0}, {"is_outproj_norm": True}],
-    ids=["siso", "two_groups_full_rotation", "output_norm"],
-)
+MIMO = {"is_mimo": True, "mimo_rank": 3}
+CASES = {
+    "siso": {},
+    "two_groups_full_rotation": {"n_groups": 2, "rope_fraction": 1.0},
+    "output_norm": {"is_outproj_norm": True},
+    "mimo": MIMO,
+    "mimo_two_groups_full_rotation": {**MIMO, "n_groups": 2, "rope_fraction": 1.0},
+    "mimo_output_norm": {**MIMO, "is_outproj_norm": True},
+}
+
+
+@pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())
 def test_forward_and_gradients_equal_the_token_by_token_layer(options):
     """37 tokens (past two of FLA's 16-token chunks and not a multiple of flame's 64): the whole-sequence forward
     against the token-by-token one, output and gradients."""
@@ -128,11 +163,9 @@ def test_forward_and_gradients_equal_the_token_by_token_layer(options):
         assert difference <= LIMIT, f"{name}: {difference:.1e} of the largest value"
 
 
-def test_mimo_and_padding_stay_flas_path():
+def test_padding_stays_flas_path():
     """What flame's scan does not compute goes to FLA's own path, which on the CPU refuses in its own words."""
     hidden = torch.randn(1, 5, 24, dtype=torch.float64)
-    with pytest.raises(NotImplementedError, match="Mamba-3 currently requires a CUDA device"):
-        layer(is_mimo=True, mimo_rank=2)(hidden)
     mask = torch.ones(1, 5, dtype=torch.long)
     layer()(hidden, attention_mask=mask)  # no padding: flame's scan
     mask[0, 0] = 0
@@ -140,7 +173,10 @@ def test_mimo_and_padding_stay_flas_path():
         layer()(hidden, attention_mask=mask)
 
 
-@pytest.mark.parametrize("options", [{}, {"is_outproj_norm": True}], ids=["siso", "output_norm"])
+@pytest.mark.parametrize(
+    "options", [{}, {"is_outproj_norm": True}, MIMO, {**MIMO, "is_outproj_norm": True}],
+    ids=["siso", "output_norm", "mimo", "mimo_output_norm"],
+)  # fmt: skip
 def test_prefill_then_decoding_equals_the_whole_sequence(options):
     """A prompt's prefill of 30 tokens keeps the states mamba_ssm returns in FLA's cache, and the next 7 tokens
     decoded one at a time from it give the whole sequence's last 7 outputs (float64, 1e-12 of the largest value)."""
