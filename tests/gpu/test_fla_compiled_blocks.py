@@ -1,4 +1,4 @@
-"""FLA's classes whose blocks flame compiles (FLA_MODEL_TYPES_TRACED_WHOLE: mamba, mamba2, mamba3, samba, moba) give
+"""FLA's classes whose blocks flame compiles (FLA_MODEL_TYPES_TRACED_WHOLE: mamba, mamba2, mamba3 SISO and MIMO, samba, moba) give
 the eager model's results: per-block torch.compile (FLA's norms and activations as flame's PyTorch code, the
 selective scan and Mamba-2's scan as flame's custom ops) against the same model run eagerly (FLA's Triton norms and activations), float32, odd sizes; and flame's
 PyTorch versions of FLA's functions against FLA's kernels on random inputs.
@@ -35,6 +35,8 @@ MODELS = {
                "state_size": 32, "n_groups": 2},
     "mamba3": {"model_type": "mamba3", "vocab_size": 509, "hidden_size": 96, "num_hidden_layers": 3, "head_dim": 48,
                "state_size": 32, "n_groups": 2},
+    "mamba3_mimo": {"model_type": "mamba3", "vocab_size": 509, "hidden_size": 96, "num_hidden_layers": 3,
+                    "head_dim": 48, "state_size": 32, "n_groups": 2, "is_mimo": True, "mimo_rank": 2},
 }  # fmt: skip
 TOKENS = {"moba": 384}
 
@@ -65,7 +67,7 @@ def loss_and_gradients(model, tokens):
 # Models whose scan multiplies float32 in FLA's Triton kernels, which round products to TF32 by default: they run
 # with IEEE float32 products (exact_float32, fla_tilelang_off), without which their compiled and eager gradients
 # differed by up to 7.6e-4 relative (H200, 2026-12-02): TF32 rounding of inputs that differ in their last bits.
-TRITON_FLOAT32_SCANS = ("mamba2", "mamba3")
+TRITON_FLOAT32_SCANS = ("mamba2", "mamba3", "mamba3_mimo")
 
 
 @pytest.mark.parametrize("name", MODELS)
