@@ -3,6 +3,7 @@ with flame's calling convention mixed in front of it."""
 
 import contextlib
 import functools
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -31,6 +32,8 @@ from flame.models.layers.fla_moba import parallel_moba
 from flame.ops import activations, rotary
 from flame.ops.attention_delta import attention_delta
 from flame.ops.norm import group_rms_norm_gated_torch, residual_rms_norm_torch
+
+logger = logging.getLogger(__name__)
 
 # FLA's layers that flame builds in their place (same parameters) while their fast path does not import: FLA's
 # softmax attention without flash-attn, Mamba, Mamba2 and Mamba3 (SISO) without mamba_ssm. Values: flame's class, the attribute of FLA's layer
@@ -224,7 +227,7 @@ def instantiate(lm_class: type, config) -> nn.Module:
         return cls(config)
     try:
         with fla_classes_as_flame_builds_them():
-            return cls(config)
+            model = cls(config)
     except ImportError as e:
         if "flash" not in str(e).lower():
             raise
@@ -233,6 +236,26 @@ def instantiate(lm_class: type, config) -> nn.Module:
             "runs only on it (flame runs FLA's Attention and BitAttention on its own attention, not this layer); "
             "install flash-attn or choose another model_type"
         ) from e
+    report_replaced_layers(model)
+    return model
+
+
+def report_replaced_layers(model: nn.Module) -> None:
+    """One log line naming FLA's layers that flame built as its own (FLA_LAYER_REPLACEMENTS): FLA's constructors warn
+    that their fast path is missing (and Mamba3's that MIMO is unavailable), which flame's layers do not need."""
+    replaced = {
+        type(module).__name__: module_name.rsplit(".", 1)[-1]
+        for module_name, (class_path, _) in FLA_LAYER_REPLACEMENTS.items()
+        for module in model.modules()
+        if f"{type(module).__module__}.{type(module).__name__}" == class_path
+    }
+    if replaced:
+        names = ", ".join(f"{theirs} as {ours}" for ours, theirs in sorted(replaced.items()))
+        logger.info(
+            "FLA's layers whose fast path (flash-attn, mamba_ssm) is not installed run as flame's, with the same "
+            "parameters: %s; FLA's warnings about the missing kernels do not apply to them",
+            names,
+        )
 
 
 def transformers_chunk_gated_delta_rule(

@@ -213,3 +213,14 @@ def test_generic_mamba3_builds_flames_layer_with_flas_state_dict():
         return {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()}
 
     assert layout(model) == layout(reference)
+
+
+def test_the_build_names_the_layers_flame_runs_in_place_of_flas(caplog):
+    """FLA's Mamba3 constructor warns that mamba_ssm's kernels (and MIMO) are unavailable; the generic build says in
+    one line that its layers are flame's, which need neither."""
+    config = {"model_type": "mamba3", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "head_dim": 16,
+              "state_size": 16, "is_mimo": True, "mimo_rank": 2}  # fmt: skip
+    with caplog.at_level("INFO", logger="flame.models.generic.model"), torch.device("meta"):
+        build_model(model_args_from_dict(config)[0])
+    lines = [r.getMessage() for r in caplog.records if r.name == "flame.models.generic.model"]
+    assert len(lines) == 1 and "Mamba3 as FLAMamba3" in lines[0], lines
