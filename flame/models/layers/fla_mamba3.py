@@ -1,14 +1,14 @@
-"""FLA 0.6.0's Mamba3 layer with its SISO scan on flame.ops.mamba3, for machines without mamba_ssm.
+"""FLA 0.6.0's Mamba3 layer with its SISO and MIMO scans on flame.ops.mamba3, for machines without mamba_ssm.
 
 ``fla.layers.mamba3.Mamba3`` has one path: mamba_ssm's Mamba-3 kernels (the package index has no wheels of them),
 without which its first forward raises. :class:`FLAMamba3` is FLA's class (same constructor, parameters and cache
 layout) whose forward over a whole sequence (training, or a prompt's prefill) computes what FLA's calls to
-``mamba3_siso_combined`` compute: the in-projection and its split, the RMSNorms of B and C, A, dt and the angles as
-FLA's code forms them, the scan (flame.ops.mamba3, in float32 at least, as FLA's PyTorch paths compute their
-scans), the D skip, the z gate or the gated output norm, and the out-projection; with a cache, the states mamba_ssm
-returns, from which ``step`` decodes token by token in PyTorch (where FLA's step calls mamba_ssm's CuTe kernels).
-Everything else is FLA's own path, which says what it needs: MIMO layers (``is_mimo``: mamba_ssm's TileLang
-kernels), and batches with padding or packed documents. The generic family builds it in place of FLA's layer while
+``mamba3_siso_combined`` and ``mamba3_mimo`` compute: the in-projection and its split, the RMSNorms of B and C, A,
+dt and the angles as FLA's code forms them, the scan (flame.ops.mamba3, in float32 at least, as FLA's PyTorch paths
+compute their scans), the D skip, the z gate or the gated output norm (per rank, then the rank contraction, for
+MIMO layers), and the out-projection; with a cache, the states mamba_ssm returns, from which ``step`` decodes token
+by token in PyTorch (where FLA's step calls mamba_ssm's CuTe kernels). Batches with padding or packed documents
+are FLA's own path, which says what it needs. The generic family builds it in place of FLA's layer while
 mamba_ssm's fast path is missing (flame.compat.fla_layers_on_flame).
 """
 
