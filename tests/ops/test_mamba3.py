@@ -77,17 +77,22 @@ def test_ssd_form_equals_the_recurrence_and_its_gradients(
     batch, length, groups, heads, state, head_dim, pairs, with_d, with_z
 ):
     arguments = inputs(batch, length, groups, heads, state, head_dim, pairs, with_d=with_d, with_z=with_z)
+    assert_equal_with_gradients(mamba3_siso, mamba3_siso_recurrent, arguments)
+
+
+def assert_equal_with_gradients(op, reference, arguments):
+    """op and reference on the same float64 arguments: y, the four states after the last token and every input's
+    gradient within 1e-10 (the states enter the loss too, so that their gradients are compared as well)."""
     leaves = {name: t.requires_grad_() for name, t in arguments.items() if t is not None}
-    grad = torch.randn(batch, length, heads, head_dim, dtype=torch.float64)
     results = []
-    for op in (mamba3_siso, mamba3_siso_recurrent):
-        y, states = op(**arguments)
-        # The states enter the loss too, so that their gradients are compared as well.
+    for function in (op, reference):
+        y, states = function(**arguments)
+        grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
         loss = (y * grad).sum() + sum((s * (i + 1)).sum() for i, s in enumerate(states))
         results.append((y, *states, *torch.autograd.grad(loss, list(leaves.values()))))
     names = ("y", "angle state", "ssm state", "k state", "v state", *(f"d{name}" for name in leaves))
-    for name, ours, reference in zip(names, *results, strict=True):
-        torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    for name, ours, want in zip(names, *results, strict=True):
+        torch.testing.assert_close(ours, want, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_trapezoid_hands_a_tokens_value_on_to_the_next_token():
@@ -198,16 +203,7 @@ def test_mimo_ssd_form_equals_the_recurrence_and_its_gradients(
     arguments = mimo_inputs(
         batch, length, rank, groups, heads, state, head_dim, pairs, with_d, with_z, with_out
     )
-    leaves = {name: t.requires_grad_() for name, t in arguments.items() if t is not None}
-    results = []
-    for op in (mamba3_mimo, mamba3_mimo_recurrent):
-        y, states = op(**arguments)
-        grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-        loss = (y * grad).sum() + sum((s * (i + 1)).sum() for i, s in enumerate(states))
-        results.append((y, *states, *torch.autograd.grad(loss, list(leaves.values()))))
-    names = ("y", "angle state", "ssm state", "k state", "v state", *(f"d{name}" for name in leaves))
-    for name, ours, reference in zip(names, *results, strict=True):
-        torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    assert_equal_with_gradients(mamba3_mimo, mamba3_mimo_recurrent, arguments)
 
 
 def test_rotate_halves_turns_channel_i_with_channel_i_plus_half_the_width():
