@@ -1,17 +1,19 @@
-"""flame.ops.mamba3 (Mamba-3's SISO and MIMO scans as Mamba-2's scan plus per-token terms) against the token-by-token
-trapezoidal recurrences, float64, odd sizes: outputs, the states after the last token and every input's gradient
-within 1e-10."""
+"""flame.ops.mamba3 (Mamba-3's scan, SISO and MIMO, as Mamba-2's scan over rank sub-tokens plus per-token terms)
+against the token-by-token trapezoidal recurrence, float64, odd sizes: outputs, the states after the last token and
+every input's gradient within 1e-10."""
 
 import math
 
 import pytest
 import torch
 
-from flame.ops.mamba3 import mamba3_mimo, mamba3_mimo_recurrent, mamba3_siso, mamba3_siso_recurrent
+from flame.ops.mamba3 import mamba3_scan, mamba3_scan_recurrent
 from flame.ops.mamba3.rotary import cumulative_angles, rotate_halves, rotate_pairs
 
 
-def inputs(batch, length, groups, heads, state, head_dim, pairs, seed=0, with_d=True, with_z=True):
+def inputs(batch, length, rank, groups, heads, state, head_dim, pairs, with_d=True, mimo=True, seed=0):
+    """A MIMO layer's arguments (rank ``rank``, values through mimo_x, channels i and i + state / 2 rotated), or a
+    SISO layer's (``mimo`` false: rank 1, the values x, channels 2i and 2i + 1 rotated)."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -20,72 +22,41 @@ def inputs(batch, length, groups, heads, state, head_dim, pairs, seed=0, with_d=
     dt = torch.nn.functional.softplus(randn(batch, heads, length) - 1)
     adt = -torch.nn.functional.softplus(randn(batch, heads, length)) * dt
     return dict(
-        q=randn(batch, length, groups, state),
-        k=randn(batch, length, groups, state),
+        q=randn(batch, length, rank, groups, state),
+        k=randn(batch, length, rank, groups, state),
         v=randn(batch, length, heads, head_dim),
         adt=adt,
         dt=dt,
         trap=randn(batch, heads, length),
-        q_bias=randn(heads, state),
-        k_bias=randn(heads, state),
+        q_bias=randn(heads, rank, state),
+        k_bias=randn(heads, rank, state),
         angles=randn(batch, length, heads, pairs),
+        mimo_x=randn(heads, rank, head_dim) if mimo else None,
         D=randn(heads) if with_d else None,
-        z=randn(batch, length, heads, head_dim) if with_z else None,
+        pairwise=not mimo,
     )
 
 
-@pytest.mark.parametrize(
-    ("batch", "length", "groups", "heads", "state", "head_dim", "pairs", "with_d", "with_z"),
-    [
-        (
-            2,
-            37,
-            1,
-            3,
-            6,
-            5,
-            2,
-            True,
-            True,
-        ),  # 2 of 3 channel pairs rotated
-        (
-            1,
-            70,
-            2,
-            4,
-            8,
-            3,
-            4,
-            False,
-            True,
-        ),  # every channel rotated (rope_fraction 1); two groups of two heads
-        (1, 1, 1, 1, 4, 2, 1, True, False),  # one token
-        (
-            2,
-            65,
-            3,
-            3,
-            5,
-            4,
-            2,
-            True,
-            True,
-        ),  # an odd state, its last channel unrotated; a chunk border crossed
-    ],
-)
-def test_ssd_form_equals_the_recurrence_and_its_gradients(
-    batch, length, groups, heads, state, head_dim, pairs, with_d, with_z
-):
-    arguments = inputs(batch, length, groups, heads, state, head_dim, pairs, with_d=with_d, with_z=with_z)
-    assert_equal_with_gradients(mamba3_siso, mamba3_siso_recurrent, arguments)
+CASES = {  # batch, length, rank, groups, heads, state, head_dim, pairs, with_d, mimo
+    "siso-2-of-3-pairs": (2, 37, 1, 1, 3, 6, 5, 2, True, False),
+    "siso-every-pair-two-groups": (1, 70, 1, 2, 4, 8, 3, 4, False, False),
+    "siso-one-token": (1, 1, 1, 1, 1, 4, 2, 1, True, False),
+    "siso-odd-state-chunk-border": (2, 65, 1, 3, 3, 5, 4, 2, True, False),
+    "mimo-2-of-3-pairs": (2, 37, 3, 1, 3, 6, 5, 2, True, True),
+    "mimo-every-pair-two-groups-chunk-border": (1, 70, 2, 2, 4, 8, 3, 4, False, True),
+    "mimo-rank-4": (2, 19, 4, 1, 2, 6, 3, 1, True, True),
+    "mimo-one-token": (1, 1, 2, 1, 1, 4, 2, 1, True, True),
+}
 
 
-def assert_equal_with_gradients(op, reference, arguments):
-    """op and reference on the same float64 arguments: y, the four states after the last token and every input's
-    gradient within 1e-10 (the states enter the loss too, so that their gradients are compared as well)."""
-    leaves = {name: t.requires_grad_() for name, t in arguments.items() if t is not None}
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_ssd_form_equals_the_recurrence_and_its_gradients(case):
+    """y, the four states after the last token (the states enter the loss too, so that their gradients are compared
+    as well) and every input's gradient within 1e-10."""
+    arguments = inputs(*case)
+    leaves = {name: t.requires_grad_() for name, t in arguments.items() if isinstance(t, torch.Tensor)}
     results = []
-    for function in (op, reference):
+    for function in (mamba3_scan, mamba3_scan_recurrent):
         y, states = function(**arguments)
         grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
         loss = (y * grad).sum() + sum((s * (i + 1)).sum() for i, s in enumerate(states))
@@ -99,22 +70,21 @@ def test_trapezoid_hands_a_tokens_value_on_to_the_next_token():
     """With lambda = 1 (trap large) the rule is Euler's, Mamba-2's: y_t then depends on no token's share handed on;
     with lambda < 1 a token's value reaches the next output through (1 - lambda) dt exp(adt): changing v_0 changes
     y_1 differently under the two rules."""
-    arguments = inputs(1, 4, 1, 1, 4, 2, 1, with_d=False, with_z=False)
+    arguments = inputs(1, 4, 1, 1, 1, 4, 2, 1, with_d=False, mimo=False)
     changed = dict(arguments, v=arguments["v"].clone())
     changed["v"][:, 0] += 1.0
     euler = dict(trap=torch.full_like(arguments["trap"], 50.0))
 
     def effect(rule):
-        return mamba3_siso(**{**changed, **rule})[0][:, 1] - mamba3_siso(**{**arguments, **rule})[0][:, 1]
+        return (
+            mamba3_scan(**{**changed, **rule})[0][:, 1, 0] - mamba3_scan(**{**arguments, **rule})[0][:, 1, 0]
+        )
 
     lam, dt, adt = 0.5, arguments["dt"][0, 0], arguments["adt"][0, 0]
     half = dict(trap=torch.zeros_like(arguments["trap"]))  # lambda = 1/2, the trapezoid
-    q = rotate_pairs(
-        arguments["q"] + arguments["q_bias"], cumulative_angles(arguments["angles"], dt[None, :, None])
-    )[0, 1, 0]
-    k = rotate_pairs(
-        arguments["k"] + arguments["k_bias"], cumulative_angles(arguments["angles"], dt[None, :, None])
-    )[0, 0, 0]
+    theta = cumulative_angles(arguments["angles"], dt[None, :, None])
+    q = rotate_pairs(arguments["q"][:, :, 0] + arguments["q_bias"][:, 0], theta)[0, 1, 0]
+    k = rotate_pairs(arguments["k"][:, :, 0] + arguments["k_bias"][:, 0], theta)[0, 0, 0]
     # Token 0 reaches y_1 with weight exp(adt_1) (lambda dt_0 + (1 - lambda) dt_1) (q_1 . k_0).
     want_half = math.exp(adt[1]) * (lam * dt[0] + (1 - lam) * dt[1]) * (q @ k)
     want_euler = math.exp(adt[1]) * dt[0] * (q @ k)
@@ -128,82 +98,6 @@ def test_angles_accumulate_bounded_and_modulo_two_pi():
     theta = cumulative_angles(angles, dt)[0, :, 0, 0]
     want = torch.tensor([0.75 * math.pi * (t + 1) % (2 * math.pi) for t in range(5)], dtype=torch.float64)
     torch.testing.assert_close(theta, want, rtol=0, atol=1e-12)
-
-
-def mimo_inputs(batch, length, rank, groups, heads, state, head_dim, pairs, with_d, with_z, with_out, seed=0):
-    arguments = inputs(batch, length, groups, heads, state, head_dim, pairs, seed, with_d, with_z)
-    generator = torch.Generator().manual_seed(seed + 1)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float64)
-
-    return dict(
-        arguments,
-        q=randn(batch, length, rank, groups, state),
-        k=randn(batch, length, rank, groups, state),
-        q_bias=randn(heads, rank, state),
-        k_bias=randn(heads, rank, state),
-        mimo_x=randn(heads, rank, head_dim),
-        mimo_z=randn(heads, rank, head_dim) if with_z else None,
-        mimo_o=randn(heads, rank, head_dim) if with_out else None,
-    )
-
-
-@pytest.mark.parametrize(
-    (
-        "batch",
-        "length",
-        "rank",
-        "groups",
-        "heads",
-        "state",
-        "head_dim",
-        "pairs",
-        "with_d",
-        "with_z",
-        "with_out",
-    ),
-    [
-        (2, 37, 3, 1, 3, 6, 5, 2, True, True, True),  # 2 of 3 channel pairs rotated
-        (
-            1,
-            70,
-            2,
-            2,
-            4,
-            8,
-            3,
-            4,
-            False,
-            True,
-            True,
-        ),  # every pair rotated; two groups; a chunk border crossed
-        (
-            2,
-            19,
-            4,
-            1,
-            2,
-            6,
-            3,
-            1,
-            True,
-            False,
-            False,
-        ),  # each rank's output (a norm comes before the contraction)
-        (1, 1, 2, 1, 1, 4, 2, 1, True, True, True),  # one token
-    ],
-)
-def test_mimo_ssd_form_equals_the_recurrence_and_its_gradients(
-    batch, length, rank, groups, heads, state, head_dim, pairs, with_d, with_z, with_out
-):
-    """The MIMO scan as Mamba-2's scan over rank sub-tokens plus the per-token terms, against the token-by-token
-    rank-r recurrence (mamba_ssm's ``mamba3_MIMO_step_ref``): outputs, the four states and every input's gradient
-    within 1e-10, float64."""
-    arguments = mimo_inputs(
-        batch, length, rank, groups, heads, state, head_dim, pairs, with_d, with_z, with_out
-    )
-    assert_equal_with_gradients(mamba3_mimo, mamba3_mimo_recurrent, arguments)
 
 
 def test_rotate_halves_turns_channel_i_with_channel_i_plus_half_the_width():

@@ -243,11 +243,13 @@ def instantiate(lm_class: type, config) -> nn.Module:
 def report_replaced_layers(model: nn.Module) -> None:
     """One log line naming FLA's layers that flame built as its own (FLA_LAYER_REPLACEMENTS): FLA's constructors warn
     that their fast path is missing (and Mamba3's that MIMO is unavailable), which flame's layers do not need."""
+    flame_classes = {
+        path: fla_name.rsplit(".", 1)[-1] for fla_name, (path, _) in FLA_LAYER_REPLACEMENTS.items()
+    }
     replaced = {
-        type(module).__name__: module_name.rsplit(".", 1)[-1]
-        for module_name, (class_path, _) in FLA_LAYER_REPLACEMENTS.items()
+        type(module).__name__: flame_classes[path]
         for module in model.modules()
-        if f"{type(module).__module__}.{type(module).__name__}" == class_path
+        if (path := f"{type(module).__module__}.{type(module).__name__}") in flame_classes
     }
     if replaced:
         names = ", ".join(f"{theirs} as {ours}" for ours, theirs in sorted(replaced.items()))

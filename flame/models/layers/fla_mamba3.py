@@ -3,7 +3,7 @@
 ``fla.layers.mamba3.Mamba3`` has one path: mamba_ssm's Mamba-3 kernels (the package index has no wheels of them),
 without which its first forward raises. :class:`FLAMamba3` is FLA's class (same constructor, parameters and cache
 layout) whose forward over a whole sequence (training, or a prompt's prefill) computes what FLA's calls to
-``mamba3_siso_combined`` and ``mamba3_mimo`` compute: the in-projection and its split, the RMSNorms of B and C, A,
+``mamba3_siso_combined`` and ``mamba3_mimo`` (mamba_ssm's) compute: the in-projection and its split, the RMSNorms of B and C, A,
 dt and the angles as FLA's code forms them, the scan (flame.ops.mamba3, in float32 at least, as FLA's PyTorch paths
 compute their scans), the D skip, the z gate or the gated output norm (per rank, then the rank contraction, for
 MIMO layers), and the out-projection; with a cache, the states mamba_ssm returns, from which ``step`` decodes token
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from fla.layers.mamba3 import Mamba3
 from fla.layers.utils import get_layer_cache, update_layer_cache
 
-from flame.ops.mamba3 import mamba3_mimo, mamba3_siso
+from flame.ops.mamba3 import mamba3_scan
 from flame.ops.mamba3.naive import trapezoid_step
 from flame.ops.mamba3.rotary import cumulative_angles, rotate_halves, rotate_pairs
 
@@ -63,51 +63,21 @@ class FLAMamba3(Mamba3):
         dt = F.softplus(dd_dt + self.dt_bias).to(scan)  # [batch, T, heads]
         adt = self._compute_a(dd_A) * dt
         angles = angles.unsqueeze(-2).expand(-1, -1, self.num_heads, -1).to(scan)
-        gate = None if self.is_outproj_norm else z.to(scan)
-        if self.is_mimo:
-            y, (angle_state, ssm_state, k_state, v_state) = mamba3_mimo(
-                C.to(scan),
-                B.to(scan),
-                x.to(scan),
-                adt.transpose(1, 2),
-                dt.transpose(1, 2),
-                trap.to(scan).transpose(1, 2),
-                self.C_bias.to(scan),
-                self.B_bias.to(scan),
-                angles,
-                self.mimo_x.to(scan),
-                D=self.D.to(scan),
-                z=gate,
-                mimo_z=self.mimo_z.to(scan),
-                mimo_o=None if self.is_outproj_norm else self.mimo_o.to(scan),
-            )
-            if self.is_outproj_norm:  # each rank's output normed with its own gate, then contracted
-                gates = z.to(scan)[:, :, None] * self.mimo_z.transpose(0, 1).to(scan)
-                y = torch.unflatten(
-                    self.norm(y.flatten(-2), gates.flatten(-2)), -1, (self.num_heads, self.head_dim)
-                )
-                y = torch.einsum("btrhp,hrp->bthp", y.to(scan), self.mimo_o.to(scan))
-            y = y.flatten(-2)
-        else:
-            y, (angle_state, ssm_state, k_state, v_state) = mamba3_siso(
-                C.squeeze(2).to(scan),
-                B.squeeze(2).to(scan),
-                x.to(scan),
-                adt.transpose(1, 2),
-                dt.transpose(1, 2),
-                trap.to(scan).transpose(1, 2),
-                self.C_bias.squeeze(1).to(scan),
-                self.B_bias.squeeze(1).to(scan),
-                angles,
-                D=self.D.to(scan),
-                z=gate,
-            )
-            k_state = k_state.unsqueeze(
-                1
-            )  # the step's layout: a rank dimension (1 for SISO), as FLA's layer aligns it
-            y = y.flatten(-2)
-            if self.is_outproj_norm:
-                y = self.norm(y, z.flatten(-2))
+        y, (angle_state, ssm_state, k_state, v_state) = mamba3_scan(
+            C.to(scan),
+            B.to(scan),
+            x.to(scan),
+            adt.transpose(1, 2),
+            dt.transpose(1, 2),
+            trap.to(scan).transpose(1, 2),
+            self.C_bias.to(scan),
+            self.B_bias.to(scan),
+            angles,
+            mimo_x=self.mimo_x.to(scan) if self.is_mimo else None,
+            D=self.D.to(scan),
+            pairwise=not self.is_mimo,
+        )
+        y = self.gated_and_contracted(y, z.to(scan))
         out = self.out_proj(y.to(dtype))
         if use_cache and past_key_values is not None:
             states = (angle_state, ssm_state, k_state.to(dtype), v_state.to(dtype))
@@ -127,31 +97,30 @@ class FLAMamba3(Mamba3):
             rotate(t.to(scan) + bias.transpose(0, 1).to(scan), angle[:, None])
             for t, bias in ((C, self.C_bias), (B, self.B_bias))
         )  # [batch, rank, heads, state]
-
-        def ranks(name):  # a MIMO layer's projection [rank, heads, head_dim]; SISO layers have none
-            return getattr(self, name).transpose(0, 1).to(scan) if self.is_mimo else 1
-
-        values, previous = (t[:, None] * ranks("mimo_x") for t in (x, v_state.to(scan)))
-        state = trapezoid_step(
-            ssm_state,
-            *(t.transpose(1, 2) for t in (k_state.to(scan), previous, k, values)),
-            A * dt,
-            dt,
-            trap,
-        )
+        values, previous = (t[:, None] * self.rank_projection("mimo_x", scan) for t in (x, v_state.to(scan)))
+        state = trapezoid_step(ssm_state, k_state.to(scan), previous, k, values, A * dt, dt, trap)
         y = torch.einsum("bhpn,brhn->brhp", state, q) + self.D[:, None].to(scan) * values
-        gates = z[:, None] * ranks("mimo_z")
-        if self.is_outproj_norm:
-            y = (
-                self.norm(y.flatten(-2), gates.flatten(-2))
-                .unflatten(-1, (self.num_heads, self.head_dim))
-                .to(scan)
-            )
-        else:
-            y = y * F.silu(gates)
-        y = torch.einsum("brhp,hrp->bhp", y, self.mimo_o.to(scan)) if self.is_mimo else y[:, 0]
+        y = self.gated_and_contracted(y, z)
         angle_state.copy_(angle)
         ssm_state.copy_(state)
         k_state.copy_(k)
         v_state.copy_(x)
-        return self.out_proj(y.flatten(-2).to(dtype)).unsqueeze(1)
+        return self.out_proj(y.to(dtype)).unsqueeze(1)
+
+    def rank_projection(self, name: str, dtype: torch.dtype) -> torch.Tensor | int:
+        """A MIMO layer's projection ``name`` (mimo_x, mimo_z, mimo_o) as [rank, heads, head_dim]; 1 for SISO layers,
+        which have none."""
+        return getattr(self, name).transpose(0, 1).to(dtype) if self.is_mimo else 1
+
+    def gated_and_contracted(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Each rank's scan output y [..., rank, heads, head_dim] gated by silu(z * mimo_z), or normed with that gate
+        (``is_outproj_norm``), then summed over the ranks with mimo_o (MIMO layers) -> [..., heads * head_dim]."""
+        gates = z.unsqueeze(-3) * self.rank_projection("mimo_z", y.dtype)
+        if self.is_outproj_norm:
+            y = torch.unflatten(
+                self.norm(y.flatten(-2), gates.flatten(-2)), -1, (self.num_heads, self.head_dim)
+            )
+        else:
+            y = y * F.silu(gates)
+        y = (y.to(gates.dtype) * self.rank_projection("mimo_o", gates.dtype)).sum(-3)
+        return y.flatten(-2)

@@ -1,5 +1,5 @@
-"""Mamba-3's SISO and MIMO recurrences one token at a time: the references the SSD forms (flame/ops/mamba3/__init__.py)
-are tested against."""
+"""Mamba-3's recurrence one token at a time, SISO or MIMO: the reference the SSD form (flame/ops/mamba3/__init__.py)
+is tested against."""
 
 import torch
 import torch.nn.functional as F
@@ -7,7 +7,27 @@ import torch.nn.functional as F
 from flame.ops.mamba3.rotary import cumulative_angles, rotate_halves, rotate_pairs
 
 
-def mamba3_siso_recurrent(
+def prepared_inputs(q, k, v, dt, trap, q_bias, k_bias, angles, mimo_x, pairwise):
+    """What the scan reads, per token, from ``mamba3_scan``'s arguments: the biased queries and keys, one per head,
+    rotated by the cumulative angles [batch, T, rank, heads, state], the values [batch, T, rank, heads, head_dim],
+    the angles [batch, T, heads, pairs], and the trapezoid's weights [batch, T, heads]: lambda_t dt_t for the
+    token's own keys and (1 - lambda_{t+1}) dt_{t+1} for what it hands on to the next token (0 for the last)."""
+    heads = v.shape[2]
+    dt = dt.transpose(1, 2)  # [batch, T, heads]
+    theta = cumulative_angles(angles, dt)
+    rotate = rotate_pairs if pairwise else rotate_halves
+    q, k = (
+        rotate(t.repeat_interleave(heads // t.shape[3], dim=3) + bias.transpose(0, 1), theta[:, :, None])
+        for t, bias in ((q, q_bias), (k, k_bias))
+    )
+    values = v[:, :, None] if mimo_x is None else v[:, :, None] * mimo_x.transpose(0, 1)
+    own = torch.sigmoid(trap).transpose(1, 2) * dt
+    # 1 - sigmoid(a) = sigmoid(-a)
+    handed_on = F.pad(torch.sigmoid(-trap).transpose(1, 2)[:, 1:] * dt[:, 1:], (0, 0, 0, 1))
+    return q, k, values, theta, own, handed_on
+
+
+def mamba3_scan_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -17,100 +37,43 @@ def mamba3_siso_recurrent(
     q_bias: torch.Tensor,
     k_bias: torch.Tensor,
     angles: torch.Tensor,
+    mimo_x: torch.Tensor | None = None,
     D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
+    pairwise: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """``mamba3_siso``'s result (same arguments), per head h and token t, with lambda_t = sigmoid(trap_t):
+    """``mamba3_scan``'s result (same arguments), per head h and token t, with lambda_t = sigmoid(trap_t), the
+    values of rank r v_{t,r} = x_t * mimo_x[h, r] (x_t for rank 1 without mimo_x) and q_{t,r}, k_{t,r} the biased
+    queries and keys rotated by the cumulative angles:
 
-        S_t = exp(adt_t) S_{t-1} + (1 - lambda_t) dt_t exp(adt_t) v_{t-1} k_{t-1}^T + lambda_t dt_t v_t k_t^T
-        y_t = (S_t q_t + D v_t) * silu(z_t)
-
-    where q_t, k_t are the biased queries and keys rotated by the cumulative angles, and k_{-1} = v_{-1} = 0."""
-    heads = v.shape[2]
-    q, k = (t.repeat_interleave(heads // t.shape[2], dim=2) + bias for t, bias in ((q, q_bias), (k, k_bias)))
-    theta = cumulative_angles(angles, dt.transpose(1, 2))
-    q, k = rotate_pairs(q, theta), rotate_pairs(k, theta)
-    weight = torch.sigmoid(trap)
-    state = v.new_zeros(v.shape[0], heads, v.shape[-1], k.shape[-1])
-    k_previous, v_previous = torch.zeros_like(k[:, 0]), torch.zeros_like(v[:, 0])
+        S_t = exp(adt_t) S_{t-1} + (1 - lambda_t) dt_t exp(adt_t) sum_r v_{t-1,r} k_{t-1,r}^T
+              + lambda_t dt_t sum_r v_{t,r} k_{t,r}^T,        k_{-1} = v_{-1} = 0
+        y_{t,r} = S_t q_{t,r} + D v_{t,r}"""
+    q, k, values, theta, _, _ = prepared_inputs(q, k, v, dt, trap, q_bias, k_bias, angles, mimo_x, pairwise)
+    dt, weight = dt.transpose(1, 2), torch.sigmoid(trap).transpose(1, 2)  # [batch, T, heads]
+    state = v.new_zeros(v.shape[0], v.shape[2], v.shape[-1], k.shape[-1])
+    k_previous, v_previous = torch.zeros_like(k[:, 0]), torch.zeros_like(values[:, 0])
     outputs = []
     for t in range(v.shape[1]):
         state = trapezoid_step(
-            state, k_previous, v_previous, k[:, t], v[:, t], adt[:, :, t], dt[:, :, t], weight[:, :, t]
+            state, k_previous, v_previous, k[:, t], values[:, t], adt[:, :, t], dt[:, t], weight[:, t]
         )
-        k_previous, v_previous = k[:, t], v[:, t]
-        outputs.append(torch.einsum("bhpn,bhn->bhp", state, q[:, t]))
-    y = torch.stack(outputs, dim=1)
+        k_previous, v_previous = k[:, t], values[:, t]
+        outputs.append(torch.einsum("bhpn,brhn->brhp", state, q[:, t]))
+    y = torch.stack(outputs, dim=1)  # [batch, T, rank, heads, head_dim]
     if D is not None:
-        y = y + D[:, None] * v
-    if z is not None:
-        y = y * F.silu(z)
+        y = y + D[:, None] * values
     return y, (theta[:, -1], state, k[:, -1], v[:, -1])
 
 
 def trapezoid_step(state, k_previous, v_previous, k, v, adt, dt, weight):
     """The state after one token by the trapezoidal rule: state [batch, heads, head_dim, state_size], the previous
-    token's and this token's rotated keys [batch, heads, (rank,) state_size] and values [batch, heads, (rank,)
-    head_dim] (MIMO layers: a rank-r update, summed over the rank), adt, dt and the trapezoid's weight lambda =
-    sigmoid(trap) [batch, heads]."""
+    token's and this token's rotated keys [batch, rank, heads, state_size] and values [batch, rank, heads,
+    head_dim] (a rank-r update, summed over the rank), adt, dt and the trapezoid's weight lambda = sigmoid(trap)
+    [batch, heads]."""
     decay = torch.exp(adt)
     return (
         decay[..., None, None] * state
         + ((1 - weight) * dt * decay)[..., None, None]
-        * torch.einsum("bh...p,bh...n->bhpn", v_previous, k_previous)
-        + (weight * dt)[..., None, None] * torch.einsum("bh...p,bh...n->bhpn", v, k)
+        * torch.einsum("brhp,brhn->bhpn", v_previous, k_previous)
+        + (weight * dt)[..., None, None] * torch.einsum("brhp,brhn->bhpn", v, k)
     )
-
-
-def mamba3_mimo_recurrent(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    adt: torch.Tensor,
-    dt: torch.Tensor,
-    trap: torch.Tensor,
-    q_bias: torch.Tensor,
-    k_bias: torch.Tensor,
-    angles: torch.Tensor,
-    mimo_x: torch.Tensor,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    mimo_z: torch.Tensor | None = None,
-    mimo_o: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """``mamba3_mimo``'s result (same arguments), per head h and token t, with lambda_t = sigmoid(trap_t), the
-    values of rank r v_{t,r} = x_t * mimo_x[h, r] and the biased queries and keys of rank r rotated by the
-    cumulative angles (channels i and i + state / 2):
-
-        S_t = exp(adt_t) S_{t-1} + (1 - lambda_t) dt_t exp(adt_t) sum_r v_{t-1,r} k_{t-1,r}^T
-              + lambda_t dt_t sum_r v_{t,r} k_{t,r}^T
-        y_{t,r} = (S_t q_{t,r} + D v_{t,r}) * silu(z_t * mimo_z[h, r]);   y_t = sum_r mimo_o[h, r] y_{t,r}
-
-    (mamba_ssm's test reference ``mamba3_MIMO_step_ref``)."""
-    heads = v.shape[2]
-    q, k = (
-        t.repeat_interleave(heads // t.shape[3], dim=3) + bias.transpose(0, 1)
-        for t, bias in ((q, q_bias), (k, k_bias))
-    )
-    theta = cumulative_angles(angles, dt.transpose(1, 2))
-    q, k = (
-        rotate_halves(t, theta[:, :, None]).transpose(2, 3) for t in (q, k)
-    )  # [batch, T, heads, rank, state]
-    values = v[:, :, :, None] * mimo_x  # [batch, T, heads, rank, head_dim]
-    weight = torch.sigmoid(trap)
-    state = v.new_zeros(v.shape[0], heads, v.shape[-1], k.shape[-1])
-    k_previous, v_previous = torch.zeros_like(k[:, 0]), torch.zeros_like(values[:, 0])
-    outputs = []
-    for t in range(v.shape[1]):
-        state = trapezoid_step(
-            state, k_previous, v_previous, k[:, t], values[:, t], adt[:, :, t], dt[:, :, t], weight[:, :, t]
-        )
-        k_previous, v_previous = k[:, t], values[:, t]
-        outputs.append(torch.einsum("bhpn,bhrn->bhrp", state, q[:, t]))
-    y = torch.stack(outputs, dim=1)  # [batch, T, heads, rank, head_dim]
-    if D is not None:
-        y = y + D[:, None, None] * values
-    if z is not None:
-        y = y * F.silu(z[:, :, :, None] * mimo_z)
-    y = y.transpose(2, 3) if mimo_o is None else torch.einsum("bthrp,hrp->bthp", y, mimo_o)
-    return y, (theta[:, -1], state, k[:, -1].transpose(1, 2), v[:, -1])
