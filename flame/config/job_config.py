@@ -350,6 +350,11 @@ class Compile:
     blocks given integer tensors such as packed documents' boundaries) run eagerly (docs/performance.md, "FLA
     classes, compiled and eager")"""
 
+    compile_graphed_blocks: bool = True
+    """The CUDA graphs of ``graph_eager_blocks`` capture the blocks compiled: inductor fuses their elementwise work
+    around FLA's kernels, and the compiled regions' guards, which made compiled FLA blocks slower than eager ones,
+    run only while capturing (a block that fails compiled is captured uncompiled, with one log line)"""
+
 
 @dataclass
 class ActivationCheckpoint:

@@ -35,7 +35,11 @@ def graphs_eager_blocks(job_config, world_size: int, on_gpu: bool) -> bool:
 
 
 def compile_blocks(
-    model: nn.Module, backend: str, mode: str = "default", graph_eager_blocks: bool = False
+    model: nn.Module,
+    backend: str,
+    mode: str = "default",
+    graph_eager_blocks: bool = False,
+    compile_graphed_blocks: bool = True,
 ) -> None:
     """Compile each block separately: repeated structure compiles once, and FSDP hooks stay outside the graphs
     (pytorch#181924: FSDP2 hooks break fullgraph graphs). Under compile the gated and the plain chunk delta rule and
@@ -44,25 +48,28 @@ def compile_blocks(
     rule (DeltaNet's sequences of at most 64 tokens) and its context parallelism still break the graph. A family may
     leave its blocks eager where compiling them was measured to be slower (``ModelSpec.eager_blocks``): one log line
     says why; with ``graph_eager_blocks`` (one GPU, no activation checkpointing or offloading) they replay as CUDA
-    graphs instead (flame.parallelize.cuda_graphs)."""
+    graphs instead (flame.parallelize.cuda_graphs), of the blocks compiled where ``compile_graphed_blocks``."""
     spec = model_spec(model.args)
     reason = spec.eager_reason(model.args)
-    if reason is not None:
-        if graph_eager_blocks:
-            graph_blocks(spec.blocks(model))
-            logger.info(
-                "torch.compile leaves the blocks eager and they replay as CUDA graphs, captured beside the first "
-                "training step: %s",
-                reason,
-            )
-        else:
-            logger.info("torch.compile leaves the blocks eager: %s", reason)
-        return
     stacks = spec.blocks(model)
     # Blocks whose code branches on a per-layer constant (a layer index, transformers' hybrids' layer types) compile
     # once per value; past dynamo's recompile limit (8) the later blocks would run eagerly without a word.
     blocks = sum(len(stack) for stack in stacks)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, blocks)
+    if reason is not None:
+        if graph_eager_blocks:
+            # Compiled inside the graphs: the guards' host time is spent only while capturing.
+            options = compile_options(backend, CUDA_GRAPH_MODES.get(mode, mode))
+            graph_blocks(stacks, options if compile_graphed_blocks else None)
+            logger.info(
+                "torch.compile leaves the blocks eager and they replay as CUDA graphs of the %s blocks, captured "
+                "beside the first training step: %s",
+                "compiled" if compile_graphed_blocks else "eager",
+                reason,
+            )
+        else:
+            logger.info("torch.compile leaves the blocks eager: %s", reason)
+        return
     for stack in stacks:
         for layer_id, block in stack.named_children():
             stack.register_module(

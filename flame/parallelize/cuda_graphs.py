@@ -22,11 +22,18 @@ the pool, autograd adopts them as ``.grad``, and a later micro-batch's forward r
 the optimizer reads them (which torch's make_graphed_callables leaves to its caller: two micro-batches gave gradient
 norms of 843 against the eager blocks' 5.9 on an H200).
 
+The graphs can capture each block compiled (``compile``: torch.compile's options): inductor then fuses the block's
+elementwise work around FLA's kernels, and the compiled regions' guards and wrappers, which cost a compiled block
+more host time than inductor saved (docs/performance.md, "FLA classes, compiled and eager"), run only while warming
+up and capturing. A block that fails compiled and runs eagerly is captured eagerly, with one log line. Calls the graphs do not
+serve run the block's own forward, uncompiled.
+
 One GPU only (a data-parallel or sharded step's hooks and collectives sit between the blocks), without activation
 checkpointing or offloading (they re-run or move what the forward graph keeps in its pool).
 """
 
 import contextlib
+import copy
 import functools
 
 import torch
@@ -56,9 +63,15 @@ class BlockGraphs:
     call's, when no parameter holds a gradient yet (a step's first micro-batch) and the last replayed forward's
     backward has run. Every other call runs the block's own forward."""
 
-    def __init__(self, blocks: list[nn.Module]):
+    def __init__(self, blocks: list[nn.Module], compile: dict | None = None):
         self.blocks = blocks
         self.eager_forwards = [block.forward for block in blocks]
+        # What the graphs capture: the compiled forwards until one fails to compile, then the eager ones.
+        self.captured_forwards = (
+            [torch.compile(forward, fullgraph=False, **compile) for forward in self.eager_forwards]
+            if compile is not None
+            else self.eager_forwards
+        )
         self.graphs: list[_BlockGraph] = []  # the captured prefix of the stack
         self.pool = None
         self.warmup_stream = None
@@ -154,7 +167,7 @@ class BlockGraphs:
         )
 
     def _capture_forward(self, index: int, args: tuple, kwargs: dict, signature: tuple) -> "_BlockGraph":
-        block, forward = self.blocks[index], self.eager_forwards[index]
+        block = self.blocks[index]
         leaves, spec = tree_flatten((args, kwargs))
         positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
         # An input that an earlier block returned (the previous block's hidden states, RWKV7's v_first) is read from
@@ -167,18 +180,8 @@ class BlockGraphs:
                 buffer = tensor.detach().clone()
             inputs.append(buffer.detach().requires_grad_(tensor.requires_grad))
 
-        run = _Call(forward, leaves, spec)
-
         params = trainable(block)
-        torch.cuda.synchronize()
-        if self.warmup_stream is None:  # one for every block: the allocator caches freed memory per stream
-            self.warmup_stream = torch.cuda.Stream()
-        with torch.cuda.stream(self.warmup_stream):
-            for iteration in range(WARMUP_ITERATIONS):
-                # The first may tune kernels, which syncs; the last must not sync at all, as in a capture.
-                with host_syncs_refused(iteration == WARMUP_ITERATIONS - 1):
-                    self._warm_up(run, inputs, params)
-        torch.cuda.synchronize()
+        run = self._warmed_up(index, _Call(self.captured_forwards[index], leaves, spec), inputs, params)
 
         graph = _BlockGraph(index, tuple(inputs), params, signature, run)
         if self.pool is None:
@@ -187,6 +190,39 @@ class BlockGraphs:
             structure = run(inputs)
         graph.set_outputs(structure)
         return graph
+
+    def _warmed_up(self, index: int, run: "_Call", inputs: list[torch.Tensor], params) -> "_Call":
+        """``run`` warmed up for its capture; where it is compiled and fails, and the block's eager forward does
+        not, that one warmed up instead (and every later block's: they share their code)."""
+        try:
+            self._warm_up_all(run, inputs, params)
+            return run
+        except Exception as error:
+            if self.captured_forwards is self.eager_forwards:
+                raise
+            compiled_error = error
+        run = run.with_forward(self.eager_forwards[index])
+        self._warm_up_all(run, inputs, params)
+        self.captured_forwards = self.eager_forwards
+        logger.warning(
+            "The blocks are captured uncompiled: compiled, block %d failed (%s: %s)",
+            index,
+            type(compiled_error).__name__,
+            first_line(compiled_error),
+        )
+        return run
+
+    def _warm_up_all(self, run: "_Call", inputs: list[torch.Tensor], params) -> None:
+        torch.cuda.synchronize()
+        if self.warmup_stream is None:  # one for every block: the allocator caches freed memory per stream
+            self.warmup_stream = torch.cuda.Stream()
+        # Without autocast's cache, as in the capture: a compiled block's guards read that state.
+        with torch.cuda.stream(self.warmup_stream), uncached_autocast():
+            for iteration in range(WARMUP_ITERATIONS):
+                # The first may tune kernels, which syncs; the last must not sync at all, as in a capture.
+                with host_syncs_refused(iteration == WARMUP_ITERATIONS - 1):
+                    self._warm_up(run, inputs, params)
+        torch.cuda.synchronize()
 
     @staticmethod
     def _warm_up(run: "_Call", inputs: list[torch.Tensor], params: tuple[nn.Parameter, ...]) -> None:
@@ -239,6 +275,11 @@ class _Call:
         self.forward, self.spec = forward, spec
         self.positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
         self.leaves = [None if torch.is_tensor(leaf) else leaf for leaf in leaves]
+
+    def with_forward(self, forward) -> "_Call":
+        call = copy.copy(self)
+        call.forward = forward
+        return call
 
     def __call__(self, tensors):
         leaves = list(self.leaves)
@@ -429,6 +470,7 @@ def leaves_signature(block: nn.Module, args: tuple, leaves: list, spec) -> tuple
     return (spec, tuple(described), autocast)
 
 
-def graph_blocks(stacks: list[nn.Module]) -> list[BlockGraphs]:
-    """Replay each stack's blocks as CUDA graphs (each block captured at its first training call)."""
-    return [BlockGraphs(list(stack.children())) for stack in stacks]
+def graph_blocks(stacks: list[nn.Module], compile: dict | None = None) -> list[BlockGraphs]:
+    """Replay each stack's blocks as CUDA graphs (each block captured at its first training call, compiled with
+    torch.compile's options ``compile`` where given)."""
+    return [BlockGraphs(list(stack.children()), compile) for stack in stacks]

@@ -68,6 +68,7 @@ def parallelize_model(
             job_config.compile.backend,
             job_config.compile.mode,
             graph_eager_blocks=graphs_eager_blocks(job_config, parallel_dims.world_size, on_gpu),
+            compile_graphed_blocks=job_config.compile.compile_graphed_blocks,
         )
     if job_config.activation_offload.mode == "full":
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

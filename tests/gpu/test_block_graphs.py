@@ -27,7 +27,9 @@ CONFIG = {"model_type": "gla", "vocab_size": 4096, "hidden_size": 128, "num_hidd
 RTOL = 1e-5
 
 
-def models(config=CONFIG):
+def models(config=CONFIG, compile=None):
+    """The model twice, the second one's blocks graphed (captured compiled with torch.compile's options
+    ``compile`` where given, and then the first one's blocks compiled the same way)."""
     prepare_gpu_kernels(torch.device("cuda"))
     args, _ = model_args_from_dict(config)
     torch.manual_seed(0)
@@ -36,7 +38,11 @@ def models(config=CONFIG):
     eager.init_weights()
     graphed = copy.deepcopy(eager)
     (stack,) = model_spec(args).blocks(graphed)
-    owner = BlockGraphs(list(stack.children()))
+    owner = BlockGraphs(list(stack.children()), compile)
+    if compile is not None:
+        (stack,) = model_spec(args).blocks(eager)
+        for name, block in stack.named_children():
+            stack.register_module(name, torch.compile(block, **compile))
     return eager, graphed, owner
 
 
@@ -150,8 +156,39 @@ def test_attention_blocks_replay_with_the_eager_gradients(config):
     assert_every_block_replays_with_the_eager_gradients(config)
 
 
-def assert_every_block_replays_with_the_eager_gradients(config):
-    eager, graphed, owner = models(config)
+@pytest.mark.parametrize(
+    "config",
+    [
+        CONFIG,
+        {"model_type": "hgrn", "vocab_size": 4096, "hidden_size": 96, "num_hidden_layers": 3},
+    ],
+    ids=["gla", "hgrn"],
+)
+def test_compiled_blocks_replay_with_the_compiled_blocks_gradients(config):
+    """Captured compiled, the graphs replay inductor's kernels: the same as the blocks compiled without graphs."""
+    eager, graphed, owner = models(config, compile={})
+    assert_every_block_replays_with_the_eager_gradients(config, (eager, graphed, owner))
+    assert all(forward is not eager for forward, eager in zip(owner.captured_forwards, owner.eager_forwards))
+
+
+def refusing_backend(graph, inputs):
+    raise RuntimeError("this backend compiles nothing")
+
+
+def test_blocks_that_fail_to_compile_are_captured_uncompiled_with_one_line(caplog):
+    eager, graphed, owner = models(compile={"backend": refusing_backend})
+    (stack,) = model_spec(model_args_from_dict(CONFIG)[0]).blocks(eager)
+    for name, block in stack.named_children():  # the reference runs eagerly: its backend would refuse too
+        stack.register_module(name, block._orig_mod)
+    with caplog.at_level("WARNING"):
+        assert_every_block_replays_with_the_eager_gradients(CONFIG, (eager, graphed, owner))
+    assert owner.captured_forwards is owner.eager_forwards and not owner.failed
+    warnings = [r.message for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "captured uncompiled: compiled, block 0 failed" in warnings[0], warnings
+
+
+def assert_every_block_replays_with_the_eager_gradients(config, built=None):
+    eager, graphed, owner = built or models(config)
     for step in range(3):
         (tokens,) = batches([331])
         for model in (eager, graphed):

@@ -310,7 +310,27 @@ def test_fla_classes_blocks_are_wrapped_for_graphs_with_one_log_line(caplog):
         compile_module.compile_blocks(model, backend="eager", graph_eager_blocks=True)
     blocks = [block for stack in model_spec(args).blocks(model) for block in stack]
     owners = {block.forward.func.__self__ for block in blocks}
-    assert len(owners) == 1 and next(iter(owners)).blocks == blocks
+    (owner,) = owners
+    assert owner.blocks == blocks
     assert list(model.state_dict()) == names
     lines = [r.message for r in caplog.records if "leaves the blocks eager" in r.message]
-    assert len(lines) == 1 and "replay as CUDA graphs" in lines[0] and "model_type 'gla'" in lines[0]
+    assert len(lines) == 1 and "replay as CUDA graphs of the compiled blocks" in lines[0], lines
+    assert "model_type 'gla'" in lines[0]
+    # The graphs capture the blocks compiled; the calls they do not serve run the blocks' own forwards.
+    assert all(
+        captured is not eager and captured._torchdynamo_orig_callable == eager
+        for captured, eager in zip(owner.captured_forwards, owner.eager_forwards, strict=True)
+    )
+
+
+def test_fla_classes_blocks_can_be_graphed_uncompiled():
+    from flame.models import build_model, model_args_from_dict
+
+    args, _ = model_args_from_dict(
+        {"model_type": "gla", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2}
+    )
+    with torch.device("meta"):
+        model = build_model(args)
+    compile_module.compile_blocks(model, backend="eager", graph_eager_blocks=True, compile_graphed_blocks=False)
+    (owner,) = {block.forward.func.__self__ for block in model.model.layers}
+    assert owner.captured_forwards is owner.eager_forwards
