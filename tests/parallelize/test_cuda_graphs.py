@@ -331,6 +331,8 @@ def test_fla_classes_blocks_can_be_graphed_uncompiled():
     )
     with torch.device("meta"):
         model = build_model(args)
-    compile_module.compile_blocks(model, backend="eager", graph_eager_blocks=True, compile_graphed_blocks=False)
+    compile_module.compile_blocks(
+        model, backend="eager", graph_eager_blocks=True, compile_graphed_blocks=False
+    )
     (owner,) = {block.forward.func.__self__ for block in model.model.layers}
     assert owner.captured_forwards is owner.eager_forwards
