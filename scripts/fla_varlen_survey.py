@@ -34,7 +34,13 @@ SHAPE = {"vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 2, "num_hea
 OVERRIDES = {
     "rodimus": {"ska_attn": {"num_heads": 4}},
     "samba": {"attn": {"layers": [1], "num_heads": 4}},
+    "nsa": {
+        "num_heads": 16,
+        "num_kv_heads": 1,
+    },  # its kernels take 16, 32, ... query heads per key/value head
 }
+# Configs that take no num_heads, or derive it from their other keys.
+WITHOUT_HEADS = {"hgrn", "log_linear_mamba2", "mamba", "mamba2", "mamba3", "rodimus", "samba", "yoco"}
 
 
 def exact_float32() -> None:
@@ -43,10 +49,18 @@ def exact_float32() -> None:
     os.environ["TRITON_F32_DEFAULT"] = "ieee"
 
 
+def survey_config(model_type: str) -> dict:
+    config = {"model_type": model_type, **SHAPE, **OVERRIDES.get(model_type, {})}
+    if model_type in WITHOUT_HEADS:
+        del config["num_heads"]
+    return config
+
+
 def packed_difference(model_type: str, device: torch.device, dtype: torch.dtype = torch.float32) -> float:
     """max |packed - alone| / max |alone| over the logits of the three documents, the model in ``dtype``."""
-    config = {"model_type": model_type, **SHAPE, **OVERRIDES.get(model_type, {})}
-    args, _ = model_args_from_dict(config, impl="fla")  # FLA's class, also for the types flame implements
+    args, _ = model_args_from_dict(
+        survey_config(model_type), impl="fla"
+    )  # FLA's class, also for the types flame implements
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(args)
@@ -60,6 +74,17 @@ def packed_difference(model_type: str, device: torch.device, dtype: torch.dtype 
         packed = model(tokens, position_ids=positions, cu_seqlens=bounds)
         alone = torch.cat([model(doc) for doc in tokens.split(list(LENGTHS), dim=1)], dim=1)
     return ((packed - alone).abs().max() / alone.abs().max()).item()
+
+
+def family_difference(model_type: str, device: torch.device) -> tuple[float, torch.dtype]:
+    """packed_difference in float32, or in bfloat16 for a family whose FLA kernels assert half precision; and the
+    dtype it ran in."""
+    try:
+        return packed_difference(model_type, device, torch.float32), torch.float32
+    except AssertionError as e:  # FLA's chunk kernels that assert half precision
+        if "float32" not in str(e):
+            raise
+    return packed_difference(model_type, device, torch.bfloat16), torch.bfloat16
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,14 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                try:
-                    dtype = torch.float32
-                    difference = packed_difference(model_type, torch.device("cuda"), dtype)
-                except AssertionError as e:  # FLA's chunk kernels that assert half precision
-                    if "float32" not in str(e):
-                        raise
-                    dtype = torch.bfloat16
-                    difference = packed_difference(model_type, torch.device("cuda"), dtype)
+                difference, dtype = family_difference(model_type, torch.device("cuda"))
             verdict = "apart" if difference <= TOLERANCE[dtype] else "MIXED"
             line = f"{difference:.1e} {verdict} ({str(dtype).removeprefix('torch.')})"
         except Exception as e:  # one family's failure is its line, the survey goes on

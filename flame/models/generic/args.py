@@ -111,8 +111,9 @@ PACKED_DOCUMENT_MODEL_TYPES = frozenset(
 # forward for its layers (as upstream flame does with --training.varlen). Each is checked against its documents run
 # alone: tests/gpu/test_fla_varlen.py on the GPU, and FLA's transformer (its attention on flame's) on the CPU too
 # (tests/models/generic/test_varlen.py). ``python scripts/fla_varlen_survey.py`` on a GPU checks every FLA family:
-# one whose layer ignores cu_seqlens would mix documents, so a family is listed only once that check passes.
-FLA_PACKED_DOCUMENT_MODEL_TYPES = frozenset({"transformer"})
+# one whose layer ignores cu_seqlens would mix documents, so a family is listed only once that check passes (H200,
+# 2026-12-02: bitnet, deltaformer and mla in float32, delta_net in bfloat16; docs/models.md).
+FLA_PACKED_DOCUMENT_MODEL_TYPES = frozenset({"transformer", "bitnet", "deltaformer", "mla", "delta_net"})
 
 
 # transformers' classes whose declared tensor-parallel plan (``base_model_tp_plan``) flame applies

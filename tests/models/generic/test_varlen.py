@@ -114,3 +114,18 @@ def test_the_gpu_survey_passes_flas_transformer_on_the_cpu(monkeypatch):
     assert difference <= fla_varlen_survey.TOLERANCE[torch.bfloat16]
     assert fla_varlen_survey.main([]) == 2  # the survey itself needs a GPU
     del sys.modules["fla_varlen_survey"]
+
+
+def test_the_gpu_surveys_config_of_every_fla_family_is_accepted():
+    """scripts/fla_varlen_survey.py builds each FLA family from one tiny config: each is accepted as it is read (a
+    refused key would be the family's survey line instead of its verdict)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+    import fla_varlen_survey
+
+    from flame.models.generic.args import fla_model_types
+
+    for model_type in sorted(fla_model_types()):
+        args, _ = model_args_from_dict(fla_varlen_survey.survey_config(model_type), impl="fla")
+        assert args.model_type == model_type
