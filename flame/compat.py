@@ -719,43 +719,52 @@ def fla_rodimus_blocks_follow_the_model() -> None:
 # fla/ops/attn/backends/tilelang/parallel.py, BK = ceil(K / 16) * 16) copies a head of another width into a larger
 # shared tile, which TileLang refuses to compile ("Shared tile and global tile shape mismatch: 32 != 24").
 TILELANG_ATTENTION_HEAD_MULTIPLE = 16
+# Its forward copies the float32 scores into a probabilities fragment of the inputs' dtype for the second GEMM; in
+# float32 the two fragments' layouts conflict and TileLang refuses the kernel ("Layout infer conflict between b_s and
+# b_p in T.Parallel loop", H200, 2026-12-02: every float32 call of scripts/fla_varlen_survey.py that reached it).
+TILELANG_ATTENTION_DTYPES = ("float16", "bfloat16")
 
 
-def fla_tilelang_attention_takes_its_head_widths() -> None:
-    """FLA 0.6.0 turns its TileLang attention backend on by default on Hopper and accepts every head width for it,
-    so a forgetting transformer with 24-channel heads (FLA's default 32 heads at hidden 768) stops in TileLang's
-    compiler where FLA's Triton kernel serves it. After this call (idempotent, for the process) the backend's
-    verifiers refuse heads whose key or value width is not a multiple of 16, and FLA's dispatch falls back to its
-    Triton kernel with its one log line."""
+def fla_tilelang_attention_takes_what_it_compiles() -> None:
+    """FLA 0.6.0 turns its TileLang attention backend on by default on Hopper and accepts every head width and
+    float32 for it, so a forgetting transformer with 24-channel heads (FLA's default 32 heads at hidden 768), or any
+    float32 call, stops in TileLang's compiler where FLA's Triton kernel serves it. After this call (idempotent, for
+    the process) the backend's verifiers refuse heads whose key or value width is not a multiple of 16 and inputs
+    that are not 16-bit, and FLA's dispatch falls back to its Triton kernel with its one log line."""
     from fla.ops.attn.backends.tilelang import AttnTileLangBackend
 
     for name in ("parallel_attn_fwd_verifier", "parallel_attn_bwd_verifier"):
         verifier = getattr(AttnTileLangBackend, name)
-        if getattr(verifier, "flame_head_widths", False):
+        if getattr(verifier, "flame_compiles", False):
             continue
 
-        def takes_its_head_widths(self, q, k, v, *args, _verifier=verifier, **kwargs):
+        def takes_what_it_compiles(self, q, k, v, *args, _verifier=verifier, **kwargs):
             widths = (q.shape[-1], v.shape[-1])
             if any(width % TILELANG_ATTENTION_HEAD_MULTIPLE for width in widths):
                 return False, (
                     f"TileLang's attention takes head widths that are multiples of {TILELANG_ATTENTION_HEAD_MULTIPLE}, "
                     f"not {widths[0]} (keys) and {widths[1]} (values); fall back to Triton"
                 )
+            if str(q.dtype).removeprefix("torch.") not in TILELANG_ATTENTION_DTYPES:
+                return (
+                    False,
+                    f"TileLang's attention compiles for 16-bit inputs, not {q.dtype}; fall back to Triton",
+                )
             return _verifier(self, q, k, v, *args, **kwargs)
 
-        takes_its_head_widths.flame_head_widths = True
-        setattr(AttnTileLangBackend, name, functools.wraps(verifier)(takes_its_head_widths))
+        takes_what_it_compiles.flame_compiles = True
+        setattr(AttnTileLangBackend, name, functools.wraps(verifier)(takes_what_it_compiles))
 
 
-def _fla_tilelang_attention_takes_any_head_width() -> bool:
+def _fla_tilelang_attention_takes_what_it_cannot_compile() -> bool:
     import torch
     from fla.ops.attn.backends.tilelang import AttnTileLangBackend
 
     verifier = AttnTileLangBackend.parallel_attn_fwd_verifier
     verifier = getattr(verifier, "__wrapped__", verifier)  # FLA's own, where flame's wraps it in this process
-    q = torch.empty(1, 64, 2, 24, device="meta", dtype=torch.bfloat16)
-    accepted, _ = verifier(AttnTileLangBackend(), q, q, q, None, None, 24**-0.5)
-    return accepted
+    narrow = torch.empty(1, 64, 2, 24, device="meta", dtype=torch.bfloat16)
+    wide = torch.empty(1, 64, 2, 64, device="meta", dtype=torch.float32)
+    return any(verifier(AttnTileLangBackend(), q, q, q, None, None, 0.1)[0] for q in (narrow, wide))
 
 
 def fla_log_linear_scales_in_the_inputs_dtype() -> None:
@@ -936,13 +945,13 @@ SHIMS = (
         reproduces=_fla_rodimus_block_reads_residual_in_fp32,
     ),
     Shim(
-        name="fla_tilelang_attention_head_widths",
+        name="fla_tilelang_attention_inputs",
         applies=_always,
-        upstream="not filed: FLA 0.6.0's TileLang parallel_attn (on by default on Hopper) accepts head widths its "
-        "kernel cannot compile (not multiples of 16)",
+        upstream="not filed: FLA 0.6.0's TileLang parallel_attn (on by default on Hopper) accepts head widths (not "
+        "multiples of 16) and float32 inputs its kernel cannot compile",
         fixed_in=None,
-        workaround="fla_tilelang_attention_takes_its_head_widths",
-        reproduces=_fla_tilelang_attention_takes_any_head_width,
+        workaround="fla_tilelang_attention_takes_what_it_compiles",
+        reproduces=_fla_tilelang_attention_takes_what_it_cannot_compile,
     ),
     Shim(
         name="fla_log_linear_scales_dtype",

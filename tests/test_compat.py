@@ -140,22 +140,25 @@ def test_transformers_release_numbers():
     assert compat._release("6.0") == (6, 0, 0)
 
 
-def test_flas_tilelang_attention_refuses_the_head_widths_it_cannot_compile():
-    """After the shim FLA's dispatch skips its TileLang attention for heads that are not multiples of 16 (to its
-    Triton kernel) and keeps it for the others."""
+def test_flas_tilelang_attention_refuses_what_it_cannot_compile():
+    """After the shim FLA's dispatch skips its TileLang attention (to its Triton kernel) for heads that are not
+    multiples of 16 and for float32 inputs, and keeps it for 16-bit heads of multiples of 16."""
     import torch
     from fla.ops.attn.backends.tilelang import AttnTileLangBackend
 
-    compat.fla_tilelang_attention_takes_its_head_widths()
-    compat.fla_tilelang_attention_takes_its_head_widths()  # idempotent: one wrapper
+    assert compat._fla_tilelang_attention_takes_what_it_cannot_compile()  # FLA 0.6.0's own verifiers
+    compat.fla_tilelang_attention_takes_what_it_compiles()
+    compat.fla_tilelang_attention_takes_what_it_compiles()  # idempotent: one wrapper
     backend = AttnTileLangBackend()
-    for width, accepted in ((24, False), (40, False), (64, True), (96, True)):
-        q = torch.empty(2, 33, 3, width, device="meta", dtype=torch.bfloat16)
+    cases = [(24, torch.bfloat16, False), (40, torch.float16, False), (64, torch.bfloat16, True)]
+    cases += [(96, torch.float16, True), (64, torch.float32, False), (128, torch.float32, False)]
+    for width, dtype, accepted in cases:
+        q = torch.empty(2, 33, 3, width, device="meta", dtype=dtype)
         forward = backend.verify("parallel_attn_fwd", q=q, k=q, v=q, g_cumsum=None, sink_bias=None, scale=0.1)
         backward = backend.verify("parallel_attn_bwd", q, q, q, q, None, None, q)
-        assert (forward[0], backward[0]) == (accepted, accepted), (width, forward, backward)
+        assert (forward[0], backward[0]) == (accepted, accepted), (width, dtype, forward, backward)
     wrapped = AttnTileLangBackend.parallel_attn_fwd_verifier
-    assert not getattr(wrapped.__wrapped__, "flame_head_widths", False)
+    assert not getattr(wrapped.__wrapped__, "flame_compiles", False)
 
 
 def test_flas_functions_run_flames_pytorch_code_while_compiling():

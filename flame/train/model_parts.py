@@ -12,7 +12,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 
-from flame.compat import fla_tilelang_attention_takes_its_head_widths
+from flame.compat import fla_tilelang_attention_takes_what_it_compiles
 from flame.loss import TokenNormalizedLoss
 from flame.models import build_model
 from flame.models.common.args import ModelArgs
@@ -92,7 +92,7 @@ def prepare_gpu_kernels(device: torch.device) -> None:
     tune_once_per_host()
     use_shipped_results(torch.cuda.get_device_name(device))
     serve_where_fla_refuses()
-    fla_tilelang_attention_takes_its_head_widths()
+    fla_tilelang_attention_takes_what_it_compiles()
 
 
 def chunk_states(job_config) -> str:

@@ -21,7 +21,7 @@ def test_a_gpu_process_tunes_once_seeds_the_shipped_results_and_fixes_flas_backe
     )
     monkeypatch.setattr(
         model_parts,
-        "fla_tilelang_attention_takes_its_head_widths",
+        "fla_tilelang_attention_takes_what_it_compiles",
         lambda: calls.append("FLA's TileLang attention on its head widths"),
     )
 

@@ -20,7 +20,7 @@ from flame.compat import (
     fla_moba_on_flame,
     fla_rodimus_blocks_follow_the_model,
     fla_rotary_tables_traced_under_compile,
-    fla_tilelang_attention_takes_its_head_widths,
+    fla_tilelang_attention_takes_what_it_compiles,
     transformers_gated_delta_rule_on_flame,
 )
 from flame.errors import ModelConfigError
@@ -206,7 +206,7 @@ def fla_classes_as_flame_builds_them() -> Iterator[None]:
     fla_rodimus_blocks_follow_the_model()
     fla_log_linear_scales_in_the_inputs_dtype()
     fla_log_linear_masks_built_once()
-    fla_tilelang_attention_takes_its_head_widths()
+    fla_tilelang_attention_takes_what_it_compiles()
     fla_attention_delta_on_flame(attention_delta)
     fla_functions_traced_under_compile(FLA_FUNCTIONS_IN_PYTORCH)
     fla_rotary_tables_traced_under_compile()
