@@ -6,16 +6,21 @@ chunking the row differently leaves differences near float32's rounding, and a d
 tokens differs by orders of magnitude more; families whose FLA kernels refuse float32 run in bfloat16 with a
 tolerance above bfloat16's rounding.
 
-    python scripts/fla_varlen_survey.py [--families gla,kda,...]
+    python scripts/fla_varlen_survey.py [--families gla,kda,...] [--processes 4 --timeout_s 300]
 
 prints one line per family: its largest difference relative to the logits' scale, and whether flame lists it in
 flame.models.generic.args.FLA_PACKED_DOCUMENT_MODEL_TYPES (the families --training.varlen accepts). A family that
-passes here is added there together with a row of tests/gpu/test_fla_varlen.py. Needs a CUDA GPU."""
+passes here is added there together with a row of tests/gpu/test_fla_varlen.py. Needs a CUDA GPU. With --processes,
+each family runs in a process of its own, that many at once on the one GPU (Triton's and TileLang's compilers, which
+take most of a family's time on a fresh machine, run on the host's cores), and a family past --timeout_s is a line
+saying so."""
 
 import argparse
 import os
+import subprocess
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -87,20 +92,41 @@ def family_difference(model_type: str, device: torch.device) -> tuple[float, tor
     return packed_difference(model_type, device, torch.bfloat16), torch.bfloat16
 
 
+def survey_in_a_process(model_type: str, timeout_s: float | None) -> str:
+    """The family's survey line from a process of its own."""
+    command = [sys.executable, __file__, "--families", model_type]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"{model_type}: failed: no verdict within {timeout_s:g} s"
+    lines = [line for line in result.stdout.splitlines() if line.startswith(f"{model_type}: ")]
+    if lines:
+        return lines[-1]
+    last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+    return f"{model_type}: failed: exit {result.returncode}: {last}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--families", default="", help="comma-separated model types (default: every FLA family)"
     )
+    parser.add_argument("--processes", type=int, default=1, help="families surveyed at once, a process each")
+    parser.add_argument("--timeout_s", type=float, default=None, help="per family, with --processes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the survey runs FLA's Triton kernels: it needs a CUDA GPU", file=sys.stderr)
         return 2
+    families = args.families.split(",") if args.families else sorted(fla_model_types())
+    if args.processes > 1:
+        with ThreadPoolExecutor(args.processes) as pool:
+            for line in pool.map(lambda family: survey_in_a_process(family, args.timeout_s), families):
+                print(line, flush=True)
+        return 0
     exact_float32()
     from flame.train.model_parts import prepare_gpu_kernels
 
     prepare_gpu_kernels(torch.device("cuda"))
-    families = args.families.split(",") if args.families else sorted(fla_model_types())
     for model_type in families:
         try:
             with warnings.catch_warnings():

@@ -116,16 +116,32 @@ def test_the_gpu_survey_passes_flas_transformer_on_the_cpu(monkeypatch):
     del sys.modules["fla_varlen_survey"]
 
 
-def test_the_gpu_surveys_config_of_every_fla_family_is_accepted():
-    """scripts/fla_varlen_survey.py builds each FLA family from one tiny config: each is accepted as it is read (a
-    refused key would be the family's survey line instead of its verdict)."""
+def varlen_survey():
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
     import fla_varlen_survey
 
+    return fla_varlen_survey
+
+
+def test_the_gpu_surveys_config_of_every_fla_family_is_accepted():
+    """scripts/fla_varlen_survey.py builds each FLA family from one tiny config: each is accepted as it is read (a
+    refused key would be the family's survey line instead of its verdict)."""
     from flame.models.generic.args import fla_model_types
+
+    fla_varlen_survey = varlen_survey()
 
     for model_type in sorted(fla_model_types()):
         args, _ = model_args_from_dict(fla_varlen_survey.survey_config(model_type), impl="fla")
         assert args.model_type == model_type
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the family's process must find no GPU")
+def test_a_survey_process_that_gives_no_verdict_is_its_familys_failure_line():
+    """--processes: each family's line comes from its own process; one that stops without a verdict (here: no GPU) or
+    runs past --timeout_s is a failure line naming the family."""
+    survey = varlen_survey()
+    line = survey.survey_in_a_process("gla", timeout_s=120)
+    assert line.startswith("gla: failed: exit 2: ") and "needs a CUDA GPU" in line, line
+    assert survey.survey_in_a_process("gla", timeout_s=0.01) == "gla: failed: no verdict within 0.01 s"
