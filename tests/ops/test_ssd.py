@@ -1,5 +1,6 @@
 """flame.ops.ssd (Mamba-2's scan): the chunked PyTorch implementation against the token-by-token recurrence, float64,
-odd sizes; the kernel backend's refusals. tests/gpu/test_ssd.py checks FLA's kernel against the recurrence."""
+odd sizes; packed documents against each document alone; the kernel backend's refusals and the arguments it passes
+FLA. tests/gpu/test_ssd.py checks FLA's kernel against the recurrence."""
 
 import pytest
 import torch
@@ -101,3 +102,53 @@ def test_fla_takes_odd_widths_in_float32_only(dtype, head_dim, state, refused):
     B = torch.zeros(1, 4, 2, state, dtype=dtype)
     reason = fla_ssd_refuses(x, torch.zeros(1, 4, 2), torch.zeros(2), B, B)
     assert (reason is not None) == refused, reason
+
+
+DOCUMENTS = [5, 1, 70, 13]  # one token alone, one across a chunk border; 89 tokens
+
+
+def test_packed_documents_scan_as_each_document_alone():
+    """cu_seqlens: y, each document's last state and every gradient equal the scans of the documents one by one (the
+    recurrence), float64, 1e-10."""
+    leaves = [t.requires_grad_() for t in inputs(1, sum(DOCUMENTS), 3, 4, 5)]
+    bounds = torch.tensor([0, *torch.tensor(DOCUMENTS).cumsum(0).tolist()], dtype=torch.int32)
+    grad = torch.randn(leaves[0].shape, dtype=torch.float64)
+    y, states = ssd(*leaves, cu_seqlens=bounds)
+    packed = (y, states, *torch.autograd.grad((y * grad).sum() + states.sum(), leaves))
+    alone = [
+        ssd_recurrent(*(t if t.dim() == 1 else t[:, start:end] for t in leaves))
+        for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
+    ]
+    y, states = torch.cat([y for y, _ in alone], dim=1), torch.cat([s for _, s in alone])
+    expected = (y, states, *torch.autograd.grad((y * grad).sum() + states.sum(), leaves))
+    assert packed[1].shape == (len(DOCUMENTS), 3, 4, 5)
+    for name, ours, want in zip(
+        ("y", "states", "dx", "ddt", "dA", "dB", "dC"), packed, expected, strict=True
+    ):
+        torch.testing.assert_close(ours, want, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_packed_documents_reach_flas_own_op_with_their_boundaries(monkeypatch):
+    """On CUDA, packed documents go to FLA's chunk_simple_gla (flame's custom ops take no boundaries): C as queries,
+    B as keys, dt x as values, dt A as the log decay, scale 1, the state value-first, the boundaries as given."""
+    import fla.ops.simple_gla
+
+    from tests.ops.test_dispatch_table import PretendCuda
+
+    calls = []
+
+    def fake(q, k, v, g, scale, output_final_state, state_v_first, cu_seqlens):
+        calls.append(dict(q=q, k=k, v=v, g=g, scale=scale, final=output_final_state, v_first=state_v_first,
+                          cu_seqlens=cu_seqlens))  # fmt: skip
+        return torch.zeros_like(v), v.new_zeros(len(cu_seqlens) - 1, v.shape[2], v.shape[3], k.shape[3])
+
+    monkeypatch.setattr(fla.ops.simple_gla, "chunk_simple_gla", fake)
+    x, dt, A, B, C = inputs(1, 9, 2, 4, 6)
+    bounds = torch.tensor([0, 4, 9], dtype=torch.int32)
+    y, states = ssd(x.as_subclass(PretendCuda), dt, A, B, C, cu_seqlens=bounds)
+    (call,) = calls
+    assert call["q"] is C and call["k"] is B and call["cu_seqlens"] is bounds
+    assert (call["scale"], call["final"], call["v_first"]) == (1.0, True, True)
+    torch.testing.assert_close(call["v"], x * dt[..., None], rtol=0, atol=0)
+    torch.testing.assert_close(call["g"], dt * A, rtol=0, atol=0)
+    assert y.shape == x.shape and states.shape == (2, 2, 4, 6)

@@ -7,8 +7,9 @@ layout) whose forward over a whole sequence (training, or a prompt's prefill) co
 dt and the angles as FLA's code forms them, the scan (flame.ops.mamba3, in float32 at least, as FLA's PyTorch paths
 compute their scans), the D skip, the z gate or the gated output norm (per rank, then the rank contraction, for
 MIMO layers), and the out-projection; with a cache, the states mamba_ssm returns, from which ``step`` decodes token
-by token in PyTorch (where FLA's step calls mamba_ssm's CuTe kernels). Batches with padding or packed documents
-are FLA's own path, which says what it needs. The generic family builds it in place of FLA's layer while
+by token in PyTorch (where FLA's step calls mamba_ssm's CuTe kernels). Packed documents (``cu_seqlens``, a row of
+batch 1) are scanned each alone; batches with padding, and packed documents with a cache, are FLA's own path, which
+says what it needs. The generic family builds it in place of FLA's layer while
 mamba_ssm's fast path is missing (flame.compat.fla_layers_on_flame).
 """
 
@@ -36,7 +37,8 @@ class FLAMamba3(Mamba3):
         padded = attention_mask is not None and not bool(attention_mask.all())
         last_state = get_layer_cache(self, past_key_values)
         decoding = last_state is not None and hidden_states.shape[1] == 1
-        if cu_seqlens is not None or padded or (last_state is not None and not decoding):
+        prefill = last_state is not None and not decoding
+        if padded or prefill or (cu_seqlens is not None and use_cache):
             return super().forward(
                 hidden_states,
                 attention_mask,
@@ -76,6 +78,7 @@ class FLAMamba3(Mamba3):
             mimo_x=self.mimo_x.to(scan) if self.is_mimo else None,
             D=self.D.to(scan),
             pairwise=not self.is_mimo,
+            cu_seqlens=cu_seqlens,
         )
         y = self.gated_and_contracted(y, z.to(scan))
         out = self.out_proj(y.to(dtype))

@@ -12,7 +12,8 @@ earlier tokens, and of its own token the ranks up to r with weight c_t; per toke
 and (1 - lambda_{t+1}) dt_{t+1} (q_{t,r} . k_{t,a}) v_{t,a} removed (rank x rank products). On a GPU the scan runs
 on FLA's chunked simple-GLA kernel, in chunked PyTorch elsewhere. The states follow mamba_ssm's kernels and FLA's
 decoding step, whose test references (``mamba3_siso_step_ref``, ``mamba3_MIMO_step_ref``) compute the same
-recurrence token by token.
+recurrence token by token. Documents packed into one row (``cu_seqlens``) are scanned each alone: the angles' sum
+restarts at each document, its last token hands nothing on, and Mamba-2's scan takes the boundaries (in sub-tokens).
 """
 
 import torch
@@ -35,6 +36,7 @@ def mamba3_scan(
     mimo_x: torch.Tensor | None = None,
     D: torch.Tensor | None = None,
     pairwise: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """q, k [batch, T, rank, groups, state] (heads share them in groups of consecutive heads), v [batch, T, heads,
     head_dim], adt = A dt, dt and trap (before its sigmoid) [batch, heads, T], q_bias and k_bias [heads, rank, state],
@@ -43,17 +45,27 @@ def mamba3_scan(
     layers rotate, else (i, i + state / 2), as MIMO layers do -> each rank's output S_t q_{t,r} + D v_{t,r} [batch,
     T, rank, heads, head_dim] in v's dtype, and the states after the last token in the layout of FLA's decoding
     step: the angles [batch, heads, pairs], the scan's state [batch, heads, head_dim, state], the last rotated keys
-    [batch, rank, heads, state] and the last x [batch, heads, head_dim]."""
+    [batch, rank, heads, state] and the last x [batch, heads, head_dim]. ``cu_seqlens``: the boundaries of documents
+    packed into a row of batch 1, each scanned alone; the states are then each document's, [documents, ...] in
+    place of [batch, ...]."""
     batch, length, rank = q.shape[:3]
     q, k, values, theta, own, handed_on = prepared_inputs(
-        q, k, v, dt, trap, q_bias, k_bias, angles, mimo_x, pairwise
+        q, k, v, dt, trap, q_bias, k_bias, angles, mimo_x, pairwise, cu_seqlens
     )
     adt = adt.transpose(1, 2)  # [batch, T, heads]
     decay = F.pad(
         adt[:, :, None], (0, 0, 0, rank - 1)
     )  # [batch, T, rank, heads]: at the token's first sub-token
     keys = k * (own + handed_on)[:, :, None, :, None].to(k.dtype)
-    y, state = ssd(values.flatten(1, 2), None, decay.flatten(1, 2), keys.flatten(1, 2), q.flatten(1, 2))
+    sub_tokens = None if cu_seqlens is None else cu_seqlens * rank
+    y, state = ssd(
+        values.flatten(1, 2),
+        None,
+        decay.flatten(1, 2),
+        keys.flatten(1, 2),
+        q.flatten(1, 2),
+        cu_seqlens=sub_tokens,
+    )
     y = y.unflatten(1, (length, rank))
     # Of its own token, query r has seen the keys of ranks <= r with weight c_t: add ranks > r, remove the diagonal.
     later = torch.ones(rank, rank, dtype=torch.bool, device=q.device).triu(1)
@@ -62,7 +74,10 @@ def mamba3_scan(
     y = y + torch.einsum("btrah,btahp->btrhp", scores, values)
     if D is not None:
         y = y + D[:, None].to(y.dtype) * values
-    return y, (theta[:, -1], state, k[:, -1], v[:, -1])
+    if cu_seqlens is None:
+        return y, (theta[:, -1], state, k[:, -1], v[:, -1])
+    last = cu_seqlens[1:].long() - 1  # each document's last token
+    return y, (theta[0, last], state, k[0, last], v[0, last])
 
 
 __all__ = ["mamba3_scan", "mamba3_scan_recurrent"]

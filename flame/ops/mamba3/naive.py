@@ -7,14 +7,15 @@ import torch.nn.functional as F
 from flame.ops.mamba3.rotary import cumulative_angles, rotate_halves, rotate_pairs
 
 
-def prepared_inputs(q, k, v, dt, trap, q_bias, k_bias, angles, mimo_x, pairwise):
+def prepared_inputs(q, k, v, dt, trap, q_bias, k_bias, angles, mimo_x, pairwise, cu_seqlens=None):
     """What the scan reads, per token, from ``mamba3_scan``'s arguments: the biased queries and keys, one per head,
     rotated by the cumulative angles [batch, T, rank, heads, state], the values [batch, T, rank, heads, head_dim],
     the angles [batch, T, heads, pairs], and the trapezoid's weights [batch, T, heads]: lambda_t dt_t for the
-    token's own keys and (1 - lambda_{t+1}) dt_{t+1} for what it hands on to the next token (0 for the last)."""
+    token's own keys and (1 - lambda_{t+1}) dt_{t+1} for what it hands on to the next token (0 for the last, and
+    with ``cu_seqlens`` for each document's last)."""
     heads = v.shape[2]
     dt = dt.transpose(1, 2)  # [batch, T, heads]
-    theta = cumulative_angles(angles, dt)
+    theta = cumulative_angles(angles, dt, cu_seqlens=cu_seqlens)
     rotate = rotate_pairs if pairwise else rotate_halves
     q, k = (
         rotate(t.repeat_interleave(heads // t.shape[3], dim=3) + bias.transpose(0, 1), theta[:, :, None])
@@ -24,6 +25,8 @@ def prepared_inputs(q, k, v, dt, trap, q_bias, k_bias, angles, mimo_x, pairwise)
     own = torch.sigmoid(trap).transpose(1, 2) * dt
     # 1 - sigmoid(a) = sigmoid(-a)
     handed_on = F.pad(torch.sigmoid(-trap).transpose(1, 2)[:, 1:] * dt[:, 1:], (0, 0, 0, 1))
+    if cu_seqlens is not None:
+        handed_on = handed_on.index_fill(1, cu_seqlens[1:].long() - 1, 0)
     return q, k, values, theta, own, handed_on
 
 

@@ -2,7 +2,8 @@
 
 `ssd` dispatches on the device of x (flame/ops/dispatch.py): CUDA tensors go to FLA's chunked simple-GLA Triton
 kernel, anything else to `ssd_chunked` (chunk.py, the Mamba-2 paper's chunked form in PyTorch); naive.py holds the
-token-by-token recurrence both are tested against.
+token-by-token recurrence both are tested against. Documents packed into one row (``cu_seqlens``) are each scanned
+alone.
 
 The scan is simple gated linear attention with a scalar decay per head and token (Yang et al., "Gated Linear
 Attention Transformers", arXiv 2312.06635; the Mamba-2 paper's section 6 writes the same matrix): per head,
@@ -24,20 +25,39 @@ from flame.ops.ssd.naive import scaled_inputs, ssd_recurrent
 
 
 def fla_ssd(
-    x: torch.Tensor, dt: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+    x: torch.Tensor,
+    dt: torch.Tensor | None,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan on FLA 0.6.0's simple-GLA kernels through flame's custom ops (flame.ops.fla_library: FLA's
     ``chunk_simple_gla`` is a graph break under torch.compile, the ops are one node each, so a compiled Mamba2 or
-    Mamba3 block is one graph). On Hopper GPUs with Triton 3.4-3.7.0 its gated backward is served by flame's kernel
-    or FLA's TileLang one (FLA issue 640)."""
-    from flame.ops.fla_library import chunk_simple_gla
-
+    Mamba3 block is one graph); packed documents through FLA's own op, which takes their boundaries. On Hopper GPUs
+    with Triton 3.4-3.7.0 its gated backward is served by flame's kernel or FLA's TileLang one (FLA issue 640)."""
     values, log_decay = scaled_inputs(x, dt, A)
-    y, state = chunk_simple_gla(C, B, values.to(x.dtype), log_decay, scale=1.0, state_v_first=True)
+    if cu_seqlens is None:
+        from flame.ops.fla_library import chunk_simple_gla
+
+        y, state = chunk_simple_gla(C, B, values.to(x.dtype), log_decay, scale=1.0, state_v_first=True)
+    else:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        y, state = chunk_simple_gla(
+            C,
+            B,
+            values.to(x.dtype),
+            g=log_decay,
+            scale=1.0,
+            output_final_state=True,
+            state_v_first=True,
+            cu_seqlens=cu_seqlens,
+        )
     return y.to(x.dtype), state.to(x.dtype)
 
 
-def fla_ssd_refuses(x, dt, A, B, C) -> str | None:
+def fla_ssd_refuses(x, dt, A, B, C, cu_seqlens=None) -> str | None:
     # FLA's chunk_bwd_dv asserts even widths for 16-bit inputs (odd ones miscompile to out-of-bounds reads).
     if x.dtype in (torch.bfloat16, torch.float16) and (x.shape[-1] % 2 or B.shape[-1] % 2):
         return f"takes 16-bit inputs of even widths only, not head_dim {x.shape[-1]} x state {B.shape[-1]}"
@@ -50,12 +70,19 @@ SSD = dispatch.register_op(
 
 
 def ssd(
-    x: torch.Tensor, dt: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+    x: torch.Tensor,
+    dt: torch.Tensor | None,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [batch, T, heads, head_dim], dt [batch, T, heads] (after softplus and clamping; None: 1, x and A taken as
     they are), A [heads] (negative; or [batch, T, heads], one per token, as Mamba-3's), B and C [batch, T, heads, state_size] (one per head) -> (y [batch, T, heads, head_dim], the state after the last token
-    [batch, heads, head_dim, state_size]), both in x's dtype."""
-    return SSD(x, dt, A, B, C)
+    [batch, heads, head_dim, state_size]), both in x's dtype. ``cu_seqlens``: the boundaries of documents packed into
+    a row of batch 1, each scanned alone; the states are then one per document [documents, heads, head_dim,
+    state_size]."""
+    return SSD(x, dt, A, B, C, cu_seqlens=cu_seqlens)
 
 
 __all__ = ["CHUNK", "fla_ssd", "ssd", "ssd_chunked", "ssd_recurrent"]

@@ -19,9 +19,18 @@ def ssd_chunked(
     B: torch.Tensor,
     C: torch.Tensor,
     chunk: int = CHUNK,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The SSD scan of ``naive.ssd_recurrent`` (same arguments and results), chunk by chunk, in x's dtype: y and the
-    state after the last token."""
+    state after the last token; with ``cu_seqlens`` (packed documents in a row of batch 1) each document's scan
+    alone, and the state after each document's last token [documents, heads, head_dim, state_size]."""
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        scans = [
+            ssd_chunked(*(document(t, start, end) for t in (x, dt, A, B, C)), chunk)
+            for start, end in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+        return torch.cat([y for y, _ in scans], dim=1), torch.cat([state for _, state in scans])
     batch, length, heads, head_dim = x.shape
     pad = -length % chunk
     # Padding at the end: zero input adds nothing and decay exp(0) = 1 changes no earlier token.
@@ -50,3 +59,8 @@ def ssd_chunked(
     entering = torch.stack(entering, dim=1)  # [b, c, h, p, n]
     y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", C, entering, torch.exp(cumulative))
     return y.reshape(batch, chunks * chunk, heads, head_dim)[:, :length], state
+
+
+def document(t: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    """A per-token input's tokens start:end (dim 1); per-head inputs (A [heads]) and None as they are."""
+    return t if t is None or t.dim() == 1 else t[:, start:end]
