@@ -7,8 +7,7 @@ them, or None), where the PyTorch implementation takes them: a dtype its kernel 
 flag it lacks.
 
 A call on CUDA tensors runs the backend the job pinned (``pin``; for attention, ``--model.attention_backend``),
-else the first backend that is installed and takes the call (of those not marked ``pin_only``: variants that run
-another backend's kernels for the calls they do not pin, such as attention's "flash" and "cudnn"); when none does, the PyTorch implementation runs on the
+else the first backend that is installed and takes the call; when none does, the PyTorch implementation runs on the
 same device. Each refusal is logged once per op, backend and reason (a compiled call's after the step, so that the
 log adds no graph break); a backend that is not installed only where no other kernel serves the call. A backend
 whose kernel fails to build in an eager call (an error of Triton, TileLang or TVM, or raised from one: a Triton
@@ -70,8 +69,6 @@ class Op:
     torch_impl: Callable
     cuda_backends: Mapping[str, Backend]  # fastest first
     eager_only: bool = False
-    pin_only: frozenset[str] = frozenset()
-    """Backends that serve only when pinned: variants of another that would run the same kernel as a fallback"""
     missing: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Per backend, the required modules this process cannot import (looked up once, at registration)"""
     pinned: str | None = field(default=None, init=False)
@@ -103,7 +100,7 @@ class Op:
         if not x.is_cuda or (self.eager_only and torch.compiler.is_compiling()):
             return "pytorch", self.torch_impl
         refused, absent = [], []
-        for name in [self.pinned] if self.pinned else self.unpinned_backends():
+        for name in [self.pinned] if self.pinned else self.cuda_backends:
             backend = self.cuda_backends[name]
             if name in self.missing:
                 absent.append((name, f"needs {', '.join(self.missing[name])}, which is not installed"))
@@ -117,9 +114,6 @@ class Op:
                 refused.append((name, reason))
         self._log_passed_over(refused + absent, "pytorch")
         return "pytorch", self.torch_impl
-
-    def unpinned_backends(self) -> list[str]:
-        return [name for name in self.cuda_backends if name not in self.pin_only]
 
     def _log_passed_over(self, passed_over: list[tuple[str, str]], server: str) -> None:
         for backend, reason in passed_over:
@@ -173,10 +167,9 @@ def register_op(
     cuda_backends: Mapping[str, Callable | Backend],
     *,
     eager_only: bool = False,
-    pin_only: tuple[str, ...] = (),
 ) -> Op:
     """Enter an op in the table (at the import of the module that defines it); returns its entry. A backend given as
-    a plain function takes every call and needs nothing installed; those of ``pin_only`` serve only when pinned."""
+    a plain function takes every call and needs nothing installed."""
     if name in _TABLE:
         raise ValueError(f"op {name!r} is registered already")
     if not cuda_backends:
@@ -189,7 +182,7 @@ def register_op(
         for key, backend in backends.items()
         if (missing := tuple(m for m in backend.requires if importlib.util.find_spec(m) is None))
     }
-    _TABLE[name] = Op(name, torch_impl, backends, eager_only, frozenset(pin_only), missing)
+    _TABLE[name] = Op(name, torch_impl, backends, eager_only, missing)
     return _TABLE[name]
 
 
@@ -210,7 +203,7 @@ def pinned(op: str) -> str:
     """The backend that serves ``op``'s CUDA calls now, unless it refuses one: the pinned one, else the first that
     is installed ("pytorch" where none is)."""
     entry = _lookup(op)
-    return entry.pinned or next((n for n in entry.unpinned_backends() if n not in entry.missing), "pytorch")
+    return entry.pinned or next((n for n in entry.cuda_backends if n not in entry.missing), "pytorch")
 
 
 def _lookup(op: str) -> Op:

@@ -324,37 +324,3 @@ def test_a_function_marked_constant_runs_once_while_tracing(mark):
     for _ in range(3):
         torch.testing.assert_close(compiled(torch.ones(2)), torch.full((2,), 3.0))
     assert len(calls) == (1 if mark != "none" else 3)
-
-
-def test_unpinned_attention_falls_back_from_auto_to_the_reference_only(monkeypatch, caplog):
-    """The "fla", "flash" and "cudnn" backends are variants of "auto" that a job pins; unpinned, where auto's kernel
-    fails to build, the reference serves at once instead of each variant rebuilding the same kernel."""
-    from triton.runtime.errors import OutOfResources
-
-    entry = dispatch._TABLE["attention"]
-    tried = []
-
-    def recorded(name, fails):
-        def run(*args, **kwargs):
-            tried.append(name)
-            if fails:
-                raise OutOfResources(232448, 166912, "shared memory")
-            return name
-
-        return dispatch.Backend(run)
-
-    backends = {name: recorded(name, fails=name == "auto") for name in entry.cuda_backends}
-    monkeypatch.setattr(entry, "cuda_backends", backends)
-    monkeypatch.setattr(entry, "failed", {})
-    monkeypatch.setattr(entry, "torch_impl", lambda *args, **kwargs: "reference")
-    cuda = torch.zeros(2).as_subclass(PretendCuda)
-    call = dict(impl="softmax", window_size=None, cu_seqlens=None, scale=None)
-    with caplog.at_level("WARNING", logger="flame.ops.dispatch"):
-        assert [entry(cuda, cuda, cuda, **call) for _ in range(2)] == ["reference", "reference"]
-    assert tried == ["auto"]
-    assert dispatch.pinned("attention") == "auto"
-    dispatch.pin("attention", "cudnn")
-    try:
-        assert entry(cuda, cuda, cuda, **call) == "cudnn"  # a pin still reaches its variant
-    finally:
-        dispatch.pin("attention", None)

@@ -155,11 +155,7 @@ BACKENDS = {
 }
 ATTENTION_BACKENDS = tuple(BACKENDS)
 # Causal calls; non-causal ones take the reference on every device (attention() below).
-# Unpinned, "auto" serves, and where its kernel fails to build the reference does: the other backends are variants
-# of auto that a job pins, and would rebuild the kernel that failed.
-ATTENTION = dispatch.register_op(
-    "attention", reference_causal_attention, BACKENDS, pin_only=("fla", "flash", "cudnn", "reference")
-)
+ATTENTION = dispatch.register_op("attention", reference_causal_attention, BACKENDS)
 
 
 def set_attention_backend(name: str) -> None:
