@@ -122,6 +122,8 @@ def test_packed_documents_scan_as_each_document_alone():
     y, states = torch.cat([y for y, _ in alone], dim=1), torch.cat([s for _, s in alone])
     expected = (y, states, *torch.autograd.grad((y * grad).sum() + states.sum(), leaves))
     assert packed[1].shape == (len(DOCUMENTS), 3, 4, 5)
+    with pytest.raises(ValueError, match="one row"):
+        ssd(*inputs(2, sum(DOCUMENTS), 3, 4, 5), cu_seqlens=bounds)
     for name, ours, want in zip(
         ("y", "states", "dx", "ddt", "dA", "dB", "dC"), packed, expected, strict=True
     ):

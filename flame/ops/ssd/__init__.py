@@ -82,6 +82,10 @@ def ssd(
     [batch, heads, head_dim, state_size]), both in x's dtype. ``cu_seqlens``: the boundaries of documents packed into
     a row of batch 1, each scanned alone; the states are then one per document [documents, heads, head_dim,
     state_size]."""
+    if cu_seqlens is not None and x.shape[0] != 1:
+        raise ValueError(
+            f"packed documents (cu_seqlens) come in one row (batch 1), not a batch of {x.shape[0]}"
+        )
     return SSD(x, dt, A, B, C, cu_seqlens=cu_seqlens)
 
 
