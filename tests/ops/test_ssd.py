@@ -135,7 +135,7 @@ def test_packed_documents_reach_flas_own_op_with_their_boundaries(monkeypatch):
     B as keys, dt x as values, dt A as the log decay, scale 1, the state value-first, the boundaries as given."""
     import fla.ops.simple_gla
 
-    from tests.ops.test_dispatch_table import PretendCuda
+    from tests.ops.test_dispatch import PretendCuda
 
     calls = []
 
