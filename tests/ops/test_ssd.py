@@ -132,12 +132,15 @@ def test_packed_documents_scan_as_each_document_alone():
 
 def test_packed_documents_reach_flas_own_op_with_their_boundaries(monkeypatch):
     """On CUDA, packed documents go to FLA's chunk_simple_gla (flame's custom ops take no boundaries): C as queries,
-    B as keys, dt x as values, dt A as the log decay, scale 1, the state value-first, the boundaries as given."""
+    B as keys, dt x as values, dt A as the log decay, scale 1, the state value-first, the boundaries as given; its
+    backward's Hopper refusal (FLA issue 640) served first, as the custom ops' backward does."""
     import fla.ops.simple_gla
 
+    import flame.ops.gated_delta_rule.dqkwg_triton as dqkwg_triton
     from tests.ops.test_dispatch import PretendCuda
 
     calls = []
+    monkeypatch.setattr(dqkwg_triton, "serve_where_fla_refuses", lambda: calls.append("served"))
 
     def fake(q, k, v, g, scale, output_final_state, state_v_first, cu_seqlens):
         calls.append(dict(q=q, k=k, v=v, g=g, scale=scale, final=output_final_state, v_first=state_v_first,
@@ -148,7 +151,8 @@ def test_packed_documents_reach_flas_own_op_with_their_boundaries(monkeypatch):
     x, dt, A, B, C = inputs(1, 9, 2, 4, 6)
     bounds = torch.tensor([0, 4, 9], dtype=torch.int32)
     y, states = ssd(x.as_subclass(PretendCuda), dt, A, B, C, cu_seqlens=bounds)
-    (call,) = calls
+    served, call = calls
+    assert served == "served"
     assert call["q"] is C and call["k"] is B and call["cu_seqlens"] is bounds
     assert (call["scale"], call["final"], call["v_first"]) == (1.0, True, True)
     torch.testing.assert_close(call["v"], x * dt[..., None], rtol=0, atol=0)

@@ -41,9 +41,12 @@ def fla_ssd(
         from flame.ops.fla_library import chunk_simple_gla
 
         y, state = chunk_simple_gla(C, B, values.to(x.dtype), log_decay, scale=1.0, state_v_first=True)
-    else:
+    else:  # the custom ops take no boundaries
         from fla.ops.simple_gla import chunk_simple_gla
 
+        from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
+
+        serve_where_fla_refuses()
         y, state = chunk_simple_gla(
             C,
             B,
