@@ -39,10 +39,8 @@ SHAPE = {"vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 2, "num_hea
 OVERRIDES = {
     "rodimus": {"ska_attn": {"num_heads": 4}},
     "samba": {"attn": {"layers": [1], "num_heads": 4}},
-    "nsa": {
-        "num_heads": 16,
-        "num_kv_heads": 1,
-    },  # its kernels take 16, 32, ... query heads per key/value head
+    # NSA's kernels take 16, 32, ... query heads per key/value head.
+    "nsa": {"num_heads": 16, "num_kv_heads": 1},
 }
 # Configs that take no num_heads, or derive it from their other keys.
 WITHOUT_HEADS = {"hgrn", "log_linear_mamba2", "mamba", "mamba2", "mamba3", "rodimus", "samba", "yoco"}
@@ -63,9 +61,8 @@ def survey_config(model_type: str) -> dict:
 
 def packed_difference(model_type: str, device: torch.device, dtype: torch.dtype = torch.float32) -> float:
     """max |packed - alone| / max |alone| over the logits of the three documents, the model in ``dtype``."""
-    args, _ = model_args_from_dict(
-        survey_config(model_type), impl="fla"
-    )  # FLA's class, also for the types flame implements
+    # FLA's class, also for the types flame implements.
+    args, _ = model_args_from_dict(survey_config(model_type), impl="fla")
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(args)

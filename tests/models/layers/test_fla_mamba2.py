@@ -18,6 +18,7 @@ from fla.layers.mamba2 import Mamba2  # noqa: E402
 from flame.models import build_model, model_args_from_dict  # noqa: E402
 from flame.models.layers import fla_mamba2  # noqa: E402
 from flame.models.layers.fla_mamba2 import FLAMamba2  # noqa: E402
+from tests.models.layers.packed_documents import BOUNDS, assert_packed_equals_alone  # noqa: E402
 
 FLOAT32_SCAN = 1e-4
 
@@ -104,32 +105,9 @@ def test_packed_documents_equal_each_document_alone(n_groups):
     largest value (the layer scans in float32, as FLA's: the documents' chunks differ from the row's; documents that
     saw each other would differ at order one); a cache with packed documents is refused."""
     _, ours = layers(n_groups=n_groups)
-    lengths = [11, 1, 25]
-    bounds = torch.tensor([0, 11, 12, 37], dtype=torch.int32)
-    x = torch.randn(1, 37, 24, dtype=torch.float64)
-    grad = torch.randn(1, 37, 24, dtype=torch.float64)
-
-    def packed(h):
-        return ours(h, cu_seqlens=bounds)[0]
-
-    def alone(h):
-        return torch.cat([ours(document)[0] for document in h.split(lengths, dim=1)], dim=1)
-
-    results = []
-    for forward in (packed, alone):
-        ours.zero_grad()
-        leaf = x.clone().requires_grad_()
-        out = forward(leaf)
-        out.backward(grad)
-        results.append((out, leaf.grad, *(p.grad.clone() for p in ours.parameters())))
-    names = ("output", "input", *(n for n, _ in ours.named_parameters()))
-    for name, got, reference in zip(names, *results, strict=True):
-        difference = (got - reference).abs().max() / reference.abs().max()
-        assert difference <= 1e-6, f"{name}: {difference:.1e} of the largest value"
-    whole = ours(x)[0]  # the row read as one document differs past the first document: the boundaries cut
-    assert (whole[:, 11:] - results[0][0][:, 11:]).abs().max() > 1e-3
+    assert_packed_equals_alone(ours, 24, limit=1e-6)
     with pytest.raises(ValueError, match="without a cache only"):
-        ours(x, cu_seqlens=bounds, use_cache=True)
+        ours(torch.randn(1, 37, 24, dtype=torch.float64), cu_seqlens=BOUNDS, use_cache=True)
 
 
 def test_heads_read_their_groups_b_and_c_as_mamba_ssm_does(monkeypatch):

@@ -19,6 +19,7 @@ from fla.modules.layernorm_gated import rms_norm_ref  # noqa: E402
 
 from flame.models import build_model, model_args_from_dict  # noqa: E402
 from flame.models.layers.fla_mamba3 import FLAMamba3  # noqa: E402
+from tests.models.layers.packed_documents import assert_packed_equals_alone  # noqa: E402
 
 LIMIT = 1e-12
 
@@ -167,33 +168,7 @@ def test_forward_and_gradients_equal_the_token_by_token_layer(options):
 def test_packed_documents_equal_each_document_alone(options):
     """cu_seqlens: one row of three documents (one of a single token, one past a 16-token chunk) gives each
     document's output and the gradients of the documents run one by one, float64, 1e-10 of the largest value."""
-    ours = layer(**options)
-    lengths = [11, 1, 25]
-    bounds = torch.tensor([0, 11, 12, 37], dtype=torch.int32)
-    hidden = torch.randn(1, 37, 24, dtype=torch.float64)
-    grad = torch.randn(1, 37, 24, dtype=torch.float64)
-
-    def packed(h):
-        return ours(h, cu_seqlens=bounds)[0]
-
-    def alone(h):
-        return torch.cat([ours(document)[0] for document in h.split(lengths, dim=1)], dim=1)
-
-    results = []
-    for forward in (packed, alone):
-        ours.zero_grad()
-        leaf = hidden.clone().requires_grad_()
-        out = forward(leaf)
-        out.backward(grad)
-        results.append((out, leaf.grad, *(p.grad.clone() for p in ours.parameters())))
-    names = ("output", "input", *(n for n, _ in ours.named_parameters()))
-    for name, got, reference in zip(names, *results, strict=True):
-        difference = (got - reference).abs().max() / reference.abs().max()
-        assert difference <= 1e-10, f"{name}: {difference:.1e} of the largest value"
-    whole = ours(hidden)[
-        0
-    ]  # the row read as one document differs past the first document: the boundaries cut
-    assert (whole[:, 11:] - results[0][0][:, 11:]).abs().max() > 1e-3
+    assert_packed_equals_alone(layer(**options), 24, limit=1e-10)
 
 
 def test_padding_stays_flas_path():
