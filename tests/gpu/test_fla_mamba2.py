@@ -3,9 +3,12 @@ SiLU and gated RMSNorm, against the same layer in float64 on the CPU with PyTorc
 (tests/models/layers/test_fla_mamba2.py's): float32 without TF32 and Triton's kernels only, output and gradients
 within 1e-4 of each tensor's largest value (float32 rounding; a wrong kernel differs at order one)."""
 
+import copy
+
 import pytest
 import torch
 
+from tests.models.layers.packed_documents import assert_packed_equals_alone
 from tests.models.layers.test_fla_mamba2 import GatedRMSNorm, layers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -35,3 +38,12 @@ def test_layer_on_the_gpu_equals_the_float64_layer(exact_float32, fla_tilelang_o
     for name, expected in results[0].items():
         ours = results[1][name].double().cpu()
         assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max(), name
+
+
+def test_packed_documents_on_the_gpu_equal_each_document_alone(exact_float32, fla_tilelang_off):
+    """cu_seqlens on the GPU (flame.ops.ssd hands the boundaries to FLA's chunk_simple_gla): one row of three
+    documents gives, in float32, the output and gradients of the documents run one by one in float64 on the CPU,
+    within 1e-4 of the largest value."""
+    _, reference = layers(n_groups=2)
+    gpu = copy.deepcopy(reference).float().cuda()
+    assert_packed_equals_alone(gpu, 24, limit=1e-4, reference=reference)

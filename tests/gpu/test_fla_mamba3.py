@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 
-from tests.models.layers.test_fla_mamba3 import ReferenceRMSNorm, layer, token_by_token
+from tests.models.layers.packed_documents import assert_packed_equals_alone
+from tests.models.layers.test_fla_mamba3 import MIMO, ReferenceRMSNorm, layer, token_by_token
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -41,3 +42,13 @@ def test_layer_on_the_gpu_equals_the_float64_token_by_token_layer(options, exact
     for name, expected in results[0].items():
         ours = results[1][name].double().cpu()
         assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max(), name
+
+
+@pytest.mark.parametrize("options", [{}, MIMO], ids=["siso", "mimo"])
+def test_packed_documents_on_the_gpu_equal_each_document_alone(options, exact_float32, fla_tilelang_off):
+    """cu_seqlens on the GPU (Mamba-2's scan hands the boundaries to FLA's chunk_simple_gla; the angles' sum and
+    the per-token terms restart at each document): one row of three documents gives, in float32, the output and
+    gradients of the documents run one by one in float64 on the CPU, within 1e-4 of the largest value."""
+    reference = layer(**options)
+    gpu = copy.deepcopy(reference).float().cuda()
+    assert_packed_equals_alone(gpu, 24, limit=1e-4, reference=reference)

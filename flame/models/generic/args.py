@@ -112,8 +112,34 @@ PACKED_DOCUMENT_MODEL_TYPES = frozenset(
 # alone: tests/gpu/test_fla_varlen.py on the GPU, and FLA's transformer (its attention on flame's) on the CPU too
 # (tests/models/generic/test_varlen.py). ``python scripts/fla_varlen_survey.py`` on a GPU checks every FLA family:
 # one whose layer ignores cu_seqlens would mix documents, so a family is listed only once that check passes (H200,
-# 2026-12-02: bitnet, deltaformer and mla in float32, delta_net in bfloat16; docs/models.md).
-FLA_PACKED_DOCUMENT_MODEL_TYPES = frozenset({"transformer", "bitnet", "deltaformer", "mla", "delta_net"})
+# 2026-12-02: the bfloat16 ones are those whose kernels refuse float32; the verdicts are in docs/models.md).
+FLA_PACKED_DOCUMENT_MODEL_TYPES = frozenset(
+    {
+        "transformer",
+        # float32
+        "bitnet",
+        "deltaformer",
+        "forgetting_transformer",
+        "gla",
+        "hgrn",
+        "hgrn2",
+        "lightnet",
+        "mamba2",
+        "mamba3",
+        "mesa_net",
+        "mla",
+        "moba",
+        "nsa",
+        "path_attn",
+        "retnet",
+        "wall_transformer",
+        # bfloat16
+        "delta_net",
+        "gated_deltaproduct",
+        "parallax",
+        "stickbreaking_attn",
+    }
+)
 
 
 # transformers' classes whose declared tensor-parallel plan (``base_model_tp_plan``) flame applies
