@@ -8,20 +8,43 @@ first step at 8 x 2048 tokens. :class:`FLAMamba` is FLA's class (same constructo
 ``slow_forward`` computes a forward without a cache (training) or starting one (a prompt's prefill) with
 flame.ops.selective_scan: the in-projection, the convolution and activation, the selection projections, the scan,
 the D skip, the gate and the out-projection, each as FLA's code does them, and with a cache the convolution's inputs
-and the scan's last state as FLA keeps them. Decoding token by token from the cache stays FLA's. The generic family
+and the scan's last state as FLA keeps them; documents packed into one row (``cu_seqlens``, no cache) each alone: the
+convolution as flame's short conv (flame.ops.short_conv), which starts each document from zeros, and the scan from a
+zero state at each document's first token. Decoding token by token from the cache stays FLA's. The generic family
 builds it in place of FLA's layer while mamba_ssm's fast path is missing (flame.compat.fla_layers_on_flame).
 """
 
 import torch
 import torch.nn.functional as F
 from fla.layers.mamba import Mamba
+from fla.layers.utils import get_layer_cache
 
 from flame.ops.selective_scan import selective_scan
+from flame.ops.short_conv import short_conv
 
 
 class FLAMamba(Mamba):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        output_attentions: bool | None = False,
+        cu_seqlens: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        if cu_seqlens is None:
+            return super().forward(
+                hidden_states, attention_mask, past_key_values, use_cache, output_attentions, **kwargs
+            )
+        if use_cache or get_layer_cache(self, past_key_values) is not None:
+            raise ValueError("Mamba takes packed documents (cu_seqlens) without a cache only")
+        output, _, _ = self.slow_forward(hidden_states, cu_seqlens=cu_seqlens)
+        return output, None, past_key_values
+
     def slow_forward(self, input_states, last_state=None, use_cache: bool | None = False, attention_mask=None,
-                     **kwargs):  # fmt: skip
+                     cu_seqlens=None, **kwargs):  # fmt: skip
         if last_state is not None:
             return super().slow_forward(input_states, last_state, use_cache, attention_mask, **kwargs)
         length = input_states.shape[1]
@@ -30,7 +53,13 @@ class FLAMamba(Mamba):
         if attention_mask is not None:
             hidden_states = hidden_states * attention_mask.unsqueeze(1)
         conv_state = self._build_conv_state(hidden_states) if use_cache else None
-        hidden_states = self.act(self.conv1d(hidden_states)[..., :length])
+        if cu_seqlens is None:
+            hidden_states = self.act(self.conv1d(hidden_states)[..., :length])
+        else:  # each document's convolution starts from zeros
+            convolved = short_conv(
+                hidden_states.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, cu_seqlens=cu_seqlens
+            )
+            hidden_states = self.act(convolved.transpose(1, 2))
         if attention_mask is not None:
             hidden_states = hidden_states * attention_mask.unsqueeze(1)
 
@@ -41,6 +70,6 @@ class FLAMamba(Mamba):
         delta = F.softplus(self.dt_proj(time_step))  # [batch, T, D]
         A = -torch.exp(self.A_log.float())
         u = hidden_states.transpose(1, 2)  # [batch, T, D]
-        y, ssm_state = selective_scan(u, delta, A, B, C)
+        y, ssm_state = selective_scan(u, delta, A, B, C, cu_seqlens=cu_seqlens)
         scan_output = (y.transpose(1, 2) + hidden_states * self.D[None, :, None]) * self.act(gate)
         return self.out_proj(scan_output.transpose(1, 2)), conv_state, ssm_state.to(dtype)

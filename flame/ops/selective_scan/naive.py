@@ -14,10 +14,25 @@ import torch
 
 
 def selective_scan_recurrent(
-    u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """u, delta [batch, T, D]; A [D, N]; B, C [batch, T, N] -> (y [batch, T, D] in u's dtype, the state after the
-    last token [batch, D, N] in the compute dtype)."""
+    last token [batch, D, N] in the compute dtype). ``cu_seqlens``: the boundaries of documents packed into a row
+    of batch 1, each scanned from a zero state; the states are then each document's last [documents, D, N]."""
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        scans = [
+            selective_scan_recurrent(
+                *(t[:, start:end] for t in (u, delta)), A, *(t[:, start:end] for t in (B, C))
+            )
+            for start, end in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+        return torch.cat([y for y, _ in scans], dim=1), torch.cat([state for _, state in scans])
     dtype = u.dtype
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     u, delta, A, B, C = (t.to(compute) for t in (u, delta, A, B, C))

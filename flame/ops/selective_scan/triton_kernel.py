@@ -1,9 +1,11 @@
 """flame's Triton kernels for Mamba's selective scan (naive.py defines it), forward and backward.
 
-    selective_scan_triton(u, delta, A, B, C) -> (y, last state)
+    selective_scan_triton(u, delta, A, B, C, cu_seqlens=None) -> (y, last state)
 
 Same contract as `selective_scan_recurrent`: u, delta [batch, T, D] (float16 / bfloat16 / float32 / float64),
-A [D, N], B, C [batch, T, N]; y in u's dtype, the state in float32 (float64 for float64 inputs), without a gradient.
+A [D, N], B, C [batch, T, N]; y in u's dtype, the state in float32 (float64 for float64 inputs), without a gradient;
+with ``cu_seqlens`` (documents packed into a row of batch 1) each document starts from a zero state and the states
+are each document's last.
 
 Why: without mamba_ssm's CUDA kernels (the package index has no wheels of them), FLA's Mamba layer runs a PyTorch
 scan that materialises exp(delta A) and delta B u for every token, [batch, D, T, N] each, and keeps a state per token
@@ -21,7 +23,9 @@ then scans g[t] = dL/dh[t] = dy[t] C[t] + a[t+1] g[t+1] backwards over the chunk
 the chunk's last token, with the g entering from the next chunk), and from g and h:
     du[t] = delta[t] sum_n g B[t];  ddelta[t] = u[t] sum_n g B[t] + sum_n g a[t] h[t-1] A;  dA = sum_t g a[t] h[t-1] delta[t]
     dB[t] = sum_d g delta[t] u[t];  dC[t] = sum_d dy[t] h[t]
-with a[t] h[t-1] = h[t] - x[t]. dB and dC are summed over the channel blocks, dA over the rows, by torch after the
+with a[t] h[t-1] = h[t] - x[t]. Packed documents set a[t] = 0 at each document's first token: its state is x[t]
+alone, no gradient flows back past it, and a[t] h[t-1] = 0 leaves delta and A no term through the decay there. dB
+and dC are summed over the channel blocks, dA over the rows, by torch after the
 kernel (partial buffers, no atomics: deterministic). Sums run in float32 (float64 for float64 inputs). Forward and
 backward are torch.library custom ops with shape-only fake implementations, so that a compiled Mamba block traces
 them as single nodes instead of breaking its graph. With TRITON_INTERPRET=1 set before this module is imported, the
@@ -70,16 +74,18 @@ def _then(a1, x1, a2, x2):
 
 @triton.jit
 def _chunk_states(
-    U, DELTA, B, a, h, b, t, d, n, td_ok, tn_ok, stride_ub, stride_ut, stride_db, stride_dt, stride_bb, stride_bt,
-    ACC: tl.constexpr,
+    U, DELTA, B, KEEP, a, h, b, t, d, n, T, td_ok, tn_ok, stride_ub, stride_ut, stride_db, stride_dt, stride_bb,
+    stride_bt, ACC: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
 ):  # fmt: skip
     """For the chunk's tokens t: delta, u and B, the pairs (exp(delta A), delta u B) and the states h[t] from h, the
     state entering the chunk. Past the last token delta = 0 and u = 0 (masked loads), so the pair (1, 0) leaves the
-    state as it is."""
+    state as it is. With packed documents KEEP [T] is 0 at a document's first token (its decay) and 1 elsewhere."""
     step = tl.load(DELTA + b * stride_db + t[:, None] * stride_dt + d[None, :], mask=td_ok, other=0.0).to(ACC)
     u = tl.load(U + b * stride_ub + t[:, None] * stride_ut + d[None, :], mask=td_ok, other=0.0).to(ACC)
     b_t = tl.load(B + b * stride_bb + t[:, None] * stride_bt + n[None, :], mask=tn_ok, other=0.0).to(ACC)
     decay = tl.exp(step[:, :, None] * a[None, :, :])
+    if HAS_DOCUMENTS:
+        decay = decay * tl.load(KEEP + t, mask=t < T, other=1.0).to(ACC)[:, None, None]
     x = (step * u)[:, :, None] * b_t[:, None, :]
     decays, inputs = tl.associative_scan((decay, x), 0, _then)
     return step, u, b_t, decay, x, decays * h[None, :, :] + inputs  # hs [CHUNK, BLOCK_D, BLOCK_N]
@@ -87,9 +93,9 @@ def _chunk_states(
 
 @triton.jit
 def _fwd_kernel(
-    U, DELTA, A, B, C, Y, STATES, LAST, T, D, N, NUM_CHUNKS,
+    U, DELTA, A, B, C, KEEP, ENDS, Y, STATES, LAST, T, D, N, NUM_CHUNKS,
     stride_ub, stride_ut, stride_db, stride_dt, stride_bb, stride_bt, stride_cb, stride_ct, stride_yb, stride_yt,
-    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
 ):  # fmt: skip
     ACC: tl.constexpr = tl.float64 if U.dtype.element_ty == tl.float64 else tl.float32
     b = tl.program_id(1).to(tl.int64)
@@ -108,8 +114,8 @@ def _fwd_kernel(
         td_ok = (t < T)[:, None] & d_ok[None, :]
         tn_ok = (t < T)[:, None] & n_ok[None, :]
         _, _, _, _, _, hs = _chunk_states(
-            U, DELTA, B, a, h, b, t, d, n, td_ok, tn_ok, stride_ub, stride_ut, stride_db, stride_dt, stride_bb,
-            stride_bt, ACC,
+            U, DELTA, B, KEEP, a, h, b, t, d, n, T, td_ok, tn_ok, stride_ub, stride_ut, stride_db, stride_dt,
+            stride_bb, stride_bt, ACC, HAS_DOCUMENTS,
         )  # fmt: skip
         c_t = tl.load(C + b * stride_cb + t[:, None] * stride_ct + n[None, :], mask=tn_ok, other=0.0).to(ACC)
         y = tl.sum(hs * c_t[:, None, :], 2)
@@ -117,14 +123,24 @@ def _fwd_kernel(
             Y + b * stride_yb + t[:, None] * stride_yt + d[None, :], y.to(Y.dtype.element_ty), mask=td_ok
         )
         h = tl.sum(tl.where((rows == CHUNK - 1)[:, None, None], hs, 0.0), 0)
-    tl.store(LAST + (b * D + d[:, None]) * N + n[None, :], h, mask=tile_ok)
+        if (
+            HAS_DOCUMENTS
+        ):  # ENDS [T]: the document whose last token t is, or -1; its state is that document's last
+            ends = tl.load(ENDS + t, mask=t < T, other=-1).to(tl.int64)
+            tl.store(
+                LAST + (ends[:, None, None] * D + d[None, :, None]) * N + n[None, None, :],
+                hs,
+                mask=(ends >= 0)[:, None, None] & tile_ok[None, :, :],
+            )
+    if not HAS_DOCUMENTS:
+        tl.store(LAST + (b * D + d[:, None]) * N + n[None, :], h, mask=tile_ok)
 
 
 @triton.jit
 def _bwd_kernel(
-    U, DELTA, A, B, C, DY, STATES, DU, DDELTA, DA_PARTIAL, DB_PARTIAL, DC_PARTIAL, T, D, N, NUM_CHUNKS,
+    U, DELTA, A, B, C, KEEP, DY, STATES, DU, DDELTA, DA_PARTIAL, DB_PARTIAL, DC_PARTIAL, T, D, N, NUM_CHUNKS,
     stride_ub, stride_ut, stride_db, stride_dt, stride_bb, stride_bt, stride_cb, stride_ct, stride_dyb, stride_dyt,
-    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOCUMENTS: tl.constexpr,
 ):  # fmt: skip
     ACC: tl.constexpr = tl.float64 if U.dtype.element_ty == tl.float64 else tl.float32
     b = tl.program_id(1).to(tl.int64)
@@ -148,8 +164,8 @@ def _bwd_kernel(
         tn_ok = (t < T)[:, None] & n_ok[None, :]
         entering = tl.load(states + chunk * D * N, mask=tile_ok, other=0.0)
         step, u, b_t, decay, x, hs = _chunk_states(
-            U, DELTA, B, a, entering, b, t, d, n, td_ok, tn_ok, stride_ub, stride_ut, stride_db, stride_dt, stride_bb,
-            stride_bt, ACC,
+            U, DELTA, B, KEEP, a, entering, b, t, d, n, T, td_ok, tn_ok, stride_ub, stride_ut, stride_db, stride_dt,
+            stride_bb, stride_bt, ACC, HAS_DOCUMENTS,
         )  # fmt: skip
         dy = tl.load(DY + b * stride_dyb + t[:, None] * stride_dyt + d[None, :], mask=td_ok, other=0.0).to(
             ACC
@@ -171,7 +187,11 @@ def _bwd_kernel(
             DELTA + b * stride_db + (t_back + 1)[:, None] * stride_dt + d[None, :], mask=next_ok, other=0.0
         ).to(ACC)
         e = dy_back.to(ACC)[:, :, None] * c_back.to(ACC)[:, None, :]
-        carries, sums = tl.associative_scan((tl.exp(step_next[:, :, None] * a[None, :, :]), e), 0, _then)
+        decay_next = tl.exp(step_next[:, :, None] * a[None, :, :])
+        if HAS_DOCUMENTS:  # no gradient reaches a document from the next one's first token
+            keep_next = tl.load(KEEP + t_back + 1, mask=(rows > 0) & (t_back + 1 < T), other=1.0).to(ACC)
+            decay_next = decay_next * keep_next[:, None, None]
+        carries, sums = tl.associative_scan((decay_next, e), 0, _then)
         g = tl.flip(carries * g_next[None, :, :] + sums, 0)
         g_b = tl.sum(g * b_t[:, None, :], 2)
         through_decay = g * (hs - x)  # g[t] a[t] h[t-1]
@@ -196,25 +216,30 @@ def _compute_dtype(u: Tensor) -> torch.dtype:
 
 
 def _forward(
-    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, tiles: ScanTiles
-) -> tuple[Tensor, Tensor, Tensor]:
-    """y, the last state and the states entering each chunk."""
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, keep: Tensor | None, ends: Tensor | None,
+    documents: int, tiles: ScanTiles,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """y, the last state (each document's, with ``keep`` and ``ends``) and the states entering each chunk."""
     batch, length, dim = u.shape
     state_size = A.shape[1]
     chunks = triton.cdiv(length, tiles.chunk)
     y = torch.empty_like(u)
     states = u.new_empty(batch, chunks, dim, state_size, dtype=_compute_dtype(u))
-    last = u.new_empty(batch, dim, state_size, dtype=_compute_dtype(u))
+    if keep is None:
+        last = u.new_empty(batch, dim, state_size, dtype=_compute_dtype(u))
+    else:  # an empty document's state stays zero
+        last = u.new_zeros(documents, dim, state_size, dtype=_compute_dtype(u))
     _fwd_kernel[(triton.cdiv(dim, tiles.block_d), batch)](
-        u, delta, A, B, C, y, states, last, length, dim, state_size, chunks,
-        *u.stride()[:2], *delta.stride()[:2], *B.stride()[:2], *C.stride()[:2], *y.stride()[:2],
-        CHUNK=tiles.chunk, BLOCK_D=tiles.block_d, BLOCK_N=triton.next_power_of_2(state_size), num_warps=tiles.warps,
+        u, delta, A, B, C, u if keep is None else keep, u if ends is None else ends, y, states, last, length, dim,
+        state_size, chunks, *u.stride()[:2], *delta.stride()[:2], *B.stride()[:2], *C.stride()[:2], *y.stride()[:2],
+        CHUNK=tiles.chunk, BLOCK_D=tiles.block_d, BLOCK_N=triton.next_power_of_2(state_size),
+        HAS_DOCUMENTS=keep is not None, num_warps=tiles.warps,
     )  # fmt: skip
     return y, last, states
 
 
 def _backward(
-    u, delta, A, B, C, states, dy, tiles: ScanTiles
+    u, delta, A, B, C, keep, states, dy, tiles: ScanTiles
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     batch, length, dim = u.shape
     state_size = A.shape[1]
@@ -226,9 +251,10 @@ def _backward(
     da = u.new_empty(batch, dim, state_size, dtype=compute)
     db, dc = (u.new_empty(batch, blocks, length, state_size, dtype=compute) for _ in range(2))
     _bwd_kernel[(blocks, batch)](
-        u, delta, A, B, C, dy, states, du, ddelta, da, db, dc, length, dim, state_size, states.shape[1],
-        *u.stride()[:2], *delta.stride()[:2], *B.stride()[:2], *C.stride()[:2], *dy.stride()[:2],
-        CHUNK=tiles.chunk, BLOCK_D=tiles.block_d, BLOCK_N=block_n, num_warps=tiles.warps,
+        u, delta, A, B, C, u if keep is None else keep, dy, states, du, ddelta, da, db, dc, length, dim, state_size,
+        states.shape[1], *u.stride()[:2], *delta.stride()[:2], *B.stride()[:2], *C.stride()[:2], *dy.stride()[:2],
+        CHUNK=tiles.chunk, BLOCK_D=tiles.block_d, BLOCK_N=block_n, HAS_DOCUMENTS=keep is not None,
+        num_warps=tiles.warps,
     )  # fmt: skip
     return (du.to(u.dtype), ddelta.to(delta.dtype), da.sum(0).to(A.dtype), db.sum(1).to(B.dtype),
             dc.sum(1).to(C.dtype))  # fmt: skip
@@ -236,57 +262,83 @@ def _backward(
 
 @torch.library.custom_op("flame::selective_scan_fwd", mutates_args=())
 def selective_scan_fwd(
-    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int, block_d: int, warps: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """y, the last state and the states entering each chunk (saved for the backward)."""
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, keep: Tensor | None, ends: Tensor | None,
+    documents: int, chunk: int, block_d: int, warps: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """y, the last state and the states entering each chunk (saved for the backward); packed documents are marked
+    by ``keep`` and ``ends`` (document_marks)."""
     u, delta, A, B, C = (_row_major(t) for t in (u, delta, A, B, C))
-    return _forward(u, delta, A, B, C, ScanTiles(chunk, block_d, warps))
+    return _forward(u, delta, A, B, C, keep, ends, documents, ScanTiles(chunk, block_d, warps))
 
 
 @selective_scan_fwd.register_fake
-def _(u, delta, A, B, C, chunk, block_d, warps):
+def _(u, delta, A, B, C, keep, ends, documents, chunk, block_d, warps):
     batch, length, dim = u.shape
     compute = _compute_dtype(u)
     states = u.new_empty(batch, -(-length // chunk), dim, A.shape[1], dtype=compute)
     return (
         torch.empty_like(u, memory_format=torch.contiguous_format),
-        u.new_empty(batch, dim, A.shape[1], dtype=compute),
+        u.new_empty(batch if keep is None else documents, dim, A.shape[1], dtype=compute),
         states,
     )
 
 
 @torch.library.custom_op("flame::selective_scan_bwd", mutates_args=())
 def selective_scan_bwd(
-    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, states: Tensor, dy: Tensor, chunk: int, block_d: int,
-    warps: int,
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, keep: Tensor | None, states: Tensor, dy: Tensor,
+    chunk: int, block_d: int, warps: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     u, delta, A, B, C = (_row_major(t) for t in (u, delta, A, B, C))
-    return _backward(u, delta, A, B, C, states, _row_major(dy), ScanTiles(chunk, block_d, warps))
+    return _backward(u, delta, A, B, C, keep, states, _row_major(dy), ScanTiles(chunk, block_d, warps))
 
 
 @selective_scan_bwd.register_fake
-def _(u, delta, A, B, C, states, dy, chunk, block_d, warps):
+def _(u, delta, A, B, C, keep, states, dy, chunk, block_d, warps):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (u, delta, A, B, C))
 
 
 def _setup_context(ctx, inputs, output):
-    u, delta, A, B, C, chunk, block_d, warps = inputs
-    ctx.save_for_backward(u, delta, A, B, C, output[2])
+    u, delta, A, B, C, keep, _ends, _documents, chunk, block_d, warps = inputs
+    ctx.save_for_backward(u, delta, A, B, C, keep, output[2])
     ctx.tiles = (chunk, block_d, warps)
     ctx.mark_non_differentiable(output[1], output[2])
 
 
 def _gradients(ctx, dy, _last, _states):
-    u, delta, A, B, C, states = ctx.saved_tensors
-    return *selective_scan_bwd(u, delta, A, B, C, states, dy, *ctx.tiles), None, None, None
+    u, delta, A, B, C, keep, states = ctx.saved_tensors
+    return *selective_scan_bwd(u, delta, A, B, C, keep, states, dy, *ctx.tiles), *(None,) * 6
 
 
 selective_scan_fwd.register_autograd(_gradients, setup_context=_setup_context)
 
 
+def document_marks(cu_seqlens: Tensor, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The kernels' view of packed documents: ``keep`` [length] in the scan's dtype, 0 at each document's first token
+    and 1 elsewhere (the decay that carries a state in), and ``ends`` [length] int32, the index of the document
+    whose last token each token is, or -1 (an empty document ends nowhere: where it meets the one before, that one
+    is kept). Shapes depend on ``length`` alone, so a compiled block does not break on the boundaries' values."""
+    bounds = cu_seqlens.long()
+    keep = torch.ones(
+        length + 1, dtype=dtype, device=bounds.device
+    )  # + 1: starts of empty documents at the end
+    keep[bounds[:-1]] = 0
+    documents = torch.arange(len(bounds) - 1, dtype=torch.int32, device=bounds.device)
+    # Position e + 1 holds the document ending at token e; the first position, empty documents at the start.
+    ends = torch.full((length + 1,), -1, dtype=torch.int32, device=bounds.device)
+    ends.scatter_reduce_(0, bounds[1:], documents, reduce="amin", include_self=False)
+    return keep[:length], ends[1:]
+
+
 def selective_scan_triton(
-    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, tiles: ScanTiles = TILES
-) -> tuple[Tensor, Tensor]:
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, cu_seqlens: Tensor | None = None,
+    tiles: ScanTiles = TILES,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Arguments and results of `selective_scan_recurrent` (naive.py); ``tiles`` for the bench's comparisons."""
-    y, last, _ = selective_scan_fwd(u, delta, A, B, C, tiles.chunk, tiles.block_d, tiles.warps)
+    keep = ends = None
+    if cu_seqlens is not None:
+        keep, ends = document_marks(cu_seqlens.to(u.device), u.shape[1], _compute_dtype(u))
+    documents = 0 if cu_seqlens is None else len(cu_seqlens) - 1
+    y, last, _ = selective_scan_fwd(
+        u, delta, A, B, C, keep, ends, documents, tiles.chunk, tiles.block_d, tiles.warps
+    )
     return y, last

@@ -16,6 +16,7 @@ from fla.layers.mamba import Mamba  # noqa: E402
 
 from flame.models import build_model, model_args_from_dict  # noqa: E402
 from flame.models.layers.fla_mamba import FLAMamba  # noqa: E402
+from tests.models.layers.packed_documents import BOUNDS, assert_packed_equals_alone  # noqa: E402
 from tests.models.layers.test_fla_mamba2 import flame_and_fla_models, state_dict_layout  # noqa: E402
 
 FLOAT32 = 1e-5
@@ -108,3 +109,15 @@ def test_generic_samba_builds_flames_mamba_layers():
     with torch.device("meta"):
         model = build_model(args)
     assert sum(isinstance(m, FLAMamba) for m in model.modules()) == 2
+
+
+def test_packed_documents_equal_each_document_alone():
+    """cu_seqlens: one row of three documents (one of a single token) gives each document's output and the
+    gradients of the documents run one by one through flame's layer, float64 inputs, within 1e-6 of the largest
+    value (the layer forms A = -exp(A_log) in float32, as FLA's: A_log's gradient, summed over the documents in
+    another order, differs at float32's rounding; documents that saw each other differ at order one); a cache with
+    packed documents is refused."""
+    _, ours = layers()
+    assert_packed_equals_alone(ours, 24, limit=1e-6)
+    with pytest.raises(ValueError, match="without a cache only"):
+        ours(torch.randn(1, 37, 24, dtype=torch.float64), cu_seqlens=BOUNDS, use_cache=True)

@@ -74,3 +74,26 @@ def test_strided_inputs_and_output_gradient():
     reference = run(selective_scan_recurrent, args, dy)
     for name, mine, want in zip(("y", "last state", *NAMES), ours, reference):
         torch.testing.assert_close(mine, want, rtol=1e-12, atol=1e-12 * want.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_packed_documents_scan_as_each_document_alone(dtype):
+    """cu_seqlens over one row of 37 tokens: documents of 6 (inside the first 8-token chunk), 1, 19 (across two
+    chunk borders), 0 (empty: a zero state) and 11 tokens (to the row's end, the last chunk ragged). y, each
+    document's last state and every gradient equal the recurrence over each document alone, at the tolerances of
+    the unpacked test; the row scanned as one document differs."""
+    lengths = [6, 1, 19, 0, 11]
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    args, dy = inputs(dtype, batch=1, length=sum(lengths))
+    ours = run(lambda *t: selective_scan_triton(*t, cu_seqlens=bounds), args, dy)
+    reference = run(
+        lambda *t: selective_scan_recurrent(*t, cu_seqlens=bounds), [t.double() for t in args], dy.double()
+    )
+    assert ours[1].shape == (len(lengths), 11, 5) and not ours[1][3].any()
+    rtol, atol = TOLERANCES[dtype]
+    for name, mine, want in zip(("y", "states", *NAMES), ours, reference, strict=True):
+        torch.testing.assert_close(
+            mine.double(), want, rtol=rtol, atol=atol * want.abs().max().item(), msg=name
+        )
+    whole = run(selective_scan_recurrent, [t.double() for t in args], dy.double())
+    assert (whole[0][:, 6:] - reference[0][:, 6:]).abs().max() > 1e-3
