@@ -13,6 +13,7 @@ imports no torch: ``import flame`` installs :func:`defer_torchtitan_import_compi
 """
 
 import contextlib
+import contextvars
 import functools
 import importlib.abc
 import importlib.machinery
@@ -715,6 +716,52 @@ def fla_rodimus_blocks_follow_the_model() -> None:
     RodimusBlock.__init__ = follow_the_model
 
 
+# The packed documents' boundaries while FLA's LinearAttentionForCausalLM runs (its model does not hand them on).
+_linear_attn_cu_seqlens: contextvars.ContextVar = contextvars.ContextVar(
+    "linear_attn_cu_seqlens", default=None
+)
+
+
+def fla_linear_attn_hands_layers_cu_seqlens() -> None:
+    """FLA 0.6.0's LinearAttentionForCausalLM takes ``cu_seqlens`` among its keyword arguments but calls its model
+    without them, and LinearAttentionModel calls its blocks without them, so its layers, which take them, scan packed
+    documents as one sequence (H200 survey, 2026-12-02: 7.6e-2 of the logits' scale). For the process: the causal
+    LM's forward keeps its ``cu_seqlens`` while it runs and each block called without them receives them."""
+    from fla.models.linear_attn import modeling_linear_attn as modeling
+
+    lm_forward = modeling.LinearAttentionForCausalLM.forward
+    if getattr(lm_forward, "flame_hands_cu_seqlens", False):
+        return
+    block_forward = modeling.LinearAttentionBlock.forward
+
+    @functools.wraps(lm_forward)
+    def keeps_cu_seqlens(self, *args, **kwargs):
+        token = _linear_attn_cu_seqlens.set(kwargs.get("cu_seqlens"))
+        try:
+            return lm_forward(self, *args, **kwargs)
+        finally:
+            _linear_attn_cu_seqlens.reset(token)
+
+    @functools.wraps(block_forward)
+    def receives_cu_seqlens(self, *args, **kwargs):
+        cu_seqlens = _linear_attn_cu_seqlens.get()
+        if cu_seqlens is not None and kwargs.get("cu_seqlens") is None:
+            kwargs["cu_seqlens"] = cu_seqlens
+        return block_forward(self, *args, **kwargs)
+
+    keeps_cu_seqlens.flame_hands_cu_seqlens = True
+    modeling.LinearAttentionForCausalLM.forward = keeps_cu_seqlens
+    modeling.LinearAttentionBlock.forward = receives_cu_seqlens
+
+
+def _fla_linear_attn_model_drops_cu_seqlens() -> bool:
+    import inspect
+
+    from fla.models.linear_attn.modeling_linear_attn import LinearAttentionModel
+
+    return "kwargs" not in inspect.signature(LinearAttentionModel.forward).parameters
+
+
 # TileLang's attention kernels tile a head's channels in blocks of 16: FLA 0.6.0's parallel_attn (its
 # fla/ops/attn/backends/tilelang/parallel.py, BK = ceil(K / 16) * 16) copies a head of another width into a larger
 # shared tile, which TileLang refuses to compile ("Shared tile and global tile shape mismatch: 32 != 24").
@@ -943,6 +990,15 @@ SHIMS = (
         fixed_in=None,
         workaround="fla_rodimus_blocks_follow_the_model",
         reproduces=_fla_rodimus_block_reads_residual_in_fp32,
+    ),
+    Shim(
+        name="fla_linear_attn_cu_seqlens",
+        applies=_always,
+        upstream="not filed: FLA 0.6.0's LinearAttentionForCausalLM and LinearAttentionModel do not hand cu_seqlens "
+        "to their blocks, so packed documents see each other",
+        fixed_in=None,
+        workaround="fla_linear_attn_hands_layers_cu_seqlens",
+        reproduces=_fla_linear_attn_model_drops_cu_seqlens,
     ),
     Shim(
         name="fla_tilelang_attention_inputs",

@@ -145,3 +145,33 @@ def test_a_survey_process_that_gives_no_verdict_is_its_familys_failure_line():
     line = survey.survey_in_a_process("gla", timeout_s=120)
     assert line.startswith("gla: failed: exit 2: ") and "needs a CUDA GPU" in line, line
     assert survey.survey_in_a_process("gla", timeout_s=0.01) == "gla: failed: no verdict within 0.01 s"
+
+
+def test_flas_linear_attention_layers_receive_cu_seqlens(monkeypatch):
+    """FLA 0.6.0's linear_attn model does not hand cu_seqlens to its blocks (flame.compat's
+    fla_linear_attn_hands_layers_cu_seqlens): built by flame, every layer receives the boundaries flame passes, and
+    none without them. The layer itself is FLA's Triton kernel, checked on the GPU by the survey."""
+    import fla.layers.linear_attn
+    import fla.modules.mlp
+    import torch.nn.functional as F
+
+    received = []
+
+    def recording_forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
+        received.append(kwargs.get("cu_seqlens"))
+        return hidden_states, None, past_key_values
+
+    monkeypatch.setattr(fla.layers.linear_attn.LinearAttention, "forward", recording_forward)
+    monkeypatch.setattr(fla.modules.mlp, "swiglu", lambda gate, up: F.silu(gate) * up)
+    config = {"model_type": "linear_attn", "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2,
+              "num_heads": 2, "fuse_norm": False, "fuse_swiglu": False, "fuse_cross_entropy": False}  # fmt: skip
+    args, _ = model_args_from_dict(config)
+    model = build_model(args)
+    model.init_weights()
+    tokens = torch.randint(0, 97, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(1))
+    cu_seqlens = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    with torch.no_grad():
+        model(tokens, cu_seqlens=cu_seqlens)
+        model(tokens)
+    assert len(received) == 4
+    assert all(seen is cu_seqlens for seen in received[:2]) and received[2:] == [None, None]
