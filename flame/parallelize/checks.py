@@ -216,9 +216,13 @@ def check_family_support(job_config, model_args, degrees: dict[str, int]) -> Non
     supported = model_spec(model_args).supported(model_args)
     for name, on in asked.items():
         if on and name not in supported:
+            remedy = (
+                "train them without it (each row then reads as one sequence across its documents)"
+                if name == "varlen"
+                else "train them with data parallelism (FSDP/HSDP/DDP) instead"
+            )
             raise ConfigError(
-                f"{model_args.model_type} models do not support {MODEL_PARALLELISMS[name]}; train them with data "
-                "parallelism (FSDP/HSDP/DDP) and without it"
+                f"{model_args.model_type} models do not support {MODEL_PARALLELISMS[name]}; {remedy}"
             )
 
 
