@@ -116,6 +116,21 @@ def test_the_gpu_survey_passes_flas_transformer_on_the_cpu(monkeypatch):
     del sys.modules["fla_varlen_survey"]
 
 
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2", "mamba3", "samba"])
+def test_the_gpu_survey_passes_flas_mamba_families_on_the_cpu(model_type, monkeypatch):
+    """scripts/fla_varlen_survey.py's check on FLA's classes whose sequence mixers are flame's (the Mamba layers;
+    samba's attention on flame's attention), on the CPU, where FLA's norms and activations run as flame's PyTorch
+    code as they do while torch.compile traces: the whole class keeps packed documents apart within the survey's
+    float32 tolerance (mamba and samba mixed them at 1e-1 before flame's Mamba layer took cu_seqlens). Their GPU
+    kernels' packed paths are checked under Triton's interpreter and on the GPU (tests/gpu)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3] / "scripts"))
+    import fla_varlen_survey
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    difference = fla_varlen_survey.packed_difference(model_type, torch.device("cpu"))
+    assert difference <= fla_varlen_survey.TOLERANCE[torch.float32], f"{model_type}: {difference:.1e}"
+
+
 def varlen_survey():
     import sys
 
