@@ -71,9 +71,16 @@ def take_the_cuda_paths() -> None:
     flash_qla.nvcc_found = lambda: True
 
 
+# A name ending in PACKED: that model given one row of documents (cu_seqlens), as --training.varlen runs it.
+PACKED = "_packed"
+DOCUMENTS = [0, 30, 31, 80]
+
+
 def graph_breaks(name: str) -> list[str]:
     from flame.models import build_model, model_args_from_dict
 
+    packed = name.endswith(PACKED)
+    name = name.removesuffix(PACKED)
     if name in FLA_MODELS:
         config = FLA_MODELS[name]
     else:
@@ -82,13 +89,18 @@ def graph_breaks(name: str) -> list[str]:
     args, _ = model_args_from_dict(config)
     torch.manual_seed(0)
     model = build_model(args).to(torch.bfloat16)
-    tokens = torch.randint(0, TINY["vocab_size"], (2, 80)).as_subclass(PretendCuda)
+    tokens = torch.randint(0, TINY["vocab_size"], (1 if packed else 2, DOCUMENTS[-1])).as_subclass(
+        PretendCuda
+    )
+    documents = {}
+    if packed:
+        documents["cu_seqlens"] = torch.tensor(DOCUMENTS, dtype=torch.int32).as_subclass(PretendCuda)
     if name in FLA_MODELS:
         # Traced as every compiled step after the first runs: FLA's modules holding what their first call caches
         # (the rotary tables). That call eager, with FLA's functions as flame's PyTorch code (no Triton here).
         with unittest.mock.patch.object(torch.compiler, "is_compiling", lambda: True), torch.no_grad():
-            model(tokens)
-    explained = torch._dynamo.explain(model)(tokens)
+            model(tokens, **documents)
+    explained = torch._dynamo.explain(model)(tokens, **documents)
     return [str(reason.reason).splitlines()[0] for reason in explained.break_reasons]
 
 

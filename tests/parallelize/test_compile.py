@@ -107,7 +107,7 @@ def test_graph_breaks_are_reported_once_after_the_first_compiled_step(make_train
 
 
 def test_flames_models_trace_whole_on_the_cuda_paths_of_their_ops():
-    """Dynamo traces each flame family's forward, and FLA's mamba, mamba2, mamba3, samba and moba, on the branches a GPU run takes (FLA's ops
+    """Dynamo traces each flame family's forward, and FLA's mamba (also with packed documents), mamba2, mamba3, samba and moba, on the branches a GPU run takes (FLA's ops
     and flame's kernels as custom ops, FlashQLA installed, serving K = V = 128 heads and refusing the others; FLA's
     norms and activations as flame's PyTorch code) without a graph break:
     cuda_path_graphs.py, in a process of its own (it registers CPU implementations of the custom ops)."""
@@ -124,6 +124,7 @@ def test_flames_models_trace_whole_on_the_cuda_paths_of_their_ops():
         "hybrid",
         "delta_net",
         "mamba",
+        "mamba_packed",
         "mamba2",
         "mamba3",
         "mamba3_mimo",
