@@ -123,9 +123,8 @@ def _fwd_kernel(
             Y + b * stride_yb + t[:, None] * stride_yt + d[None, :], y.to(Y.dtype.element_ty), mask=td_ok
         )
         h = tl.sum(tl.where((rows == CHUNK - 1)[:, None, None], hs, 0.0), 0)
-        if (
-            HAS_DOCUMENTS
-        ):  # ENDS [T]: the document whose last token t is, or -1; its state is that document's last
+        # ENDS [T]: the document whose last token t is, or -1; its state is that document's last
+        if HAS_DOCUMENTS:
             ends = tl.load(ENDS + t, mask=t < T, other=-1).to(tl.int64)
             tl.store(
                 LAST + (ends[:, None, None] * D + d[None, :, None]) * N + n[None, None, :],
