@@ -17,32 +17,13 @@ builds it in place of FLA's layer while mamba_ssm's fast path is missing (flame.
 import torch
 import torch.nn.functional as F
 from fla.layers.mamba import Mamba
-from fla.layers.utils import get_layer_cache
 
+from flame.models.layers.fla_packed_documents import PackedDocumentsWithoutCache
 from flame.ops.selective_scan import selective_scan
 from flame.ops.short_conv import short_conv
 
 
-class FLAMamba(Mamba):
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
-        use_cache: bool | None = False,
-        output_attentions: bool | None = False,
-        cu_seqlens: torch.Tensor | None = None,
-        **kwargs,
-    ):
-        if cu_seqlens is None:
-            return super().forward(
-                hidden_states, attention_mask, past_key_values, use_cache, output_attentions, **kwargs
-            )
-        if use_cache or get_layer_cache(self, past_key_values) is not None:
-            raise ValueError("Mamba takes packed documents (cu_seqlens) without a cache only")
-        output, _, _ = self.slow_forward(hidden_states, cu_seqlens=cu_seqlens)
-        return output, None, past_key_values
-
+class FLAMamba(PackedDocumentsWithoutCache, Mamba):
     def slow_forward(self, input_states, last_state=None, use_cache: bool | None = False, attention_mask=None,
                      cu_seqlens=None, **kwargs):  # fmt: skip
         if last_state is not None:
@@ -73,3 +54,5 @@ class FLAMamba(Mamba):
         y, ssm_state = selective_scan(u, delta, A, B, C, cu_seqlens=cu_seqlens)
         scan_output = (y.transpose(1, 2) + hidden_states * self.D[None, :, None]) * self.act(gate)
         return self.out_proj(scan_output.transpose(1, 2)), conv_state, ssm_state.to(dtype)
+
+    sequence_forward = slow_forward

@@ -20,32 +20,13 @@ continues consistently into FLA's decoding step for any ``n_groups``.
 import torch
 import torch.nn.functional as F
 from fla.layers.mamba2 import Mamba2, apply_mask_to_padding_states
-from fla.layers.utils import get_layer_cache
 
+from flame.models.layers.fla_packed_documents import PackedDocumentsWithoutCache
 from flame.ops.short_conv import short_conv
 from flame.ops.ssd import ssd
 
 
-class FLAMamba2(Mamba2):
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
-        use_cache: bool | None = False,
-        output_attentions: bool | None = False,
-        cu_seqlens: torch.Tensor | None = None,
-        **kwargs,
-    ):
-        if cu_seqlens is None:
-            return super().forward(
-                hidden_states, attention_mask, past_key_values, use_cache, output_attentions, **kwargs
-            )
-        if use_cache or get_layer_cache(self, past_key_values) is not None:
-            raise ValueError("Mamba2 takes packed documents (cu_seqlens) without a cache only")
-        output, _, _ = self.torch_forward(hidden_states, cu_seqlens=cu_seqlens)
-        return output, None, past_key_values
-
+class FLAMamba2(PackedDocumentsWithoutCache, Mamba2):
     def torch_forward(
         self, input_states, last_state=None, use_cache: bool = False, attention_mask=None, cu_seqlens=None
     ):
@@ -85,3 +66,5 @@ class FLAMamba2(Mamba2):
         y = (y + x * self._get_D(expand_to_head_dim=True)).reshape(batch, length, -1)
         scan_output = self.norm(y, gate) if self.rmsnorm else y * self.act(gate)
         return self.out_proj(scan_output.to(dtype)), conv_state, ssm_state
+
+    sequence_forward = torch_forward
