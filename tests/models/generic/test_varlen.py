@@ -121,7 +121,7 @@ def test_the_gpu_survey_passes_flas_mamba_families_on_the_cpu(model_type, monkey
     """scripts/fla_varlen_survey.py's check on FLA's classes whose sequence mixers are flame's (the Mamba layers;
     samba's attention on flame's attention), on the CPU, where FLA's norms and activations run as flame's PyTorch
     code as they do while torch.compile traces: the whole class keeps packed documents apart within the survey's
-    float32 tolerance (mamba and samba mixed them at 1e-1 before flame's Mamba layer took cu_seqlens). Their GPU
+    float32 tolerance (a Mamba layer that ignores the boundaries differs at ~1e-1). Their GPU
     kernels' packed paths are checked under Triton's interpreter and on the GPU (tests/gpu)."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3] / "scripts"))
     import fla_varlen_survey
