@@ -6,16 +6,19 @@ chunking the row differently leaves differences near float32's rounding, and a d
 tokens differs by orders of magnitude more; families whose FLA kernels refuse float32 run in bfloat16 with a
 tolerance above bfloat16's rounding.
 
-    python scripts/fla_varlen_survey.py [--families gla,kda,...] [--processes 4 --timeout_s 300]
+    python scripts/fla_varlen_survey.py [--families gla,kda,...] [--processes 4 --timeout_s 300] [--tune]
 
 prints one line per family: its largest difference relative to the logits' scale, and whether flame lists it in
 flame.models.generic.args.FLA_PACKED_DOCUMENT_MODEL_TYPES (the families --training.varlen accepts). A family that
 passes here is added there together with a row of tests/gpu/test_fla_varlen.py. Needs a CUDA GPU. With --processes,
 each family runs in a process of its own, that many at once on the one GPU (Triton's and TileLang's compilers, which
 take most of a family's time on a fresh machine, run on the host's cores), and a family past --timeout_s is a line
-saying so."""
+saying so. FLA's kernels run the first config their own pruning keeps instead of autotuning (what the survey checks
+holds for any valid config, and tuning takes minutes per family on a fresh machine); --tune tunes them as training
+does."""
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flame.models import build_model, model_args_from_dict  # noqa: E402
 from flame.models.generic.args import FLA_PACKED_DOCUMENT_MODEL_TYPES, fla_model_types  # noqa: E402
+from flame.ops.autotune import fla_kernels_on_first_config  # noqa: E402
 
 LENGTHS = (100, 1, 155)  # three documents; lengths that no chunk size divides
 # Largest difference (relative to the logits' scale) of documents kept apart: float32 kernels chunked differently
@@ -89,9 +93,9 @@ def family_difference(model_type: str, device: torch.device) -> tuple[float, tor
     return packed_difference(model_type, device, torch.bfloat16), torch.bfloat16
 
 
-def survey_in_a_process(model_type: str, timeout_s: float | None) -> str:
+def survey_in_a_process(model_type: str, timeout_s: float | None, tune: bool = False) -> str:
     """The family's survey line from a process of its own."""
-    command = [sys.executable, __file__, "--families", model_type]
+    command = [sys.executable, __file__, "--families", model_type, *(["--tune"] if tune else [])]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -110,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--processes", type=int, default=1, help="families surveyed at once, a process each")
     parser.add_argument("--timeout_s", type=float, default=None, help="per family, with --processes")
+    parser.add_argument(
+        "--tune", action="store_true", help="autotune FLA's kernels instead of their first config"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the survey runs FLA's Triton kernels: it needs a CUDA GPU", file=sys.stderr)
@@ -118,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.processes > 1:
         # Each line as its family finishes, so that a run cut short keeps every verdict it reached.
         with ThreadPoolExecutor(args.processes) as pool:
-            surveys = [pool.submit(survey_in_a_process, family, args.timeout_s) for family in families]
+            surveys = [
+                pool.submit(survey_in_a_process, family, args.timeout_s, args.tune) for family in families
+            ]
             for survey in as_completed(surveys):
                 print(survey.result(), flush=True)
         return 0
@@ -126,18 +135,24 @@ def main(argv: list[str] | None = None) -> int:
     from flame.train.model_parts import prepare_gpu_kernels
 
     prepare_gpu_kernels(torch.device("cuda"))
-    for model_type in families:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                difference, dtype = family_difference(model_type, torch.device("cuda"))
-            verdict = "apart" if difference <= TOLERANCE[dtype] else "MIXED"
-            line = f"{difference:.1e} {verdict} ({str(dtype).removeprefix('torch.')})"
-        except Exception as e:  # one family's failure is its line, the survey goes on
-            line = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        listed = "listed" if model_type in FLA_PACKED_DOCUMENT_MODEL_TYPES else "not listed"
-        print(f"{model_type}: {line} ({listed})", flush=True)
+    with contextlib.nullcontext() if args.tune else fla_kernels_on_first_config():
+        for model_type in families:
+            print(survey_line(model_type), flush=True)
     return 0
+
+
+def survey_line(model_type: str) -> str:
+    """``<model type>: <largest difference> apart|MIXED (<dtype>) (listed|not listed)``, or the family's failure."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            difference, dtype = family_difference(model_type, torch.device("cuda"))
+        verdict = "apart" if difference <= TOLERANCE[dtype] else "MIXED"
+        line = f"{difference:.1e} {verdict} ({str(dtype).removeprefix('torch.')})"
+    except Exception as e:  # one family's failure is its line, the survey goes on
+        line = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    listed = "listed" if model_type in FLA_PACKED_DOCUMENT_MODEL_TYPES else "not listed"
+    return f"{model_type}: {line} ({listed})"
 
 
 if __name__ == "__main__":

@@ -73,6 +73,75 @@ def tune_once_per_host() -> bool:
     return True
 
 
+def is_fla_kernel(autotuner) -> bool:
+    return getattr(autotuner.base_fn, "__module__", "").startswith("fla.")
+
+
+NOT_RUN = [float("inf")] * 3  # Triton's timing of a config that did not run (its _bench's quantiles)
+
+
+def tuning_round_for_fla(prune: Callable) -> Callable:
+    """``Autotuner.prune_configs`` (called once before each benchmark of a key) starting a round in which FLA's
+    kernels look for their first config that runs."""
+
+    @functools.wraps(prune)
+    def pruned(self, *args, **kwargs):
+        self.flame_config_ran = False
+        return prune(self, *args, **kwargs)
+
+    return pruned
+
+
+def first_running_config_for_fla(bench: Callable) -> Callable:
+    """``Autotuner._bench`` that, for FLA's kernels, times configs in their order only until one runs and reports
+    the others as not run, without compiling them: Triton then picks the first config that compiles and fits the
+    GPU (a kernel's first config may ask for more shared memory than the GPU has, which Triton's benchmark skips)."""
+
+    @functools.wraps(bench)
+    def first_running(self, *args, **kwargs):
+        if not is_fla_kernel(self):
+            return bench(self, *args, **kwargs)
+        if getattr(self, "flame_config_ran", False):
+            return NOT_RUN
+        timing = bench(self, *args, **kwargs)
+        self.flame_config_ran = timing != NOT_RUN
+        return timing
+
+    return first_running
+
+
+def uncached_for_fla(check_disk_cache: Callable) -> Callable:
+    """``Autotuner.check_disk_cache`` that neither reads nor writes Triton's cache of tuning results for FLA's kernels:
+    an untuned choice filed under the tuning key would serve later training runs on the machine."""
+
+    @functools.wraps(check_disk_cache)
+    def uncached(self, tuning_key, configs, bench_fn):
+        if not is_fla_kernel(self):
+            return check_disk_cache(self, tuning_key, configs, bench_fn)
+        bench_fn()
+        return False
+
+    return uncached
+
+
+@contextlib.contextmanager
+def fla_kernels_on_first_config() -> Iterator[None]:
+    """FLA's Triton kernels run the first of their configs (after their own pruning) that compiles and fits the GPU
+    instead of autotuning, for checks of what they compute (which holds for any valid config), not of their speed:
+    on a fresh machine FLA compiles and times every config of every kernel for each new shape and flag set, minutes
+    per model. flame's own kernels keep their autotuning. The choices stay out of Triton's cache of tuning results."""
+    from triton.runtime.autotuner import Autotuner
+
+    originals = Autotuner.prune_configs, Autotuner._bench, Autotuner.check_disk_cache
+    Autotuner.prune_configs = tuning_round_for_fla(originals[0])
+    Autotuner._bench = first_running_config_for_fla(originals[1])
+    Autotuner.check_disk_cache = uncached_for_fla(originals[2])
+    try:
+        yield
+    finally:
+        Autotuner.prune_configs, Autotuner._bench, Autotuner.check_disk_cache = originals
+
+
 def lock_dir() -> Path:
     return Path(os.environ["TRITON_CACHE_DIR"]) / LOCK_DIR
 

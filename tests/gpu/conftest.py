@@ -5,29 +5,14 @@ test_fla_library.py's gated delta rule. What these tests check (flame's wiring o
 for any valid config; ``FLAME_GPU_TESTS_TUNE=1`` tunes them as training does. flame's own kernels keep their
 autotuning."""
 
-import functools
 import os
 
 import pytest
 import torch
 
+from flame.ops.autotune import fla_kernels_on_first_config
+
 FULL_TUNING = os.environ.get("FLAME_GPU_TESTS_TUNE") == "1"
-
-
-def is_fla_kernel(autotuner) -> bool:
-    return getattr(autotuner.base_fn, "__module__", "").startswith("fla.")
-
-
-def first_config_for_fla(prune):
-    """``Autotuner.prune_configs`` keeping FLA's kernels to the first config that ``prune`` (Triton's own, which
-    applies a kernel's ``prune_configs_by``) lets through."""
-
-    @functools.wraps(prune)
-    def pruned(self, *args, **kwargs):
-        configs = prune(self, *args, **kwargs)
-        return configs[:1] if is_fla_kernel(self) else configs
-
-    return pruned
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -35,14 +20,8 @@ def fla_kernels_untuned():
     if FULL_TUNING or not torch.cuda.is_available():
         yield
         return
-    from triton.runtime.autotuner import Autotuner
-
-    original = Autotuner.prune_configs
-    Autotuner.prune_configs = first_config_for_fla(original)
-    try:
+    with fla_kernels_on_first_config():
         yield
-    finally:
-        Autotuner.prune_configs = original
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """flame.ops.autotune: processes that meet an untuned kernel together tune it once and all run that choice.
 
 Triton caches autotuning results only on a GPU (not under the interpreter), so the lock is tested around a
-stand-in with Triton's behaviour: read the key's result from the cache directory, else benchmark and write it."""
+stand-in with Triton's behaviour: read the key's result from the cache directory, else benchmark and write it.
+FLA's kernels kept to their first config are tested on real autotuners (building one needs no GPU)."""
 
 import json
 import logging
@@ -13,6 +14,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import triton
+import triton.language as tl
 
 from flame.ops import autotune
 
@@ -344,3 +347,87 @@ def test_the_bundle_script_reads_a_cache_archive(tmp_path, capsys):
     ]
     with pytest.raises(SystemExit):  # nothing there to ship: one line, not an unchanged bundle
         script.main([str(cache / ("D" * 52)), *common])
+
+
+CONFIGS = [triton.Config({"BLOCK": block}) for block in (16, 32, 64)]
+
+
+def autotuned_kernel_of(module: str):
+    def kernel(x, BLOCK: tl.constexpr):
+        pass
+
+    kernel.__module__ = module
+    return triton.autotune(configs=CONFIGS, key=[])(triton.jit(kernel))
+
+
+def benchmarked_configs(kernel, runs) -> tuple[list[int], triton.Config]:
+    """Which configs' BLOCK a tuning round of ``kernel`` under fla_kernels_on_first_config compiled (each runs where
+    ``runs(BLOCK)``), and the config Triton picks."""
+    compiled = []
+
+    def bench(self, *args, config, **kwargs):
+        compiled.append(config.kwargs["BLOCK"])
+        return [1.0 / config.kwargs["BLOCK"]] * 3 if runs(config.kwargs["BLOCK"]) else autotune.NOT_RUN
+
+    from triton.runtime.autotuner import Autotuner
+
+    original = Autotuner._bench
+    Autotuner._bench = bench
+    try:
+        with autotune.fla_kernels_on_first_config():
+            configs = kernel.prune_configs({})
+            timings = {config: kernel._bench(config=config) for config in configs}  # as Autotuner.run's round
+    finally:
+        Autotuner._bench = original
+    return compiled, min(timings, key=timings.get)
+
+
+def test_fla_kernels_run_their_first_config_that_runs_and_others_tune():
+    fla_kernel = autotuned_kernel_of("fla.ops.gated_delta_rule.chunk")
+    assert benchmarked_configs(fla_kernel, lambda block: True) == ([16], CONFIGS[0])
+    # The first config does not fit the GPU (Triton's benchmark reports it as not run): the next one serves.
+    assert benchmarked_configs(fla_kernel, lambda block: block > 16) == ([16, 32], CONFIGS[1])
+    # A new round (another key) starts again from the first config.
+    assert benchmarked_configs(fla_kernel, lambda block: True) == ([16], CONFIGS[0])
+    for module in ("flame.ops.short_conv.triton_kernel", "flash_qla.ops"):
+        assert benchmarked_configs(autotuned_kernel_of(module), lambda block: True) == (
+            [16, 32, 64],
+            CONFIGS[2],
+        )
+
+
+def test_a_kernels_own_pruning_comes_first():
+    def keep_large(configs, named_args, **kwargs):
+        return [config for config in configs if config.kwargs["BLOCK"] >= 32]
+
+    def kernel(x, BLOCK: tl.constexpr):
+        pass
+
+    kernel.__module__ = "fla.ops.y"
+    tuned = triton.autotune(configs=CONFIGS, key=[], prune_configs_by={"early_config_prune": keep_large})(
+        triton.jit(kernel)
+    )
+    tuned.nargs = {"x": None}
+    assert benchmarked_configs(tuned, lambda block: True) == ([32], CONFIGS[1])
+
+
+def test_fla_kernels_first_configs_stay_out_of_tritons_cache_and_the_autotuner_is_restored():
+    from triton.runtime.autotuner import Autotuner
+
+    originals = Autotuner.prune_configs, Autotuner._bench, Autotuner.check_disk_cache
+    seen = []
+    Autotuner.check_disk_cache = lambda self, key, configs, bench_fn: (
+        seen.append(self.base_fn.__module__) or True
+    )
+    try:
+        with autotune.fla_kernels_on_first_config():
+            benched = []
+            for module in ("fla.ops.x", "flame.ops.y"):
+                kernel = autotuned_kernel_of(module)
+                assert kernel.check_disk_cache(
+                    ("key",), CONFIGS, lambda module=module: benched.append(module)
+                ) == (module == "flame.ops.y")
+        assert benched == ["fla.ops.x"] and seen == ["flame.ops.y"]  # FLA's: benchmarked, never cached
+    finally:
+        Autotuner.check_disk_cache = originals[2]
+    assert (Autotuner.prune_configs, Autotuner._bench, Autotuner.check_disk_cache) == originals

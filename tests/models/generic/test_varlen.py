@@ -56,7 +56,7 @@ def test_packed_documents_equal_the_documents_alone(model_type):
 
 
 @pytest.mark.parametrize(
-    "config", [{"model_type": "linear_attn", "num_heads": 2}, {"model_type": "qwen3_next"}]
+    "config", [{"model_type": "log_linear_mamba2"}, {"model_type": "qwen3_next"}]
 )  # FLA's class whose documents mixed in the GPU survey; transformers' hybrid with linear attention
 def test_varlen_is_refused_where_documents_would_mix(config):
     args, _ = model_args_from_dict({"vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2, **config})
@@ -157,7 +157,7 @@ def test_a_survey_process_that_gives_no_verdict_is_its_familys_failure_line():
     """--processes: each family's line comes from its own process; one that stops without a verdict (here: no GPU) or
     runs past --timeout_s is a failure line naming the family."""
     survey = varlen_survey()
-    line = survey.survey_in_a_process("gla", timeout_s=120)
+    line = survey.survey_in_a_process("gla", timeout_s=120, tune=True)
     assert line.startswith("gla: failed: exit 2: ") and "needs a CUDA GPU" in line, line
     assert survey.survey_in_a_process("gla", timeout_s=0.01) == "gla: failed: no verdict within 0.01 s"
 
