@@ -435,20 +435,21 @@ def _fla_globals_holding(value: object, package: str) -> list[tuple[types.Module
 
 
 @contextlib.contextmanager
-def fla_layers_on_flame(replacements: dict[str, tuple[str, str]]) -> Iterator[None]:
+def fla_layers_on_flame(replacements: dict[str, tuple[str, str | None]]) -> Iterator[None]:
     """While FLA's model classes are built inside this context, the FLA layers named in ``replacements``
     ("module.Class" -> ("flame.module.Class", fast-path attribute)) whose module's fast-path attribute is missing or
-    empty (flash-attn's ``flash_attn_func``, mamba_ssm's ``is_fast_path_available``) are built as flame's class of the
-    same parameters instead (the generic family passes FLA_LAYER_REPLACEMENTS); where the fast path imports, FLA's own
-    layers are built. Every ``fla.models`` module that holds the layer class under any name sees the replacement
-    until the context exits, so FLA's classes built outside it (an export loaded by transformers) are FLA's own."""
+    empty (flash-attn's ``flash_attn_func``, mamba_ssm's ``is_fast_path_available``), or is None, are built as flame's
+    class of the same parameters instead (the generic family passes FLA_LAYER_REPLACEMENTS); where the fast path
+    imports, FLA's own layers are built. Every ``fla.models`` module that holds the layer class under any name sees
+    the replacement until the context exits, so FLA's classes built outside it (an export loaded by transformers) are
+    FLA's own."""
     swapped = []
     try:
         for qualified_name, (replacement_name, fast_path) in replacements.items():
             module_name, class_name = qualified_name.rsplit(".", 1)
             layer_module = sys.modules.get(module_name)
             # Not imported: no FLA model class is registered that could build it (fla.models imports every layer).
-            if layer_module is None or getattr(layer_module, fast_path, None):
+            if layer_module is None or (fast_path is not None and getattr(layer_module, fast_path, None)):
                 continue
             replacement_module, replacement_class = replacement_name.rsplit(".", 1)
             replacement = getattr(importlib.import_module(replacement_module), replacement_class)

@@ -190,7 +190,7 @@ def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
             + chunked_linear_attention_flops_per_token(slots, module.head_v_dim, chunk)
             + 12 * module.num_readout_slots * slots
         )
-    if name == "LogLinearMamba2":
+    if name in ("LogLinearMamba2", "FLALogLinearMamba2"):
         # Mamba2's SSD (K = ssm_state_size, V = head_dim) on FLA's log-linear kernel.
         return module.num_heads * log_linear_flops_per_token(
             module.ssm_state_size, module.head_dim, module.chunk_size, seq_len
@@ -281,6 +281,7 @@ FLAME_FLA_LAYERS = (
     "flame.models.layers.fla_mamba",
     "flame.models.layers.fla_mamba2",
     "flame.models.layers.fla_mamba3",
+    "flame.models.layers.fla_log_linear_mamba2",
 )
 # FLA's layers defined in a model's module rather than in fla.layers.
 FLA_MODEL_LAYERS = ("fla.models.cat.modeling_cat",)  # CATDecoderAttention

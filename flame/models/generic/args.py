@@ -130,6 +130,7 @@ FLA_PACKED_DOCUMENT_MODEL_TYPES = frozenset(
         "kda",
         "lightnet",
         "linear_attn",
+        "log_linear_mamba2",
         "mamba",
         "mamba2",
         "mamba3",

@@ -37,8 +37,9 @@ from flame.ops.norm import group_rms_norm_gated_torch, residual_rms_norm_torch
 logger = logging.getLogger(__name__)
 
 # FLA's layers that flame builds in their place (same parameters) while their fast path does not import: FLA's
-# softmax attention without flash-attn, Mamba, Mamba2 and Mamba3 (SISO) without mamba_ssm. Values: flame's class, the attribute of FLA's layer
-# module that holds the fast path (flame.compat.fla_layers_on_flame).
+# softmax attention without flash-attn, Mamba, Mamba2 and Mamba3 (SISO) without mamba_ssm; and always LogLinearMamba2,
+# whose own layer mixes packed documents. Values: flame's class, the attribute of FLA's layer module that holds the
+# fast path, None for always (flame.compat.fla_layers_on_flame).
 FLA_LAYER_REPLACEMENTS = {
     "fla.layers.attn.Attention": ("flame.models.layers.fla_attention.FLAAttention", "flash_attn_func"),
     "fla.layers.bitattn.BitAttention": (
@@ -48,6 +49,10 @@ FLA_LAYER_REPLACEMENTS = {
     "fla.layers.mamba.Mamba": ("flame.models.layers.fla_mamba.FLAMamba", "is_fast_path_available"),
     "fla.layers.mamba2.Mamba2": ("flame.models.layers.fla_mamba2.FLAMamba2", "is_fast_path_available"),
     "fla.layers.mamba3.Mamba3": ("flame.models.layers.fla_mamba3.FLAMamba3", "is_fast_path_available"),
+    "fla.layers.log_linear_mamba2.LogLinearMamba2": (
+        "flame.models.layers.fla_log_linear_mamba2.FLALogLinearMamba2",
+        None,
+    ),
 }
 
 # FLA's functions that compiled blocks run as PyTorch code (flame.compat.fla_functions_traced_under_compile).
@@ -256,8 +261,8 @@ def report_replaced_layers(model: nn.Module) -> None:
     if replaced:
         names = ", ".join(f"{theirs} as {ours}" for ours, theirs in sorted(replaced.items()))
         logger.info(
-            "FLA's layers whose fast path (flash-attn, mamba_ssm) is not installed run as flame's, with the same "
-            "parameters: %s; FLA's warnings about the missing kernels do not apply to them",
+            "FLA's layers run as flame's, with the same parameters: %s; FLA's warnings that flash-attn or "
+            "mamba_ssm is missing do not apply to them",
             names,
         )
 

@@ -56,8 +56,8 @@ def test_packed_documents_equal_the_documents_alone(model_type):
 
 
 @pytest.mark.parametrize(
-    "config", [{"model_type": "log_linear_mamba2"}, {"model_type": "qwen3_next"}]
-)  # FLA's class whose documents mixed in the GPU survey; transformers' hybrid with linear attention
+    "config", [{"model_type": "abc"}, {"model_type": "qwen3_next"}]
+)  # FLA's class whose layers refuse cu_seqlens; transformers' hybrid with linear attention
 def test_varlen_is_refused_where_documents_would_mix(config):
     args, _ = model_args_from_dict({"vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2, **config})
     job_config = parse_args(["--training.varlen", "--training.batch_size", "1"])
