@@ -542,6 +542,44 @@ def _compiled_and_cpu_calls_on(op: Callable, hook: Callable) -> Callable:
     return gated_delta_rule
 
 
+def transformers_grouped_mm_in_the_autocast_dtype() -> None:
+    """transformers' mixture-of-experts layers multiply by their experts' weights with ``grouped_mm``, which autocast
+    does not cast (pytorch issue 174763, which transformers' ``_grouped_mm`` cites): with float32 parameters under
+    bfloat16 autocast (flame's step) an eager call multiplies in float32, and under torch.compile, where transformers
+    takes grouped_mm for bfloat16 weights only, a call runs transformers' fallback (a Python loop of one matmul per
+    expert, whose backward inductor fails to compile: an H200 profile of compiled qwen3_next fell back to eager for
+    it, docs/models.md). After this call (idempotent, for the process) a call under autocast on its weights' device
+    casts the input and the weights to autocast's dtype first, as autocast does for a matmul; outside autocast
+    nothing changes."""
+    import torch
+
+    module = importlib.import_module("transformers.integrations.moe")
+    grouped_mm = module._grouped_mm
+    if getattr(grouped_mm, "flame_autocast", False):
+        return
+
+    @functools.wraps(grouped_mm)
+    def in_the_autocast_dtype(input, weight, offs):
+        device = weight.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            input, weight = input.to(dtype), weight.to(dtype)
+        return grouped_mm(input, weight, offs)
+
+    in_the_autocast_dtype.flame_autocast = True
+    module._grouped_mm = in_the_autocast_dtype
+
+
+def _transformers_grouped_mm_skips_autocast() -> bool:
+    from transformers.integrations import moe
+
+    return not getattr(moe._grouped_mm, "flame_autocast", False) and _sources_contain(
+        ("transformers.integrations.moe",),
+        "torch.nn.functional.grouped_mm and torch._grouped_mm are not autocast-enabled",
+        "return torch.nn.functional.grouped_mm(input.to(weight.dtype), weight, offs=offs)",
+    )
+
+
 def _transformers_hooks_gated_delta_rule_to_fla() -> bool:
     import inspect
 
@@ -1085,5 +1123,14 @@ SHIMS = (
         fixed_in=None,
         workaround="transformers_gated_delta_rule_on_flame",
         reproduces=_transformers_hooks_gated_delta_rule_to_fla,
+    ),
+    Shim(
+        name="transformers_grouped_mm_autocast",
+        applies=_always,
+        upstream="pytorch/pytorch#174763 (grouped_mm is not autocast-enabled; transformers 5.17-5.24 cast the input "
+        "to the weights' dtype and, compiled, take a per-expert loop for weights other than bfloat16)",
+        fixed_in=None,
+        workaround="transformers_grouped_mm_in_the_autocast_dtype",
+        reproduces=_transformers_grouped_mm_skips_autocast,
     ),
 )

@@ -23,6 +23,7 @@ from flame.compat import (
     fla_rotary_tables_traced_under_compile,
     fla_tilelang_attention_takes_what_it_compiles,
     transformers_gated_delta_rule_on_flame,
+    transformers_grouped_mm_in_the_autocast_dtype,
 )
 from flame.errors import ModelConfigError
 from flame.models.common.decoder import LMHead
@@ -231,6 +232,7 @@ def instantiate(lm_class: type, config) -> nn.Module:
     cls = flame_class(lm_class)
     if not is_fla_class(lm_class):
         transformers_gated_delta_rule_on_flame(transformers_chunk_gated_delta_rule)
+        transformers_grouped_mm_in_the_autocast_dtype()
         return cls(config)
     try:
         with fla_classes_as_flame_builds_them():

@@ -109,3 +109,43 @@ def test_routing_twice_wraps_once():
     first = getattr(module, compat.TRANSFORMERS_GATED_DELTA_RULE)
     flame_built("olmo_hybrid", **OLMO_HYBRID)
     assert getattr(module, compat.TRANSFORMERS_GATED_DELTA_RULE) is first
+
+
+def grouped_call(seed: int):
+    """An experts call of 5 experts (one of them given no tokens) on 37 tokens, as transformers sorts them."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(37, 24, generator=generator)
+    weights = torch.randn(5, 24, 40, generator=generator)
+    offsets = torch.tensor([9, 9, 20, 31, 37], dtype=torch.int32)
+    return tokens, weights, offsets
+
+
+def per_expert(tokens, weights, offsets, dtype):
+    bounds = [0, *offsets.tolist()]
+    return torch.cat(
+        [tokens[a:b].to(dtype) @ weights[i].to(dtype) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    )
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_grouped_mm_multiplies_in_the_autocast_dtype(compiled):
+    """After flame builds a transformers class, its experts' grouped_mm under bfloat16 autocast multiplies in
+    bfloat16 like autocast's matmul (both sides the same bfloat16 products, float32 accumulation: within 1e-2 of the
+    largest value, where float32 products differ from them by ~4e-3 and a wrong expert by order one), eager and under
+    torch.compile (where transformers' own takes grouped_mm for bfloat16 weights only); outside autocast it is
+    transformers' own, in float32 (1e-5)."""
+    from transformers.integrations import moe
+
+    flame_built("qwen3_next", **QWEN3_NEXT)
+    assert moe._grouped_mm.flame_autocast
+    tokens, weights, offsets = grouped_call(seed=3)
+    call = torch.compile(moe._grouped_mm, fullgraph=True) if compiled else moe._grouped_mm
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = call(tokens, weights, offsets)
+    assert out.dtype == torch.bfloat16
+    expected = per_expert(tokens, weights, offsets, torch.bfloat16).float()
+    assert (out.float() - expected).abs().max() <= 1e-2 * expected.abs().max()
+    exact = per_expert(tokens, weights, offsets, torch.float32)
+    plain = call(tokens, weights, offsets)
+    assert plain.dtype == torch.float32
+    torch.testing.assert_close(plain, exact, rtol=1e-5, atol=1e-5)
