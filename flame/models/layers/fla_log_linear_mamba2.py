@@ -15,31 +15,13 @@ FLA's layer (flame.compat.fla_layers_on_flame).
 import torch
 import torch.nn.functional as F
 from fla.layers.log_linear_mamba2 import LogLinearMamba2
-from fla.layers.utils import get_layer_cache
 
 from flame.models.layers.fla_packed_documents import PackedDocumentsWithoutCache
 from flame.ops.short_conv import short_conv
 
 
 class FLALogLinearMamba2(PackedDocumentsWithoutCache, LogLinearMamba2):
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
-        use_cache: bool | None = False,
-        output_attentions: bool | None = False,
-        cu_seqlens: torch.Tensor | None = None,
-        **kwargs,
-    ):
-        off_cuda = self.in_proj.weight.device.type != "cuda"
-        uncached = not use_cache and get_layer_cache(self, past_key_values) is None
-        if cu_seqlens is None and off_cuda and uncached and attention_mask is None:
-            output, _, _ = self.sequence_forward(hidden_states)
-            return output, None, past_key_values
-        return super().forward(
-            hidden_states, attention_mask, past_key_values, use_cache, output_attentions, cu_seqlens, **kwargs
-        )
+    sequence_forward_off_cuda = True
 
     def sequence_forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
         levels = self.num_lambda_dims
