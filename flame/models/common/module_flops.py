@@ -71,9 +71,9 @@ FLA_DELTA_RULE = {
     "MomAttention",
 }
 # Mamba2's SSD: chunked linear attention with a state of ssm_state_size x head_dim per head.
-FLA_SSD = {"Mamba2", "FLAMamba2"}  # flame.models.layers.fla_mamba2: FLA's layer on flame's scan
+FLA_SSD = {"Mamba2"}
 # Mamba's selective scan: a state of intermediate_size x ssm_state_size, updated and read out token by token.
-FLA_SELECTIVE_SCAN = {"Mamba", "FLAMamba"}  # flame.models.layers.fla_mamba: FLA's layer on flame's scan
+FLA_SELECTIVE_SCAN = {"Mamba"}
 # Modules of a block that are not its sequence mixer.
 NOT_MIXERS = ("Norm", "MLP", "Mlp", "FeedForward", "Moe", "MoE", "Expert", "Dropout", "Identity")
 
@@ -140,8 +140,12 @@ def cat_attention_context(config, seq_len: int) -> float:
 
 
 def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
-    """Training FLOPs per token of one of FLA's layers beyond its weights; None for a class not classified."""
-    name = type(module).__name__
+    """Training FLOPs per token of one of FLA's layers beyond its weights; None for a class not classified. flame's
+    subclasses of FLA's layers (FLAME_FLA_LAYERS) are counted as the FLA class they derive from."""
+    name = next(
+        (cls.__name__ for cls in type(module).__mro__ if cls.__module__.startswith("fla.")),
+        type(module).__name__,
+    )
     if name in FLA_SOFTMAX_ATTENTION:
         window = getattr(module, "window_size", None)
         return softmax_attention_flops_per_token(module.num_heads, module.head_dim, seq_len, window)
@@ -190,12 +194,12 @@ def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
             + chunked_linear_attention_flops_per_token(slots, module.head_v_dim, chunk)
             + 12 * module.num_readout_slots * slots
         )
-    if name in ("LogLinearMamba2", "FLALogLinearMamba2"):
+    if name == "LogLinearMamba2":
         # Mamba2's SSD (K = ssm_state_size, V = head_dim) on FLA's log-linear kernel.
         return module.num_heads * log_linear_flops_per_token(
             module.ssm_state_size, module.head_dim, module.chunk_size, seq_len
         )
-    if name in ("Mamba3", "FLAMamba3"):
+    if name == "Mamba3":
         # Counted as Mamba2's SSD (mamba_ssm's kernels, which FLA's layer calls; flame's layer runs Mamba2's scan): mimo_rank (1 without MIMO) keys and
         # queries per token, so rank x the SSD term over chunks of rank x chunk_size rows. The trapezoidal rule
         # (a two-band factor on the chunk's mask) and the rotary angles act elementwise.
