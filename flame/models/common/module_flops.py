@@ -141,7 +141,7 @@ def cat_attention_context(config, seq_len: int) -> float:
 
 def fla_mixer_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
     """Training FLOPs per token of one of FLA's layers beyond its weights; None for a class not classified. flame's
-    subclasses of FLA's layers (FLAME_FLA_LAYERS) are counted as the FLA class they derive from."""
+    subclasses of FLA's layers (FLA_LAYER_REPLACEMENTS) are counted as the FLA class they derive from."""
     name = next(
         (cls.__name__ for cls in type(module).__mro__ if cls.__module__.startswith("fla.")),
         type(module).__name__,
