@@ -690,6 +690,31 @@ def fla_functions_traced_under_compile(torch_versions: Mapping[str, Callable]) -
                 activations[key] = traced
 
 
+def fla_ops_opaque_to_compile() -> None:
+    """FLA 0.6.0 marks 31 of the 60 ops of ``fla.ops.__all__`` ``torch.compiler.disable``: a compiled block calls
+    their Triton kernels as its eager run does. Into the others (``parallel_parallax``, ``parallel_nsa``,
+    ``parallel_stickbreaking_attn``, ``parallel_wall_attn``, the fused recurrent forms ...) dynamo traces, and
+    inductor compiles their autograd Functions' Triton kernels again: parallax's and NSA's failed to compile (their
+    blocks' CUDA graphs then captured them uncompiled) and stick-breaking attention's loss was NaN (H200, torch 2.11).
+    After this call (idempotent, for the process) every FLA module holding one of the others holds it marked too, so
+    inductor compiles the code around FLA's op and the op runs FLA's kernels unchanged."""
+    import torch
+
+    ops = importlib.import_module("fla.ops")
+    for name in ops.__all__:
+        op = getattr(ops, name)
+        if getattr(op, "_torchdynamo_disable", False):
+            continue
+        opaque = torch.compiler.disable(op)
+        for holder, attribute in _fla_globals_holding(op, "fla"):
+            setattr(holder, attribute, opaque)
+
+
+def _fla_ops_traced_by_compile() -> bool:
+    modules = ("fla.ops.parallax.parallel", "fla.ops.nsa.parallel", "fla.ops.stickbreaking_attn.parallel")
+    return not any(_sources_contain((module,), "torch.compiler.disable") for module in modules)
+
+
 def fla_rotary_tables_traced_under_compile() -> None:
     """FLA 0.6.0's RotaryEmbedding rebuilds its cached cos/sin tables when they are too short, on another device or
     dtype, or inference tensors while training: ``Tensor.is_inference()``, which dynamo does not trace, so a
@@ -1089,6 +1114,16 @@ SHIMS = (
         fixed_in=None,
         workaround="fla_functions_traced_under_compile",
         reproduces=_fla_functions_opaque_to_compile,
+    ),
+    Shim(
+        name="fla_ops_traced_by_compile",
+        applies=_always,
+        upstream="not filed: FLA 0.6.0 marks 31 of its 60 public ops torch.compiler.disable; dynamo traces into the "
+        "others' Triton kernels, which inductor failed to compile (parallax, NSA) or ran to a NaN loss "
+        "(stick-breaking attention)",
+        fixed_in=None,
+        workaround="fla_ops_opaque_to_compile",
+        reproduces=_fla_ops_traced_by_compile,
     ),
     Shim(
         name="fla_rotary_tables_is_inference",

@@ -192,6 +192,33 @@ def test_flas_functions_run_flames_pytorch_code_while_compiling():
     torch._dynamo.reset()
 
 
+def test_flas_undecorated_ops_are_called_not_traced_by_compile():
+    """After fla_ops_opaque_to_compile, every op of fla.ops.__all__ is marked torch.compiler.disable in each FLA
+    module that holds it (FLA's layers call the name they imported), so dynamo calls it instead of tracing its
+    Triton kernels; the ops FLA marks itself stay FLA's functions; a second call changes nothing."""
+    import fla.layers.nsa
+    import fla.layers.parallax
+    import fla.layers.stickbreaking_attn
+    import fla.ops
+    import fla.ops.parallax
+
+    def marked(op) -> bool:
+        return getattr(op, "_torchdynamo_disable", False)
+
+    before = {name: getattr(fla.ops, name) for name in fla.ops.__all__}
+    compat.fla_ops_opaque_to_compile()
+    after = {name: getattr(fla.ops, name) for name in fla.ops.__all__}
+    compat.fla_ops_opaque_to_compile()
+    assert {name: getattr(fla.ops, name) for name in fla.ops.__all__} == after
+    assert all(marked(op) for op in after.values())
+    kept = [name for name, op in before.items() if marked(op)]
+    assert 20 < len(kept) < len(before) and all(after[name] is before[name] for name in kept)
+    for layer_module, name in ((fla.layers.parallax, "parallel_parallax"), (fla.layers.nsa, "parallel_nsa"),
+                               (fla.layers.stickbreaking_attn, "parallel_stickbreaking_attn")):  # fmt: skip
+        assert getattr(layer_module, name) is after[name], name
+    assert fla.ops.parallax.parallel_parallax is after["parallel_parallax"]
+
+
 def test_fla_rotary_tables_trace_after_the_first_call():
     """FLA's RotaryEmbedding checks its cached tables with Tensor.is_inference(), which dynamo does not trace: after
     fla_rotary_tables_traced_under_compile, the call after the one that built the tables (a recompile: the tables'

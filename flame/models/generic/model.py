@@ -19,6 +19,7 @@ from flame.compat import (
     fla_log_linear_masks_built_once,
     fla_log_linear_scales_in_the_inputs_dtype,
     fla_moba_on_flame,
+    fla_ops_opaque_to_compile,
     fla_rodimus_blocks_follow_the_model,
     fla_rotary_tables_traced_under_compile,
     fla_tilelang_attention_takes_what_it_compiles,
@@ -205,7 +206,8 @@ def refusing_layer(error: ImportError) -> str:
 def fla_classes_as_flame_builds_them() -> Iterator[None]:
     """FLA's modules with flame's fixes for the process (flame.compat: flash-attn's calls and DeltaFormer's and
     MoBA's ops on flame's attention, rodimus' residual flag, linear attention's packed documents reaching its layers, log-linear attention's scales and masks, the head
-    widths FLA's TileLang attention takes, the attention backward's delta on flame's kernel) and, while open, FLA's layers that would need flash-attn or mamba_ssm
+    widths FLA's TileLang attention takes, the attention backward's delta on flame's kernel, FLA's ops called rather
+    than traced by torch.compile) and, while open, FLA's layers that would need flash-attn or mamba_ssm
     built as flame's (FLA_LAYER_REPLACEMENTS, the same parameters): FLA's classes built inside it are what flame
     trains, so the bench's naive loop and the export check build FLA's own class the same way."""
     fla_deltaformer_on_flame(deltaformer_attention)
@@ -217,6 +219,7 @@ def fla_classes_as_flame_builds_them() -> Iterator[None]:
     fla_tilelang_attention_takes_what_it_compiles()
     fla_attention_delta_on_flame(attention_delta)
     fla_functions_traced_under_compile(FLA_FUNCTIONS_IN_PYTORCH)
+    fla_ops_opaque_to_compile()
     fla_rotary_tables_traced_under_compile()
     fla_flash_attn_calls_on_flame(
         {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func}
