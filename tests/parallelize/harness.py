@@ -261,8 +261,7 @@ def parallel_run(setting: Setting, family: str) -> list[tuple[float, float]]:
         assert not dims.dp_enabled
         inputs, labels = packed_batch(setting.documents)
     if setting.pp > 1:
-        assert setting.documents is None, "the pipeline settings train on the 4-row batch"
-        # Micro-batches of one row (a cp rank's slice of one row with context parallelism).
+        # Micro-batches of one row (a cp rank's slice of one row with context parallelism; the packed row whole).
         config.training.local_batch_size = inputs["input"].shape[0]
         config.parallelism.pipeline_parallel_microbatch_size = 1
     return train(

@@ -108,6 +108,18 @@ FOUR_RANKS = [
         ),
         ("hybrid_4_layers",),
     ),
+    # One packed row through Interleaved1F1B (two stages per rank) x cp 2: cu_seqlens reach every stage, and every
+    # stage relays the states of documents that cross the slice border.
+    (
+        Setting(
+            "pp2_x_cp2_interleaved_varlen",
+            pp=2,
+            cp=2,
+            documents=ACROSS_BORDER,
+            flags=["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+        ),
+        ("hybrid_4_layers",),
+    ),
 ]
 WORLDS = ((2, TWO_RANKS), (4, FOUR_RANKS))
 CASES = [(setting, family, world) for world, table in WORLDS for setting, families in table for family in families]  # fmt: skip
