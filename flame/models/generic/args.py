@@ -228,9 +228,10 @@ def fla_blocks_run_eagerly(args: "GenericArgs") -> str | None:
 # FLA's classes whose blocks, compiled, compute something else than eagerly: their CUDA graphs capture them
 # uncompiled. model_type -> what was measured.
 FLA_MODEL_TYPES_GRAPHED_UNCOMPILED = {
-    # dynamo traces into FLA's stick-breaking backward (parallel_stickbreaking_attn_bwd); the bench's 91M model
-    # (bench/families.py) had a NaN loss from step 1 with its blocks captured compiled, and the same losses to the
-    # 4th decimal captured uncompiled as with no graphs (FLA 0.6.0, torch 2.11, H200, 2026-12-03).
+    # Measured while dynamo still traced into FLA's stick-breaking op (before compat.fla_ops_opaque_to_compile):
+    # the bench's 91M model (bench/families.py) had a NaN loss from step 1 with its blocks captured compiled, and
+    # the same losses to the 4th decimal captured uncompiled as with no graphs (FLA 0.6.0, torch 2.11, H200,
+    # 2026-12-03). Kept until the compiled capture is measured with the op called rather than traced.
     "stickbreaking_attn": "compiled, its blocks' loss was NaN from the first step (FLA 0.6.0, torch 2.11)",
 }
 
