@@ -19,13 +19,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     collect_ignore.append("ops/interpreted")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Files marked slow first: with ``--dist loadfile --no-loadscope-reorder`` (README's command) the workers take
-    files in this order, so a file that runs for minutes starts early instead of running alone at the end (xdist's
-    own order puts files with fewest tests last, and several slow files hold one test)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(autouse=True)
 def titan_logger_without_stale_streams():
     """A test running flame's main() in-process leaves torchtitan's logger writing to that test's captured stdout,

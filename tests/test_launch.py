@@ -10,8 +10,6 @@ import pytest
 
 from tests.trainer_helpers import dry_run_output
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[1]
 
 

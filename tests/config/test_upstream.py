@@ -18,8 +18,6 @@ from flame.config.job_config import ALIASES, NO_EFFECT, UpstreamJobConfig
 from flame.config.manager import job_config_class, upstream_notices, valid_options
 from flame.errors import ConfigError
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[2]
 README = (Path(__file__).parent / "upstream_readme.md").read_text()
 

@@ -10,10 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[2]
 
 

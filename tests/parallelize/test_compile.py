@@ -1,12 +1,9 @@
 """flame.parallelize.compile on the CPU (dynamo with the eager backend: what is traced and how often)."""
 
-import pytest
 import torch
 from torch import nn
 
 from flame.parallelize import compile as compile_module
-
-pytestmark = pytest.mark.slow
 
 
 class LayerBranchingBlock(nn.Module):

@@ -12,8 +12,6 @@ import pytest
 
 from tests.trainer_helpers import tensorboard_scalars, text_events
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"step\s+(\d+)/\d+\s+loss\s+([0-9.]+)")
 # The harness's tolerances (tests/parallelize): float32 summation order moves gradient norms more.
