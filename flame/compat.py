@@ -706,6 +706,7 @@ def fla_ops_opaque_to_compile() -> None:
         if getattr(op, "_torchdynamo_disable", False):
             continue
         opaque = torch.compiler.disable(op)
+        opaque.flame_opaque_to_compile = True
         for holder, attribute in _fla_globals_holding(op, "fla"):
             setattr(holder, attribute, opaque)
 
