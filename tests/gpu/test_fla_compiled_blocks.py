@@ -4,8 +4,8 @@ stick-breaking attention), give the eager model's results: per-block torch.compi
 selective scan and Mamba-2's scan as flame's custom ops) against the same model run eagerly (FLA's Triton norms and activations), float32, odd sizes; and flame's
 PyTorch versions of FLA's functions against FLA's kernels on random inputs.
 
-Tolerances: float32 (but parallax's and stick-breaking attention's kernels, which take bf16 only: their test says why
-its tolerances); the compiled and eager models differ only in the order of float32 sums (inductor's
+Tolerances: float32 (parallax's and stick-breaking attention's kernels take bf16 only: their test states its own
+tolerances); the compiled and eager models differ only in the order of float32 sums (inductor's
 reductions, FLA's kernels), so loss, logits and gradients agree to a relative 1e-4 of their norms (a wrong
 residual, eps, gate or cast gives errors of order 1e-2 or more). The functions agree to 1e-5 (float32) and one
 bfloat16 ulp (bfloat16 inputs, float32 compute in both)."""

@@ -93,10 +93,8 @@ FOUR_RANKS = [
     (Setting("cp2_x_fsdp2", cp=2, dp_shard=2), ("hybrid",)),
     (Setting("cp4", cp=4), ("hybrid",)),
     (Setting("cp4_varlen", cp=4, documents=THREE_SLICES), PACKED),
-    (
-        Setting("cp2_x_tp2", cp=2, tp=2),
-        ("hybrid", "delta_net"),
-    ),  # FSDP over the cp ranks as well: a 2-D (fsdp, tp) mesh
+    # FSDP over the cp ranks as well: a 2-D (fsdp, tp) mesh
+    (Setting("cp2_x_tp2", cp=2, tp=2), ("hybrid", "delta_net")),
     (Setting("cp2_x_tp2_varlen", cp=2, tp=2, documents=ACROSS_BORDER), ("gated_deltanet", "hybrid")),
     (Setting("pp2_x_cp2", pp=2, cp=2), ("gated_deltanet", "hybrid")),
     (

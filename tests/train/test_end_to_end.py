@@ -92,7 +92,7 @@ def test_default_job_trains_and_writes_checkpoint_and_tensorboard(tmp_path):
     logged = tensorboard_scalars(dump, "loss/train")
     assert sorted(logged) == list(range(1, 13))
     assert logged[12] == pytest.approx(losses[12], abs=1e-4)  # the console shows 4 decimals
-    assert (dump / "logs").is_dir()  # train.sh's end-of-run export: tests/cli/test_convert.py
+    assert (dump / "logs").is_dir()
 
 
 def test_fsdp_and_pipeline_on_two_processes_match_one_process(tmp_path, periodic_corpus):
