@@ -43,7 +43,12 @@ from torchtitan.tools.logging import logger
 
 from flame.errors import first_line
 
-WARMUP_ITERATIONS = 2  # Triton's compilation and autotuning, cuBLAS's workspaces: all before the capture
+# Triton's compilation and autotuning, cuBLAS's workspaces, and torch.compile's compilation: all before the capture.
+# A compiled block's second call may compile again, where its first changed state that the graph guards on (nsa's
+# and parallax's blocks, which hold FLA's rotary tables, built at the first call): with two iterations that
+# recompilation fell in the sync-refused last one and failed ("called a synchronizing CUDA operation", H200,
+# 2026-12-03), and their blocks were captured uncompiled.
+WARMUP_ITERATIONS = 3
 
 
 class BlockGraphs:
@@ -219,7 +224,7 @@ class BlockGraphs:
         # Without autocast's cache, as in the capture: a compiled block's guards read that state.
         with torch.cuda.stream(self.warmup_stream), uncached_autocast():
             for iteration in range(WARMUP_ITERATIONS):
-                # The first may tune kernels, which syncs; the last must not sync at all, as in a capture.
+                # The first ones may tune kernels and compile, which sync; the last must not sync, as in a capture.
                 with host_syncs_refused(iteration == WARMUP_ITERATIONS - 1):
                     self._warm_up(run, inputs, params)
         torch.cuda.synchronize()
