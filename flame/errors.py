@@ -14,6 +14,11 @@ class ModelConfigError(FlameError):
 
 
 def first_line(error: BaseException) -> str:
-    """The first non-empty line of an exception's message (its type's name when it has none), for one-line reports."""
+    """The first non-empty line of an exception's message (its type's name when it has none), for one-line reports;
+    a first line that only introduces the next (torch's BackendCompilerFailed: "backend='inductor' raised:") runs on
+    into it, so that the report names the actual error."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(error).__name__
+    if not lines:
+        return type(error).__name__
+    line = lines[0] if not lines[0].endswith(":") or len(lines) == 1 else f"{lines[0]} {lines[1]}"
+    return line[:300]
