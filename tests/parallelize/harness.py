@@ -6,6 +6,7 @@ over the first row of the batch).
 """
 
 import copy
+import faulthandler
 import json
 import os
 from dataclasses import dataclass, field
@@ -284,6 +285,7 @@ def data_shard(dims) -> tuple[torch.Tensor, torch.Tensor]:
 def _worker(rank: int, world_size: int, rendezvous: str, jobs: list[tuple[Setting, str]], out: str) -> None:
     from flame import compat
 
+    faulthandler.enable()  # a rank killed by a signal (a SIGSEGV was seen once) prints its Python stack
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
