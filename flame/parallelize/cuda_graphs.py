@@ -44,10 +44,9 @@ from torchtitan.tools.logging import logger
 from flame.errors import first_line
 
 # Triton's compilation and autotuning, cuBLAS's workspaces, and torch.compile's compilation: all before the capture.
-# A compiled block's second call may compile again, where its first changed state that the graph guards on (nsa's
-# and parallax's blocks, which hold FLA's rotary tables, built at the first call): with two iterations that
-# recompilation fell in the sync-refused last one and failed ("called a synchronizing CUDA operation", H200,
-# 2026-12-03), and their blocks were captured uncompiled.
+# A compiled block may compile again at its second call, where its first changed state that its graph guards on
+# (nsa's and parallax's blocks: FLA's rotary tables, built at the first call); compiling syncs, so that happens
+# before the last, sync-refused iteration.
 WARMUP_ITERATIONS = 3
 
 

@@ -127,11 +127,11 @@ BF16_ONLY = ("parallax", "stickbreaking_attn")
 
 @pytest.mark.parametrize("name", OPAQUE_OP_MODELS)
 def test_blocks_compiled_around_flas_ops_match_the_eager_model(name, exact_float32):
-    """Float32 (IEEE products in FLA's Triton kernels too: with TF32 they left nsa's and wall_transformer's
-    gradients 1.1e-4 and 3.0e-4 apart, H200, 2026-12-03): loss, logits and gradients to 1e-4 relative, as above. Under bf16 autocast the compiled norms and
-    MLP round differently from FLA's kernels (one bf16 ulp, 2**-8, per element): loss to 1e-2, logits and
-    gradients to 5e-2 relative; a NaN, a dropped residual or gate, or a kernel traced into and recompiled wrongly is
-    off by far more."""
+    """Float32, with IEEE products in FLA's Triton kernels too (in TF32 nsa's and wall_transformer's gradients are
+    1.1e-4 and 3.0e-4 apart, H200): loss, logits and gradients to 1e-4 relative, as above. Under bf16 autocast the
+    compiled norms and MLP round differently from FLA's kernels (one bf16 ulp, 2**-8, per element): loss to 1e-2,
+    logits and gradients to 5e-2 relative; a NaN, a dropped residual or gate, or a kernel traced into and recompiled
+    wrongly is off by far more."""
     args, _ = model_args_from_dict(OPAQUE_OP_MODELS[name])
     assert fla_blocks_run_eagerly(args) is not None
     torch.manual_seed(0)

@@ -285,7 +285,7 @@ def data_shard(dims) -> tuple[torch.Tensor, torch.Tensor]:
 def _worker(rank: int, world_size: int, rendezvous: str, jobs: list[tuple[Setting, str]], out: str) -> None:
     from flame import compat
 
-    faulthandler.enable()  # a rank killed by a signal (a SIGSEGV was seen once) prints its Python stack
+    faulthandler.enable()  # a rank killed by a signal prints its Python stack (mp.spawn reports only the signal)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
