@@ -48,8 +48,7 @@ def compile_blocks(
     rule (DeltaNet's sequences of at most 64 tokens) and its context parallelism still break the graph. A family may
     leave its blocks eager where compiling them was measured to be slower (``ModelSpec.eager_blocks``): one log line
     says why; with ``graph_eager_blocks`` (one GPU, no activation checkpointing or offloading) they replay as CUDA
-    graphs instead (flame.parallelize.cuda_graphs), of the blocks compiled where ``compile_graphed_blocks`` and
-    the family does not declare them wrong compiled (``ModelSpec.graphs_uncompiled``)."""
+    graphs instead (flame.parallelize.cuda_graphs), of the blocks compiled where ``compile_graphed_blocks``."""
     spec = model_spec(model.args)
     reason = spec.eager_reason(model.args)
     stacks = spec.blocks(model)
@@ -61,15 +60,12 @@ def compile_blocks(
         if graph_eager_blocks:
             # Compiled inside the graphs: the guards' host time is spent only while capturing.
             options = compile_options(backend, CUDA_GRAPH_MODES.get(mode, mode))
-            uncompiled = spec.graphs_uncompiled_reason(model.args) if compile_graphed_blocks else None
-            compiled = compile_graphed_blocks and uncompiled is None
-            graph_blocks(stacks, options if compiled else None)
+            graph_blocks(stacks, options if compile_graphed_blocks else None)
             logger.info(
                 "torch.compile leaves the blocks eager and they replay as CUDA graphs of the %s blocks, captured "
-                "beside the first training step: %s%s",
-                "compiled" if compiled else "eager",
+                "beside the first training step: %s",
+                "compiled" if compile_graphed_blocks else "eager",
                 reason,
-                f"; the graphs capture them uncompiled: {uncompiled}" if uncompiled else "",
             )
         else:
             logger.info("torch.compile leaves the blocks eager: %s", reason)

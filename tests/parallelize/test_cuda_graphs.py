@@ -323,27 +323,6 @@ def test_fla_classes_blocks_are_wrapped_for_graphs_with_one_log_line(caplog):
     )
 
 
-def test_a_family_measured_wrong_compiled_is_graphed_uncompiled_with_the_reason(caplog):
-    from flame.models import build_model, model_args_from_dict
-
-    args, _ = model_args_from_dict(
-        {"model_type": "stickbreaking_attn", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
-         "num_heads": 2}
-    )  # fmt: skip
-    with torch.device("meta"):
-        model = build_model(args)
-    with caplog.at_level("INFO"):
-        compile_module.compile_blocks(model, backend="eager", graph_eager_blocks=True)
-    (owner,) = {block.forward.func.__self__ for block in model.model.layers}
-    assert owner.captured_forwards is owner.eager_forwards
-    (line,) = [r.message for r in caplog.records if "leaves the blocks eager" in r.message]
-    assert "CUDA graphs of the eager blocks" in line, line
-    assert line.endswith(
-        "the graphs capture them uncompiled: model_type 'stickbreaking_attn': compiled, its blocks' loss was NaN "
-        "from the first step (FLA 0.6.0, torch 2.11)"
-    ), line
-
-
 def test_fla_classes_blocks_can_be_graphed_uncompiled():
     from flame.models import build_model, model_args_from_dict
 

@@ -14,9 +14,6 @@
   family: FLA's classes, whose layers run Triton kernels only); None where the model also trains on the CPU.
 - ``eager_blocks``: for models whose blocks ``--compile.enable`` leaves eager, why (measured slower compiled than
   eager: the generic family's FLA classes); None where the blocks are compiled.
-- ``graphs_uncompiled``: for models whose eager blocks replay as CUDA graphs (``--compile.graph_eager_blocks``),
-  why the graphs must capture them uncompiled where ``--compile.compile_graphed_blocks`` would compile them
-  (measured wrong compiled); None where they may capture them compiled.
 """
 
 from collections.abc import Callable
@@ -49,7 +46,6 @@ class ModelSpec:
     config_parallelisms: Callable[[ModelArgs], frozenset[str]] | None = None
     needs_cuda: Callable[[ModelArgs], str | None] | None = None
     eager_blocks: Callable[[ModelArgs], str | None] | None = None
-    graphs_uncompiled: Callable[[ModelArgs], str | None] | None = None
 
     def cuda_reason(self, args: ModelArgs) -> str | None:
         """Why a model of these args needs a CUDA GPU, or None when it also runs on the CPU."""
@@ -58,10 +54,6 @@ class ModelSpec:
     def eager_reason(self, args: ModelArgs) -> str | None:
         """Why --compile.enable leaves a model of these args' blocks eager, or None where it compiles them."""
         return self.eager_blocks(args) if self.eager_blocks else None
-
-    def graphs_uncompiled_reason(self, args: ModelArgs) -> str | None:
-        """Why the CUDA graphs of a model of these args' eager blocks capture them uncompiled, or None."""
-        return self.graphs_uncompiled(args) if self.graphs_uncompiled else None
 
     def supported(self, args: ModelArgs) -> frozenset[str]:
         """What a model of these args supports beyond data parallelism."""

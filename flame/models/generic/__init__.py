@@ -9,7 +9,6 @@ from flame.models.generic.args import (
     GenericArgs,
     config_parallelisms,
     fla_blocks_run_eagerly,
-    fla_graphs_capture_uncompiled,
     fla_kernels_need_cuda,
 )
 from flame.models.generic.model import build_generic_model, generic_blocks
@@ -22,5 +21,4 @@ SPEC = ModelSpec(
     config_parallelisms=config_parallelisms,
     needs_cuda=fla_kernels_need_cuda,
     eager_blocks=fla_blocks_run_eagerly,
-    graphs_uncompiled=fla_graphs_capture_uncompiled,
 )

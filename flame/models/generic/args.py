@@ -225,23 +225,6 @@ def fla_blocks_run_eagerly(args: "GenericArgs") -> str | None:
     )
 
 
-# FLA's classes whose blocks, compiled, compute something else than eagerly: their CUDA graphs capture them
-# uncompiled. model_type -> what was measured.
-FLA_MODEL_TYPES_GRAPHED_UNCOMPILED = {
-    # Measured while dynamo still traced into FLA's stick-breaking op (before compat.fla_ops_opaque_to_compile):
-    # the bench's 91M model (bench/families.py) had a NaN loss from step 1 with its blocks captured compiled, and
-    # the same losses to the 4th decimal captured uncompiled as with no graphs (FLA 0.6.0, torch 2.11, H200,
-    # 2026-12-03). Kept until the compiled capture is measured with the op called rather than traced.
-    "stickbreaking_attn": "compiled, its blocks' loss was NaN from the first step (FLA 0.6.0, torch 2.11)",
-}
-
-
-def fla_graphs_capture_uncompiled(args: "GenericArgs") -> str | None:
-    """Why the CUDA graphs of an FLA class's blocks capture them uncompiled (FLA_MODEL_TYPES_GRAPHED_UNCOMPILED)."""
-    measured = FLA_MODEL_TYPES_GRAPHED_UNCOMPILED.get(args.model_type) if builds_fla_class(args) else None
-    return None if measured is None else f"model_type '{args.model_type}': {measured}"
-
-
 # FLA 0.6.0 families whose kernels take only some head shapes: the model builds, and the first step stops in a
 # Triton compilation error (deltaformer: its kernels tile a head's channels, so the width must be a power of 2 that
 # tl.dot takes) or an assertion (path_attn's head widths, NSA's query heads per key/value head). The dry run refuses
