@@ -92,3 +92,13 @@ def test_the_table_goes_into_the_doc_and_a_failed_variant_fails_the_exit_status(
     assert "| 3x16x24 | 2.50 ms (4.0e-03 in o, fla) | failed: no result within 600 s |" in section
     assert "First call (autotuning and compilation): flame 3x16x24 30.0 s." in section
     assert "Command: `python bench/gated_delta_rule.py --device cpu --tiny --variants flame,fla" in section
+
+
+def test_a_gpu_cell_ranks_by_the_kernels_time_and_shows_the_wall_time_beside_it():
+    """On a GPU an eager call's host work can take as long as its kernels: the cell leads with the kernels' time."""
+    bench = load_bench()
+    rows = [{"variant": "flame", "shape": "3x16x24", "served_by": "fla", "ms": 2.9, "kernel_ms": 2.24,
+             "error": 7.6e-3, "worst": "v"}]  # fmt: skip
+    assert bench.table(rows, ["3x16x24"], ["flame"]).splitlines()[2] == (
+        "| 3x16x24 | 2.24 ms (2.90 wall; 7.6e-03 in dv, fla) |"
+    )
