@@ -19,6 +19,20 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     collect_ignore.append("ops/interpreted")
 
 
+def pytest_configure(config):
+    # pytest-xdist hands the workers whole files (--dist loadfile) in the order of their number of tests unless told
+    # not to; in the collection order below instead, so that the slow files start first and the run does not end on
+    # one worker with a slow file while the other has finished (about 70 s of a 25-minute run on two workers).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files with a test marked slow first; each file's tests stay together, in their order."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 @pytest.fixture(autouse=True)
 def titan_logger_without_stale_streams():
     """A test running flame's main() in-process leaves torchtitan's logger writing to that test's captured stdout,

@@ -350,6 +350,7 @@ def test_a_rank_ending_without_a_message_gets_one_line_naming_the_reports(tmp_pa
     ]
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_rank_refusal_is_the_last_line_without_launcher_traceback(tmp_path):
     """Two CPU ranks refuse an unreadable dataset: the refusal ends the output, torchrun's report is in the log."""
     data = tmp_path / "data"

@@ -78,6 +78,7 @@ def dry_runs(tmp_path_factory) -> dict[tuple[int, int], tuple[subprocess.Complet
         return dict(zip(keys, pool.map(lambda key: dry_run(*key), keys), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ngpu", NGPUS)
 @pytest.mark.parametrize("index", range(len(COMMANDS)))
 def test_readme_command_dry_runs_verbatim(index, ngpu, dry_runs):

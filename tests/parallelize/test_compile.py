@@ -1,5 +1,6 @@
 """flame.parallelize.compile on the CPU (dynamo with the eager backend: what is traced and how often)."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -106,6 +107,7 @@ def test_graph_breaks_are_reported_once_after_the_first_compiled_step(make_train
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_flames_models_trace_whole_on_the_cuda_paths_of_their_ops():
     """Dynamo traces each flame family's forward, and FLA's mamba (also with packed documents), mamba2, mamba3, samba and moba, on the branches a GPU run takes (FLA's ops
     and flame's kernels as custom ops, FlashQLA installed, serving K = V = 128 heads and refusing the others; FLA's

@@ -80,6 +80,7 @@ def periodic_corpus(tmp_path_factory):
     return folder, seq_len
 
 
+@pytest.mark.slow
 def test_default_job_trains_and_writes_checkpoint_and_tensorboard(tmp_path):
     dump = tmp_path / "run"
     losses = run_train_sh(dump, 1, "--training.steps", "12", "--lr_scheduler.warmup_steps", "2",
@@ -95,6 +96,7 @@ def test_default_job_trains_and_writes_checkpoint_and_tensorboard(tmp_path):
     assert (dump / "logs").is_dir()
 
 
+@pytest.mark.slow
 def test_fsdp_and_pipeline_on_two_processes_match_one_process(tmp_path, periodic_corpus):
     folder, seq_len = periodic_corpus
     common = ["--training.dataset", str(folder), "--training.seq_len", str(seq_len), "--training.steps", "3",
@@ -124,6 +126,7 @@ def test_fsdp_and_pipeline_on_two_processes_match_one_process(tmp_path, periodic
     assert sorted(text_events(tmp_path / "two", "samples/0")) == [2]
 
 
+@pytest.mark.slow
 def test_packed_documents_with_context_parallelism_match_one_process(tmp_path):
     """Two ranks through train.sh: training.varlen (the loader's packed rows and their cu_seqlens) with cp 2 on a
     4-layer GatedDeltaNet / attention hybrid, against one process, both from one seed checkpoint. The trainer
