@@ -29,9 +29,9 @@ another's timing:
 Each call is timed after one untimed call, which autotunes and compiles. On a GPU a cell gives the kernels' time
 per call first (the sum of the CUDA kernels' durations over five calls, from torch.profiler), then the wall time (the
 median of ``triton.testing.do_bench``). The variants are ranked by the first: at 8 x 2048 an eager call's Python and
-kernel launches take about as long as its kernels (on an H200 the 16x96x192 call's kernels ran 2.24 ms and
-back-to-back calls 2.6-3.3 ms, varying from process to process with the host), so the wall time measures the host as
-much as the kernels; a training step that compiles its blocks or replays them as CUDA graphs does not pay it. The
+kernel launches take about as long as its kernels (docs/performance.md, "Gated delta rule, every implementation"),
+so the wall time measures the host as much as the kernels; a training step that compiles its blocks or replays
+them as CUDA graphs does not pay it. The
 error is the largest of max|x - ref| / max|ref| over the output and the gradients of q, k, v, g and beta, against
 flame's PyTorch implementation in float32 (float64 on the CPU) on the same inputs. The table goes into
 docs/performance.md between ``<!-- bench_gated_delta_rule -->`` markers with the command, device and date.

@@ -22,7 +22,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 def pytest_configure(config):
     # pytest-xdist hands the workers whole files (--dist loadfile) in the order of their number of tests unless told
     # not to; in the collection order below instead, so that the slow files start first and the run does not end on
-    # one worker with a slow file while the other has finished (about 70 s of a 25-minute run on two workers).
+    # one worker with a slow file while the other has finished.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
 
