@@ -2,6 +2,7 @@
 
     python bench/first_step.py                                   # every bench model, one GPU
     python bench/first_step.py --models gated_deltanet,transformer
+    python bench/first_step.py --models gated_deltanet --cases shipped,warm     # without the ~220-s fresh launch
     python bench/first_step.py --device cpu --tiny --models transformer --no_write   # smoke test
 
 A fresh machine is imitated with empty cache folders: each case launches train.sh with its own Triton cache
@@ -14,6 +15,8 @@ nothing an earlier run compiled or tuned is found. Per model, three launches, on
 2. fresh, shipped tuning: empty caches, flame's tuning results for the GPU written into the Triton cache at launch
    (flame/assets/autotune; the log's "wrote N" line gives N, 0 where flame has none for this GPU);
 3. warm: launch 2's caches, now filled: a restart on the same machine.
+
+``--cases`` picks some of them (fresh, shipped, warm; warm needs shipped).
 
 Each launch is ``NGPU=1 bash train.sh`` with the model's config, ``--training.steps 1``, 8 x 2048 tokens (the bench's
 default), ``--compile.enable`` on a GPU, no checkpoint, the shipped corpus; the time runs from the launch to the
@@ -54,6 +57,7 @@ PHASES = (
 )
 SHIPPED = re.compile(r"wrote (\d+) of flame's tuning results")
 CASES = ("fresh", "fresh, shipped tuning", "warm")
+CASE_NAMES = dict(zip(("fresh", "shipped", "warm"), CASES))  # --cases' names
 SHIPPED_VOCAB = 4096  # the default job's tokenizer (flame/assets/tokenizer)
 
 
@@ -134,8 +138,12 @@ def measure_model(name: str, args, work: Path) -> dict:
     config.write_text(json.dumps(values))
     row = {"model": name, "seconds": {}, "notes": {}, "phases": {}}
     fresh_caches, shipped_caches = folder / "caches-fresh", folder / "caches-shipped"
-    for case, caches, shipped in ((CASES[0], fresh_caches, False), (CASES[1], shipped_caches, True),
-                                  (CASES[2], shipped_caches, True)):  # fmt: skip
+    launches = (
+        (CASES[0], fresh_caches, False),
+        (CASES[1], shipped_caches, True),
+        (CASES[2], shipped_caches, True),
+    )
+    for case, caches, shipped in (launch for launch in launches if launch[0] in args.cases):
         command = launch_command(config, folder / f"dump-{len(row['seconds'])}", args)
         seconds, note, phases = time_to_first_step(
             command, case_env(caches, shipped), folder / f"{case}.log", args.timeout_s
@@ -155,15 +163,16 @@ def phase_text(phases: dict[str, float]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | " + " | ".join(f"{case} s" for case in CASES) + " | where the time went | notes |",
-             "|---|" + "---:|" * len(CASES) + "---|---|"]  # fmt: skip
+    """One row per model, one column per case its launches ran."""
+    cases = [case for case in CASES if any(case in row["seconds"] for row in rows)]
+    lines = ["| model | " + " | ".join(f"{case} s" for case in cases) + " | where the time went | notes |",
+             "|---|" + "---:|" * len(cases) + "---|---|"]  # fmt: skip
     for row in rows:
-        cells = [
-            f"{row['seconds'][c]:.1f}" if row["seconds"][c] == row["seconds"][c] else "no step" for c in CASES
-        ]
-        notes = "; ".join(f"{c}: {row['notes'][c]}" for c in CASES if row["notes"][c]).replace("|", "\\|")
+        seconds = [row["seconds"].get(c, float("nan")) for c in cases]
+        cells = [f"{s:.1f}" if s == s else "no step" for s in seconds]
+        notes = "; ".join(f"{c}: {row['notes'][c]}" for c in cases if row["notes"].get(c)).replace("|", "\\|")
         phases = "; ".join(
-            f"{c}: {phase_text(row['phases'][c])}" for c in CASES if c in row.get("phases", {})
+            f"{c}: {phase_text(row['phases'][c])}" for c in cases if c in row.get("phases", {})
         )
         lines.append(f"| {row['model']} | " + " | ".join(cells) + f" | {phases} | {notes} |")
     return "\n".join(lines)
@@ -175,6 +184,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--timeout_s", type=float, default=600, help="per launch")
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASE_NAMES),
+        help="comma separated launches per model: fresh, shipped (fresh caches, flame's tuning results), warm "
+        "(shipped's caches again; needs shipped)",
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny versions of the models (smoke test)")
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
@@ -183,6 +198,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if unknown := set(args.models.split(",")) - set(MODELS):
         parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
+    cases = args.cases.split(",")
+    if unknown := set(cases) - set(CASE_NAMES):
+        parser.error(f"unknown cases {sorted(unknown)}; choose from {', '.join(CASE_NAMES)}")
+    if "warm" in cases and "shipped" not in cases:
+        parser.error("--cases warm relaunches the shipped case's caches: add shipped")
+    args.cases = [CASE_NAMES[name] for name in CASE_NAMES if name in cases]
     return args
 
 

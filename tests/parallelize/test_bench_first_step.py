@@ -84,3 +84,30 @@ def test_fresh_cases_start_from_empty_caches_and_warm_reuses_them(tmp_path, monk
         "| gated_deltanet | 2.0 | 3.0 | 4.0 | fresh: start 0.5 + setup 0.2 + step 1 1.2 s; fresh, shipped tuning: "
         "start 0.5 + setup 0.2 + step 1 2.2 s; warm: start 0.5 + setup 0.2 + step 1 3.2 s |  |"
     )
+
+
+def test_cases_pick_the_launches_and_the_table_columns(tmp_path, monkeypatch):
+    shipped_flags = []
+
+    def time_to_first_step(command, env, log, timeout_s):
+        shipped_flags.append(env["FLAME_SHIPPED_TUNING"])
+        return 5.0, "", {"start": 5.0}
+
+    monkeypatch.setattr(first_step, "time_to_first_step", time_to_first_step)
+    args = first_step.parse(
+        ["--device", "cpu", "--tiny", "--models", "transformer", "--cases", "warm,shipped"]
+    )
+    row = first_step.measure_model("transformer", args, tmp_path)
+    assert shipped_flags == ["1", "1"] and list(row["seconds"]) == ["fresh, shipped tuning", "warm"]
+    header = first_step.table([row]).splitlines()[0]
+    assert header == "| model | fresh, shipped tuning s | warm s | where the time went | notes |"
+
+
+def test_warm_without_shipped_is_refused(capsys):
+    try:
+        first_step.parse(["--device", "cpu", "--cases", "fresh,warm"])
+    except SystemExit as stop:
+        assert stop.code == 2
+    else:
+        raise AssertionError("--cases fresh,warm was accepted")
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("add shipped")
