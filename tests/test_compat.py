@@ -242,9 +242,9 @@ def test_fla_rotary_tables_trace_after_the_first_call():
     torch._dynamo.reset()
 
 
-def test_hopper_dqkwg_ranks_flame_first_without_w_and_tilelang_first_for_the_delta_rules(monkeypatch):
-    """Where FLA refuses its gated chunk_bwd_dqkwg, flame's kernel serves calls without w (simple GLA, Mamba2) ahead
-    of FLA's TileLang kernel, the delta rules' calls behind it, and no ungated call or g_gamma call."""
+def test_hopper_dqkwg_ranks_flame_first_for_gated_calls(monkeypatch):
+    """Where FLA refuses its gated chunk_bwd_dqkwg, flame's kernel serves every gated call (with and without w)
+    ahead of FLA's TileLang kernel, and no ungated call or g_gamma call."""
     import fla.backends
     from fla.backends import TileLangBackend
 
@@ -259,18 +259,13 @@ def test_hopper_dqkwg_ranks_flame_first_without_w_and_tilelang_first_for_the_del
     compat.serve_gated_dqkwg_on_hopper(lambda *args, **kwargs: "registered twice")  # idempotent
 
     ranked = [b.backend_type for b in registry._get_sorted_backends()]
-    assert ranked.index("flame_hopper_dqkwg_without_w") < ranked.index(TileLangBackend.backend_type)
-    assert ranked.index(TileLangBackend.backend_type) < ranked.index("flame_hopper_dqkwg")
+    assert ranked.index("flame_hopper_dqkwg") < ranked.index(TileLangBackend.backend_type)
+    flame_backend = registry._backends["flame_hopper_dqkwg"]
 
-    def taking(**call) -> list[str]:
-        return [
-            b
-            for b in ("flame_hopper_dqkwg_without_w", "flame_hopper_dqkwg")
-            if registry._backends[b].verify("chunk_bwd_dqkwg", q=1, k=1, v=1, **call)[0]
-        ]
+    def takes(**call) -> bool:
+        return flame_backend.verify("chunk_bwd_dqkwg", q=1, k=1, v=1, **call)[0]
 
-    assert taking(g=1, w=None) == ["flame_hopper_dqkwg_without_w", "flame_hopper_dqkwg"]
-    assert taking(g=1, w=1) == ["flame_hopper_dqkwg"]
-    assert taking(g=None, w=None) == [] and taking(g=1, g_gamma=1) == []
-    first = registry._backends["flame_hopper_dqkwg_without_w"].get_implementation("chunk_bwd_dqkwg")
-    assert first(q=1, g=2) == "flame" and served == [{"q": 1, "g": 2}]
+    assert takes(g=1, w=None) and takes(g=1, w=1)
+    assert not takes(g=None, w=None) and not takes(g=1, g_gamma=1)
+    assert flame_backend.get_implementation("chunk_bwd_dqkwg")(q=1, g=2) == "flame"
+    assert served == [{"q": 1, "g": 2}]

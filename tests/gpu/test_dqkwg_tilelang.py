@@ -1,5 +1,6 @@
-"""FLA's TileLang chunk_bwd_dqkwg, which serves the gated delta rule's backward ahead of flame's Triton kernel on
-Hopper where tilelang and nvcc are installed (flame.compat.serve_gated_dqkwg_on_hopper), against the float64
+"""FLA's TileLang chunk_bwd_dqkwg, which FLA ranks ahead of its Triton kernel on Hopper where tilelang and nvcc
+are installed, and which serves the gated calls there where FLA's Triton kernel is not refused (Triton >= 3.7.1;
+below it flame ranks its own Triton kernel first: flame.compat.serve_gated_dqkwg_on_hopper), against the float64
 PyTorch reference: test_dqkwg_triton.py's cases and limits in bf16 (TileLang's kernel takes the state in the
 inputs' dtype, and the state's gradient too, as FLA's backward passes it)."""
 
