@@ -18,10 +18,7 @@ from pathlib import Path
 
 from flame.checkpoint.layout import CheckpointError, checkpoint_folder, latest_step
 from flame.cli import run_cli
-from flame.hf.export import DEFAULT_MAX_SHARD_SIZE, DTYPES, export_checkpoint
-from flame.hf.formats import EXPORT_FORMATS
-from flame.hf.hub import resolve_model_config, resolve_tokenizer
-from flame.hf.safetensors_io import parse_size
+from flame.hf.export_options import DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES, EXPORT_FORMATS
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -36,7 +33,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokenizer", help="tokenizer dir or hub name (default: the run's)")
     parser.add_argument("--output", help="HF folder to write (default: --path)")
     parser.add_argument("--format", default="auto", choices=EXPORT_FORMATS)
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="float32", choices=sorted(EXPORT_DTYPES))
     parser.add_argument(
         "--max_shard_size", default=DEFAULT_MAX_SHARD_SIZE, help="shard above this size (5GB)"
     )
@@ -49,7 +46,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def convert(argv: list[str]) -> int:
     options = parse(argv)
-    max_shard_bytes = parse_size(options.max_shard_size)
     if options.after_training:
         try:
             folder = checkpoint_folder(options.path)
@@ -58,6 +54,12 @@ def convert(argv: list[str]) -> int:
         if folder is None or latest_step(folder) <= 0:
             print("No trained checkpoint to convert to HF (checkpointing off, or only a seed checkpoint)")
             return 0
+    # torch, transformers and safetensors (seconds): imported once there is something to export.
+    from flame.hf.export import export_checkpoint
+    from flame.hf.hub import resolve_model_config, resolve_tokenizer
+    from flame.hf.safetensors_io import parse_size
+
+    max_shard_bytes = parse_size(options.max_shard_size)
     plan, step_path, files = export_checkpoint(
         options.path,
         options.step,

@@ -20,13 +20,13 @@ from flame.checkpoint.layout import (
     resolve_step_dir,
 )
 from flame.errors import FlameError, first_line
+from flame.hf.export_options import DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES
 from flame.hf.formats import export_adapter
 from flame.hf.safetensors_io import existing_export_files, parse_size, save_safetensors
 from flame.models.common.args import ModelArgs
 from flame.models.common.state_dict_adapter import StateDictAdapter
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-DEFAULT_MAX_SHARD_SIZE = "5GB"
+DTYPES = {name: getattr(torch, dtype) for name, dtype in EXPORT_DTYPES.items()}
 
 
 @dataclass

@@ -13,11 +13,11 @@ An explicit format that cannot express the model exactly is refused with the rea
 
 import importlib
 
+from flame.hf.export_options import EXPORT_FORMATS
 from flame.models import FAMILIES, family_module, get_model_spec, model_args_from_dict
 from flame.models.common.args import ModelArgs
 from flame.models.common.state_dict_adapter import ExportError, StateDictAdapter
 
-EXPORT_FORMATS = ("auto", "fla", "flame", "llama", "olmo_hybrid", "hf")
 # What ``auto`` tries, in order, before flame's own format (which expresses every flame model). transformers' own
 # classes come first: FLA's transformer needs flash-attn on a GPU, so a CPU-trained model exported in FLA's
 # format would not load on the machine that trained it.

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from flame.evaluation import EvalTarget, comma_list, evaluate
-from flame.hf.export import DEFAULT_MAX_SHARD_SIZE, plan_export, write_export
+from flame.hf.export import plan_export, write_export
+from flame.hf.export_options import DEFAULT_MAX_SHARD_SIZE
 from flame.hf.safetensors_io import parse_size
 from flame.models.common.args import ModelArgs
 

@@ -243,3 +243,26 @@ def test_upstream_module_paths_run_the_same_tools():
         check=True,
     )
     assert "--path" in usage.stdout
+
+
+@pytest.mark.parametrize("steps", [(), (0,)], ids=["no checkpoint", "seed checkpoint only"])
+def test_the_end_of_run_export_with_nothing_to_export_imports_no_torch(tmp_path, steps):
+    """train.sh runs the converter after every run: where the run left no trained checkpoint it says so without
+    importing torch (a second of a short run's end), and exits 0."""
+    import subprocess
+    import sys
+
+    for step in steps:
+        (tmp_path / "checkpoint" / f"step-{step}").mkdir(parents=True)
+        (tmp_path / "checkpoint" / f"step-{step}" / ".metadata").write_bytes(b"")
+    script = (
+        "import sys\n"
+        "from flame.cli import convert_dcp_to_hf\n"
+        f"code = convert_dcp_to_hf.main(['--path', {str(tmp_path)!r}, '--step', '-1', '--after_training'])\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.splitlines() == [
+        "No trained checkpoint to convert to HF (checkpointing off, or only a seed checkpoint)",
+        "0 False",
+    ]
