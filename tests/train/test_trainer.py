@@ -60,8 +60,8 @@ def test_a_sigkill_to_train_sh_s_process_group_ends_the_ranks(tmp_path):
 
 
 def test_a_rank_ends_as_pythons_exit_does_without_the_final_collection(tmp_path):
-    """The rank's end (flame/train/__main__.py) joins non-daemon threads, runs the atexit handlers and flushes the
-    streams before it leaves with the status main returned."""
+    """The rank's end (flame/train/__main__.py) joins non-daemon threads (a thread-pool executor's after stopping
+    them), runs the atexit handlers and flushes the streams before it leaves with the status main returned."""
     import sys
 
     script = f"""
@@ -73,6 +73,9 @@ def late_write():
     time.sleep(0.3)
     (folder / "thread").write_text("done")
 threading.Thread(target=late_write).start()
+# An executor left running: Python's exit stops its worker threads before joining them.
+from concurrent.futures import ThreadPoolExecutor
+ThreadPoolExecutor(1).submit(lambda: None).result()
 atexit.register(lambda: (folder / "atexit").write_text("done"))
 print("unflushed", end="")
 exit_without_final_collection(3)
