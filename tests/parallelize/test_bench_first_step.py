@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -104,10 +106,7 @@ def test_cases_pick_the_launches_and_the_table_columns(tmp_path, monkeypatch):
 
 
 def test_warm_without_shipped_is_refused(capsys):
-    try:
+    with pytest.raises(SystemExit) as stop:
         first_step.parse(["--device", "cpu", "--cases", "fresh,warm"])
-    except SystemExit as stop:
-        assert stop.code == 2
-    else:
-        raise AssertionError("--cases fresh,warm was accepted")
+    assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("add shipped")
