@@ -55,7 +55,16 @@ export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 # <dump_folder>/logs/launcher.log: the ranks' lines ([rankN]: ...) pass, so a rank's refusal stays the last line.
 launcher_log="$DUMP_FOLDER/logs/launcher.log"
 last_line=$(mktemp)
-trap 'release_lock; rm -f "$last_line"' EXIT
+# A GPU compiles each Triton kernel at its first call, one after another inside the first step: a process of its
+# own runs one block of each kind of the model meanwhile and leaves the kernels in Triton's cache for the ranks
+# (flame/train/prewarm.py; its log is <dump_folder>/logs/prewarm.log). FLAME_PREWARM=0 turns it off.
+prewarm_pid=""
+if [ "$gpus" -gt 0 ] && [ "${FLAME_PREWARM:-1}" != 0 ]; then
+  NNODE=$NNODE python -m flame.train.prewarm "$@" > "$DUMP_FOLDER/logs/prewarm.log" 2>&1 &
+  prewarm_pid=$!
+fi
+stop_prewarm() { if [ -n "$prewarm_pid" ]; then kill "$prewarm_pid" 2>/dev/null; fi; }
+trap 'release_lock; rm -f "$last_line"; stop_prewarm' EXIT
 
 # Preemption (docs/checkpoints.md): SIGTERM or SIGUSR1 sent to this script goes to the ranks of this node, which
 # finish their step, save a checkpoint and exit; this script then exits with 75 (76: stopped without that save),

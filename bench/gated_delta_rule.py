@@ -120,7 +120,7 @@ def variant_op(variant: str, device: torch.device):
         if variant == "flame-save":
             set_chunk_states("save")
         if device.type == "cuda":  # as a training job: flame's shipped tuning results, its Hopper dq/dk/dw/dg
-            from flame.train.model_parts import prepare_gpu_kernels
+            from flame.train.kernels import prepare_gpu_kernels
 
             prepare_gpu_kernels(device)
 

@@ -315,7 +315,7 @@ def run_naive_hf_loop(name: str, seq_len: int, args, device, margs=None) -> Resu
     from flame.models import build_model
     from flame.models.generic.args import fla_model_types
     from flame.models.generic.model import fla_classes_as_flame_builds_them
-    from flame.train.model_parts import prepare_gpu_kernels
+    from flame.train.kernels import prepare_gpu_kernels
 
     margs = model_args(name, args.tiny, args.num_layers) if margs is None else margs
     hf_config = export_adapter(margs, "auto")[0].hf_config()

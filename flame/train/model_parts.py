@@ -12,15 +12,11 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 
-from flame.compat import fla_tilelang_attention_takes_what_it_compiles
 from flame.loss import TokenNormalizedLoss
 from flame.models import build_model
 from flame.models.common.args import ModelArgs
-from flame.ops.attention import set_attention_backend
-from flame.ops.autotune import tune_once_per_host, use_shipped_results
-from flame.ops.fla_library import set_chunk_states
 from flame.parallelize import parallelize_model, pipeline_model, tie_embeddings
-from flame.parallelize.compile import uses_cuda_graphs
+from flame.train.kernels import choose_kernels
 
 
 @dataclass
@@ -79,32 +75,6 @@ class ModelParts:
         return [p for part in self.parts for p in part.parameters()]
 
 
-def prepare_gpu_kernels(device: torch.device) -> None:
-    """On a GPU: Triton's kernels tuned once per host and seeded with flame's shipped results
-    (flame.ops.autotune), and flame's gated chunk_bwd_dqkwg registered with FLA where FLA refuses its own (Hopper,
-    FLA issue 640), so every model calling FLA's gated backward trains there: flame's GatedDeltaNet and FLA's
-    comba, mom, precond_gated_deltanet, gated_deltanet alike; FLA's TileLang attention keeps to the head widths it
-    compiles (flame.compat), the others going to FLA's Triton kernel."""
-    if device.type != "cuda":
-        return
-    from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses  # imports Triton
-
-    tune_once_per_host()
-    use_shipped_results(torch.cuda.get_device_name(device))
-    serve_where_fla_refuses()
-    fla_tilelang_attention_takes_what_it_compiles()
-
-
-def chunk_states(job_config) -> str:
-    """--activation_checkpoint.chunk_states with auto resolved: the states are kept where the blocks replay as CUDA
-    graphs, whose steps the GPU bounds (gated_deltanet_340M on an H200: 5.8% faster, docs/performance.md "Chunk
-    states"); elsewhere the host issuing FLA's kernels bounded the step, and keeping them cost memory for no gain."""
-    policy = job_config.activation_checkpoint.chunk_states
-    if policy == "auto":
-        return "save" if uses_cuda_graphs(job_config.compile) else "recompute"
-    return policy
-
-
 def build_model_parts(
     model_args: ModelArgs,
     topology: Topology,
@@ -117,10 +87,8 @@ def build_model_parts(
     """Build the model on the meta device, parallelize it with ``job_config``'s plan (pipeline stages with
     parallelism.pipeline_parallel_degree > 1), materialize each part on the device (the CPU with
     training.enable_cpu_offload) and initialize it: ``init_weights`` unless ``initialize`` says otherwise. On a GPU
-    the kernels are prepared first (prepare_gpu_kernels)."""
-    set_attention_backend(job_config.model.attention_backend)
-    set_chunk_states(chunk_states(job_config))
-    prepare_gpu_kernels(topology.device)
+    the kernels are prepared first (flame.train.kernels)."""
+    choose_kernels(job_config, topology.device)
     with torch.device("meta"):
         model = build_model(model_args)
     nparams, flops_per_token = model_args.get_nparams_and_flops(

@@ -1,33 +1,33 @@
-"""flame.train.model_parts: what a GPU process sets up before its model is built (prepare_gpu_kernels), and how
-the gated delta rule keeps its chunk states (chunk_states)."""
+"""flame.train.kernels: what a GPU process sets up before its model is built (prepare_gpu_kernels), and how the
+gated delta rule keeps its chunk states (chunk_states)."""
 
 import pytest
 import torch
 
 from flame.config import parse_args
 from flame.ops.gated_delta_rule import dqkwg_triton
-from flame.train import model_parts
+from flame.train import kernels
 
 
 def test_a_gpu_process_tunes_once_seeds_the_shipped_results_and_fixes_flas_backends(monkeypatch):
     calls = []
-    monkeypatch.setattr(model_parts, "tune_once_per_host", lambda: calls.append("tune once per host"))
+    monkeypatch.setattr(kernels, "tune_once_per_host", lambda: calls.append("tune once per host"))
     monkeypatch.setattr(
-        model_parts, "use_shipped_results", lambda name: calls.append(f"shipped results for {name}")
+        kernels, "use_shipped_results", lambda name: calls.append(f"shipped results for {name}")
     )
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"GPU {device.index}")
     monkeypatch.setattr(
         dqkwg_triton, "serve_where_fla_refuses", lambda: calls.append("flame's dqkwg for FLA")
     )
     monkeypatch.setattr(
-        model_parts,
+        kernels,
         "fla_tilelang_attention_takes_what_it_compiles",
         lambda: calls.append("FLA's TileLang attention on its head widths"),
     )
 
-    model_parts.prepare_gpu_kernels(torch.device("cpu"))
+    kernels.prepare_gpu_kernels(torch.device("cpu"))
     assert calls == []
-    model_parts.prepare_gpu_kernels(torch.device("cuda", 1))
+    kernels.prepare_gpu_kernels(torch.device("cuda", 1))
     assert calls == [
         "tune once per host",
         "shipped results for GPU 1",
@@ -57,4 +57,4 @@ def test_a_gpu_process_tunes_once_seeds_the_shipped_results_and_fixes_flas_backe
     ],
 )
 def test_chunk_states_auto_keeps_them_where_the_blocks_replay_as_cuda_graphs(flags, policy):
-    assert model_parts.chunk_states(parse_args(flags)) == policy
+    assert kernels.chunk_states(parse_args(flags)) == policy
