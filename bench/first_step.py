@@ -8,15 +8,17 @@
 A fresh machine is imitated with empty cache folders: each case launches train.sh with its own Triton cache
 (``TRITON_CACHE_DIR``: compiled kernels and autotuning results), inductor cache (``TORCHINDUCTOR_CACHE_DIR``) and
 TileLang cache (``TILELANG_CACHE_DIR``: the kernels FLA's TileLang backend and FlashQLA compile with nvcc), so
-nothing an earlier run compiled or tuned is found. Per model, three launches, one after the other:
+nothing an earlier run compiled or tuned is found. Per model, four launches, one after the other:
 
 1. fresh: empty caches and ``FLAME_SHIPPED_TUNING=0``: every kernel is compiled and FLA's are benchmarked, as on a
    machine without flame's tuning results for its GPU;
-2. fresh, shipped tuning: empty caches, flame's tuning results for the GPU written into the Triton cache at launch
-   (flame/assets/autotune; the log's "wrote N" line gives N, 0 where flame has none for this GPU);
-3. warm: launch 2's caches, now filled: a restart on the same machine.
+2. fresh, shipped tuning, no prewarm: empty caches, flame's tuning results for the GPU written into the Triton
+   cache at launch (flame/assets/autotune; the log's "wrote N" line gives N, 0 where flame has none for this GPU),
+   and ``FLAME_PREWARM=0``: the ranks compile every kernel themselves, inside the first step;
+3. fresh, shipped tuning: the same with train.sh's kernel prewarm (flame/train/prewarm.py), as a user launches;
+4. warm: launch 3's caches, now filled: a restart on the same machine.
 
-``--cases`` picks some of them (fresh, shipped, warm; warm needs shipped).
+``--cases`` picks some of them (fresh, noprewarm, shipped, warm; warm needs shipped).
 
 Each launch is ``NGPU=1 bash train.sh`` with the model's config, ``--training.steps 1``, 8 x 2048 tokens (the bench's
 default), ``--compile.enable`` on a GPU, no checkpoint, the shipped corpus; the time runs from the launch to the
@@ -56,8 +58,8 @@ PHASES = (
     ("step 1", FIRST_STEP),  # compilation, Triton's compiling and autotuning, CUDA graph capture, the step
 )
 SHIPPED = re.compile(r"wrote (\d+) of flame's tuning results")
-CASES = ("fresh", "fresh, shipped tuning", "warm")
-CASE_NAMES = dict(zip(("fresh", "shipped", "warm"), CASES))  # --cases' names
+CASES = ("fresh", "fresh, shipped tuning, no prewarm", "fresh, shipped tuning", "warm")
+CASE_NAMES = dict(zip(("fresh", "noprewarm", "shipped", "warm"), CASES))  # --cases' names
 SHIPPED_VOCAB = 4096  # the default job's tokenizer (flame/assets/tokenizer)
 
 
@@ -78,9 +80,10 @@ CACHE_VARIABLES = {
 }
 
 
-def case_env(caches: Path, shipped: bool) -> dict[str, str]:
+def case_env(caches: Path, shipped: bool, prewarm: bool = True) -> dict[str, str]:
     folders = {variable: str(caches / name) for variable, name in CACHE_VARIABLES.items()}
-    return {**train_env(), **folders, "FLAME_SHIPPED_TUNING": "1" if shipped else "0"}
+    flags = {"FLAME_SHIPPED_TUNING": "1" if shipped else "0", "FLAME_PREWARM": "1" if prewarm else "0"}
+    return {**train_env(), **folders, **flags}
 
 
 def time_to_first_step(
@@ -129,7 +132,7 @@ def time_to_first_step(
 
 
 def measure_model(name: str, args, work: Path) -> dict:
-    """The model's three launches; its row as a dict."""
+    """The model's launches; its row as a dict."""
     folder = work / name
     folder.mkdir(parents=True)
     config = folder / "config.json"
@@ -137,16 +140,17 @@ def measure_model(name: str, args, work: Path) -> dict:
     values["vocab_size"] = max(values.get("vocab_size", 0), SHIPPED_VOCAB)  # the tiny models' 256 is too few
     config.write_text(json.dumps(values))
     row = {"model": name, "seconds": {}, "notes": {}, "phases": {}}
-    fresh_caches, shipped_caches = folder / "caches-fresh", folder / "caches-shipped"
+    fresh, no_prewarm, shipped = (folder / f"caches-{name}" for name in ("fresh", "no-prewarm", "shipped"))
     launches = (
-        (CASES[0], fresh_caches, False),
-        (CASES[1], shipped_caches, True),
-        (CASES[2], shipped_caches, True),
+        (CASES[0], fresh, False, True),
+        (CASES[1], no_prewarm, True, False),
+        (CASES[2], shipped, True, True),
+        (CASES[3], shipped, True, True),
     )
-    for case, caches, shipped in (launch for launch in launches if launch[0] in args.cases):
+    for case, caches, shipped_tuning, prewarm in (launch for launch in launches if launch[0] in args.cases):
         command = launch_command(config, folder / f"dump-{len(row['seconds'])}", args)
         seconds, note, phases = time_to_first_step(
-            command, case_env(caches, shipped), folder / f"{case}.log", args.timeout_s
+            command, case_env(caches, shipped_tuning, prewarm), folder / f"{case}.log", args.timeout_s
         )
         row["seconds"][case], row["notes"][case], row["phases"][case] = seconds, note, phases
         print(f"{name}, {case}: {seconds:.1f} s ({phase_text(phases)}) {note}".rstrip(), flush=True)
@@ -187,8 +191,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--cases",
         default=",".join(CASE_NAMES),
-        help="comma separated launches per model: fresh, shipped (fresh caches, flame's tuning results), warm "
-        "(shipped's caches again; needs shipped)",
+        help="comma separated launches per model: fresh, noprewarm (fresh caches, flame's tuning results, no kernel "
+        "prewarm), shipped (the same with the prewarm), warm (shipped's caches again; needs shipped)",
     )
     parser.add_argument("--tiny", action="store_true", help="tiny versions of the models (smoke test)")
     parser.add_argument(
@@ -225,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             "Time to the first step",
             f"Command: `{command}` on {device_name(torch.device(args.device))}, torch {torch.__version__} "
             f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - started:.0f} s). Seconds from `bash train.sh` "
-            "to its `step 1/1` line, 8 x 2048 tokens, compiled, in a new process per launch: fresh (empty Triton "
-            "and inductor caches, flame's shipped tuning off), fresh with flame's shipped tuning results for the "
-            "GPU, and warm (the second launch's caches again).",
+            "to its `step 1/1` line, 8 x 2048 tokens, compiled, in a new process per launch: fresh (empty Triton, "
+            "inductor and TileLang caches, flame's shipped tuning off), fresh with flame's shipped tuning results "
+            "for the GPU without and with train.sh's kernel prewarm, and warm (the last launch's caches again).",
             text,
         )
     return 0

@@ -66,7 +66,8 @@ def test_fresh_cases_start_from_empty_caches_and_warm_reuses_them(tmp_path, monk
             for variable in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TILELANG_CACHE_DIR")
         ]
         assert len(set(caches)) == 3  # each compiler's own folder
-        seen.append((env["FLAME_SHIPPED_TUNING"], caches, any(cache.exists() for cache in caches), command))
+        flags = (env["FLAME_SHIPPED_TUNING"], env["FLAME_PREWARM"])
+        seen.append((flags, caches, any(cache.exists() for cache in caches), command))
         for cache in caches:
             cache.mkdir(parents=True, exist_ok=True)
         return 1.0 + len(seen), "", {"start": 0.5, "setup": 0.25, "step 1": 0.25 + len(seen)}
@@ -74,17 +75,18 @@ def test_fresh_cases_start_from_empty_caches_and_warm_reuses_them(tmp_path, monk
     monkeypatch.setattr(first_step, "time_to_first_step", time_to_first_step)
     args = first_step.parse(["--device", "cpu", "--tiny", "--models", "gated_deltanet", "--seq_len", "64"])
     row = first_step.measure_model("gated_deltanet", args, tmp_path)
-    (fresh, fresh_exists, _), (shipped, shipped_exists, _), (warm, warm_exists, command) = (
-        (s[0], s[2], s[3]) for s in seen
-    )
-    assert (fresh, shipped, warm) == ("0", "1", "1")
-    assert not fresh_exists and not shipped_exists and warm_exists
-    assert seen[0][1] != seen[1][1] == seen[2][1]
+    flags, caches, existed, commands = zip(*seen)
+    # fresh; shipped tuning without the prewarm; shipped tuning with it; warm: the last one's caches again.
+    assert flags == (("0", "1"), ("1", "0"), ("1", "1"), ("1", "1"))
+    assert existed == (False, False, False, True)
+    assert len({tuple(c) for c in caches[:3]}) == 3 and caches[2] == caches[3]
+    command = commands[-1]
     assert command[command.index("--training.seq_len") + 1] == "64" and "--compile.enable" not in command
-    assert row["seconds"] == dict(zip(first_step.CASES, (2.0, 3.0, 4.0)))
+    assert row["seconds"] == dict(zip(first_step.CASES, (2.0, 3.0, 4.0, 5.0)))
     assert first_step.table([row]).splitlines()[-1] == (
-        "| gated_deltanet | 2.0 | 3.0 | 4.0 | fresh: start 0.5 + setup 0.2 + step 1 1.2 s; fresh, shipped tuning: "
-        "start 0.5 + setup 0.2 + step 1 2.2 s; warm: start 0.5 + setup 0.2 + step 1 3.2 s |  |"
+        "| gated_deltanet | 2.0 | 3.0 | 4.0 | 5.0 | fresh: start 0.5 + setup 0.2 + step 1 1.2 s; fresh, shipped "
+        "tuning, no prewarm: start 0.5 + setup 0.2 + step 1 2.2 s; fresh, shipped tuning: start 0.5 + setup 0.2 + "
+        "step 1 3.2 s; warm: start 0.5 + setup 0.2 + step 1 4.2 s |  |"
     )
 
 

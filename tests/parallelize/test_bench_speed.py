@@ -57,7 +57,8 @@ PARTS = {
     }},
     "torchtitan": {"tokens_per_s": 120_000.0},
     "first_step": {"models": {
-        "gated_deltanet": {"seconds": {"fresh": 199.7, "fresh, shipped tuning": 65.5, "warm": 33.4},
+        "gated_deltanet": {"seconds": {"fresh": 199.7, "fresh, shipped tuning, no prewarm": 75.0,
+                                       "fresh, shipped tuning": 65.5, "warm": 33.4},
                            "phases": {"fresh, shipped tuning": {"start": 9.5, "setup": 2.0, "step 1": 54.0}}},
         "transformer": {"seconds": {"fresh": 42.1, "fresh, shipped tuning": 42.1, "warm": 34.2}},
     }},
@@ -88,7 +89,8 @@ def test_each_item_is_its_measurement_beside_its_anchor_target_and_verdict():
     assert rows["hybrid 1"][2] == "exit status 1: CUDA out of memory" and rows["hybrid 1"][6] == "no"
 
     first_step = rows["gated_deltanet 2"]
-    assert first_step[2:] == ["65.5 (33.4)", "fresh, no shipped tuning: 199.7", "3.05x faster", "< 60 s",
+    assert first_step[2:] == ["65.5 (33.4)", "no kernel prewarm: 75.0; fresh, no shipped tuning: 199.7",
+                              "3.05x faster", "< 60 s",
                               "no: 5.5 s over (start 9.5 + setup 2.0 + step 1 54.0 s)"]  # fmt: skip
     assert rows["transformer 2"][5:] == ["", ""]  # no target for the transformer
 
@@ -182,6 +184,22 @@ def test_train_sh_part_runs_each_model_and_keeps_other_parts(tmp_path):
     for model in speed.MODELS:
         run = parts["train_sh"]["models"][model]
         assert run["lines"] == 3 and run["tokens_per_s"] > 0 and 0 <= run["data_share"] <= 1
+
+
+def test_first_step_part_runs_every_case_for_both_models(tmp_path, monkeypatch):
+    launched = []
+
+    def measure_model(name, args, work):
+        launched.append((name, args.cases))
+        return {"model": name, "seconds": {}, "notes": {}, "phases": {}}
+
+    monkeypatch.setattr(speed, "measure_model", measure_model)
+    args = speed.parse(
+        ["--tiny", "--device", "cpu", "--parts", "first_step", "--json", str(tmp_path / "s.json")]
+    )
+    assert list(speed.part_first_step(args, tmp_path)["models"]) == ["gated_deltanet", "transformer"]
+    cases = ["fresh", "fresh, shipped tuning, no prewarm", "fresh, shipped tuning", "warm"]
+    assert launched == [("gated_deltanet", cases), ("transformer", cases)]
 
 
 def test_without_train_sh_items_3_and_4_come_from_the_bench():
