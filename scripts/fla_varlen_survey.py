@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(survey.result(), flush=True)
         return 0
     exact_float32()
-    from flame.train.model_parts import prepare_gpu_kernels
+    from flame.train.kernels import prepare_gpu_kernels
 
     prepare_gpu_kernels(torch.device("cuda"))
     with contextlib.nullcontext() if args.tune else fla_kernels_on_first_config():

@@ -19,7 +19,7 @@ import torch
 from flame.loss import IGNORE_INDEX
 from flame.models import build_model, model_args_from_dict, model_spec
 from flame.parallelize.cuda_graphs import BlockGraphs
-from flame.train.model_parts import prepare_gpu_kernels
+from flame.train.kernels import prepare_gpu_kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -11,7 +11,7 @@ from flame.config import parse_args
 from flame.loss import IGNORE_INDEX
 from flame.models import build_model, model_args_from_dict
 from flame.models.common.decoder import fuses_linear_cross_entropy
-from flame.train.model_parts import prepare_gpu_kernels
+from flame.train.kernels import prepare_gpu_kernels
 from flame.train.objective import LanguageModelObjective
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

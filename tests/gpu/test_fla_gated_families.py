@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flame.train.model_parts import prepare_gpu_kernels
+from flame.train.kernels import prepare_gpu_kernels
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

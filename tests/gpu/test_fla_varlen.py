@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("model_type", sorted(FLA_PACKED_DOCUMENT_MODEL_TYPES))
 def test_packed_documents_equal_the_documents_alone(model_type, exact_float32):
-    from flame.train.model_parts import prepare_gpu_kernels
+    from flame.train.kernels import prepare_gpu_kernels
 
     prepare_gpu_kernels(torch.device("cuda"))
     difference, dtype = fla_varlen_survey.family_difference(model_type, torch.device("cuda"))

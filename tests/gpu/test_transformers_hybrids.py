@@ -16,7 +16,7 @@ import transformers
 
 import flame.ops.gated_delta_rule
 from flame.models.generic.model import causal_lm_class, instantiate
-from flame.train.model_parts import prepare_gpu_kernels
+from flame.train.kernels import prepare_gpu_kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
