@@ -941,6 +941,38 @@ def _fla_mamba2_scan_materialises_pairs() -> bool:
     return "G_intermediate" in inspect.getsource(Mamba2.torch_forward)
 
 
+def contiguous_gradient() -> type:
+    """An autograd Function whose ``apply(x)`` is ``x`` itself, with its gradient made contiguous on the way back.
+    AOTAutograd traces a backward with the strides PyTorch's meta functions give, and ``softplus_backward``'s meta
+    gives a contiguous result where the kernel keeps the layout of the gradient it receives: the traced backward then
+    views a tensor whose real strides do not allow it (``--compile.backend aot_eager``, pytorch/pytorch#120035). The
+    Gated DeltaNet gate's gradient arrives transposed from the PyTorch chunked rule, so its softplus gets a contiguous
+    one (flame.ops.gated_delta_rule.gate)."""
+    import torch
+
+    class ContiguousGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.contiguous()
+
+    return ContiguousGradient
+
+
+def _softplus_backward_meta_strides_differ() -> bool:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    grad, x = torch.randn(2, 3, 5).transpose(1, 2), torch.randn(2, 5, 3)
+    real = torch.ops.aten.softplus_backward(grad, x, 1, 20).stride()
+    with FakeTensorMode() as mode:
+        fake = torch.ops.aten.softplus_backward(mode.from_tensor(grad), mode.from_tensor(x), 1, 20).stride()
+    return real != fake
+
+
 def _fla_attention_needs_flash_attn() -> bool:
     return _sources_contain(
         FLA_FLASH_ATTN_MODULES, "from flash_attn import", "Please install Flash Attention"
@@ -1157,5 +1189,14 @@ SHIMS = (
         fixed_in=None,
         workaround="transformers_grouped_mm_in_the_autocast_dtype",
         reproduces=_transformers_grouped_mm_skips_autocast,
+    ),
+    Shim(
+        name="softplus_backward_meta_strides",
+        applies=_always,
+        upstream="pytorch/pytorch#120035 (aot_eager: a traced backward's view fails on real strides; here "
+        "softplus_backward's meta strides differ from its kernel's)",
+        fixed_in=None,
+        workaround="contiguous_gradient",
+        reproduces=_softplus_backward_meta_strides_differ,
     ),
 )

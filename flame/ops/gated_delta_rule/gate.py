@@ -9,6 +9,10 @@ compute this in float32 with softplus(x) = x for x > 20, which is `F.softplus`'s
 import torch
 import torch.nn.functional as F
 
+from flame.compat import contiguous_gradient
+
+ContiguousGradient = contiguous_gradient()
+
 
 def gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Log-space decay g from the raw gate input a [..., HV]; float32 (float64 for float64 inputs)."""
@@ -16,4 +20,4 @@ def gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None 
     a = a.to(compute_dtype)
     if dt_bias is not None:
         a = a + dt_bias.to(compute_dtype)
-    return -A_log.to(compute_dtype).exp() * F.softplus(a)
+    return ContiguousGradient.apply(-A_log.to(compute_dtype).exp() * F.softplus(a))
