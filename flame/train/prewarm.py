@@ -32,8 +32,8 @@ from flame.models.common.decoder import DecoderLM
 from flame.models.custom import import_custom_modules
 
 MEMORY_FRACTION = 0.1
-# dynamo's graph run by PyTorch: the custom ops the compiled blocks call, without inductor's compiling. (aot_eager,
-# closer to inductor's graphs, fails on a view of the softplus gradient that inductor's layouts allow.)
+# dynamo's graph run by PyTorch: the custom ops the compiled blocks call, without AOTAutograd's tracing or inductor's
+# compiling (tests/gpu/test_prewarm.py: the rank then finds every FLA and flame kernel it calls compiled).
 BACKEND = "eager"
 
 
