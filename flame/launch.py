@@ -22,6 +22,7 @@ from flame.config import parse_args
 from flame.config.checks import validate_job
 from flame.config.manager import upstream_notices
 from flame.errors import FlameError
+from flame.process_end import exit_without_final_collection
 
 # train.sh stops after the pre-flight without starting ranks when it exits with this code.
 EXIT_DONE = 10
@@ -164,4 +165,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_final_collection(main())  # a launch's pre-flight: 0.3 s less of torch's teardown

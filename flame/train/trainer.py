@@ -5,13 +5,11 @@ its metrics, then a checkpoint, validation, text samples and lm-eval's tasks (fl
 training.stop_at_step. ``Trainer.__init__`` assembles the parts, one call each.
 """
 
-import atexit
 import ctypes
 import dataclasses
 import os
 import signal
 import sys
-import threading
 import time
 from datetime import timedelta
 
@@ -411,20 +409,6 @@ def enable_debug_mode() -> None:
     os.environ["CUDA_LAUNCH_BLOCKING"] = "1"
     torch.autograd.set_detect_anomaly(True)
     logger.info("Debug mode: CUDA_LAUNCH_BLOCKING=1, autograd anomaly detection on")
-
-
-def exit_without_final_collection(status: int) -> None:
-    """Ends the rank as Python's exit does (threading's shutdown: its exit callbacks, which stop thread-pool
-    executors' workers, then the non-daemon threads joined; the atexit handlers: logging's flush, W&B's, dataloader
-    workers' shutdown; the standard streams flushed) but without the interpreter's final garbage collection of every
-    object the imports made, which takes about a second of each rank's end after torchtitan's imports (2 CPU cores,
-    2026-12-04: 1.10 s for ``import flame.train.trainer`` alone, 0.17 s without it)."""
-    # The two steps the interpreter's own finalization takes first (CPython's Py_FinalizeEx), in its order.
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

@@ -57,29 +57,3 @@ def test_a_sigkill_to_train_sh_s_process_group_ends_the_ranks(tmp_path):
     finally:
         for pid in processes_naming(str(dump)):
             os.kill(pid, signal.SIGKILL)
-
-
-def test_a_rank_ends_as_pythons_exit_does_without_the_final_collection(tmp_path):
-    """The rank's end (flame/train/__main__.py) joins non-daemon threads (a thread-pool executor's after stopping
-    them), runs the atexit handlers and flushes the streams before it leaves with the status main returned."""
-    import sys
-
-    script = f"""
-import atexit, threading, time
-from pathlib import Path
-from flame.train.trainer import exit_without_final_collection
-folder = Path({str(tmp_path)!r})
-def late_write():
-    time.sleep(0.3)
-    (folder / "thread").write_text("done")
-threading.Thread(target=late_write).start()
-# An executor left running: Python's exit stops its worker threads before joining them.
-from concurrent.futures import ThreadPoolExecutor
-ThreadPoolExecutor(1).submit(lambda: None).result()
-atexit.register(lambda: (folder / "atexit").write_text("done"))
-print("unflushed", end="")
-exit_without_final_collection(3)
-"""
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 3 and result.stdout == "unflushed", result.stderr
-    assert (tmp_path / "thread").read_text() == (tmp_path / "atexit").read_text() == "done"
