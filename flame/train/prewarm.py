@@ -57,7 +57,7 @@ def keep_only(model: DecoderLM, names: set[str]) -> None:
     model.lm_head = None
 
 
-def skip_reason(job_config, model: nn.Module, degrees: dict[str, int]) -> str | None:
+def skip_reason(model: nn.Module, degrees: dict[str, int]) -> str | None:
     if not isinstance(model, DecoderLM):
         return f"{type(model).__name__} is not one of flame's decoder families"
     if reshaped := [name for name in ("tp", "cp", "pp") if degrees[name] > 1]:
@@ -74,6 +74,18 @@ def compiles_blocks(job_config, model_args) -> bool:
     )
 
 
+def precision(
+    job_config, degrees: dict[str, int], device_type: str
+) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(the dtype FSDP casts the blocks' parameters and inputs to, the autocast dtype) of the ranks on
+    ``device_type``, as flame.train.model_parts.autocast_context has them: on a GPU, FSDP casts (data-parallel
+    sharding) and otherwise autocast runs over float32 parameters; a CPU trains in float32 throughout."""
+    if device_type != "cuda":
+        return None, None
+    dtype = getattr(torch, job_config.training.mixed_precision_param)
+    return (dtype, None) if degrees["dp_shard"] > 1 else (None, dtype)
+
+
 def prewarm(job_config, device: torch.device, world_size: int = 1) -> str:
     """Run one block of each kind of the job's model forward and backward at its micro-batch shape on ``device``;
     what it ran (or why nothing), one line."""
@@ -86,7 +98,7 @@ def prewarm(job_config, device: torch.device, world_size: int = 1) -> str:
     degrees = check_parallelism(job_config, model_args, world_size=world_size)
     with torch.device("meta"):
         model = build_model(model_args)
-    if reason := skip_reason(job_config, model, degrees):
+    if reason := skip_reason(model, degrees):
         return f"nothing to compile ahead: {reason}"
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION, device)
@@ -98,23 +110,18 @@ def prewarm(job_config, device: torch.device, world_size: int = 1) -> str:
 
     data = data_spec(job_config)
     batch, seq_len = data.batch_size, data.seq_len
-    # The ranks' precision (flame.train.model_parts.autocast_context): on a GPU, FSDP casts the parameters and
-    # otherwise bf16 autocast runs over float32 parameters; a CPU trains in float32.
-    precision = getattr(torch, job_config.training.mixed_precision_param)
-    fsdp = degrees["dp_shard"] > 1
-    if device.type == "cuda" and fsdp:
-        model.to(precision)
+    cast, autocast_dtype = precision(job_config, degrees, device.type)
+    if cast is not None:
+        model.to(cast)
     autocast = (
-        torch.autocast(device.type, dtype=precision)
-        if device.type == "cuda" and not fsdp
-        else contextlib.nullcontext()
+        contextlib.nullcontext()
+        if autocast_dtype is None
+        else torch.autocast(device.type, dtype=autocast_dtype)
     )
-    hidden_dtype = precision if device.type == "cuda" and fsdp else torch.float32
     position_ids = torch.arange(seq_len, device=device).expand(batch, -1)
     cu_seqlens = None
-    if (
-        data.varlen
-    ):  # documents of context_len tokens (the ranks' documents vary; the kernels' variant does not)
+    # Packed documents: documents of context_len tokens (the ranks' documents vary; the kernels' variant does not).
+    if data.varlen:
         starts = list(range(0, seq_len, data.context_len)) + [seq_len]
         cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=device)
         position_ids = position_ids % data.context_len
@@ -122,7 +129,12 @@ def prewarm(job_config, device: torch.device, world_size: int = 1) -> str:
     for block in kinds.values():
         run = torch.compile(block, backend=BACKEND) if compiled else block
         hidden = torch.randn(
-            batch, seq_len, model_args.hidden_size, device=device, dtype=hidden_dtype, requires_grad=True
+            batch,
+            seq_len,
+            model_args.hidden_size,
+            device=device,
+            dtype=cast or torch.float32,
+            requires_grad=True,
         )
         with autocast:
             out = run(hidden, position_ids, cu_seqlens)

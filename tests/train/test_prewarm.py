@@ -67,6 +67,27 @@ def test_each_kind_runs_forward_and_backward(tmp_path, monkeypatch, flags, how, 
         assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
 
 
+@pytest.mark.parametrize(
+    ("device_type", "world_size", "flags", "expected"),
+    [
+        ("cpu", 8, [], (None, None)),  # float32 throughout
+        ("cuda", 1, [], (None, torch.bfloat16)),  # autocast over float32 parameters
+        ("cuda", 8, [], (torch.bfloat16, None)),  # FSDP casts the parameters
+        ("cuda", 8, ["--parallelism.data_parallel_replicate_degree", "8",
+                     "--parallelism.data_parallel_shard_degree", "1"], (None, torch.bfloat16)),  # DDP
+    ],
+)  # fmt: skip
+def test_the_ranks_precision(tmp_path, device_type, world_size, flags, expected):
+    from flame.models import load_model_args
+    from flame.parallelize.checks import check_parallelism
+
+    job = hybrid_job(tmp_path, *flags)
+    args, _ = load_model_args(job.model.config)
+    assert (
+        prewarm.precision(job, check_parallelism(job, args, world_size=world_size), device_type) == expected
+    )
+
+
 def test_jobs_whose_ranks_reshape_the_blocks_and_other_families_are_left_out(tmp_path):
     job = hybrid_job(tmp_path, "--parallelism.tensor_parallel_degree", "2")
     assert prewarm.prewarm(job, torch.device("cpu"), world_size=2) == (
