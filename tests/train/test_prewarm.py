@@ -14,6 +14,8 @@ from flame.models.layers.gated_deltanet import GatedDeltaNet
 from flame.train import prewarm
 from tests.models.helpers import tiny_args, tiny_model
 
+REPO = Path(__file__).resolve().parents[2]
+
 # A hybrid: Gated DeltaNet blocks with attention at layers 3 and 7 (two kinds of block in eight).
 HYBRID = {
     "head_dim": 8,
@@ -106,3 +108,33 @@ def test_a_failure_is_one_line_and_exit_status_1(tmp_path, capsys):
     assert prewarm.main(["--model.config", str(missing)]) == 1
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("prewarm: stopped: ") and "missing.json" in out[0]
+
+
+@pytest.mark.parametrize("prewarm_flag", ["1", "0"])
+def test_train_sh_starts_it_where_a_gpu_is_listed_and_trains_whatever_it_does(tmp_path, prewarm_flag):
+    """train.sh on a machine whose nvidia-smi lists a GPU (a stand-in here, with no CUDA behind it) starts the
+    prewarm beside the ranks, its one line in <dump_folder>/logs/prewarm.log; the prewarm stops (no CUDA device),
+    and training goes on. FLAME_PREWARM=0 starts none."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: stand-in (UUID: GPU-0)'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    dump = tmp_path / "dump"
+    result = subprocess.run(
+        ["bash", str(REPO / "train.sh"), "--job.dump_folder", str(dump), "--training.steps", "1",
+         "--checkpoint.no-enable"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLAME_EXPORT_HF": "0",
+             "FLAME_PREWARM": prewarm_flag},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "step 1/1" in result.stdout
+    log = dump / "logs" / "prewarm.log"
+    if prewarm_flag == "0":
+        assert not log.exists()
+    else:
+        lines = log.read_text().strip().splitlines()
+        assert lines[-1].startswith("prewarm: stopped: "), lines
