@@ -57,10 +57,13 @@ launcher_log="$DUMP_FOLDER/logs/launcher.log"
 last_line=$(mktemp)
 # A GPU compiles each Triton kernel at its first call, one after another inside the first step: a process of its
 # own runs one block of each kind of the model meanwhile and leaves the kernels in Triton's cache for the ranks
-# (flame/train/prewarm.py; its log is <dump_folder>/logs/prewarm.log). FLAME_PREWARM=0 turns it off.
+# (flame/train/prewarm.py; its log is <dump_folder>/logs/prewarm.log, prewarm-node<N>.log for node N of several).
+# FLAME_PREWARM=0 turns it off.
 prewarm_pid=""
 if [ "$gpus" -gt 0 ] && [ "${FLAME_PREWARM:-1}" != 0 ]; then
-  NNODE=$NNODE python -m flame.train.prewarm "$@" > "$DUMP_FOLDER/logs/prewarm.log" 2>&1 &
+  prewarm_log="$DUMP_FOLDER/logs/prewarm.log"
+  if [ "$NNODE" -gt 1 ]; then prewarm_log="$DUMP_FOLDER/logs/prewarm-node$NODE_RANK.log"; fi
+  NNODE=$NNODE python -m flame.train.prewarm "$@" > "$prewarm_log" 2>&1 &
   prewarm_pid=$!
 fi
 stop_prewarm() { if [ -n "$prewarm_pid" ]; then kill "$prewarm_pid" 2>/dev/null; fi; }
