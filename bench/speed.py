@@ -16,8 +16,8 @@ Parts (``--parts``), each a run of another bench script or of train.sh, in this 
   tokens/s, data share and MFU of its log lines from ``--skip_steps`` on (their mean), from its TensorBoard events.
 - ``torchtitan``: torchtitan's own trainer on a Llama3 of the transformer's shape (bench/torchtitan_anchor.py), the
   transformer's second anchor.
-- ``first_step``: bench/first_step.py's three launches (fresh, fresh with flame's shipped tuning, warm) of
-  GatedDeltaNet and the transformer.
+- ``first_step``: bench/first_step.py's four launches (fresh; fresh with flame's shipped tuning, without and with
+  train.sh's kernel prewarm; warm) of GatedDeltaNet and the transformer.
 - ``long_context``: the seed recipe's 64k-token varlen job (batch 1 x 65,536, documents cut at 4,096) of the three
   models with full activation checkpointing and with offloading, one bench launch per model.
 - ``tokens_to_loss``: bench/tokens_to_loss.py's AdamW and Muon runs of the 340M transformer on ``--t2l_dataset``
