@@ -165,4 +165,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    exit_without_final_collection(main())  # a launch's pre-flight: 0.3 s less of torch's teardown
+    exit_without_final_collection(main())  # without torch's teardown (docs/performance.md, "Start-up imports")
