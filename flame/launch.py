@@ -165,4 +165,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    exit_without_final_collection(main())  # without torch's teardown (docs/performance.md, "Start-up imports")
+    # Without torch's teardown (docs/performance.md, "Start-up imports").
+    exit_without_final_collection(main())
