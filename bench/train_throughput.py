@@ -322,7 +322,7 @@ def run_naive_hf_loop(name: str, seq_len: int, args, device, margs=None) -> Resu
     flame.hf.register()
     building = contextlib.nullcontext()
     if hf_config["model_type"] in fla_model_types():
-        import fla  # noqa: F401  (FLA's classes)
+        import fla.models  # noqa: F401  (FLA's classes)
 
         # FLA's class with the layers flame trains it with where FLA's need flash-attn or mamba_ssm: the same model.
         building = fla_classes_as_flame_builds_them()

@@ -24,6 +24,7 @@ import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,142 @@ def defer_transformers_sklearn_import() -> None:
     flame``, before anything imports transformers' generation."""
     if _transformers_imports_sklearn_at_top():
         _wrap_loading(TRANSFORMERS_SKLEARN_MODULE, _LazySklearnLoader)
+
+
+FLA_EXPORTING_PACKAGES = ("fla", "fla.ops", "fla.modules")
+
+
+class _LazyPackageLoader(_WrappingLoader):
+    """Makes a package whose ``__init__`` only imports and re-exports its submodules: its ``__path__`` is set, so any
+    submodule imports at once, and its own body runs at the first attribute the package lacks (PEP 562's module
+    ``__getattr__``), when it imports and exports everything as before. A package's ``__version__`` is taken from
+    its source without running it."""
+
+    unrun: dict[str, Callable[[], None]] = {}
+    """The packages loaded lazily whose bodies have not run, by name: the function that runs the body"""
+
+    def exec_module(self, module) -> None:
+        from pkgutil import extend_path
+
+        module.__path__ = extend_path(module.__path__, module.__name__)
+        version = _assigned_literal(module.__spec__.origin, "__version__")
+        if version is not None:
+            module.__version__ = version
+        name, unrun = module.__name__, _LazyPackageLoader.unrun
+
+        def run_body() -> None:
+            del unrun[name], module.__getattr__
+            self.loader.exec_module(module)
+
+        def run_body_for(attribute: str):
+            run_body()
+            return getattr(module, attribute)
+
+        unrun[name] = run_body
+        module.__getattr__ = run_body_for
+
+
+class _LazyPackagesFinder(importlib.abc.MetaPathFinder):
+    """Gives the lazy packages (the root package first) their loader, until the first import of a module of the
+    root's ``late`` subpackages, or of a module or package whose source imports them. That import ends the deferral
+    for the process: the root's body runs, if it has not, and imports everything it imports, as it does without
+    this finder (FLA's ``fla`` imports ``fla.layers`` and ``fla.models`` before any op, and its circular imports
+    rely on that: ``fla.ops.deltaformer.parallel`` imports ``fla.layers``, whose DeltaFormer layer imports the op).
+    A submodule that only a lazy package's body makes (FLA's module aliases, such as ``fla.modules.l2norm``) runs
+    that body first."""
+
+    def __init__(self, packages: tuple[str, ...], late: tuple[str, ...]):
+        self.packages, self.root, self.ended = packages, packages[0], False
+        subpackages = "|".join(re.escape(subpackage) for subpackage in late)
+        self.late = re.compile(
+            rf"^\s*(?:from|import)\s+{re.escape(self.root)}\.(?:{subpackages})\b", re.MULTILINE
+        )
+        self.late_names = tuple(f"{self.root}.{subpackage}" for subpackage in late)
+
+    def find_spec(self, name, path, target=None):
+        if self.ended or name.partition(".")[0] != self.root:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if name in self.packages:
+            if spec is not None and spec.loader is not None:
+                spec.loader = _LazyPackageLoader(spec.loader)
+            return spec
+        if spec is not None and self._imports_late(name, spec):
+            self.ended = True
+            run_first = _LazyPackageLoader.unrun.get(self.root)
+        elif spec is None:
+            run_first = _LazyPackageLoader.unrun.get(name.rpartition(".")[0])
+        else:
+            return None
+        if run_first is not None:
+            run_first()
+        # The bodies may have imported the module itself; if not, Python's finders import it.
+        return (
+            importlib.machinery.ModuleSpec(name, _Imported(sys.modules[name]))
+            if name in sys.modules
+            else None
+        )
+
+    def _imports_late(self, name: str, spec) -> bool:
+        """Whether the module, or any module of the package, imports one of the late subpackages: a package is
+        judged whole, since its body is partly run when a submodule's import reaches the late ones."""
+        if name in self.late_names or name.startswith(tuple(late + "." for late in self.late_names)):
+            return True
+        if spec.submodule_search_locations:
+            sources = [
+                source for folder in spec.submodule_search_locations for source in Path(folder).rglob("*.py")
+            ]
+        elif isinstance(spec.origin, str) and spec.origin.endswith(".py"):
+            sources = [Path(spec.origin)]
+        else:
+            return False
+        return any(self.late.search(source.read_text()) for source in sources)
+
+
+class _Imported(importlib.abc.Loader):
+    """The loader of a module that already exists: the import returns it as it is (its own ``__spec__`` kept)."""
+
+    def __init__(self, module: types.ModuleType):
+        self.module, self.spec = module, module.__spec__
+
+    def create_module(self, spec):
+        return self.module
+
+    def exec_module(self, module) -> None:
+        module.__spec__ = self.spec
+
+
+def _assigned_literal(path: str, name: str):
+    """The literal that the module source at ``path`` assigns to ``name`` at its top level, or None."""
+    import ast
+
+    with open(path) as source:
+        for node in ast.parse(source.read()).body:
+            targets = [getattr(target, "id", None) for target in getattr(node, "targets", ())]
+            if isinstance(node, ast.Assign) and targets == [name]:
+                with contextlib.suppress(ValueError):
+                    return ast.literal_eval(node.value)
+    return None
+
+
+def defer_fla_package_imports() -> None:
+    """FLA's ``fla``, ``fla.ops`` and ``fla.modules`` import every layer, model and op of the library (and
+    transformers, and TileLang where it is installed) when any one op is imported: a GatedDeltaNet rank on an H200
+    loaded 480 of FLA's modules, 65 with this installed (docs/performance.md, "Start-up imports"). With it,
+    those three packages run their bodies at the first name taken from them (``from fla.modules import RMSNorm``,
+    ``fla.ops.chunk_gla``) instead of at the first submodule import; ``fla.__version__`` is there at once. A bare
+    ``import fla`` then no longer registers FLA's model types with transformers: ``import fla.models`` does. The
+    first import of FLA's layers or models (FLA's classes, through the generic family) ends the deferral: FLA then
+    loads everything as it does without it, in its own order. Installed by the processes that train (the rank, the
+    kernel prewarm), before they import FLA."""
+    if not any(isinstance(finder, _LazyPackagesFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _LazyPackagesFinder(FLA_EXPORTING_PACKAGES, late=("layers", "models")))
+
+
+def _fla_package_imports_everything() -> bool:
+    spec = importlib.util.find_spec("fla")
+    with open(spec.origin) as init:
+        return "_import_optional_public_module('fla.layers')" in init.read()
 
 
 def _transformers_imports_sklearn_at_top() -> bool:
@@ -1011,6 +1148,14 @@ SHIMS = (
         fixed_in=f"transformers {TRANSFORMERS_LAZY_SKLEARN}",
         workaround="defer_transformers_sklearn_import",
         reproduces=_transformers_candidate_generator_imports_sklearn,
+    ),
+    Shim(
+        name="fla_package_imports",
+        applies=_always,
+        upstream="not filed: FLA 0.6.0's fla/__init__.py imports fla.layers and fla.models, fla/ops/__init__.py every op",
+        fixed_in=None,
+        workaround="defer_fla_package_imports",
+        reproduces=_fla_package_imports_everything,
     ),
     Shim(
         name="fsdp_gloo_premul_sum",

@@ -148,7 +148,7 @@ def language_model(model: str, device: str, dtype: str, batch_size: int):
 
     flame.hf.register()
     if importlib.util.find_spec("fla") is not None:
-        import fla  # noqa: F401  (registers FLA's model types with transformers' Auto classes)
+        import fla.models  # noqa: F401  (registers FLA's model types with transformers' Auto classes)
     return HFLM(pretrained=model, device=device, dtype=dtype, batch_size=batch_size, backend="causal")
 
 

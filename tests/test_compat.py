@@ -269,3 +269,147 @@ def test_hopper_dqkwg_ranks_flame_first_for_gated_calls(monkeypatch):
     assert not takes(g=None, w=None) and not takes(g=1, g_gamma=1)
     assert flame_backend.get_implementation("chunk_bwd_dqkwg")(q=1, g=2) == "flame"
     assert served == [{"q": 1, "g": 2}]
+
+
+def _write_exporting_packages(root: Path, name: str) -> None:
+    """Packages written as FLA's are. The root: a version, a count of its body's runs, a body that imports its late
+    subpackage ``layers``. ``layers``: its ``utils`` first, then a name from ``ops.cyclic``. ``ops`` (lazy as well):
+    a body that imports its kernel and ``cyclic`` and makes an alias module. ``ops.cyclic``: a package whose
+    submodule imports ``layers.utils`` while ``layers`` imports ``cyclic`` (FLA's fla.ops.deltaformer)."""
+    package = root / name
+    for folder in ("layers", "ops/cyclic"):
+        (package / folder).mkdir(parents=True)
+    files = {
+        "__init__.py": "import builtins\n"
+        "__version__ = '1.2.3'\n"
+        "builtins.ROOT_RUNS = getattr(builtins, 'ROOT_RUNS', 0) + 1\n"
+        f"import {name}.layers\n"
+        "__all__ = ['layers']\n",
+        "layers/__init__.py": f"from .utils import helper\nfrom {name}.ops.cyclic import cyclic_op\n",
+        "layers/utils.py": "def helper():\n    return 'helper'\n",
+        "ops/__init__.py": "import sys\n"
+        "from .kernel import op\n"
+        "from .cyclic import cyclic_op\n"
+        "sys.modules[__name__ + '.alias'] = sys.modules[__name__ + '.kernel']\n"
+        "__all__ = ['op', 'cyclic_op']\n",
+        "ops/kernel.py": "def op():\n    return 'op'\n",
+        "ops/cyclic/__init__.py": "from .impl import cyclic_op\n",
+        "ops/cyclic/impl.py": f"from {name}.layers.utils import helper\n\ndef cyclic_op():\n    return helper()\n",
+    }
+    for path, text in files.items():
+        (package / path).write_text(text)
+
+
+@pytest.fixture
+def lazy_package(tmp_path, monkeypatch):
+    """The packages' name, with flame's finder for them (the root and ``ops`` lazy, ``layers`` late) installed."""
+    import builtins
+
+    name = "lazy_exporting_package"
+    _write_exporting_packages(tmp_path, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(builtins, "ROOT_RUNS", 0, raising=False)
+    finder = compat._LazyPackagesFinder((name, f"{name}.ops"), late=("layers",))
+    sys.meta_path.insert(0, finder)
+    yield name
+    sys.meta_path.remove(finder)
+    for package in (name, f"{name}.ops"):
+        compat._LazyPackageLoader.unrun.pop(package, None)
+    for module in [module for module in sys.modules if module.partition(".")[0] == name]:
+        del sys.modules[module]
+
+
+def _finder_of(name: str) -> "compat._LazyPackagesFinder":
+    return next(f for f in sys.meta_path if isinstance(f, compat._LazyPackagesFinder) and f.root == name)
+
+
+def test_a_lazy_package_s_submodule_imports_without_its_body(lazy_package):
+    import builtins
+
+    kernel = importlib.import_module(f"{lazy_package}.ops.kernel")
+    assert kernel.op() == "op" and sys.modules[lazy_package].__version__ == "1.2.3"
+    assert builtins.ROOT_RUNS == 0 and sorted(compat._LazyPackageLoader.unrun) == [
+        lazy_package,
+        f"{lazy_package}.ops",
+    ]
+    assert f"{lazy_package}.layers" not in sys.modules and not _finder_of(lazy_package).ended
+
+
+def test_a_name_a_lazy_package_lacks_runs_its_body(lazy_package):
+    import builtins
+
+    importlib.import_module(f"{lazy_package}.ops.kernel")
+    ops = sys.modules[f"{lazy_package}.ops"]
+    assert ops.op() == "op" and ops.__all__ == ["op", "cyclic_op"]
+    # Its body imported ops.cyclic, which imports layers: that ended the deferral and ran the root's body.
+    assert (
+        builtins.ROOT_RUNS == 1 and compat._LazyPackageLoader.unrun == {} and _finder_of(lazy_package).ended
+    )
+    assert not hasattr(ops, "missing") and builtins.ROOT_RUNS == 1
+
+
+def test_a_module_only_a_lazy_body_makes_imports_after_running_it(lazy_package):
+    alias = importlib.import_module(f"{lazy_package}.ops.alias")
+    assert alias is sys.modules[f"{lazy_package}.ops.kernel"]
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"{lazy_package}.ops.never_made")
+
+
+@pytest.mark.parametrize("late", ["layers", "ops.cyclic"])
+def test_importing_the_late_subpackage_or_a_package_that_imports_it_ends_the_deferral(lazy_package, late):
+    """Imported alone, ``ops.cyclic`` would be partly run when its submodule imports ``layers``, which imports
+    ``cyclic``'s name: the root's body runs first, so the modules load in the order its body loads them."""
+    import builtins
+
+    importlib.import_module(f"{lazy_package}.ops.kernel")
+    module = importlib.import_module(f"{lazy_package}.{late}")
+    assert module.cyclic_op() == "helper" and builtins.ROOT_RUNS == 1 and _finder_of(lazy_package).ended
+    assert module.__spec__.origin.endswith("__init__.py")  # the module's own spec, not a stand-in's
+    assert sys.modules[lazy_package].layers.helper() == "helper"
+
+
+FLA_KERNELS_THEN = {
+    # Each first import after the kernels' ends the deferral its own way: a package whose op imports fla.layers
+    # (which imports the op), a name from a lazy package other than the root, a name from the root.
+    "package importing the layers": "import fla.ops.deltaformer as m; assert m.deltaformer_attn\n",
+    "name from fla.ops": "from fla.ops import chunk_gla; assert chunk_gla\n",
+    "name from fla": "import fla; assert fla.layers.GatedLinearAttention\n",
+}
+
+
+def test_fla_kernels_import_without_fla_s_layers_and_models():
+    """In a process with the deferral, the FLA modules a GatedDeltaNet rank imports leave FLA's packages unrun and
+    transformers unimported; any import beyond them loads FLA as before, and ``import fla.models`` registers FLA's
+    model types."""
+    probe = (
+        "import sys\n"
+        "from flame.compat import defer_fla_package_imports, _LazyPackageLoader\n"
+        "defer_fla_package_imports()\n"
+        "import fla.ops.gated_delta_rule.chunk, fla.ops.common.gate, fla.ops.utils.index, fla.backends\n"
+        "import fla.modules.norm.l2norm, fla.modules.norm.fused_norm_gate, fla.modules.fused_linear_cross_entropy\n"
+        "import fla\n"
+        "print(sorted(_LazyPackageLoader.unrun), fla.__version__, 'transformers' in sys.modules, 'fla.layers' in sys.modules)\n"
+        "{then}"
+        "import fla.models\n"
+        "from transformers import AutoConfig\n"
+        "print(type(AutoConfig.for_model('gla')).__name__)\n"
+    )
+    runs = {
+        case: subprocess.Popen(
+            [sys.executable, "-W", "ignore", "-c", probe.format(then=then)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for case, then in FLA_KERNELS_THEN.items()
+    }
+    from importlib.metadata import version
+
+    for case, run in runs.items():
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, (case, err[-2000:])
+        assert out.split("\n")[-3:] == [
+            f"['fla', 'fla.modules', 'fla.ops'] {version('fla-core')} False False",
+            "GLAConfig",
+            "",
+        ], case

@@ -112,7 +112,7 @@ def load_transformers_model(path: str | Path, device: str = "cpu", dtype: torch.
     import flame  # noqa: F401  (flame's model types)
 
     if read_hf_config(Path(path)).get("model_type") in ("transformer", "gated_deltanet", "delta_net"):
-        import fla  # noqa: F401  (FLA's model types)
+        import fla.models  # noqa: F401  (FLA's model types)
     from transformers import AutoModelForCausalLM
 
     from flame.compat import fla_layers_on_flame

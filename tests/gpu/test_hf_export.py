@@ -38,7 +38,7 @@ def err_ratio(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("model_type, overrides, fmt", [CASES[k] for k in CASES], ids=list(CASES))
 def test_exported_model_on_gpu_matches_flame(tmp_path, model_type, overrides, fmt):
-    import fla  # noqa: F401  (FLA's model types)
+    import fla.models  # noqa: F401  (FLA's model types)
     from transformers import AutoModelForCausalLM
 
     import flame  # noqa: F401  (flame's model types)
