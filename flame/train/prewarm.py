@@ -163,4 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from flame.compat import defer_fla_package_imports
+
+    defer_fla_package_imports()  # as the rank does (flame/train/__main__.py)
     sys.exit(main())
