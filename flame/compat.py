@@ -259,7 +259,7 @@ class _LazyPackagesFinder(importlib.abc.MetaPathFinder):
             sources = [Path(spec.origin)]
         else:
             return False
-        return any(self.late.search(source.read_text()) for source in sources)
+        return any(self.late.search(source.read_text(encoding="utf-8")) for source in sources)
 
 
 class _Imported(importlib.abc.Loader):
@@ -279,7 +279,7 @@ def _assigned_literal(path: str, name: str):
     """The literal that the module source at ``path`` assigns to ``name`` at its top level, or None."""
     import ast
 
-    with open(path) as source:
+    with open(path, encoding="utf-8") as source:
         for node in ast.parse(source.read()).body:
             targets = [getattr(target, "id", None) for target in getattr(node, "targets", ())]
             if isinstance(node, ast.Assign) and targets == [name]:
