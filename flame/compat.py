@@ -259,7 +259,14 @@ class _LazyPackagesFinder(importlib.abc.MetaPathFinder):
             sources = [Path(spec.origin)]
         else:
             return False
-        return any(self.late.search(source.read_text(encoding="utf-8")) for source in sources)
+        return any(_source_matches(source, self.late) for source in sources)
+
+
+@functools.cache
+def _source_matches(source: Path, pattern: re.Pattern) -> bool:
+    """Whether the source file matches ``pattern``; each file is read once per process, though a package's scan
+    and its submodules' imports all ask."""
+    return pattern.search(source.read_text(encoding="utf-8")) is not None
 
 
 class _Imported(importlib.abc.Loader):
