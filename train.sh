@@ -3,8 +3,9 @@
 #
 # Environment: NGPU (processes per node; default: visible GPUs, 1 without GPU — CPU processes then),
 # NNODE (nodes, default 1), NODE_RANK (default 0), MASTER_ADDR (default localhost), MASTER_PORT (one node: a free port;
-# several nodes: 29500), LOG_RANK (ranks whose output the console shows, comma separated, default 0).
-# Every rank's full output is kept under <dump_folder>/logs, torchrun's own messages in <dump_folder>/logs/launcher.log.
+# several nodes: 29500), LOG_RANK (ranks whose output the console shows, comma separated, default 0),
+# FLAME_TORCHRUN=1 (start one process through torchrun too). Every rank's full output is kept under
+# <dump_folder>/logs, the launcher's own messages in <dump_folder>/logs/launcher.log.
 set -uo pipefail
 
 visible_gpus() {
@@ -51,8 +52,9 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / N
 # a restart loads them, and a 2-step NGPU=1 run before a multi-GPU job gives every rank the configs tuned on a
 # quiet GPU (docs/performance.md, "Several H200s with FSDP"). TRITON_CACHE_AUTOTUNING=0 turns it off.
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
-# torchrun's own messages (its warnings, and after a failed rank its ChildFailedError traceback and summary) go to
-# <dump_folder>/logs/launcher.log: the ranks' lines ([rankN]: ...) pass, so a rank's refusal stays the last line.
+# The launcher's own messages (torchrun's warnings, and after a failed rank its ChildFailedError traceback and
+# summary; flame.launch_single's report) go to <dump_folder>/logs/launcher.log: the ranks' lines ([rankN]: ...)
+# pass, so a rank's refusal stays the last line.
 launcher_log="$DUMP_FOLDER/logs/launcher.log"
 last_line=$(mktemp)
 # A GPU compiles each Triton kernel at its first call, one after another inside the first step: a process of its
@@ -71,36 +73,43 @@ trap 'release_lock; rm -f "$last_line"; stop_prewarm' EXIT
 
 # Preemption (docs/checkpoints.md): SIGTERM or SIGUSR1 sent to this script goes to the ranks of this node, which
 # finish their step, save a checkpoint and exit; this script then exits with 75 (76: stopped without that save),
-# the status to requeue on. torchrun runs with SIGUSR1 ignored (its default action would kill it and orphan the
-# ranks); the ranks install their own handler.
+# the status to requeue on. The launcher (torchrun, or flame.launch_single) runs with SIGUSR1 ignored (its default
+# action would kill it and orphan the ranks); the ranks install their own handler.
 preempted_marker="$DUMP_FOLDER/preempted.json"
 rm -f "$preempted_marker"
 signalled=""
-torchrun_pid=""
+launcher_pid=""
 forward_signal() {
   signalled=$1
-  [ -n "$torchrun_pid" ] || return 0
+  [ -n "$launcher_pid" ] || return 0
   local rank_pid
-  for rank_pid in $(pgrep -P "$torchrun_pid"); do kill -s "$1" "$rank_pid" 2>/dev/null; done
+  for rank_pid in $(pgrep -P "$launcher_pid"); do kill -s "$1" "$rank_pid" 2>/dev/null; done
 }
 trap 'forward_signal TERM' TERM
 trap 'forward_signal USR1' USR1
-(trap '' USR1; exec torchrun --nnodes "$NNODE" --nproc_per_node "$NGPU" --node_rank "$NODE_RANK" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 --log-dir "$DUMP_FOLDER/logs" \
+# One process on one node has nothing to rendezvous: flame.launch_single starts it as torchrun would (environment,
+# log files, [rank0]: lines, signals, exit status), without torchrun's imports of torch. FLAME_TORCHRUN=1 uses
+# torchrun anyway.
+if [ "$NGPU" -eq 1 ] && [ "$NNODE" -eq 1 ] && [ "${FLAME_TORCHRUN:-0}" != 1 ]; then
+  launcher=(python -m flame.launch_single --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+else
+  launcher=(torchrun --nnodes "$NNODE" --nproc_per_node "$NGPU" --node_rank "$NODE_RANK" --role rank --tee 3
+    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+fi
+(trap '' USR1; exec "${launcher[@]}" --local-ranks-filter "$LOG_RANK" --log-dir "$DUMP_FOLDER/logs" \
   -m flame.train "$@" \
   2> >(awk -v launcher_log="$launcher_log" -v last_line="$last_line" '
     /^\[[A-Za-z_]+[0-9]+\]:/ { print; fflush(); last = $0; next }
     { print >> launcher_log; fflush(launcher_log) }
     END { print last > last_line }' >&2)) &
-torchrun_pid=$!
-# wait returns early when a trapped signal arrives: wait again until torchrun has ended.
+launcher_pid=$!
+# wait returns early when a trapped signal arrives: wait again until the launcher has ended.
 while :; do
-  wait "$torchrun_pid"
+  wait "$launcher_pid"
   rc=$?
-  kill -0 "$torchrun_pid" 2>/dev/null || break
+  kill -0 "$launcher_pid" 2>/dev/null || break
 done
-# The filter writes the last rank line once torchrun's stderr closes.
+# The filter writes the last rank line once the launcher's stderr closes.
 for _ in $(seq 50); do [ -s "$last_line" ] && break; sleep 0.1; done
 if [ -f "$preempted_marker" ]; then
   echo "Preempted: saved $(cat "$preempted_marker"); launch the same command again to resume (exit status 75)" >&2
@@ -128,7 +137,7 @@ if [ "$rc" -ne 0 ] && ! grep -Eq '^\[[A-Za-z_]+[0-9]+\]:error: ' "$last_line"; t
   else
     code=$(grep -m1 -o 'exitcode *: *-*[0-9]*' "$launcher_log" 2>/dev/null | grep -o -- '-*[0-9]*$')
     echo "error: training failed: a rank ended${code:+ with exit code $code} without a message (killed, out of" \
-      "memory or crashed); every rank's output is in $DUMP_FOLDER/logs, torchrun's report in $launcher_log" >&2
+      "memory or crashed); every rank's output is in $DUMP_FOLDER/logs, the launcher's report in $launcher_log" >&2
   fi
 fi
 

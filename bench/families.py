@@ -243,7 +243,7 @@ def reason_of(output: str) -> str:
 def run_command(command: list[str], log: Path, timeout_s: float, env: dict[str, str]) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of one step's subprocess, both kept in ``log``; status 124 when it timed
     out. The step runs in its own process group, all of which a timeout kills, and so does this script's own end
-    (SIGTERM: ``stop_on_sigterm``): train.sh's torchrun and ranks would otherwise outlive it and hold the GPU."""
+    (SIGTERM: ``stop_on_sigterm``): train.sh's launcher and ranks would otherwise outlive it and hold the GPU."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                                env={**os.environ, **env}, start_new_session=True)  # fmt: skip
     try:

@@ -24,7 +24,7 @@ Each launch is ``NGPU=1 bash train.sh`` with the model's config, ``--training.st
 default), ``--compile.enable`` on a GPU, no checkpoint, the shipped corpus; the time runs from the launch to the
 ``step 1/1`` log line (the process's start, imports, model build, compilation, tuning and the step itself), and a
 launch gets ``--timeout_s``. The table splits each launch's time at the first line of each phase (``PHASES``): start
-(to the rank's first log line: the pre-flight, torchrun, imports), setup (to "Training starts": model build,
+(to the rank's first log line: the pre-flight, the launcher, imports), setup (to "Training starts": model build,
 parallelize, data) and step 1 (compilation, Triton's compiling and tuning, the step). Prints the table and, on a GPU, writes it into docs/performance.md between
 ``<!-- bench_first_step -->`` markers with the command, device and date.
 """

@@ -1,9 +1,21 @@
 """How flame's short-lived and training processes end: as Python's exit does, without its last collection."""
 
 import atexit
+import ctypes
 import os
+import signal
 import sys
 import threading
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def end_with_parent() -> None:
+    """Has the kernel SIGKILL this process when its parent ends, however the parent ends (Linux's parent-death
+    signal; elsewhere nothing). Launchers start ranks in sessions of their own, which a signal to the launcher's
+    process group misses: this keeps a rank from training on, holding its GPU, after its launcher was killed."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def exit_without_final_collection(status: int) -> None:

@@ -25,14 +25,18 @@ def train_sh(*args, env=None, timeout=120):
 
 
 def preflight_only(tmp_path, *args, env=None):
-    """Run train.sh with a stub torchrun that leaves a mark: a refusal must come before any rank starts."""
+    """Run train.sh with a stub torchrun (FLAME_TORCHRUN=1: one process too) that leaves a mark: a refusal must come
+    before any rank starts."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     mark = tmp_path / "torchrun-started"
     stub = bin_dir / "torchrun"
     stub.write_text(f'#!/bin/sh\ntouch "{mark}"\n')
     stub.chmod(0o755)
-    result = train_sh(*args, env={**(env or {}), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    result = train_sh(
+        *args,
+        env={**(env or {}), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLAME_TORCHRUN": "1"},
+    )
     assert not mark.exists(), "the refusal came after torchrun started the ranks"
     return result
 
@@ -198,6 +202,7 @@ def test_ranks_cache_triton_autotuning_unless_told_not_to(tmp_path, preset, expe
     env = {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "FLAME_EXPORT_HF": "0",
+        "FLAME_TORCHRUN": "1",
         "TRITON_CACHE_AUTOTUNING": preset,  # empty counts as unset
     }
     result = train_sh("--job.dump_folder", str(tmp_path / "dump"), env=env)
@@ -300,7 +305,11 @@ def test_print_args_prints_the_merged_config_before_the_ranks(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "torchrun").write_text("#!/bin/sh\necho ranks start\n")
     (bin_dir / "torchrun").chmod(0o755)
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLAME_EXPORT_HF": "0"}
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FLAME_EXPORT_HF": "0",
+        "FLAME_TORCHRUN": "1",
+    }
     result = train_sh("--job.print_args", "--job.dump_folder", str(tmp_path / "dump"), env=env)
     assert result.returncode == 0, result.stderr
     printed, _, after = result.stdout.partition("ranks start")
@@ -308,7 +317,8 @@ def test_print_args_prints_the_merged_config_before_the_ranks(tmp_path):
 
 
 def stub_torchrun(tmp_path: Path, body: str) -> dict:
-    """PATH with a torchrun that runs ``body`` (bash; $LOG_DIR is its --log-dir), for train.sh's handling of it."""
+    """PATH with a torchrun that runs ``body`` (bash; $LOG_DIR is its --log-dir), for train.sh's handling of it;
+    FLAME_TORCHRUN=1 launches one process through it too."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stub = bin_dir / "torchrun"
@@ -316,7 +326,11 @@ def stub_torchrun(tmp_path: Path, body: str) -> dict:
         '#!/usr/bin/env bash\nwhile [ $# -gt 0 ]; do [ "$1" = --log-dir ] && LOG_DIR=$2; shift; done\n' + body
     )
     stub.chmod(0o755)
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLAME_EXPORT_HF": "0"}
+    return {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FLAME_EXPORT_HF": "0",
+        "FLAME_TORCHRUN": "1",
+    }
 
 
 LAUNCHER_FAILURE = (
@@ -346,7 +360,7 @@ def test_a_rank_ending_without_a_message_gets_one_line_naming_the_reports(tmp_pa
     assert result.stderr.splitlines() == [
         "[rank0]:[titan] starting",
         "error: training failed: a rank ended with exit code -9 without a message (killed, out of memory or "
-        f"crashed); every rank's output is in {dump}/logs, torchrun's report in {dump}/logs/launcher.log",
+        f"crashed); every rank's output is in {dump}/logs, the launcher's report in {dump}/logs/launcher.log",
     ]
 
 
@@ -367,3 +381,28 @@ def test_under_torchrun_a_rank_refusal_is_the_last_line_without_launcher_traceba
     )
     assert "Traceback" not in result.stderr + result.stdout and "ChildFailedError" not in result.stderr
     assert "ChildFailedError" in (dump / "logs" / "launcher.log").read_text()
+
+
+@pytest.mark.slow
+def test_one_process_starts_without_torchrun_and_a_rank_refusal_is_the_last_line(tmp_path):
+    """NGPU=1 on one node: flame.launch_single starts the rank (a stub torchrun would leave a mark); its refusal ends
+    the output, the launcher's report with the rank's exit code is in the log, and the rank's files are where
+    torchrun keeps them."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    mark = tmp_path / "torchrun-started"
+    (bin_dir / "torchrun").write_text(f'#!/bin/sh\ntouch "{mark}"\nexit 1\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "part.parquet").write_text("not parquet")
+    dump = tmp_path / "dump"
+    env = {"NGPU": "1", "FLAME_EXPORT_HF": "0", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    result = train_sh("--training.dataset", str(data), "--job.dump_folder", str(dump), env=env, timeout=300)
+    assert not mark.exists()
+    assert result.returncode == 1
+    last = result.stderr.splitlines()[-1]
+    assert re.match(r"\[rank0\]:error: cannot read data file '.*part.parquet'", last), result.stderr
+    assert "exitcode : 2;" in (dump / "logs" / "launcher.log").read_text()
+    (stderr_log,) = (dump / "logs").glob("none_*/attempt_0/0/stderr.log")
+    assert stderr_log.read_text().splitlines()[-1] == last.removeprefix("[rank0]:")

@@ -1,14 +1,13 @@
-"""flame's trainer: ``torchrun ... -m flame.train [--section.field value ...]`` (train.sh does this).
+"""flame's trainer: ``torchrun ... -m flame.train [--section.field value ...]`` (train.sh does this; for one process
+through ``python -m flame.launch_single``).
 
 ``Trainer.train`` is the loop: a step (``TrainStep``, flame/train/step.py) on ``accumulation`` micro-batches,
 its metrics, then a checkpoint, validation, text samples and lm-eval's tasks (flame/train/evaluator.py) when due, until training.steps or the hard stop
 training.stop_at_step. ``Trainer.__init__`` assembles the parts, one call each.
 """
 
-import ctypes
 import dataclasses
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -40,6 +39,7 @@ from flame.models import check_device, load_model_args
 from flame.models.common.args import ModelArgs
 from flame.models.custom import import_custom_modules
 from flame.optim.nonfinite import NonFiniteSteps
+from flame.process_end import end_with_parent
 from flame.samples import SampleGenerator
 from flame.train.evaluator import Evaluator
 from flame.train.model_parts import Topology, build_model_parts
@@ -411,17 +411,14 @@ def enable_debug_mode() -> None:
     logger.info("Debug mode: CUDA_LAUNCH_BLOCKING=1, autograd anomaly detection on")
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
 def end_with_the_launcher() -> None:
     """Has the kernel kill this rank when torchrun, which started it, ends. torchrun starts each rank in a session
     of its own and stops it on SIGTERM; a SIGKILL to torchrun or its process group (a timeout's, ``kill -9``) leaves
     the ranks training and holding their GPUs. Linux's parent-death signal (prctl) ends them with torchrun; a
-    crash mid-save keeps the previous checkpoint, as any crash does. A rank not started by torchrun is left as is."""
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    crash mid-save keeps the previous checkpoint, as any crash does. A rank not started by torchrun is left as is
+    (flame.launch_single asks for the same signal when it starts its rank)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        end_with_parent()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,149 @@
+"""flame.launch_single: one rank started as torchrun would start it (environment, logs, console, signals, status)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flame import launch_single
+
+PROBE = textwrap.dedent("""
+    import os, signal, sys, time
+    action = sys.argv[1]
+    names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT"]
+    print("out", " ".join(f"{name}={os.environ.get(name)}" for name in names), flush=True)
+    print("err", os.getpid(), "own session" if os.getsid(0) == os.getpid() else "launcher's session",
+          file=sys.stderr, flush=True)
+    if action == "exit":
+        sys.exit(int(sys.argv[2]))
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "term":  # a rank's preemption handler: note the signal, finish, exit 0
+        signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), sys.exit(0)))
+    if action == "deaf":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if action in ("term", "deaf", "sleep"):
+        print("waiting", os.getpid(), flush=True)
+        time.sleep(120)
+""")
+
+
+@pytest.fixture
+def probe(tmp_path: Path) -> Path:
+    (tmp_path / "rank_probe.py").write_text(PROBE)
+    return tmp_path
+
+
+def launcher_command(logs: Path, *args: str, shown: str = "0") -> list[str]:
+    return [sys.executable, "-m", "flame.launch_single", "--log-dir", str(logs), "--local-ranks-filter", shown,
+            "--master-port", "29123", "-m", "rank_probe", *args]  # fmt: skip
+
+
+def launch(probe: Path, *args: str, shown: str = "0") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{probe}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run(launcher_command(probe / "logs", *args, shown=shown), capture_output=True, text=True,
+                          env=env, timeout=60)  # fmt: skip
+
+
+def rank_logs(probe: Path) -> Path:
+    (folder,) = (probe / "logs").glob("none_*/attempt_0/0")
+    return folder
+
+
+def test_the_rank_gets_torchruns_environment_and_its_lines_are_prefixed_and_logged(probe):
+    result = launch(probe, "exit", "0")
+    assert result.returncode == 0, result.stderr
+    values = "RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 MASTER_PORT=29123"
+    assert result.stdout == f"[rank0]:out {values}\n"
+    (err,) = result.stderr.splitlines()
+    assert err.startswith("[rank0]:err ") and err.endswith(" own session")
+    folder = rank_logs(probe)
+    assert (folder / "stdout.log").read_text() == f"out {values}\n"
+    assert (folder / "stderr.log").read_text() == err.removeprefix("[rank0]:") + "\n"
+
+
+def test_a_hidden_rank_is_only_logged(probe):
+    result = launch(probe, "exit", "0", shown="1,2")
+    assert result.returncode == 0 and result.stdout == "" and result.stderr == ""
+    assert (rank_logs(probe) / "stdout.log").read_text().startswith("out RANK=0 ")
+
+
+@pytest.mark.parametrize("args, code", [(("exit", "3"), 3), (("kill",), -signal.SIGKILL)])
+def test_a_failed_rank_exits_1_after_a_report_with_its_exit_code(probe, args, code):
+    result = launch(probe, *args)
+    assert result.returncode == 1
+    report = result.stderr.splitlines()[-1]
+    assert (
+        report.startswith("rank_probe failed: rank 0 (local_rank 0, pid ") and f"exitcode : {code};" in report
+    )
+
+
+def start(probe: Path, action: str) -> tuple[subprocess.Popen, int]:
+    """The launcher running the probe until it waits; the rank's pid."""
+    env = {**os.environ, "PYTHONPATH": f"{probe}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    process = subprocess.Popen(launcher_command(probe / "logs", action), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    for line in process.stdout:
+        if line.startswith("[rank0]:waiting "):
+            return process, int(line.split()[1])
+    raise AssertionError(f"the rank ended before waiting: {process.communicate()}")
+
+
+def test_sigterm_to_the_launcher_reaches_the_rank(probe):
+    process, _ = start(probe, "term")
+    process.send_signal(signal.SIGTERM)
+    stdout, _ = process.communicate(timeout=60)
+    assert process.returncode == 0 and stdout == "[rank0]:got SIGTERM\n"
+
+
+def gone(pid: int, within_s: float) -> bool:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":  # ended, not yet reaped by its new parent
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_the_rank_ends_with_the_launcher_even_on_sigkill(probe):
+    process, rank_pid = start(probe, "sleep")
+    process.kill()
+    process.communicate(timeout=60)
+    assert gone(rank_pid, within_s=10)
+
+
+def test_a_rank_that_ignores_the_forwarded_signal_is_killed_after_the_grace_time(probe, monkeypatch):
+    """In this process (the grace time shortened): SIGTERM forwarded, ignored by the rank, then SIGKILL."""
+    monkeypatch.setenv("PYTHONPATH", f"{probe}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setattr(launch_single, "KILL_AFTER_S", 1.0)
+    handlers = {signum: signal.getsignal(signum) for signum in launch_single.FORWARDED_SIGNALS}
+    log = probe / "logs"
+
+    def signal_when_waiting():
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            logs = list(log.glob("none_*/attempt_0/0/stdout.log"))
+            if logs and "waiting" in logs[0].read_text():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=signal_when_waiting, daemon=True).start()
+    started = time.monotonic()
+    try:
+        status = launch_single.main(launcher_command(log, "deaf", shown="")[3:])
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert status == 1 and time.monotonic() - started < 30
