@@ -20,6 +20,8 @@ visible_gpus() {
 }
 
 gpus=$(visible_gpus)
+# The pre-flight takes this count rather than import torch to count (flame.launch.visible_gpus).
+if command -v nvidia-smi >/dev/null 2>&1; then export FLAME_VISIBLE_GPUS=$gpus; fi
 NGPU=${NGPU:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 1)}
 NNODE=${NNODE:-1}
 NODE_RANK=${NODE_RANK:-0}

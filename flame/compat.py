@@ -56,9 +56,38 @@ def torchtitan_job_config() -> type:
         bare = types.ModuleType("torchtitan")
         bare.__path__ = list(spec.submodule_search_locations)
         sys.modules["torchtitan"] = bare
+    if "torchtitan.config" not in sys.modules and "torch" not in sys.modules:
+        _import_job_config_without_torch()
     from torchtitan.config.job_config import JobConfig
 
     return JobConfig
+
+
+class _TorchOnFirstUse(types.ModuleType):
+    """Stands for torch in a module that imports it but uses it only later: the first attribute imports torch."""
+
+    def __getattr__(self, name: str):
+        return getattr(importlib.import_module("torch"), name)
+
+
+def _import_job_config_without_torch() -> None:
+    """Imports ``torchtitan.config.job_config`` without torch (~1 s on a 2-core machine, ~5 s on a GPU host): the
+    body of the torchtitan.config package imports torch for its dtype table and runs here at the first name taken
+    from the package (``_LazyPackageLoader``); the module itself imports torch without using it, and gets a stand-in
+    that imports torch at its first use."""
+    package = "torchtitan.config"
+    spec = importlib.util.find_spec(package)
+    spec.loader = _LazyPackageLoader(spec.loader)
+    sys.modules[package] = module = importlib.util.module_from_spec(spec)
+    parent, _, child = package.rpartition(".")
+    setattr(sys.modules[parent], child, module)
+    spec.loader.exec_module(module)
+    sys.modules["torch"] = stand_in = _TorchOnFirstUse("torch")
+    try:
+        importlib.import_module(f"{package}.job_config")
+    finally:
+        if sys.modules.get("torch") is stand_in:
+            del sys.modules["torch"]
 
 
 TORCHTITAN_COMPILING_MODULE = "torchtitan.models.attention"
@@ -339,6 +368,15 @@ def _transformers_candidate_generator_imports_sklearn() -> bool:
 def _torchtitan_compiles_at_import() -> bool:
     with open(importlib.util.find_spec(TORCHTITAN_COMPILING_MODULE).origin) as source:
         return "ClassVar[Callable] = torch.compile(" in source.read()
+
+
+def _torchtitan_config_imports_torch() -> bool:
+    """torchtitan.config's package body imports torch, and its job_config module imports it at the top."""
+    for name in ("torchtitan.config", "torchtitan.config.job_config"):
+        with open(importlib.util.find_spec(name).origin) as source:
+            if not re.search(r"^import torch$", source.read(), re.MULTILINE):
+                return False
+    return True
 
 
 def _torchtitan_init_imports_quantization() -> bool:
@@ -1139,6 +1177,15 @@ SHIMS = (
         fixed_in=None,
         workaround="torchtitan_job_config",
         reproduces=_torchtitan_init_imports_quantization,
+    ),
+    Shim(
+        name="torchtitan_config_imports_torch",
+        applies=_always,
+        upstream="not filed: torchtitan 0.2.2's config/__init__.py imports torch for TORCH_DTYPE_MAP and "
+        "config/job_config.py imports torch without using it",
+        fixed_in=None,
+        workaround="_import_job_config_without_torch",
+        reproduces=_torchtitan_config_imports_torch,
     ),
     Shim(
         name="torchtitan_import_compile",

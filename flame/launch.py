@@ -44,10 +44,25 @@ def tokenizer_vocab_size(path: str) -> int | None:
     return Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
 
 
-def check_devices(ngpu: int) -> None:
+# The CUDA devices train.sh counted (nvidia-smi -L, within CUDA_VISIBLE_DEVICES); set where nvidia-smi exists.
+VISIBLE_GPUS_ENV = "FLAME_VISIBLE_GPUS"
+NVIDIA_DRIVER = Path("/proc/driver/nvidia")
+
+
+def visible_gpus() -> int:
+    """The CUDA devices this launch sees, without importing torch where it can (its import is most of a pre-flight:
+    ~1 s on a 2-core CPU machine, ~5 s on a GPU host): train.sh's count, or 0 without NVIDIA's driver; else torch's
+    count."""
+    if counted := os.environ.get(VISIBLE_GPUS_ENV):
+        return int(counted)
+    if not NVIDIA_DRIVER.exists():
+        return 0
     import torch
 
-    visible = torch.cuda.device_count()
+    return torch.cuda.device_count()
+
+
+def check_devices(ngpu: int, visible: int) -> None:
     if visible and ngpu > visible:
         raise FlameError(f"NGPU={ngpu} but only {visible} GPU(s) are visible; set NGPU <= {visible}")
 
@@ -98,7 +113,8 @@ def preflight(argv: list[str]) -> int:
     for notice in upstream_notices(job_config):
         print(notice, file=sys.stderr)
     check_data_options(job_config)
-    # flame.models imports torch (seconds): the checks above answer first.
+    # A config of the generic family imports transformers, and FLA's classes torch (seconds): the checks above
+    # answer first.
     from flame.models import check_device, load_model_args
     from flame.models.custom import import_custom_modules
 
@@ -122,15 +138,14 @@ def preflight(argv: list[str]) -> int:
     # The dry run checks the degrees against NGPU x NNODE too, but not the visible devices: a job for 8 GPUs
     # can be checked on a laptop.
     degrees = check_parallelism(job_config, model_args, world_size=world_size)
-    import torch
-
-    check_launch(job_config, degrees, world_size, gpus=torch.cuda.device_count())
+    gpus = visible_gpus()
+    check_launch(job_config, degrees, world_size, gpus=gpus)
     if job_config.job.dry_run:
         dry_run(job_config, model_args)
         print(f"world_size: {world_size} ({', '.join(f'{k} {v}' for k, v in degrees.items())})")
         return EXIT_DONE
-    check_devices(ngpu)
-    check_device(model_args, "cuda" if torch.cuda.device_count() else "cpu")
+    check_devices(ngpu, gpus)
+    check_device(model_args, "cuda" if gpus else "cpu")
     if job_config.job.print_config:
         print(json.dumps(dataclasses.asdict(job_config), indent=2, default=str))
     if env_file := os.environ.get("FLAME_LAUNCH_ENV"):

@@ -60,16 +60,6 @@ def l2_warp(loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, fact
     return _L2Warp.apply(loss, logits, pull)
 
 
-def l2warp_factor(model_args, job_config) -> float:
-    """The strength of ``l2_warp`` in training (0: none): on with the model config's ``use_l2warp`` (FLA's key, true
-    by default in RWKV7's config) or upstream flame's ``--training.enable_l2wrap``, at ``--training.l2wrap_factor``
-    (FLA's 1e-4 unless set)."""
-    training = job_config.training
-    if not (model_args.use_l2warp or training.enable_l2wrap):
-        return 0.0
-    return 1e-4 if training.l2wrap_factor is None else training.l2wrap_factor
-
-
 class TokenNormalizedLoss:
     """Summed cross-entropy of a micro-batch / ``global_tokens`` (set by the training step before the pipeline
     schedule runs): the sum over micro-batches and ranks is the step's mean loss, as without pipelining."""

@@ -78,6 +78,25 @@ def test_torchtitan_imports_without_loading_inductor_and_compiles_flex_attention
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def test_torchtitan_s_job_config_loads_without_torch_and_the_package_completes_when_asked():
+    """The pre-flight's JobConfig comes without torch; torchtitan.config's own names (its body, which imports torch)
+    and the job_config module's ``torch`` still work when taken."""
+    probe = (
+        "import sys\n"
+        "from flame.compat import torchtitan_job_config\n"
+        "JobConfig = torchtitan_job_config()\n"
+        "assert 'torch' not in sys.modules and JobConfig().training.steps > 0\n"
+        "import torchtitan.config, torchtitan.config.job_config as job_config\n"
+        "assert 'torch' not in sys.modules\n"
+        "assert torchtitan.config.JobConfig is JobConfig\n"
+        "import torch\n"
+        "assert torchtitan.config.TORCH_DTYPE_MAP['bfloat16'] is torch.bfloat16\n"
+        "assert job_config.torch.float32 is torch.float32\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_deferred_compile_compiles_once_at_the_first_call():
     calls = []
 

@@ -120,7 +120,7 @@ def test_l2warp_is_on_with_the_config_key_or_upstreams_flag():
     """FLA's use_l2warp (RWKV7's config has it on by default) or upstream flame's --training.enable_l2wrap, at
     --training.l2wrap_factor or FLA's 1e-4."""
     from flame.config import parse_args
-    from flame.loss import l2warp_factor
+    from flame.config.checks import l2warp_factor
     from flame.models import model_args_from_dict
 
     shapes = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1}

@@ -42,6 +42,16 @@ def last_step(job_config) -> int:
     return job_config.training.steps if stop is None else stop
 
 
+def l2warp_factor(model_args, job_config) -> float:
+    """The strength of flame.loss.l2_warp in training (0: none): on with the model config's ``use_l2warp`` (FLA's key, true
+    by default in RWKV7's config) or upstream flame's ``--training.enable_l2wrap``, at ``--training.l2wrap_factor``
+    (FLA's 1e-4 unless set)."""
+    training = job_config.training
+    if not (model_args.use_l2warp or training.enable_l2wrap):
+        return 0.0
+    return 1e-4 if training.l2wrap_factor is None else training.l2wrap_factor
+
+
 def validate_job(job_config) -> None:
     """Raise ConfigError with one line for the first bad value."""
     _check_training(job_config)

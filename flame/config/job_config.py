@@ -19,6 +19,9 @@ from typing import Literal
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
+FLOAT8_CONVERTER = (
+    "quantize.linear.float8"  # --model.converters' name for float8 linears (flame/parallelize/float8.py)
+)
 
 
 @dataclass

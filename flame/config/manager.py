@@ -15,7 +15,7 @@ from typing import Any
 
 import tyro
 
-from flame.config.job_config import ALIASES, NO_EFFECT, REPO_ROOT, UpstreamJobConfig
+from flame.config.job_config import ALIASES, FLOAT8_CONVERTER, NO_EFFECT, REPO_ROOT, UpstreamJobConfig
 from flame.errors import ConfigError
 from flame.hf.hub import resolve_model_config
 
@@ -401,8 +401,6 @@ UPSTREAM_CONVERTED = (
 
 
 def _convert_upstream_values(config: Any) -> None:
-    from flame.parallelize.float8 import FLOAT8
-
     if config.metrics.rank_0_only is not None:
         config.metrics.save_for_all_ranks = not config.metrics.rank_0_only
     microbatches = config.experimental.pipeline_parallel_microbatches
@@ -415,9 +413,9 @@ def _convert_upstream_values(config: Any) -> None:
             )
         config.parallelism.pipeline_parallel_microbatch_size = batch // microbatches
     float8_linear = config.float8.enable_float8_linear
-    converters = [c for c in config.model.converters if c != FLOAT8]
+    converters = [c for c in config.model.converters if c != FLOAT8_CONVERTER]
     if float8_linear is not None:
-        config.model.converters = [*converters, FLOAT8] if float8_linear else converters
+        config.model.converters = [*converters, FLOAT8_CONVERTER] if float8_linear else converters
     for kind in ("input", "weight", "grad_output"):
         if getattr(config.float8, f"scaling_type_{kind}") == "delayed":
             raise ConfigError(

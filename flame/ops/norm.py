@@ -17,9 +17,8 @@ would split the compiled block into several graphs), the PyTorch code here (flam
 import torch
 import torch.nn.functional as F
 
+from flame.models.common.choices import GATE_ACTIVATIONS
 from flame.ops import dispatch
-
-GATE_ACTIVATIONS = ("swish", "silu", "sigmoid")
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -16,21 +16,20 @@ with NGPU x NNODE, and parallelize_model calls it again on the ranks. It imports
 pre-flight stays fast.
 """
 
-import torch
-
+from flame.config.checks import l2warp_factor
 from flame.errors import ConfigError
-from flame.loss import l2warp_factor
-from flame.models import build_model, model_spec
+from flame.models import model_spec
 from flame.models.common.spec import MODEL_PARALLELISMS
-from flame.models.layers.attention import Attention
-from flame.models.layers.delta_net import DeltaNet
-from flame.models.layers.gated_deltanet import GatedDeltaNet
-from flame.parallelize.compile import uses_cuda_graphs
-from flame.parallelize.context_parallel import check_context_parallel
 from flame.parallelize.float8 import check_converters, float8_enabled
 
 SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 COMPILE_COMPONENTS = ("model", "loss")
+# inductor's modes that replay graphs as CUDA graphs, and each one's mode without them.
+CUDA_GRAPH_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def uses_cuda_graphs(compile_config) -> bool:
+    return compile_config.enable and compile_config.mode in CUDA_GRAPH_MODES
 
 
 def resolved_degrees(parallelism, world_size: int) -> dict[str, int]:
@@ -79,6 +78,10 @@ def resolved_degrees(parallelism, world_size: int) -> dict[str, int]:
 
 def mixer_head_counts(mixer) -> dict[str, int]:
     """The head counts of a sequence mixer that tensor parallelism splits."""
+    from flame.models.layers.attention import Attention
+    from flame.models.layers.delta_net import DeltaNet
+    from flame.models.layers.gated_deltanet import GatedDeltaNet
+
     if isinstance(mixer, Attention):
         return {"attention num_heads": mixer.num_heads, "attention num_kv_heads": mixer.num_kv_heads}
     if isinstance(mixer, GatedDeltaNet):
@@ -89,6 +92,8 @@ def mixer_head_counts(mixer) -> dict[str, int]:
 
 
 def check_tensor_parallel(model, tp: int, seq_len: int) -> None:
+    from flame.models.layers.attention import Attention
+
     for layer_id, block in model.layers.items():
         if (
             isinstance(block.attn, Attention)
@@ -347,17 +352,25 @@ def check_parallelism(job_config, model_args, world_size: int, model=None) -> di
     if degrees["tp"] > 1 and model_args.generic:
         check_generic_tensor_parallel(model_args, degrees["tp"])
     elif degrees["tp"] > 1:
-        if model is None:
-            with torch.device("meta"):
-                model = build_model(model_args)
+        model = model or meta_model(model_args)
         # Sequence parallelism (off with pipeline parallelism) splits the sequence over the TP ranks.
         seq_len = job_config.training.seq_len if degrees["pp"] == 1 else degrees["tp"]
         check_tensor_parallel(model, degrees["tp"], seq_len)
     if degrees["pp"] > 1:
         check_pipeline_parallel(job_config, model_args)
     if degrees["cp"] > 1:
-        if model is None:
-            with torch.device("meta"):
-                model = build_model(model_args)
-        check_context_parallel(job_config, model, degrees)
+        from flame.parallelize.context_parallel import check_context_parallel
+
+        check_context_parallel(job_config, model or meta_model(model_args), degrees)
     return degrees
+
+
+def meta_model(model_args):
+    """The model on the meta device, for the checks that read its modules (tensor and context parallelism only:
+    torch and the layers are imported for them alone, so a pre-flight without them imports no torch)."""
+    import torch
+
+    from flame.models import build_model
+
+    with torch.device("meta"):
+        return build_model(model_args)

@@ -7,19 +7,13 @@ from torch import nn
 from torchtitan.tools.logging import logger
 
 from flame.models import model_spec
+from flame.parallelize.checks import CUDA_GRAPH_MODES
 from flame.parallelize.cuda_graphs import graph_blocks
-
-# inductor's modes that replay graphs as CUDA graphs, and each one's mode without them.
-CUDA_GRAPH_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
 
 def compile_options(backend: str, mode: str = "default") -> dict:
     """torch.compile's keyword arguments for flame's compiled regions: inductor's mode only where it applies."""
     return {"backend": backend, **({"mode": mode} if mode != "default" else {})}
-
-
-def uses_cuda_graphs(compile_config) -> bool:
-    return compile_config.enable and compile_config.mode in CUDA_GRAPH_MODES
 
 
 def graphs_eager_blocks(job_config, world_size: int, on_gpu: bool) -> bool:

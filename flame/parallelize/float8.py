@@ -8,13 +8,14 @@ dimensions are multiples of 16 is converted, except names matching ``--quantize.
 """
 
 import importlib.util
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
+from flame.config.job_config import FLOAT8_CONVERTER as FLOAT8
 from flame.errors import ConfigError
 
-FLOAT8 = "quantize.linear.float8"
+if TYPE_CHECKING:  # the converter checks import no torch: train.sh's pre-flight runs them without it
+    from torch import nn
+
 KNOWN_CONVERTERS = (FLOAT8,)
 
 
@@ -41,6 +42,8 @@ def check_converters(job_config, on_gpu: bool | None = None) -> None:
             )
         return
     if on_gpu is None:
+        import torch
+
         on_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
     if not on_gpu:
         raise ConfigError(
@@ -49,7 +52,7 @@ def check_converters(job_config, on_gpu: bool | None = None) -> None:
         )
 
 
-def apply_float8(model: nn.Module, job_config, parallel_dims):
+def apply_float8(model: "nn.Module", job_config, parallel_dims):
     """Swap nn.Linear for torchao's Float8Linear in place (before tensor parallelism and FSDP); returns the
     converter (its ``post_optimizer_hook(model_parts)`` precomputes FSDP float8 scales), or None when off."""
     if not float8_enabled(job_config):

@@ -40,7 +40,7 @@ def chunk_states(job_config) -> str:
     states"); elsewhere the host issuing FLA's kernels bounded the step, and keeping them cost memory for no gain."""
     # Imported here: its torchtitan logger, imported before the job is parsed, would run torchtitan's package init
     # (flame.compat.torchtitan_job_config), seconds of the prewarm's start.
-    from flame.parallelize.compile import uses_cuda_graphs
+    from flame.parallelize.checks import uses_cuda_graphs
 
     policy = job_config.activation_checkpoint.chunk_states
     if policy == "auto":

@@ -12,11 +12,11 @@ import contextlib
 import torch
 from torchtitan.tools.logging import logger
 
+from flame.config.checks import l2warp_factor
 from flame.loss import (
     IGNORE_INDEX,
     dpo_losses,
     l2_warp,
-    l2warp_factor,
     labelled_tokens,
     loss_sums,
     sequence_logprobs,
@@ -29,7 +29,7 @@ from flame.train.model_parts import ModelParts, Topology, autocast_context, buil
 class LanguageModelObjective:
     """Next-token cross-entropy over the labelled tokens, plus training.z_loss x logsumexp(logits)^2
     (job.task pretrain and sft: sft data labels the assistant's tokens only), with the L2-warp of ``l2warp``
-    (flame.loss.l2warp_factor) on the gradients. ``fused``: the step passes the final hidden states instead of the logits, and
+    (flame.config.checks.l2warp_factor) on the gradients. ``fused``: the step passes the final hidden states instead of the logits, and
     lm_head computes the same sums from them without the logits (compile.components' loss does not apply: the
     fused loss is its matmuls, run eagerly)."""
 

@@ -27,13 +27,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import record_function
 from torchtitan.tools.logging import logger
 
-from flame.loss import l2warp_factor
+from flame.config.checks import l2warp_factor
 from flame.models.common.decoder import fuses_linear_cross_entropy
 from flame.ops import dispatch
 from flame.ops.context_parallel import sequence_sharded
 from flame.optim import build_lr_schedulers, build_optimizers
 from flame.optim.nonfinite import clip_grad_norm_, skip_on_device, skips_on_device
-from flame.parallelize.compile import graph_break_report, uses_cuda_graphs
+from flame.parallelize.checks import uses_cuda_graphs
+from flame.parallelize.compile import graph_break_report
 from flame.parallelize.context_parallel import ROW_CU_SEQLENS, shard_batch
 from flame.train.model_parts import ModelParts, Topology, autocast_context
 from flame.train.objective import LanguageModelObjective

@@ -36,8 +36,8 @@ from fla.models.delta_net import modeling_delta_net
 from fla.models.gated_deltanet import modeling_gated_deltanet
 
 from flame.models import build_model, load_model_args
+from flame.models.common.choices import ATTN_IMPLS
 from flame.models.gated_deltanet.state_dict_adapter import OlmoHybridAdapter
-from flame.models.layers.attention import ATTN_IMPLS
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.json"))
 FLA_CLASSES = {

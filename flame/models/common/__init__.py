@@ -1,2 +1,2 @@
-"""Pieces model families share: the config-JSON args base, the decoder skeleton, hybrid attention specs (``attn``)
-and the weight-decay rule."""
+"""Pieces model families share: the config-JSON args base, the values configs choose from (``choices``), the decoder
+skeleton, hybrid attention specs (``attn``) and the weight-decay rule."""

@@ -11,11 +11,12 @@ import dataclasses
 import difflib
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar
-
-from torch import nn
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from flame.errors import ModelConfigError
+
+if TYPE_CHECKING:  # args import no torch: train.sh's pre-flight checks a config without it
+    from torch import nn
 
 # What transformers writes into every config.json (its bookkeeping and the attributes of PreTrainedConfig that
 # concern other heads, outputs and generation); no model reads them for its architecture.
@@ -153,7 +154,7 @@ class ModelArgs:
         """Sequence-mixing FLOPs per token (forward + backward) that parameters do not account for."""
         return 0
 
-    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+    def get_nparams_and_flops(self, model: "nn.Module", seq_len: int) -> tuple[int, int]:
         """Parameter count and training FLOPs per token: 6 x non-embedding params + the mixers' own terms."""
         nparams = sum(p.numel() for p in model.parameters())
         # The embedding lookup costs no FLOPs; a tied matrix still does the lm head's matmul.

@@ -5,19 +5,19 @@ Module names follow FLA's HF models (``embeddings``, ``layers.<i>.attn_norm/attn
 the layer index, as in torchtitan, so pipeline stages keep the original names.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flame.models.common.args import ModelArgs
-from flame.models.layers.mlp import GatedMLP, swiglu_intermediate_size
+from flame.models.common.choices import NORM_ORDERS, swiglu_intermediate_size
+from flame.models.common.hybrid import HybridModelArgs
+from flame.models.layers.attention import Attention
+from flame.models.layers.mlp import GatedMLP
 from flame.models.layers.norm import RMSNorm
 from flame.ops.linear_cross_entropy import linear_cross_entropy
-
-# Where a block's two RMSNorms sit on the residual branches: "pre" normalises the branch input
-# (x + f(norm(x)), FLA's and Llama's blocks), "post" the branch output (x + norm(f(x)), OLMo 2/3's "reordered
-# norm"; not the original Transformer's norm(x + f(x))). Both keep the names attn_norm and mlp_norm.
-NORM_ORDERS = ("pre", "post")
 
 
 class Block(nn.Module):
@@ -50,6 +50,27 @@ class Block(nn.Module):
             return x + self.mlp_norm(self.mlp(x))
         x = x + self.attn(self.attn_norm(x), position_ids, cu_seqlens)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def build_hybrid_block(args: HybridModelArgs, layer_id: int, build_mixer: Callable[[], nn.Module]) -> Block:
+    """The block of a layer: flame's Attention with its spec's norm order where the ``attn`` field selects the
+    layer, else a pre-norm block around the family's own mixer (``build_mixer()``)."""
+    spec = args.attention_spec(layer_id)
+    if spec is None:
+        return Block(args, build_mixer())
+    attention = Attention(
+        hidden_size=args.hidden_size,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        qkv_bias=spec.qkv_bias,
+        qk_norm=spec.qk_norm,
+        qk_norm_scope=spec.qk_norm_scope,
+        window_size=spec.window_size,
+        rope_theta=spec.rope_theta,
+        attn_impl=spec.attn_impl,
+        norm_eps=args.norm_eps,
+    )
+    return Block(args, attention, norm_order=spec.norm_order)
 
 
 class LMHead(nn.Linear):

@@ -15,11 +15,11 @@ and the other layers keep the family's own mixer. flame adds, inside a spec:
   defaults filled in (that is what ``args.to_dict()`` writes), so configs exported by flame load in FLA.
 - ``"qk_norm": true``: RMSNorm of q and k, per head (``"qk_norm_scope": "head"``, the default; OLMo-core's
   ``use_head_qk_norm``) or over all heads at once (``"qk_norm_scope": "full"``: OLMo 3's hybrid and transformers'
-  ``olmo_hybrid``); ``"attn_impl"``: the softpick family (flame.models.layers.attention.ATTN_IMPLS).
+  ``olmo_hybrid``); ``"attn_impl"``: the softpick family (flame.models.common.choices.ATTN_IMPLS).
 - ``"norm_order": "pre"`` (default) or ``"post"``: where the attention layers' two block norms sit, around the
   branch input (``x + attn(norm(x))``, then ``x + mlp(norm(x))``) or on the branch output
   (``x + norm(attn(x))``, then ``x + norm(mlp(x))``: OLMo 2/3's reordered norm,
-  flame.models.common.decoder.NORM_ORDERS). The family's own layers stay pre-norm.
+  flame.models.common.choices.NORM_ORDERS). The family's own layers stay pre-norm.
 
 FLA's config class keeps unknown keys and ignores them, so flame's keys do not break loading there, but FLA's hybrid
 attention has none of them: FLA would build a different model (flame's export says so).
@@ -27,16 +27,12 @@ attention has none of them: FLA would build a different model (flame's export sa
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
-
 from flame.errors import ModelConfigError
 from flame.models.common.args import ModelArgs
-from flame.models.common.decoder import NORM_ORDERS, Block
-from flame.models.layers.attention import Attention, check_attn_impl, check_qk_norm_scope
+from flame.models.common.choices import NORM_ORDERS, check_attn_impl, check_qk_norm_scope
 
 
 @dataclass(frozen=True)
@@ -227,24 +223,3 @@ class HybridModelArgs(ModelArgs):
     def mixer_flops_per_token(self) -> int:
         """Training FLOPs per token of one layer of the family's own mixer, beyond its parameters."""
         return 0
-
-
-def build_hybrid_block(args: HybridModelArgs, layer_id: int, build_mixer: Callable[[], nn.Module]) -> Block:
-    """The block of a layer: flame's Attention with its spec's norm order where the ``attn`` field selects the
-    layer, else a pre-norm block around the family's own mixer (``build_mixer()``)."""
-    spec = args.attention_spec(layer_id)
-    if spec is None:
-        return Block(args, build_mixer())
-    attention = Attention(
-        hidden_size=args.hidden_size,
-        num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads,
-        qkv_bias=spec.qkv_bias,
-        qk_norm=spec.qk_norm,
-        qk_norm_scope=spec.qk_norm_scope,
-        window_size=spec.window_size,
-        rope_theta=spec.rope_theta,
-        attn_impl=spec.attn_impl,
-        norm_eps=args.norm_eps,
-    )
-    return Block(args, attention, norm_order=spec.norm_order)

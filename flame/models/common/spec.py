@@ -3,7 +3,9 @@
 - ``args_cls``: the family's :class:`ModelArgs`, read from a config JSON (``from_dict``); its
   ``get_nparams_and_flops`` is the family's parameter count and training FLOPs per token.
 - ``model_cls``: called with the args (on the meta device) to build the model; the model has ``args``,
-  ``init_weights()`` and ``forward(input_ids, position_ids=, cu_seqlens=) -> logits``.
+  ``init_weights()`` and ``forward(input_ids, position_ids=, cu_seqlens=) -> logits``. flame's families give
+  ``built_by(module, name)``, which imports the model's module at the first build: the spec and the args import no
+  torch, so train.sh's pre-flight checks a config without it.
 - ``blocks``: the modules whose children are the model's blocks, the unit of FSDP, activation checkpointing and
   torch.compile (flame's families keep them in ``layers``; others elsewhere, or in several stacks).
 - ``parallelisms``: what the family supports beyond data parallelism (FSDP/HSDP/DDP work for every family):
@@ -16,12 +18,15 @@
   eager: the generic family's FLA classes); None where the blocks are compiled.
 """
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from flame.models.common.args import ModelArgs
+
+if TYPE_CHECKING:  # a family's spec imports no torch: train.sh's pre-flight checks a config without it
+    from torch import nn
 
 # Flag and name of each parallelism a family may declare.
 MODEL_PARALLELISMS = {
@@ -32,7 +37,18 @@ MODEL_PARALLELISMS = {
 }
 
 
-def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+def built_by(module: str, name: str) -> Callable[[ModelArgs], "nn.Module"]:
+    """A ``model_cls`` that imports ``module`` (the model's layers, torch) when it first builds a model: a family's
+    spec is read without them, so train.sh's pre-flight checks a config without importing torch."""
+
+    def build(args: ModelArgs) -> "nn.Module":
+        return getattr(importlib.import_module(module), name)(args)
+
+    build.__qualname__ = f"built_by({module}.{name})"
+    return build
+
+
+def decoder_blocks(model: "nn.Module") -> list["nn.Module"]:
     """flame's DecoderLM keeps its blocks in ``layers``."""
     return [model.layers]
 
@@ -40,8 +56,8 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 @dataclass(frozen=True)
 class ModelSpec:
     args_cls: type[ModelArgs]
-    model_cls: Callable[[ModelArgs], nn.Module]
-    blocks: Callable[[nn.Module], list[nn.Module]] = decoder_blocks
+    model_cls: Callable[[ModelArgs], "nn.Module"]
+    blocks: Callable[["nn.Module"], list["nn.Module"]] = decoder_blocks
     parallelisms: frozenset[str] = frozenset(MODEL_PARALLELISMS)
     config_parallelisms: Callable[[ModelArgs], frozenset[str]] | None = None
     needs_cuda: Callable[[ModelArgs], str | None] | None = None

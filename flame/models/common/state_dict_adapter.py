@@ -16,7 +16,7 @@ import torch
 
 from flame.errors import FlameError
 from flame.models.common.args import ModelArgs
-from flame.models.layers.attention import ATTN_IMPLS
+from flame.models.common.choices import ATTN_IMPLS
 
 State = dict[str, torch.Tensor]
 

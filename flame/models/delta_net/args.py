@@ -6,9 +6,9 @@ from typing import ClassVar
 
 from flame.errors import ModelConfigError
 from flame.models.common.args import require_positive_int
+from flame.models.common.choices import QK_ACTIVATIONS, QK_NORMS
 from flame.models.common.flops import chunked_delta_rule_flops_per_token
 from flame.models.common.hybrid import HybridModelArgs
-from flame.models.layers.delta_net import QK_ACTIVATIONS, QK_NORMS
 
 
 @dataclass

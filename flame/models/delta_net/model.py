@@ -2,8 +2,7 @@
 
 from torch import nn
 
-from flame.models.common.decoder import DecoderLM
-from flame.models.common.hybrid import build_hybrid_block
+from flame.models.common.decoder import DecoderLM, build_hybrid_block
 from flame.models.delta_net.args import DeltaNetArgs
 from flame.models.layers.delta_net import DeltaNet
 

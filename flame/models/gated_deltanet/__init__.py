@@ -1,7 +1,8 @@
 """Gated DeltaNet (FLA model_type ``gated_deltanet``) and its attention hybrids."""
 
-from flame.models.common.spec import ModelSpec
+from flame.models.common.spec import ModelSpec, built_by
 from flame.models.gated_deltanet.args import GatedDeltaNetArgs
-from flame.models.gated_deltanet.model import GatedDeltaNetModel
 
-SPEC = ModelSpec(args_cls=GatedDeltaNetArgs, model_cls=GatedDeltaNetModel)
+SPEC = ModelSpec(
+    args_cls=GatedDeltaNetArgs, model_cls=built_by("flame.models.gated_deltanet.model", "GatedDeltaNetModel")
+)

@@ -6,9 +6,9 @@ from typing import ClassVar
 
 from flame.errors import ModelConfigError
 from flame.models.common.args import require_positive_int
+from flame.models.common.choices import GATE_ACTIVATIONS
 from flame.models.common.flops import chunked_delta_rule_flops_per_token
 from flame.models.common.hybrid import HybridModelArgs
-from flame.ops.norm import GATE_ACTIVATIONS
 
 
 @dataclass

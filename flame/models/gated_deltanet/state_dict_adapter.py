@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from flame.models.common.choices import swiglu_intermediate_size
 from flame.models.common.hybrid import parse_attn
 from flame.models.common.state_dict_adapter import (
     ExportError,
@@ -36,7 +37,6 @@ from flame.models.common.state_dict_adapter import (
     softmax_attention,
 )
 from flame.models.gated_deltanet.args import GatedDeltaNetArgs
-from flame.models.layers.mlp import swiglu_intermediate_size
 
 # The block norms as transformers >= 5.17 saves them (its conversion_mapping for olmo_hybrid, applied in reverse on
 # save) -> as its class and flame's rules name them.

@@ -13,7 +13,7 @@ import functools
 import torch
 from torch import nn
 
-from flame.errors import ModelConfigError
+from flame.models.common.choices import ATTN_IMPLS, check_attn_impl, check_qk_norm_scope
 from flame.models.layers.decoding import MixerCache
 from flame.models.layers.norm import RMSNorm
 from flame.models.layers.rotary import apply_rotary, rotary_cos_sin
@@ -21,33 +21,8 @@ from flame.models.layers.sharding import local_param
 from flame.ops.attention import attention, reference_attention, scale_queries_by_position
 from flame.ops.context_parallel import prefix_attention
 
-# attn_impl -> (score normalisation, queries scaled by a learnable per-head factor and log(position + 2))
-ATTN_IMPLS: dict[str, tuple[str, bool]] = {
-    "parallel_attn": ("softmax", False),
-    "parallel_softpick_attn": ("softpick", False),
-    "parallel_rectified_attn": ("rectified", False),
-    "parallel_scaled_softpick_attn": ("softpick", True),
-    "parallel_scaled_attn": ("softmax", True),
-}
-ATTN_IMPLS.update({name.replace("parallel_", "naive_"): spec for name, spec in list(ATTN_IMPLS.items())})
-
 # Initial value of the per-head query scale of the scaled variants (softpick paper, appendix).
 QUERY_SCALE_INIT = 0.3
-
-# What the q/k norms normalise: each head's vector, or the whole projection (all heads at once).
-QK_NORM_SCOPES = ("head", "full")
-
-
-def check_attn_impl(attn_impl: str) -> None:
-    if attn_impl not in ATTN_IMPLS:
-        raise ModelConfigError(f"attn_impl '{attn_impl}' is unknown; choose one of: {', '.join(ATTN_IMPLS)}")
-
-
-def check_qk_norm_scope(qk_norm_scope: str) -> None:
-    if qk_norm_scope not in QK_NORM_SCOPES:
-        raise ModelConfigError(
-            f"qk_norm_scope {qk_norm_scope!r} is unknown; choose one of: {', '.join(QK_NORM_SCOPES)}"
-        )
 
 
 class Attention(nn.Module):

@@ -26,8 +26,6 @@ from flame.models.layers.short_conv import ShortConvolution
 from flame.ops.context_parallel import relay_state
 from flame.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
 
-QK_ACTIVATIONS = ("silu", "relu", "elu", "identity")
-QK_NORMS = ("l2", "sum")
 # FLA's DeltaNet switches to its fused-recurrent kernel at or below this length, in training too.
 FUSED_RECURRENT_MAX_LEN = 64
 # Epsilon of FLA's sum_norm (F.normalize with p=1).

@@ -13,9 +13,8 @@ from typing import ClassVar
 
 from flame.errors import ModelConfigError
 from flame.models.common.args import ModelArgs, require_divisible
-from flame.models.layers.attention import check_attn_impl
+from flame.models.common.choices import check_attn_impl, swiglu_intermediate_size
 from flame.models.layers.lws import LayerDims, LayerWiseScaling
-from flame.models.layers.mlp import swiglu_intermediate_size
 
 
 @dataclass
