@@ -300,6 +300,36 @@ def test_the_preflight_of_flames_families_imports_no_torch(config, tmp_path):
     assert result.stdout.split() == ["0", "False"], result.stderr
 
 
+def test_the_preflight_counts_gpus_without_torch_given_train_sh_s_count_or_no_driver(monkeypatch):
+    from flame import launch
+
+    code = "import sys; from flame.launch import visible_gpus; print(visible_gpus(), 'torch' in sys.modules)"
+    env = {**os.environ, "FLAME_VISIBLE_GPUS": "3"}
+    result = subprocess.run(
+        ["python", "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60, env=env
+    )
+    assert result.stdout.split() == ["3", "False"], result.stderr
+    monkeypatch.delenv("FLAME_VISIBLE_GPUS", raising=False)
+    monkeypatch.setattr(launch, "NVIDIA_DRIVER", Path("/nonexistent/driver/nvidia"))
+    assert launch.visible_gpus() == 0
+
+
+def test_train_sh_hands_the_preflight_and_the_ranks_nvidia_smi_s_gpu_count(tmp_path, monkeypatch):
+    """With nvidia-smi present (a stub listing two GPUs), train.sh exports its count for the pre-flight; a stub
+    torchrun prints what the ranks would see."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: A (UUID: a)'\necho 'GPU 1: B (UUID: b)'\n")
+    (bin_dir / "torchrun").write_text('#!/bin/sh\necho "NGPU=$NGPU FLAME_VISIBLE_GPUS=$FLAME_VISIBLE_GPUS"\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLAME_EXPORT_HF": "0", "FLAME_PREWARM": "0"}
+    monkeypatch.delenv("NGPU", raising=False)  # train.sh's default: the GPUs it counted
+    result = train_sh("--job.dump_folder", str(tmp_path / "dump"), env=env)
+    assert result.returncode == 0, result.stderr
+    assert "NGPU=2 FLAME_VISIBLE_GPUS=2\n" in result.stdout
+
+
 def test_the_preflight_imports_none_of_what_only_the_ranks_need():
     """flame.data's loader imports datasets and torch._dynamo takes ~4 s cold on a GPU host; Triton (flame's and FLA's
     kernels) and DTensor (parallel models; with sympy ~0.7 s on this repository's CPU machine) serve only the ranks:
