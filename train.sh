@@ -54,6 +54,11 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / N
 # a restart loads them, and a 2-step NGPU=1 run before a multi-GPU job gives every rank the configs tuned on a
 # quiet GPU (docs/performance.md, "Several H200s with FSDP"). TRITON_CACHE_AUTOTUNING=0 turns it off.
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
+# End of run: rank 0 converts the final checkpoint (the latest complete one past step 0) to an HF folder in the
+# dump folder, as upstream flame's train.sh does, once the run has finished (not after a failure or a preemption),
+# with the model config and tokenizer the checkpoint records (flame.hf.export.export_after_training, in the rank:
+# its imports are done). FLAME_EXPORT_HF=0 skips it; only node 0 exports.
+if [ "${FLAME_EXPORT_HF:-1}" != 0 ] && [ "$NODE_RANK" -eq 0 ]; then export FLAME_EXPORT_HF_AT_END=1; fi
 # The launcher's own messages (torchrun's warnings, and after a failed rank its ChildFailedError traceback and
 # summary; flame.launch_single's report) go to <dump_folder>/logs/launcher.log: the ranks' lines ([rankN]: ...)
 # pass, so a rank's refusal stays the last line.
@@ -143,10 +148,4 @@ if [ "$rc" -ne 0 ] && ! grep -Eq '^\[[A-Za-z_]+[0-9]+\]:error: ' "$last_line"; t
   fi
 fi
 
-# End of run: convert the final checkpoint (the latest complete one) to an HF folder in the dump folder, as flame
-# does. The converter finds the step and the run's model config and tokenizer in the checkpoint itself, so nothing
-# is parsed from this command line. FLAME_EXPORT_HF=0 skips it; only node 0 exports.
-if [ "$rc" -eq 0 ] && [ "${FLAME_EXPORT_HF:-1}" != 0 ] && [ "$NODE_RANK" -eq 0 ]; then
-  python -m flame.cli.convert_dcp_to_hf --path "$DUMP_FOLDER" --step -1 --after_training || rc=$?
-fi
 exit "$rc"

@@ -74,6 +74,20 @@ def latest_step(folder: str | os.PathLike) -> int:
     return max((step for step, complete in list_steps(folder).items() if complete), default=-1)
 
 
+NO_TRAINED_CHECKPOINT = (
+    "No trained checkpoint to convert to HF (checkpointing off, or only a seed checkpoint)"
+)
+
+
+def has_trained_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether a dump folder (or checkpoint folder) holds a complete checkpoint past step 0: what the end-of-run
+    export converts (a run without checkpoints, or with only its seed checkpoint, has nothing to export)."""
+    try:
+        return latest_step(checkpoint_folder(path)) > 0
+    except CheckpointError:
+        return False
+
+
 def describe_steps(folder: str | os.PathLike) -> str:
     steps = list_steps(folder)
     complete = sorted(step for step, ok in steps.items() if ok)

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from flame.checkpoint.layout import CheckpointError, checkpoint_folder, latest_step
+from flame.checkpoint.layout import NO_TRAINED_CHECKPOINT, has_trained_checkpoint
 from flame.cli import run_cli
 from flame.hf.export_options import DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES, EXPORT_FORMATS
 
@@ -46,16 +46,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def convert(argv: list[str]) -> int:
     options = parse(argv)
-    if options.after_training:
-        try:
-            folder = checkpoint_folder(options.path)
-        except CheckpointError:
-            folder = None
-        if folder is None or latest_step(folder) <= 0:
-            print("No trained checkpoint to convert to HF (checkpointing off, or only a seed checkpoint)")
-            return 0
+    if options.after_training and not has_trained_checkpoint(options.path):
+        print(NO_TRAINED_CHECKPOINT)
+        return 0
     # torch, transformers and safetensors (seconds): imported once there is something to export.
-    from flame.hf.export import export_checkpoint
+    from flame.hf.export import export_checkpoint, export_report
     from flame.hf.hub import resolve_model_config, resolve_tokenizer
     from flame.hf.safetensors_io import parse_size
 
@@ -70,11 +65,8 @@ def convert(argv: list[str]) -> int:
         tokenizer=None if options.tokenizer is None else resolve_tokenizer(options.tokenizer),
         max_shard_bytes=max_shard_bytes,
     )
-    output = plan.output
-    model_type = plan.adapter.hf_config()["model_type"]
-    if plan.note:
-        print(f"Exporting as {model_type} (loads after `import flame`): {plan.note}")
-    print(f"Converted {step_path} to {output} ({model_type}, {options.dtype}): {', '.join(files)}")
+    for line in export_report(plan, step_path, files):
+        print(line)
     return 0
 
 

@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 
 from flame.checkpoint.layout import (
+    NO_TRAINED_CHECKPOINT,
     CheckpointError,
     checkpoint_folder,
     config_differences,
+    has_trained_checkpoint,
     read_sidecar,
     resolve_step_dir,
 )
@@ -165,3 +167,21 @@ def export_checkpoint(
     state = {k: torch.empty(shape, dtype=torch.float32) for k, shape in shapes.items()}
     load_model_tensors(step_path, state)
     return plan, step_path, write_export(plan, state, max_shard_bytes)
+
+
+def export_report(plan: ExportPlan, step_path: Path, files: list[str]) -> list[str]:
+    """What an export says when done: its format (with the note of flame's own format) and the files written."""
+    model_type = plan.adapter.hf_config()["model_type"]
+    dtype = str(plan.dtype).removeprefix("torch.")
+    lines = [f"Exporting as {model_type} (loads after `import flame`): {plan.note}"] if plan.note else []
+    return lines + [f"Converted {step_path} to {plan.output} ({model_type}, {dtype}): {', '.join(files)}"]
+
+
+def export_after_training(dump_folder: str | os.PathLike) -> list[str]:
+    """train.sh's end-of-run export, as upstream flame's train.sh converts its final checkpoint: the latest complete
+    checkpoint past step 0 as an HF folder in the dump folder, with the run's recorded config and tokenizer; the
+    lines to print."""
+    if not has_trained_checkpoint(dump_folder):
+        return [NO_TRAINED_CHECKPOINT]
+    plan, step_path, files = export_checkpoint(dump_folder, -1, Path(dump_folder))
+    return export_report(plan, step_path, files)

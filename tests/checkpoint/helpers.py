@@ -26,12 +26,12 @@ def train_sh(dump: Path, *args: str, ngpu: int = 2, export_hf: bool = True) -> s
     )
 
 
-def killed_run(dump: Path, kill: str, *args: str, ngpu: int = 2, env_name: str = "FLAME_TEST_KILL"):
-    """flame.train under torchrun with FLAME_TEST_KILL=kill, or another of crash_run.py's variables."""
+def killed_run(dump: Path, kill: str, *args: str, ngpu: int = 2, env_name: str = "FLAME_TEST_KILL", env=None):
+    """flame.train under torchrun with FLAME_TEST_KILL=kill, or another of crash_run.py's variables (``env``: more)."""
     return run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ngpu), "--master_port", str(free_port()),
          "-m", "tests.checkpoint.crash_run", "--job.dump_folder", str(dump), "--metrics.log_freq", "1", *args],
-        env={env_name: kill, "OMP_NUM_THREADS": "1"},
+        env={env_name: kill, "OMP_NUM_THREADS": "1", **(env or {})},
     )  # fmt: skip
 
 

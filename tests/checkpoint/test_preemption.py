@@ -57,16 +57,18 @@ def test_a_signal_saves_the_step_in_progress_and_the_run_resumes_exactly(make_tr
 
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """... and a preempted run leaves train.sh's end-of-run export (FLAME_EXPORT_HF_AT_END) undone."""
     dump = tmp_path / "run"
     result = killed_run(dump, "1:3", "--training.steps", "6", "--training.seq_len", "64", "--training.batch_size",
                         "2", "--lr_scheduler.warmup_steps", "1", "--checkpoint.interval", "100",
-                        env_name="FLAME_TEST_SIGNAL")  # fmt: skip
+                        env_name="FLAME_TEST_SIGNAL", env={"FLAME_EXPORT_HF_AT_END": "1"})  # fmt: skip
     assert result.returncode != 0  # both ranks exit 75; torchrun reports a failure of its own
     assert json.loads((dump / "preempted.json").read_text()) == {"step": 3, "signal": "SIGUSR1"}, output(
         result, dump
     )
     assert list_steps(dump / "checkpoint") == {3: True}
     assert "Preempted by SIGUSR1 after step 3" in output(result, dump)
+    assert not (dump / "config.json").exists()
 
 
 @pytest.mark.slow

@@ -68,6 +68,11 @@ def test_train_sh_exports_final_checkpoint_of_two_ranks(trained):
     x = tokens()
     expected = flame_model_from_checkpoint(step, SOFTPICK)(x)
     assert torch.equal(hf_model(trained)(x).logits, expected)
+    # Rank 0 exported, once the run had finished; rank 1 did not.
+    (rank0,) = (trained / "logs").glob("*/attempt_0/0/stdout.log")
+    (rank1,) = (trained / "logs").glob("*/attempt_0/1/stdout.log")
+    assert f"Converted {step} to {trained} (flame_transformer, float32)" in rank0.read_text()
+    assert "Converted" not in rank1.read_text()
 
 
 def test_sharded_bf16_export(trained, tmp_path):
@@ -247,8 +252,8 @@ def test_upstream_module_paths_run_the_same_tools():
 
 @pytest.mark.parametrize("steps", [(), (0,)], ids=["no checkpoint", "seed checkpoint only"])
 def test_the_end_of_run_export_with_nothing_to_export_imports_no_torch(tmp_path, steps):
-    """train.sh runs the converter after every run: where the run left no trained checkpoint it says so without
-    importing torch (a second of a short run's end), and exits 0."""
+    """The converter's ``--after_training`` (what train.sh's end-of-run export does): where the run left no trained
+    checkpoint it says so without importing torch, and exits 0."""
     import subprocess
     import sys
 

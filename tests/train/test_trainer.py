@@ -1,5 +1,6 @@
-"""The rank process: it ends with the torchrun that started it."""
+"""The rank process: it ends with the torchrun that started it, and exports the finished run when train.sh asks."""
 
+import json
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint.helpers import REPO
+from tests.trainer_helpers import TINY, free_port
 
 
 def processes_naming(text: str) -> list[int]:
@@ -57,3 +59,18 @@ def test_a_sigkill_to_train_sh_s_process_group_ends_the_ranks(tmp_path):
     finally:
         for pid in processes_naming(str(dump)):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_rank_0_exports_the_finished_run_when_train_sh_asks(tmp_path):
+    """FLAME_EXPORT_HF_AT_END=1 (train.sh's end-of-run export): after the run, rank 0 converts its final checkpoint
+    into the dump folder, as the converter would."""
+    dump = tmp_path / "run"
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "localhost", "MASTER_PORT": str(free_port()), "FLAME_EXPORT_HF_AT_END": "1"}  # fmt: skip
+    command = ["python", "-m", "flame.train", "--job.dump_folder", str(dump), *TINY, "--checkpoint.enable"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"Converted {dump / 'checkpoint' / 'step-4'} to {dump} (llama, float32)" in result.stdout
+    assert json.loads((dump / "config.json").read_text())["model_type"] == "llama"
+    assert (dump / "model.safetensors").is_file()
