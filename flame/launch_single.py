@@ -73,14 +73,18 @@ def rank_log_folder(log_dir: Path) -> Path:
 
 
 def copy_lines(source: BinaryIO, log_path: Path, console: BinaryIO | None) -> None:
-    """Each line of ``source`` to the log file and, behind the rank's prefix, to ``console``."""
+    """Each line of ``source`` to the log file and, behind the rank's prefix, to ``console`` while it takes them.
+    The rank's pipe is read to its end whatever the console does: a rank whose pipe fills stops at its next print."""
     with open(log_path, "ab") as log:
         for line in iter(source.readline, b""):
             log.write(line)
             log.flush()
             if console is not None:
-                console.write(b"[rank0]:" + line)
-                console.flush()
+                try:
+                    console.write(b"[rank0]:" + line)
+                    console.flush()
+                except OSError:  # the console is gone (a closed pipe, a hung-up terminal): the log keeps all
+                    console = None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,11 @@ PROBE = textwrap.dedent("""
     if action in ("term", "deaf", "sleep"):
         print("waiting", os.getpid(), flush=True)
         time.sleep(120)
+    if action == "flood":  # more than a pipe holds, after the console has gone
+        print("waiting", os.getpid(), flush=True)
+        time.sleep(1)
+        for i in range(3000):
+            print(f"line {i:05d} " + "x" * 90, flush=True)
 """)
 
 
@@ -93,6 +98,14 @@ def start(probe: Path, action: str) -> tuple[subprocess.Popen, int]:
         if line.startswith("[rank0]:waiting "):
             return process, int(line.split()[1])
     raise AssertionError(f"the rank ended before waiting: {process.communicate()}")
+
+
+def test_a_closed_console_leaves_the_rank_running_and_logging(probe):
+    process, _ = start(probe, "flood")
+    process.stdout.close()  # e.g. train.sh ... | head
+    assert process.wait(timeout=60) == 0
+    lines = (rank_logs(probe) / "stdout.log").read_text().splitlines()
+    assert len(lines) == 3002 and lines[-1].startswith("line 02999 ")
 
 
 def test_sigterm_to_the_launcher_reaches_the_rank(probe):
