@@ -4,7 +4,7 @@
 # Environment: NGPU (processes per node; default: visible GPUs, 1 without GPU — CPU processes then),
 # NNODE (nodes, default 1), NODE_RANK (default 0), MASTER_ADDR (default localhost), MASTER_PORT (one node: a free port;
 # several nodes: 29500), LOG_RANK (ranks whose output the console shows, comma separated, default 0),
-# FLAME_TORCHRUN=1 (start one process through torchrun too). Every rank's full output is kept under
+# FLAME_TORCHRUN=1 (start one node's ranks through torchrun too). Every rank's full output is kept under
 # <dump_folder>/logs, the launcher's own messages in <dump_folder>/logs/launcher.log.
 set -uo pipefail
 
@@ -60,7 +60,7 @@ export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 # its imports are done). FLAME_EXPORT_HF=0 skips it; only node 0 exports.
 if [ "${FLAME_EXPORT_HF:-1}" != 0 ] && [ "$NODE_RANK" -eq 0 ]; then export FLAME_EXPORT_HF_AT_END=1; fi
 # The launcher's own messages (torchrun's warnings, and after a failed rank its ChildFailedError traceback and
-# summary; flame.launch_single's report) go to <dump_folder>/logs/launcher.log: the ranks' lines ([rankN]: ...)
+# summary; flame.launch_local's report) go to <dump_folder>/logs/launcher.log: the ranks' lines ([rankN]: ...)
 # pass, so a rank's refusal stays the last line.
 launcher_log="$DUMP_FOLDER/logs/launcher.log"
 last_line=$(mktemp)
@@ -80,7 +80,7 @@ trap 'release_lock; rm -f "$last_line"; stop_prewarm' EXIT
 
 # Preemption (docs/checkpoints.md): SIGTERM or SIGUSR1 sent to this script goes to the ranks of this node, which
 # finish their step, save a checkpoint and exit; this script then exits with 75 (76: stopped without that save),
-# the status to requeue on. The launcher (torchrun, or flame.launch_single) runs with SIGUSR1 ignored (its default
+# the status to requeue on. The launcher (torchrun, or flame.launch_local) runs with SIGUSR1 ignored (its default
 # action would kill it and orphan the ranks); the ranks install their own handler.
 preempted_marker="$DUMP_FOLDER/preempted.json"
 rm -f "$preempted_marker"
@@ -94,11 +94,11 @@ forward_signal() {
 }
 trap 'forward_signal TERM' TERM
 trap 'forward_signal USR1' USR1
-# One process on one node has nothing to rendezvous: flame.launch_single starts it as torchrun would (environment,
-# log files, [rank0]: lines, signals, exit status), without torchrun's imports of torch. FLAME_TORCHRUN=1 uses
-# torchrun anyway.
-if [ "$NGPU" -eq 1 ] && [ "$NNODE" -eq 1 ] && [ "${FLAME_TORCHRUN:-0}" != 1 ]; then
-  launcher=(python -m flame.launch_single --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+# The ranks of one node rendezvous through rank 0 (MASTER_ADDR:MASTER_PORT): flame.launch_local starts them as
+# torchrun would (environment, log files, [rankN]: lines, signals, the first failure stopping the others, exit
+# status), without torchrun's imports of torch. Several nodes, or FLAME_TORCHRUN=1, use torchrun.
+if [ "$NNODE" -eq 1 ] && [ "${FLAME_TORCHRUN:-0}" != 1 ]; then
+  launcher=(python -m flame.launch_local --nproc-per-node "$NGPU" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 else
   launcher=(torchrun --nnodes "$NNODE" --nproc_per_node "$NGPU" --node_rank "$NODE_RANK" --role rank --tee 3
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")

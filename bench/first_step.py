@@ -53,7 +53,7 @@ MARKER = "bench_first_step"
 FIRST_STEP = re.compile(r"\bstep\s+1/\d+\b")
 # Where a launch's time goes: each phase ends at the first line that matches its pattern.
 PHASES = (
-    ("start", re.compile(r"^\[rank0\]:")),  # the pre-flight, torchrun and the rank's imports
+    ("start", re.compile(r"^\[rank0\]:")),  # the pre-flight, the launcher and the rank's imports
     ("setup", re.compile(r"Training starts at step")),  # mesh, model build, parallelize, checkpoint, data
     ("step 1", FIRST_STEP),  # compilation, Triton's compiling and autotuning, CUDA graph capture, the step
 )

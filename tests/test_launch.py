@@ -323,7 +323,8 @@ def test_train_sh_hands_the_preflight_and_the_ranks_nvidia_smi_s_gpu_count(tmp_p
     (bin_dir / "torchrun").write_text('#!/bin/sh\necho "NGPU=$NGPU FLAME_VISIBLE_GPUS=$FLAME_VISIBLE_GPUS"\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLAME_EXPORT_HF": "0", "FLAME_PREWARM": "0"}
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FLAME_EXPORT_HF": "0", "FLAME_PREWARM": "0",
+           "FLAME_TORCHRUN": "1"}  # fmt: skip
     monkeypatch.delenv("NGPU", raising=False)  # train.sh's default: the GPUs it counted
     result = train_sh("--job.dump_folder", str(tmp_path / "dump"), env=env)
     assert result.returncode == 0, result.stderr
@@ -362,7 +363,7 @@ def test_print_args_prints_the_merged_config_before_the_ranks(tmp_path):
 
 def stub_torchrun(tmp_path: Path, body: str) -> dict:
     """PATH with a torchrun that runs ``body`` (bash; $LOG_DIR is its --log-dir), for train.sh's handling of it;
-    FLAME_TORCHRUN=1 launches one process through it too."""
+    FLAME_TORCHRUN=1 launches one node's ranks through it too."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stub = bin_dir / "torchrun"
@@ -417,7 +418,7 @@ def test_under_torchrun_a_rank_refusal_is_the_last_line_without_launcher_traceba
     dump = tmp_path / "dump"
     result = train_sh(
         "--training.dataset", str(data), "--job.dump_folder", str(dump), "--training.steps", "30",
-        env={"NGPU": "2", "FLAME_EXPORT_HF": "0"}, timeout=300,
+        env={"NGPU": "2", "FLAME_EXPORT_HF": "0", "FLAME_TORCHRUN": "1"}, timeout=300,
     )  # fmt: skip
     assert result.returncode != 0
     assert re.match(
@@ -428,10 +429,10 @@ def test_under_torchrun_a_rank_refusal_is_the_last_line_without_launcher_traceba
 
 
 @pytest.mark.slow
-def test_one_process_starts_without_torchrun_and_a_rank_refusal_is_the_last_line(tmp_path):
-    """NGPU=1 on one node: flame.launch_single starts the rank (a stub torchrun would leave a mark); its refusal ends
-    the output, the launcher's report with the rank's exit code is in the log, and the rank's files are where
-    torchrun keeps them."""
+def test_one_nodes_ranks_start_without_torchrun_and_a_rank_refusal_is_the_last_line(tmp_path):
+    """NGPU=2 on one node: flame.launch_local starts the ranks (a stub torchrun would leave a mark), which meet through
+    rank 0; a refusal ends the output, the launcher's report with the exit code is in the log, and the ranks' files
+    are where torchrun keeps them."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     mark = tmp_path / "torchrun-started"
@@ -441,12 +442,13 @@ def test_one_process_starts_without_torchrun_and_a_rank_refusal_is_the_last_line
     data.mkdir()
     (data / "part.parquet").write_text("not parquet")
     dump = tmp_path / "dump"
-    env = {"NGPU": "1", "FLAME_EXPORT_HF": "0", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env = {"NGPU": "2", "FLAME_EXPORT_HF": "0", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     result = train_sh("--training.dataset", str(data), "--job.dump_folder", str(dump), env=env, timeout=300)
     assert not mark.exists()
     assert result.returncode == 1
     last = result.stderr.splitlines()[-1]
     assert re.match(r"\[rank0\]:error: cannot read data file '.*part.parquet'", last), result.stderr
-    assert "exitcode : 2;" in (dump / "logs" / "launcher.log").read_text()
-    (stderr_log,) = (dump / "logs").glob("none_*/attempt_0/0/stderr.log")
-    assert stderr_log.read_text().splitlines()[-1] == last.removeprefix("[rank0]:")
+    assert "exitcode : 2" in (dump / "logs" / "launcher.log").read_text()
+    for rank in (0, 1):
+        (stderr_log,) = (dump / "logs").glob(f"none_*/attempt_0/{rank}/stderr.log")
+        assert stderr_log.read_text().splitlines()[-1] == last.removeprefix("[rank0]:")

@@ -1,7 +1,7 @@
 """Compile a job's Triton kernels beside its start: ``python -m flame.train.prewarm <the job's flags>``.
 
 A GPU compiles each Triton kernel (FLA's, flame's) at its first call, one after another inside the first training
-step, most of a fresh machine's first step (docs/performance.md, "Time to the first step"). train.sh starts this module beside torchrun on each node with a
+step, most of a fresh machine's first step (docs/performance.md, "Time to the first step"). train.sh starts this module beside the launcher on each node with a
 GPU. It builds one block of each kind the model has (blocks that print alike, module by module, are one kind: a
 hybrid has two) and runs its forward and backward once at the job's micro-batch shape, as the ranks will: the job's
 kernel choices (flame.train.kernels), bf16 autocast or, under FSDP, bf16 parameters, traced by dynamo where the job

@@ -1,5 +1,5 @@
-"""flame's trainer: ``torchrun ... -m flame.train [--section.field value ...]`` (train.sh does this; for one process
-through ``python -m flame.launch_single``).
+"""flame's trainer: ``torchrun ... -m flame.train [--section.field value ...]`` (train.sh does this through
+``python -m flame.launch_local`` on one node).
 
 ``Trainer.train`` is the loop: a step (``TrainStep``, flame/train/step.py) on ``accumulation`` micro-batches,
 its metrics, then a checkpoint, validation, text samples and lm-eval's tasks (flame/train/evaluator.py) when due, until training.steps or the hard stop
@@ -416,7 +416,7 @@ def end_with_the_launcher() -> None:
     of its own and stops it on SIGTERM; a SIGKILL to torchrun or its process group (a timeout's, ``kill -9``) leaves
     the ranks training and holding their GPUs. Linux's parent-death signal (prctl) ends them with torchrun; a
     crash mid-save keeps the previous checkpoint, as any crash does. A rank not started by torchrun is left as is
-    (flame.launch_single asks for the same signal when it starts its rank)."""
+    (flame.launch_local asks for the same signal when it starts its ranks)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         end_with_parent()
 

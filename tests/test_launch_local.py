@@ -1,4 +1,5 @@
-"""flame.launch_single: one rank started as torchrun would start it (environment, logs, console, signals, status)."""
+"""flame.launch_local: a node's ranks started as torchrun would start them (environment, logs, console, signals,
+failures, status)."""
 
 import os
 import signal
@@ -11,12 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from flame import launch_single
+from flame import launch_local
 
 PROBE = textwrap.dedent("""
     import os, signal, sys, time
     action = sys.argv[1]
     names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT"]
+    if action == "fail_last":  # the last rank fails, the others wait to be stopped
+        last = os.environ["RANK"] == str(int(os.environ["WORLD_SIZE"]) - 1)
+        action, sys.argv[2:] = ("exit", ["3"]) if last else ("sleep", [])
     print("out", " ".join(f"{name}={os.environ.get(name)}" for name in names), flush=True)
     print("err", os.getpid(), "own session" if os.getsid(0) == os.getpid() else "launcher's session",
           file=sys.stderr, flush=True)
@@ -45,19 +49,19 @@ def probe(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def launcher_command(logs: Path, *args: str, shown: str = "0") -> list[str]:
-    return [sys.executable, "-m", "flame.launch_single", "--log-dir", str(logs), "--local-ranks-filter", shown,
-            "--master-port", "29123", "-m", "rank_probe", *args]  # fmt: skip
+def launcher_command(logs: Path, *args: str, shown: str = "0", ranks: int = 1) -> list[str]:
+    return [sys.executable, "-m", "flame.launch_local", "--nproc-per-node", str(ranks), "--log-dir", str(logs),
+            "--local-ranks-filter", shown, "--master-port", "29123", "-m", "rank_probe", *args]  # fmt: skip
 
 
-def launch(probe: Path, *args: str, shown: str = "0") -> subprocess.CompletedProcess:
+def launch(probe: Path, *args: str, shown: str = "0", ranks: int = 1) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{probe}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run(launcher_command(probe / "logs", *args, shown=shown), capture_output=True, text=True,
-                          env=env, timeout=60)  # fmt: skip
+    return subprocess.run(launcher_command(probe / "logs", *args, shown=shown, ranks=ranks), capture_output=True,
+                          text=True, env=env, timeout=60)  # fmt: skip
 
 
-def rank_logs(probe: Path) -> Path:
-    (folder,) = (probe / "logs").glob("none_*/attempt_0/0")
+def rank_logs(probe: Path, rank: int = 0) -> Path:
+    (folder,) = (probe / "logs").glob(f"none_*/attempt_0/{rank}")
     return folder
 
 
@@ -71,6 +75,35 @@ def test_the_rank_gets_torchruns_environment_and_its_lines_are_prefixed_and_logg
     folder = rank_logs(probe)
     assert (folder / "stdout.log").read_text() == f"out {values}\n"
     assert (folder / "stderr.log").read_text() == err.removeprefix("[rank0]:") + "\n"
+
+
+def test_each_rank_gets_its_place_in_the_world_and_the_filter_picks_the_console_lines(probe):
+    result = launch(probe, "exit", "0", shown="1,2", ranks=3)
+    assert result.returncode == 0, result.stderr
+    values = "WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 GROUP_RANK=0 MASTER_PORT=29123"
+    assert (
+        result.stdout
+        == f"[rank1]:out RANK=1 LOCAL_RANK=1 {values}\n[rank2]:out RANK=2 LOCAL_RANK=2 {values}\n"
+        or (
+            result.stdout
+            == f"[rank2]:out RANK=2 LOCAL_RANK=2 {values}\n[rank1]:out RANK=1 LOCAL_RANK=1 {values}\n"
+        )
+    )
+    for rank in range(3):
+        log = (rank_logs(probe, rank) / "stdout.log").read_text()
+        assert log == f"out RANK={rank} LOCAL_RANK={rank} {values}\n"
+
+
+def test_the_first_failed_rank_stops_the_others_and_the_report_names_it(probe):
+    started = time.monotonic()
+    result = launch(probe, "fail_last", ranks=3)
+    assert result.returncode == 1 and time.monotonic() - started < 30  # the others would sleep 120 s
+    report = result.stderr.splitlines()[-1]
+    assert report.startswith("rank_probe failed: rank 2 (local_rank 2, pid "), report
+    assert (
+        "exitcode : 3;" in report
+        and f"then stopped: rank 0 {-signal.SIGTERM}, rank 1 {-signal.SIGTERM};" in report
+    )
 
 
 def test_a_hidden_rank_is_only_logged(probe):
@@ -89,15 +122,19 @@ def test_a_failed_rank_exits_1_after_a_report_with_its_exit_code(probe, args, co
     )
 
 
-def start(probe: Path, action: str) -> tuple[subprocess.Popen, int]:
-    """The launcher running the probe until it waits; the rank's pid."""
+def start(probe: Path, action: str, ranks: int = 1) -> tuple[subprocess.Popen, list[int]]:
+    """The launcher running the probe until every rank waits; the ranks' pids."""
     env = {**os.environ, "PYTHONPATH": f"{probe}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    process = subprocess.Popen(launcher_command(probe / "logs", action), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    shown = ",".join(map(str, range(ranks)))
+    process = subprocess.Popen(launcher_command(probe / "logs", action, shown=shown, ranks=ranks),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    pids = []
     for line in process.stdout:
-        if line.startswith("[rank0]:waiting "):
-            return process, int(line.split()[1])
-    raise AssertionError(f"the rank ended before waiting: {process.communicate()}")
+        if "]:waiting " in line:
+            pids.append(int(line.split()[1]))
+            if len(pids) == ranks:
+                return process, pids
+    raise AssertionError(f"a rank ended before waiting: {process.communicate()}")
 
 
 def test_a_closed_console_leaves_the_rank_running_and_logging(probe):
@@ -108,11 +145,14 @@ def test_a_closed_console_leaves_the_rank_running_and_logging(probe):
     assert len(lines) == 3002 and lines[-1].startswith("line 02999 ")
 
 
-def test_sigterm_to_the_launcher_reaches_the_rank(probe):
-    process, _ = start(probe, "term")
+def test_sigterm_to_the_launcher_reaches_every_rank(probe):
+    process, _ = start(probe, "term", ranks=2)
     process.send_signal(signal.SIGTERM)
     stdout, _ = process.communicate(timeout=60)
-    assert process.returncode == 0 and stdout == "[rank0]:got SIGTERM\n"
+    assert process.returncode == 0 and sorted(stdout.splitlines()) == [
+        "[rank0]:got SIGTERM",
+        "[rank1]:got SIGTERM",
+    ]
 
 
 def gone(pid: int, within_s: float) -> bool:
@@ -130,17 +170,17 @@ def gone(pid: int, within_s: float) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_the_rank_ends_with_the_launcher_even_on_sigkill(probe):
-    process, rank_pid = start(probe, "sleep")
+    process, pids = start(probe, "sleep", ranks=2)
     process.kill()
     process.communicate(timeout=60)
-    assert gone(rank_pid, within_s=10)
+    assert all(gone(pid, within_s=10) for pid in pids)
 
 
 def test_a_rank_that_ignores_the_forwarded_signal_is_killed_after_the_grace_time(probe, monkeypatch):
     """In this process (the grace time shortened): SIGTERM forwarded, ignored by the rank, then SIGKILL."""
     monkeypatch.setenv("PYTHONPATH", f"{probe}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    monkeypatch.setattr(launch_single, "KILL_AFTER_S", 1.0)
-    handlers = {signum: signal.getsignal(signum) for signum in launch_single.FORWARDED_SIGNALS}
+    monkeypatch.setattr(launch_local, "KILL_AFTER_S", 1.0)
+    handlers = {signum: signal.getsignal(signum) for signum in launch_local.FORWARDED_SIGNALS}
     log = probe / "logs"
 
     def signal_when_waiting():
@@ -155,7 +195,7 @@ def test_a_rank_that_ignores_the_forwarded_signal_is_killed_after_the_grace_time
     threading.Thread(target=signal_when_waiting, daemon=True).start()
     started = time.monotonic()
     try:
-        status = launch_single.main(launcher_command(log, "deaf", shown="")[3:])
+        status = launch_local.main(launcher_command(log, "deaf", shown="")[3:])
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
