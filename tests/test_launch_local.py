@@ -77,6 +77,20 @@ def test_the_rank_gets_torchruns_environment_and_its_lines_are_prefixed_and_logg
     assert (folder / "stderr.log").read_text() == err.removeprefix("[rank0]:") + "\n"
 
 
+@pytest.mark.parametrize("preset, expected", [(None, "1"), ("3", "3")])
+def test_a_ranks_environment_is_torchruns_for_its_place_on_the_node(monkeypatch, preset, expected):
+    """torchrun's agent sets NCCL's error handling to 1 (tear down) unless the caller chose a mode."""
+    if preset is None:
+        monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", preset)
+    assert launch_local.rank_env(2, 4, "node0", "29123") == {
+        "RANK": "2", "LOCAL_RANK": "2", "GROUP_RANK": "0", "ROLE_RANK": "2", "ROLE_NAME": "rank", "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "4", "MASTER_ADDR": "node0",
+        "MASTER_PORT": "29123", "TORCH_NCCL_ASYNC_ERROR_HANDLING": expected,
+    }  # fmt: skip
+
+
 def test_each_rank_gets_its_place_in_the_world_and_the_filter_picks_the_console_lines(probe):
     result = launch(probe, "exit", "0", shown="1,2", ranks=3)
     assert result.returncode == 0, result.stderr
