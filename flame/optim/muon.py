@@ -15,50 +15,130 @@ decoupled (p <- p (1 - lr wd), as AdamW).
 
 torch.optim.Muon (torch >= 2.9) implements the same method but runs the iteration in bfloat16 only and on the
 tensor it is given: under FSDP2 that is one rank's rows of the matrix, whose orthogonalisation is not the
-matrix's. This class gathers each matrix instead (``orthogonalize``): every rank all-gathers the update of each
-matrix (in the iteration's dtype), orthogonalises the whole matrix and keeps its own rows. The compute is
-repeated on every rank, which costs 5 x 3 matmuls per matrix per step, small against a step's forward and
-backward for the block sizes flame trains; handing whole matrices to different ranks would divide it but needs
-a scatter back per matrix.
+matrix's. This class gathers each matrix instead (``orthogonalize``): every rank all-gathers the updates,
+orthogonalises the whole matrices and keeps its own rows. The compute is repeated on every rank; handing whole
+matrices to different ranks would divide it but needs a scatter back.
+
+A step is a few launches per shape, not per matrix: the momentum, the weight decay and the update are foreach ops
+over the parameters' local tensors, and the matrices of one shape and layout are stacked into one batched
+Newton-Schulz iteration (one all-gather per stack under FSDP2): one matrix at a time, the iteration's 20-odd small
+kernels and DTensor's dispatch per matrix bind the step to the host (docs/performance.md, "Muon against AdamW").
 """
 
 import math
+from collections import defaultdict
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 # Keller Jordan's quintic coefficients (the post above): a steep slope at 0 (3.4445) while five iterations of
 # the polynomial keep [1/200, 1] within [0.68, 1.16].
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# The most elements a stack of matrices orthogonalised together holds: it bounds the stack's memory (its copies
+# and the iteration's products, a few times this in the iteration's dtype) for large matrices.
+STACK_ELEMENTS = 1 << 26
 
 
 def newton_schulz(matrix: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """U f(S) V^T for matrix = U S V^T, f the iterated quintic on S / ||matrix||_F; in ``dtype``."""
+    """U f(S) V^T for matrix = U S V^T, f the iterated quintic on S / ||matrix||_F; in ``dtype``. A stack
+    [..., m, n] is orthogonalised matrix by matrix."""
     a, b, c = NS_COEFFICIENTS
     x = matrix.to(dtype)
-    tall = x.shape[0] > x.shape[1]
+    tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
+    wide_shape = x.shape
+    x = x.reshape(-1, *wide_shape[-2:])
     # The norm in float32 at least; the clamp keeps a zero update zero.
-    norm = torch.linalg.matrix_norm(x.float() if x.dtype == torch.bfloat16 else x)
+    norm = torch.linalg.matrix_norm(x.float() if x.dtype == torch.bfloat16 else x, keepdim=True)
     x = x / norm.clamp_min(1e-7).to(dtype)
     for _ in range(steps):
         gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        # b gram + c gram^2, then a x + (that) x: the scalings ride in the matmuls.
+        polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, polynomial, x, beta=a)
+    x = x.reshape(wide_shape)
     return x.mT if tall else x
 
 
-def orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """newton_schulz of the whole matrix, in update's dtype and layout: a DTensor's shards (FSDP2's rows, HSDP,
-    tensor parallelism) are gathered, and each rank keeps its own part of the result."""
-    if not isinstance(update, DTensor):
-        return newton_schulz(update, steps, dtype).to(update.dtype)
-    mesh = update.device_mesh
-    full = newton_schulz(update.to(dtype).full_tensor(), steps, dtype).to(update.dtype)
-    # Replicate -> the original placements takes each rank's part locally, without communication.
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (a view: in-place ops on it change the DTensor), or the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _layout(param: torch.Tensor):
+    """What decides how a parameter's update is gathered: its shape, and a DTensor's mesh and placements."""
+    if isinstance(param, DTensor):
+        return tuple(param.shape), param.device_mesh, tuple(param.placements)
+    return tuple(param.shape), None, None
+
+
+def _stacked_placements(placements) -> list | None:
+    """The placements of a stack [G, m, n] of matrices laid out as ``placements``: each shard moves one dimension
+    up. None for placements other than Shard and Replicate (strided shards of FSDP2 over tensor parallelism)."""
+    if not all(type(p) in (Shard, Replicate) for p in placements):
+        return None
+    return [Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements]
+
+
+def _orthogonalize_stack(updates: list[torch.Tensor], like: torch.Tensor, steps: int, dtype: torch.dtype):
+    """newton_schulz of each whole matrix of a stack of local updates laid out as ``like``; each rank's parts."""
+    stack = torch.stack([update.to(dtype) for update in updates])
+    if not isinstance(like, DTensor):
+        return newton_schulz(stack, steps, dtype).unbind(0)
+    mesh = like.device_mesh
+    placements = _stacked_placements(like.placements)
+    shape = torch.Size((len(updates), *like.shape))
+    sharded = DTensor.from_local(
+        stack,
+        mesh,
+        placements,
+        run_check=False,
+        shape=shape,
+        stride=torch.empty(shape, device="meta").stride(),
+    )
+    full = newton_schulz(sharded.full_tensor(), steps, dtype)
+    # Replicate -> the stack's placements takes each rank's part locally, without communication.
     replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return replicated.redistribute(mesh, update.placements)
+    return replicated.redistribute(mesh, placements).to_local().unbind(0)
+
+
+def _orthogonalize_one(update: torch.Tensor, like: DTensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """newton_schulz of one whole matrix from its local update, for any placements; this rank's part."""
+    mesh = like.device_mesh
+    sharded = DTensor.from_local(
+        update.to(dtype), mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+    full = newton_schulz(sharded.full_tensor(), steps, dtype)
+    replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, like.placements).to_local()
+
+
+def orthogonalize(
+    updates: list[torch.Tensor], params: list[torch.Tensor], steps: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """newton_schulz of each whole matrix, in its update's dtype: ``updates`` are the local parts of updates laid
+    out as ``params`` (a DTensor's shards, FSDP2's rows, HSDP or tensor parallelism, are gathered and each rank
+    keeps its own part of the result). Matrices of one layout are stacked and orthogonalised together."""
+    results: list[torch.Tensor | None] = [None] * len(updates)
+    by_layout = defaultdict(list)
+    for index, param in enumerate(params):
+        by_layout[_layout(param)].append(index)
+    for (shape, _, placements), indices in by_layout.items():
+        like = params[indices[0]]
+        if placements is not None and _stacked_placements(placements) is None:
+            for i in indices:
+                results[i] = _orthogonalize_one(updates[i], like, steps, dtype)
+        else:
+            per_stack = max(1, STACK_ELEMENTS // math.prod(shape))
+            for start in range(0, len(indices), per_stack):
+                chunk = indices[start : start + per_stack]
+                for i, result in zip(
+                    chunk, _orthogonalize_stack([updates[i] for i in chunk], like, steps, dtype)
+                ):
+                    results[i] = result
+    return [result.to(update.dtype) for result, update in zip(results, updates)]
 
 
 def rms_matching_scale(shape: torch.Size) -> float:
@@ -107,17 +187,26 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                state = self.state[param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad)
-                buffer = state["momentum_buffer"]
-                buffer.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-                update = orthogonalize(update, group["ns_steps"], self.ns_dtype)
-                param.mul_(1 - lr * group["weight_decay"])
-                param.add_(update, alpha=-lr * rms_matching_scale(param.shape))
+            params = [param for param in group["params"] if param.grad is not None]
+            if not params:
+                continue
+            for param in params:
+                if "momentum_buffer" not in self.state[param]:
+                    self.state[param]["momentum_buffer"] = torch.zeros_like(param.grad)
+            grads = [local(param.grad) for param in params]
+            buffers = [local(self.state[param]["momentum_buffer"]) for param in params]
+            torch._foreach_lerp_(buffers, grads, 1 - momentum)
+            updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+            updates = orthogonalize(updates, params, group["ns_steps"], self.ns_dtype)
+            weights = [local(param) for param in params]
+            torch._foreach_mul_(weights, 1 - lr * group["weight_decay"])
+            by_shape = defaultdict(list)
+            for index, param in enumerate(params):
+                by_shape[param.shape].append(index)
+            for shape, indices in by_shape.items():
+                torch._foreach_add_(
+                    [weights[i] for i in indices],
+                    [updates[i] for i in indices],
+                    alpha=-lr * rms_matching_scale(shape),
+                )
         return loss

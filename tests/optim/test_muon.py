@@ -1,15 +1,18 @@
-"""Muon (flame.optim.muon): the Newton-Schulz iteration against its SVD form, the step against a float64
-reference, the Muon/AdamW split, and a run that trains and resumes exactly. FSDP2 on 2 gloo ranks against one
-process: the fsdp2_muon setting of tests/parallelize/test_parallel_training.py."""
+"""Muon (flame.optim.muon): the Newton-Schulz iteration against its SVD form, stacks of matrices against one
+matrix at a time, the step against a float64 reference, whole matrices gathered from the shards of 2 gloo ranks,
+the Muon/AdamW split, and a run that trains and resumes exactly. FSDP2 on 2 gloo ranks against one process: the
+fsdp2_muon setting of tests/parallelize/test_parallel_training.py."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from flame.config import parse_args
-from flame.optim import build_optimizers
-from flame.optim.muon import NS_COEFFICIENTS, Muon, newton_schulz
+from flame.optim import build_optimizers, muon
+from flame.optim.muon import NS_COEFFICIENTS, Muon, newton_schulz, orthogonalize
 from flame.optim.optimizer import MuonOptimizersContainer
 from tests.models.helpers import tiny_model
 from tests.trainer_helpers import tensorboard_scalars
@@ -47,6 +50,13 @@ def test_newton_schulz_is_the_svd_form_and_near_orthogonal(shape):
         assert low <= singular_values.min() and singular_values.max() <= high, (dtype, singular_values)
 
 
+@pytest.mark.parametrize("shape", [(3, 37, 91), (2, 91, 37)])
+def test_a_stack_is_orthogonalised_matrix_by_matrix(shape):
+    stack = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    one_by_one = torch.stack([newton_schulz(matrix, dtype=torch.float64) for matrix in stack])
+    torch.testing.assert_close(newton_schulz(stack, dtype=torch.float64), one_by_one, rtol=0, atol=1e-12)
+
+
 def test_two_steps_match_the_float64_formula():
     """momentum buffer, Nesterov mix, decoupled weight decay and Moonlight's 0.2 sqrt(max(m, n)) scale."""
     g = torch.Generator().manual_seed(0)
@@ -64,6 +74,80 @@ def test_two_steps_match_the_float64_formula():
     torch.testing.assert_close(param.detach().double(), expected, rtol=0, atol=2e-6)
     # The update's RMS is AdamW's 0.2 (times the band of the singular values).
     assert 0.2 * 0.68 < (0.2 * math.sqrt(57) * svd_reference(grads[0])).pow(2).mean().sqrt() < 0.2 * 1.16
+
+
+def test_a_step_over_matrices_of_several_shapes_matches_the_float64_formula(monkeypatch):
+    """Matrices of one shape share stacks (two per stack here, so three of one shape make two stacks); a
+    parameter without a gradient is left alone."""
+    monkeypatch.setattr(muon, "STACK_ELEMENTS", 2 * 23 * 57)
+    g = torch.Generator().manual_seed(2)
+    shapes = [(23, 57), (57, 23), (23, 57), (5, 9), (23, 57)]
+    params = [torch.nn.Parameter(torch.randn(*shape, generator=g)) for shape in shapes]
+    idle = torch.nn.Parameter(torch.randn(7, 7, generator=g))
+    lr, momentum, weight_decay = 0.02, 0.9, 0.1
+    optimizer = Muon([*params, idle], lr=lr, momentum=momentum, weight_decay=weight_decay, ns_dtype="float32")
+    expected = [p.detach().double().clone() for p in params]
+    buffers = [torch.zeros(shape, dtype=torch.float64) for shape in shapes]
+    idle_before = idle.detach().clone()
+    for _ in range(2):
+        grads = [torch.randn(*shape, generator=g) for shape in shapes]
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        optimizer.step()
+        for i, grad in enumerate(grads):
+            buffers[i] = momentum * buffers[i] + (1 - momentum) * grad.double()
+            update = svd_reference(grad.double() + momentum * (buffers[i] - grad.double()))
+            scale = 0.2 * math.sqrt(max(shapes[i]))
+            expected[i] = expected[i] * (1 - lr * weight_decay) - lr * scale * update
+    for param, want in zip(params, expected):
+        torch.testing.assert_close(param.detach().double(), want, rtol=0, atol=2e-6)
+    assert torch.equal(idle.detach(), idle_before) and idle not in optimizer.state
+
+
+def _sharded_worker(rank: int, rendezvous: str, out: str) -> None:
+    """Each rank orthogonalises its parts of matrices laid out across 2 ranks: rows (uneven: 37 rows), columns,
+    rows of a (3, 91) matrix (a rank with one row), and strided rows (FSDP2 over tensor parallelism; gathered
+    one by one); the parts must be those of the whole matrices' iteration."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        g = torch.Generator().manual_seed(3)
+        cases = [
+            ((37, 91), Shard(0)),
+            ((37, 91), Shard(0)),
+            ((37, 91), Shard(0)),
+            ((91, 37), Shard(1)),
+            ((3, 91), Shard(0)),
+            ((40, 24), _StridedShard(0, split_factor=2)),
+        ]
+        wholes = [torch.randn(*shape, dtype=torch.float64, generator=g) for shape, _ in cases]
+        layouts = [distribute_tensor(w, mesh, [placement]) for w, (_, placement) in zip(wholes, cases)]
+        parts = orthogonalize([d.to_local() for d in layouts], layouts, 5, torch.float64)
+        errors = []
+        for whole, layout, part in zip(wholes, layouts, parts):
+            want = distribute_tensor(
+                newton_schulz(whole, dtype=torch.float64), mesh, layout.placements
+            ).to_local()
+            errors.append((tuple(part.shape) == tuple(want.shape), (part - want).abs().max().item()))
+        Path(out.format(rank=rank)).write_text(json.dumps(errors))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_matrices_are_orthogonalised_whole(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "rank{rank}.json")
+    mp.spawn(_sharded_worker, args=(str(tmp_path / "rendezvous"), out), nprocs=2, join=True)
+    for rank in (0, 1):
+        for same_shape, error in json.loads(Path(out.format(rank=rank)).read_text()):
+            assert same_shape and error < 1e-12, (rank, error)
 
 
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
