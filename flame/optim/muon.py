@@ -15,13 +15,14 @@ decoupled (p <- p (1 - lr wd), as AdamW).
 
 torch.optim.Muon (torch >= 2.9) implements the same method but runs the iteration in bfloat16 only and on the
 tensor it is given: under FSDP2 that is one rank's rows of the matrix, whose orthogonalisation is not the
-matrix's. This class gathers each matrix instead (``orthogonalize``): every rank all-gathers the updates,
-orthogonalises the whole matrices and keeps its own rows. The compute is repeated on every rank; handing whole
-matrices to different ranks would divide it but needs a scatter back.
+matrix's. This class orthogonalises whole matrices instead (``orthogonalize``), each on one rank: the shards of
+a stack of updates are exchanged so that every rank holds whole matrices, 1/N of the stack (an all-to-all over the
+N ranks that shard them), each rank iterates on its own, and a second exchange returns every rank its rows. The
+iteration's compute and the traffic are divided among the ranks instead of repeated on each.
 
 A step is a few launches per shape, not per matrix: the momentum, the weight decay and the update are foreach ops
 over the parameters' local tensors, and the matrices of one shape and layout are stacked into one batched
-Newton-Schulz iteration (one all-gather per stack under FSDP2): one matrix at a time, the iteration's 20-odd small
+Newton-Schulz iteration (two exchanges per stack under FSDP2): one matrix at a time, the iteration's 20-odd small
 kernels and DTensor's dispatch per matrix bind the step to the host (docs/performance.md, "Muon against AdamW").
 """
 
@@ -82,26 +83,29 @@ def _stacked_placements(placements) -> list | None:
     return [Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements]
 
 
+def _owner_placements(placements) -> list | None:
+    """Placements of a stack that give every rank whole matrices: the stack split over the first mesh dimension
+    that shards the matrices, replicated over the others. None where no mesh dimension shards them."""
+    sharding = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    if not sharding:
+        return None
+    return [Shard(0) if i == sharding[0] else Replicate() for i in range(len(placements))]
+
+
 def _orthogonalize_stack(updates: list[torch.Tensor], like: torch.Tensor, steps: int, dtype: torch.dtype):
     """newton_schulz of each whole matrix of a stack of local updates laid out as ``like``; each rank's parts."""
     stack = torch.stack([update.to(dtype) for update in updates])
-    if not isinstance(like, DTensor):
+    owners = _owner_placements(like.placements) if isinstance(like, DTensor) else None
+    if owners is None:  # every rank holds whole matrices
         return newton_schulz(stack, steps, dtype).unbind(0)
     mesh = like.device_mesh
     placements = _stacked_placements(like.placements)
     shape = torch.Size((len(updates), *like.shape))
-    sharded = DTensor.from_local(
-        stack,
-        mesh,
-        placements,
-        run_check=False,
-        shape=shape,
-        stride=torch.empty(shape, device="meta").stride(),
-    )
-    full = newton_schulz(sharded.full_tensor(), steps, dtype)
-    # Replicate -> the stack's placements takes each rank's part locally, without communication.
-    replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return replicated.redistribute(mesh, placements).to_local().unbind(0)
+    stride = torch.empty(shape, device="meta").stride()
+    sharded = DTensor.from_local(stack, mesh, placements, run_check=False, shape=shape, stride=stride)
+    owned = newton_schulz(sharded.redistribute(mesh, owners).to_local(), steps, dtype)
+    result = DTensor.from_local(owned, mesh, owners, run_check=False, shape=shape, stride=stride)
+    return result.redistribute(mesh, placements).to_local().unbind(0)
 
 
 def _orthogonalize_one(update: torch.Tensor, like: DTensor, steps: int, dtype: torch.dtype) -> torch.Tensor:

@@ -104,30 +104,41 @@ def test_a_step_over_matrices_of_several_shapes_matches_the_float64_formula(monk
     assert torch.equal(idle.detach(), idle_before) and idle not in optimizer.state
 
 
-def _sharded_worker(rank: int, rendezvous: str, out: str) -> None:
-    """Each rank orthogonalises its parts of matrices laid out across 2 ranks: rows (uneven: 37 rows), columns,
-    rows of a (3, 91) matrix (a rank with one row), and strided rows (FSDP2 over tensor parallelism; gathered
-    one by one); the parts must be those of the whole matrices' iteration."""
+def _sharded_worker(rank: int, world: int, rendezvous: str, out: str) -> None:
+    """Each rank orthogonalises its parts of matrices laid out over the ranks; the parts must be those of the whole
+    matrices' iteration. 2 ranks: rows (uneven: 37 rows), columns, a lone (3, 91) matrix (one rank owns it, the
+    other none), strided rows (FSDP2 over tensor parallelism; gathered one by one). 4 ranks as 2 x 2: HSDP's
+    layout (replicated, rows) and rows x columns."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (2,))
+        if world == 2:
+            mesh = init_device_mesh("cpu", (2,))
+            cases = [
+                ((37, 91), [Shard(0)]),
+                ((37, 91), [Shard(0)]),
+                ((37, 91), [Shard(0)]),
+                ((91, 37), [Shard(1)]),
+                ((3, 91), [Shard(0)]),
+                ((40, 24), [_StridedShard(0, split_factor=2)]),
+            ]
+        else:
+            mesh = init_device_mesh("cpu", (2, 2))
+            cases = [
+                ((37, 91), [Replicate(), Shard(0)]),
+                ((37, 91), [Replicate(), Shard(0)]),
+                ((37, 91), [Replicate(), Shard(0)]),
+                ((30, 45), [Shard(0), Shard(1)]),
+                ((30, 45), [Shard(0), Shard(1)]),
+            ]
         g = torch.Generator().manual_seed(3)
-        cases = [
-            ((37, 91), Shard(0)),
-            ((37, 91), Shard(0)),
-            ((37, 91), Shard(0)),
-            ((91, 37), Shard(1)),
-            ((3, 91), Shard(0)),
-            ((40, 24), _StridedShard(0, split_factor=2)),
-        ]
         wholes = [torch.randn(*shape, dtype=torch.float64, generator=g) for shape, _ in cases]
-        layouts = [distribute_tensor(w, mesh, [placement]) for w, (_, placement) in zip(wholes, cases)]
+        layouts = [distribute_tensor(w, mesh, placements) for w, (_, placements) in zip(wholes, cases)]
         parts = orthogonalize([d.to_local() for d in layouts], layouts, 5, torch.float64)
         errors = []
         for whole, layout, part in zip(wholes, layouts, parts):
@@ -140,13 +151,16 @@ def _sharded_worker(rank: int, rendezvous: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_sharded_matrices_are_orthogonalised_whole(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_matrices_are_orthogonalised_whole(tmp_path, world):
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "rank{rank}.json")
-    mp.spawn(_sharded_worker, args=(str(tmp_path / "rendezvous"), out), nprocs=2, join=True)
-    for rank in (0, 1):
-        for same_shape, error in json.loads(Path(out.format(rank=rank)).read_text()):
+    mp.spawn(_sharded_worker, args=(world, str(tmp_path / "rendezvous"), out), nprocs=world, join=True)
+    for rank in range(world):
+        errors = json.loads(Path(out.format(rank=rank)).read_text())
+        assert len(errors) == (6 if world == 2 else 5)
+        for same_shape, error in errors:
             assert same_shape and error < 1e-12, (rank, error)
 
 
