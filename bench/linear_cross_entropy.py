@@ -10,13 +10,18 @@ none; ``--z_loss`` adds it to flame's rows):
   ``fuse_linear_cross_entropy`` false computes it;
 - flame fused: flame/ops/linear_cross_entropy.py's PyTorch implementation (chunk size ``--chunk_size``, default
   Liger's rule), the dispatch table's default;
-- FLA fused: FLA 0.6.0's Triton ``fused_linear_cross_entropy_loss`` (CUDA only), the table's ``fla`` backend.
+- FLA fused: FLA 0.6.0's Triton ``fused_linear_cross_entropy_loss`` (CUDA only), the table's ``fla`` backend;
+- Liger fused: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (Triton; its z-loss is ``lse_square_scale``),
+  where ``liger-kernel`` is installed (the ``liger`` extra): on a GPU, or on a CPU under Triton's interpreter
+  (``TRITON_INTERPRET=1``).
 Times are medians of ``--repeats`` timed runs after two untimed ones (CUDA events on a GPU); peak is the most memory
 allocated during one forward + backward beyond the inputs, weight and their gradients' buffers. The markdown table
 goes into docs/performance.md between ``<!-- bench_linear_cross_entropy -->`` markers.
 """
 
 import argparse
+import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -51,10 +56,22 @@ def fused(backend: str):
     return loss
 
 
+def liger(hidden, weight, labels, z_loss, chunk_size):
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    loss = LigerFusedLinearCrossEntropyLoss(
+        ignore_index=IGNORE_INDEX, lse_square_scale=z_loss, reduction="sum"
+    )
+    return loss(weight, hidden, labels)
+
+
 def implementations(device: torch.device, z_loss: float) -> dict:
     impls = {"unfused (logits + loss_sums)": unfused, "flame fused (PyTorch, chunked)": fused("torch")}
     if device.type == "cuda" and z_loss == 0:
         impls["FLA fused (Triton)"] = fused("fla")
+    triton_runs = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if triton_runs and importlib.util.find_spec("liger_kernel") is not None:
+        impls["Liger fused (Triton)"] = liger
     return impls
 
 

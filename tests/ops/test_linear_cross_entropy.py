@@ -118,6 +118,35 @@ def test_bench_smoke_on_cpu_writes_its_section(tmp_path, monkeypatch):
     assert rows[0][-1] == rows[1][-1]  # the same loss per token, to 4 decimals
 
 
+@pytest.mark.parametrize("z_loss", ["0", "0.001"])
+def test_bench_calls_liger_as_flame_computes_the_loss(tmp_path, z_loss):
+    """The bench's Liger row (Liger-Kernel's Triton kernels under Triton's interpreter, on the CPU) gives the unfused
+    loss per token, z-loss included: the bench calls it with the arguments in its order, flame's ignore index and
+    the z-loss as its lse_square_scale."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    doc = tmp_path / "performance.md"
+    command = [sys.executable, str(repo / "bench" / "linear_cross_entropy.py"), "--device", "cpu", "--tiny",
+               "--z_loss", z_loss, "--doc", str(doc)]  # fmt: skip
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    section = doc.read_text().split("<!-- bench_linear_cross_entropy -->")[1]
+    rows = {
+        r.split(" | ")[1]: r.split(" | ")[-1] for r in section.splitlines() if r.startswith("| 96 x 300 x 32")
+    }
+    assert set(rows) == {
+        "unfused (logits + loss_sums)",
+        "flame fused (PyTorch, chunked)",
+        "Liger fused (Triton)",
+    }
+    assert rows["Liger fused (Triton)"] == rows["unfused (logits + loss_sums)"]
+
+
 def test_cuda_calls_pinned_to_fla_reach_its_kernel_with_arguments_it_accepts(monkeypatch):
     """Without a GPU: CPU tensors that claim is_cuda walk the fla backend down to FLA 0.6.0's
     fused_linear_cross_entropy_loss, replaced by a recorder bound to its signature; with z-loss (which FLA lacks)
