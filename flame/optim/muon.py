@@ -5,8 +5,8 @@ replace the (Nesterov) update G = U S V^T by an approximation of U V^T, and step
 the quintic Newton-Schulz iteration X <- a X + (b X X^T + c (X X^T)^2) X, started from G / ||G||_F (the Frobenius
 norm bounds the spectral norm, so every singular value starts in [0, 1]); with Jordan's coefficients
 (3.4445, -4.7750, 2.0315) five iterations take every singular value of at least ||G||_F / 200 into
-[0.68, 1.16] (not to 1: the iteration trades exact convergence for a steep start at 0). The iteration works on the smaller
-Gram matrix (the transpose of a tall matrix).
+[0.68, 1.16] (not to 1: the iteration trades exact convergence for a steep start at 0). The iteration works on
+the smaller Gram matrix (the transpose of a tall matrix).
 
 The step is scaled as Moonlight does (Liu et al. 2025, "Muon is Scalable for LLM Training", arXiv:2502.16982):
 an orthogonal m x n update has RMS 1 / sqrt(max(m, n)); times 0.2 sqrt(max(m, n)) its RMS is 0.2, the RMS of
@@ -22,8 +22,8 @@ iteration's compute and the traffic are divided among the ranks instead of repea
 
 A step is a few launches per shape, not per matrix: the momentum, the weight decay and the update are foreach ops
 over the parameters' local tensors, and the matrices of one shape and layout are stacked into one batched
-Newton-Schulz iteration (two exchanges per stack under FSDP2): one matrix at a time, the iteration's 20-odd small
-kernels and DTensor's dispatch per matrix bind the step to the host (docs/performance.md, "Muon against AdamW").
+Newton-Schulz iteration. One matrix at a time, the iteration's 20-odd small kernels and DTensor's dispatch bind the
+step to the host (docs/performance.md, "Muon against AdamW").
 """
 
 import math
