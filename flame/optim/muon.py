@@ -93,11 +93,12 @@ def _owner_placements(placements) -> list | None:
 
 
 def _orthogonalize_stack(updates: list[torch.Tensor], like: torch.Tensor, steps: int, dtype: torch.dtype):
-    """newton_schulz of each whole matrix of a stack of local updates laid out as ``like``; each rank's parts."""
-    stack = torch.stack([update.to(dtype) for update in updates])
+    """newton_schulz of each whole matrix of a stack of local updates laid out as ``like``; each rank's parts, in
+    the updates' dtype (one cast per stack each way)."""
+    stack = torch.stack(updates, out=updates[0].new_empty((len(updates), *updates[0].shape), dtype=dtype))
     owners = _owner_placements(like.placements) if isinstance(like, DTensor) else None
     if owners is None:  # every rank holds whole matrices
-        return newton_schulz(stack, steps, dtype).unbind(0)
+        return newton_schulz(stack, steps, dtype).to(updates[0].dtype).unbind(0)
     mesh = like.device_mesh
     placements = _stacked_placements(like.placements)
     shape = torch.Size((len(updates), *like.shape))
@@ -105,18 +106,19 @@ def _orthogonalize_stack(updates: list[torch.Tensor], like: torch.Tensor, steps:
     sharded = DTensor.from_local(stack, mesh, placements, run_check=False, shape=shape, stride=stride)
     owned = newton_schulz(sharded.redistribute(mesh, owners).to_local(), steps, dtype)
     result = DTensor.from_local(owned, mesh, owners, run_check=False, shape=shape, stride=stride)
-    return result.redistribute(mesh, placements).to_local().unbind(0)
+    return result.redistribute(mesh, placements).to_local().to(updates[0].dtype).unbind(0)
 
 
 def _orthogonalize_one(update: torch.Tensor, like: DTensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """newton_schulz of one whole matrix from its local update, for any placements; this rank's part."""
+    """newton_schulz of one whole matrix from its local update, for any placements; this rank's part, in the
+    update's dtype."""
     mesh = like.device_mesh
     sharded = DTensor.from_local(
         update.to(dtype), mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
     )
     full = newton_schulz(sharded.full_tensor(), steps, dtype)
     replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return replicated.redistribute(mesh, like.placements).to_local()
+    return replicated.redistribute(mesh, like.placements).to_local().to(update.dtype)
 
 
 def orthogonalize(
@@ -142,7 +144,7 @@ def orthogonalize(
                     chunk, _orthogonalize_stack([updates[i] for i in chunk], like, steps, dtype)
                 ):
                     results[i] = result
-    return [result.to(update.dtype) for result, update in zip(results, updates)]
+    return results
 
 
 def rms_matching_scale(shape: torch.Size) -> float:
