@@ -1,8 +1,10 @@
-"""User-facing errors: raised for bad input, printed as one line by the entry points."""
+"""User-facing errors: raised for bad input or a machine the run cannot go on with, printed as one line by the entry
+points."""
 
 
 class FlameError(Exception):
-    """A mistake in the user's input (config, files, flags). The message says what is wrong and what to do."""
+    """A mistake in the user's input (config, files, flags), or something of the machine the run cannot go on with.
+    The message says what is wrong and what to do."""
 
 
 class ConfigError(FlameError):
@@ -11,6 +13,11 @@ class ConfigError(FlameError):
 
 class ModelConfigError(FlameError):
     """A bad value in a model config JSON."""
+
+
+class KernelBuildError(FlameError):
+    """A kernel that does not build on this machine, where the run cannot go on without it; the message names the
+    backend to turn off."""
 
 
 def first_line(error: BaseException) -> str:

@@ -13,8 +13,11 @@ log adds no graph break); a backend that is not installed only where no other ke
 whose kernel fails to build in an eager call (an error of Triton, TileLang or TVM, or raised from one: a Triton
 CompilationError, a config past the GPU's shared memory, nvcc failing under TileLang) is out for the rest of the
 process, with one log line, and the call goes to the next backend that takes it. Under torch.compile the backend
-is chosen while tracing, and a kernel that fails to build inside the compiled graph, or in the backward pass of an
-eager call, still raises. A call on any other device runs the PyTorch implementation. An op marked ``eager_only``
+is chosen while tracing, so a kernel that fails to build inside the compiled graph, or in the backward pass of an
+eager call, raises out of the step; :func:`take_out_failed_backends` finds the backend in the error's traceback (its
+``run`` or its ``code``) and takes it out, and the training step starts over without it (flame.train.step). The
+environment variable ``FLAME_BACKENDS_OFF`` (``op:backend`` pairs, comma-separated) takes backends out from the
+start. A call on any other device runs the PyTorch implementation. An op marked ``eager_only``
 runs its PyTorch code under torch.compile too, where inductor fuses it with the code around it (a kernel call would
 split the compiled graph).
 
@@ -23,12 +26,13 @@ Adding a backend is one entry in its op's ``register_op`` call.
 
 import importlib.util
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from flame.errors import first_line
+from flame.errors import ConfigError, first_line
 
 logger = logging.getLogger(__name__)
 # Packages whose exceptions mean that a kernel did not build (its compiler, not the call's arguments), and those
@@ -61,6 +65,14 @@ class Backend:
     """Called with the op's arguments: why this backend cannot serve the call (one phrase), or None when it can"""
     requires: tuple[str, ...] = ()
     """Top-level modules that must be importable for the backend to run at all"""
+    code: tuple[str, ...] = ()
+    """Where the backend's kernels launch without ``run`` on the stack: prefixes of the ``module.function`` names of
+    the code a compiled graph calls (the backend's custom ops) or an autograd Function's backward runs"""
+
+    def runs_in(self, frame: str) -> bool:
+        """Whether the code named ``frame`` (``module.qualified_name``) is this backend's."""
+        own = f"{getattr(self.run, '__module__', '')}.{getattr(self.run, '__qualname__', '')}"
+        return frame == own or frame.startswith(self.code)
 
 
 @dataclass
@@ -73,7 +85,7 @@ class Op:
     """Per backend, the required modules this process cannot import (looked up once, at registration)"""
     pinned: str | None = field(default=None, init=False)
     failed: dict[str, str] = field(default_factory=dict, init=False)
-    """Per backend whose kernel failed to build in this process, why"""
+    """Per backend out for this process (its kernel failed to build, or FLAME_BACKENDS_OFF names it), why"""
 
     def __call__(self, x: torch.Tensor, *args, **kwargs):
         """Run the call ``(x, *args, **kwargs)`` on what serves it; the main input ``x`` decides the device."""
@@ -97,7 +109,7 @@ class Op:
 
     def choose(self, x: torch.Tensor, *args, **kwargs) -> tuple[str, Callable]:
         """The name ("pytorch" for the PyTorch implementation) and function of what serves the call."""
-        if not x.is_cuda or (self.eager_only and torch.compiler.is_compiling()):
+        if not self.runs_kernels_for(x) or (self.eager_only and torch.compiler.is_compiling()):
             return "pytorch", self.torch_impl
         refused, absent = [], []
         for name in [self.pinned] if self.pinned else self.cuda_backends:
@@ -114,6 +126,11 @@ class Op:
                 refused.append((name, reason))
         self._log_passed_over(refused + absent, "pytorch")
         return "pytorch", self.torch_impl
+
+    @staticmethod
+    def runs_kernels_for(x: torch.Tensor) -> bool:
+        """Whether a call whose main input is ``x`` goes to the backends (CUDA tensors) or to the PyTorch code."""
+        return x.is_cuda
 
     def _log_passed_over(self, passed_over: list[tuple[str, str]], server: str) -> None:
         for backend, reason in passed_over:
@@ -158,6 +175,77 @@ def package_of(module_globals: dict) -> str:
     return str(module_globals.get("__name__", "")).split(".")[0]
 
 
+def take_out_failed_backends(error: BaseException) -> list[tuple[str, str]]:
+    """Where ``error`` is a kernel build failure raised in a backend's code, that backend is out for the rest of the
+    process, as an eager call's is (its calls go on to the next backend, with the one log line); returns the (op,
+    backend) pairs taken out, none where the error is not such a failure. The innermost frame of the traceback that
+    some backend claims (``Backend.run``, ``Backend.code``) names it; several backends that share the code are all
+    taken out."""
+    if not kernel_build_failure(error):
+        return []
+    for frame in _frames_innermost_first(error):
+        owners = [
+            (op, name)
+            for op in _TABLE.values()
+            for name, backend in op.cuda_backends.items()
+            if name not in op.failed and backend.runs_in(frame)
+        ]
+        if owners:
+            for op, name in owners:
+                op.failed[name] = f"failed to build its kernel ({type(error).__name__}: {first_line(error)})"
+            return [(op.name, name) for op, name in owners]
+    return []
+
+
+def why_out(op: str, backend: str) -> str:
+    """One line: why ``backend`` of ``op`` serves no call of this process."""
+    return f"{op}: the {backend} backend {_lookup(op).failed[backend]}"
+
+
+def _frames_innermost_first(error: BaseException) -> list[str]:
+    """``module.qualified_name`` of each frame of ``error``'s traceback and of the errors it was raised from, the
+    first raised error's innermost frame first."""
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    frames = []
+    for raised in reversed(chain):
+        names = []
+        traceback = raised.__traceback__
+        while traceback is not None:
+            code = traceback.tb_frame.f_code
+            names.append(f"{traceback.tb_frame.f_globals.get('__name__', '')}.{code.co_qualname}")
+            traceback = traceback.tb_next
+        frames.extend(reversed(names))
+    return frames
+
+
+# FLAME_BACKENDS_OFF: "op:backend" pairs, comma-separated, of backends no call of this process runs.
+BACKENDS_OFF_VARIABLE = "FLAME_BACKENDS_OFF"
+
+
+def _backends_off() -> list[tuple[str, str]]:
+    pairs = filter(None, (pair.strip() for pair in os.environ.get(BACKENDS_OFF_VARIABLE, "").split(",")))
+    return [tuple(pair.partition(":")[::2]) for pair in pairs]
+
+
+def check_backends_off() -> None:
+    """Raise ConfigError where FLAME_BACKENDS_OFF names no op of the table or no backend of its op (called once the
+    ops are registered: flame.train.kernels)."""
+    for op, backend in _backends_off():
+        if op not in _TABLE:
+            raise ConfigError(
+                f"{BACKENDS_OFF_VARIABLE}: no op {op!r} has backends; those that do: {', '.join(sorted(_TABLE))}"
+            )
+        if backend not in _TABLE[op].cuda_backends:
+            raise ConfigError(
+                f"{BACKENDS_OFF_VARIABLE}: {op} has no backend {backend!r}; its backends: "
+                f"{', '.join(_TABLE[op].cuda_backends)}"
+            )
+
+
 _TABLE: dict[str, Op] = {}
 
 
@@ -182,8 +270,12 @@ def register_op(
         for key, backend in backends.items()
         if (missing := tuple(m for m in backend.requires if importlib.util.find_spec(m) is None))
     }
-    _TABLE[name] = Op(name, torch_impl, backends, eager_only, missing)
-    return _TABLE[name]
+    entry = Op(name, torch_impl, backends, eager_only, missing)
+    entry.failed.update(
+        {backend: f"is turned off ({BACKENDS_OFF_VARIABLE})" for op, backend in _backends_off() if op == name}
+    )
+    _TABLE[name] = entry
+    return entry
 
 
 def backend_names(op: str) -> tuple[str, ...]:

@@ -175,7 +175,12 @@ LINEAR_CROSS_ENTROPY = dispatch.register_op(
     linear_cross_entropy_torch,
     {
         "torch": linear_cross_entropy_torch,
-        "fla": dispatch.Backend(fla_linear_cross_entropy, refuses=fla_refuses, requires=("fla",)),
+        "fla": dispatch.Backend(
+            fla_linear_cross_entropy,
+            refuses=fla_refuses,
+            requires=("fla",),
+            code=("fla.modules.fused_linear_cross_entropy.",),
+        ),
     },
 )
 

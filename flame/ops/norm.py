@@ -73,9 +73,18 @@ def fla_gated_rms_norm(
     return fla_op(x, gate, weight, None, activation=activation, eps=eps)
 
 
-RMS_NORM = dispatch.register_op("rms_norm", rms_norm_torch, {"fla": fla_rms_norm}, eager_only=True)
+# The backward passes of FLA's norms run from autograd's engine, outside the forward call the table guards.
+RMS_NORM = dispatch.register_op(
+    "rms_norm",
+    rms_norm_torch,
+    {"fla": dispatch.Backend(fla_rms_norm, code=("fla.modules.norm.layernorm.",))},
+    eager_only=True,
+)
 GATED_RMS_NORM = dispatch.register_op(
-    "gated_rms_norm", gated_rms_norm_torch, {"fla": fla_gated_rms_norm}, eager_only=True
+    "gated_rms_norm",
+    gated_rms_norm_torch,
+    {"fla": dispatch.Backend(fla_gated_rms_norm, code=("fla.modules.norm.fused_norm_gate.",))},
+    eager_only=True,
 )
 
 

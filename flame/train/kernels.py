@@ -6,13 +6,22 @@ compiles are those the ranks call. Imports no torchtitan, so that the prewarm st
 import torch
 
 from flame.compat import fla_tilelang_attention_takes_what_it_compiles
+from flame.ops import dispatch
 from flame.ops.attention import set_attention_backend
 from flame.ops.autotune import tune_once_per_host, use_shipped_results
 from flame.ops.fla_library import set_chunk_states
 
 
 def choose_kernels(job_config, device: torch.device) -> None:
-    """The job's attention backend and chunk-state policy, then ``prepare_gpu_kernels``."""
+    """The job's attention backend and chunk-state policy, then ``prepare_gpu_kernels``; refuses a
+    FLAME_BACKENDS_OFF that names no backend."""
+    # Every op with backends in the table, so that each name FLAME_BACKENDS_OFF may give is there.
+    import flame.ops.attention_delta
+    import flame.ops.linear_cross_entropy
+    import flame.ops.selective_scan
+    import flame.ops.ssd  # noqa: F401
+
+    dispatch.check_backends_off()
     set_attention_backend(job_config.model.attention_backend)
     set_chunk_states(chunk_states(job_config))
     prepare_gpu_kernels(device)

@@ -8,7 +8,8 @@ same step.
 3. Forward + backward of each micro-batch with the objective (flame/train/objective.py; through the pipeline
    schedule when there are stages), plus the model's auxiliary loss where it has one (a generic-path
    mixture-of-experts class's load balancing). A model with fuse_linear_cross_entropy returns its final hidden states, and
-   the objective computes the loss from them through lm_head without the logits.
+   the objective computes the loss from them through lm_head without the logits. A kernel that fails to build in
+   a compiled block or a backward pass takes its backend out, and one process starts these passes over without it.
 4. Clip the gradient norm (the norm before clipping is what the step reports).
 5. Step the optimizer, unless the norm is not finite and training.skip_nan_inf says to skip (fused Adam and AdamW
    skip on the device, without reading the norm back: flame/optim/nonfinite.py); step the schedule.
@@ -28,6 +29,7 @@ from torch.profiler import record_function
 from torchtitan.tools.logging import logger
 
 from flame.config.checks import l2warp_factor
+from flame.errors import KernelBuildError
 from flame.models.common.decoder import fuses_linear_cross_entropy
 from flame.ops import dispatch
 from flame.ops.context_parallel import sequence_sharded
@@ -115,7 +117,7 @@ class TrainStep:
             else local_count
         )
         with record_function(STEP_REGIONS[0]):
-            shares = [self.forward_backward(inputs, labels, global_count) for inputs, labels in batches]
+            shares = self.forward_backward_all(batches, global_count)
         dispatch.log_passed_over_calls()  # what compiled blocks' op calls passed over, once
         if self.reports_graph_breaks:
             self.reports_graph_breaks = False
@@ -149,6 +151,30 @@ class TrainStep:
             tokens=sum(labels.numel() for _, labels in batches),
             skipped=skipped,
         )
+
+    def forward_backward_all(self, batches: list[Batch], global_count: torch.Tensor) -> list[dict]:
+        """Forward + backward of every micro-batch. A kernel that fails to build where the dispatch table cannot move
+        the call on by itself (inside a compiled region, or in a backward pass) takes its backend out
+        (flame.ops.dispatch.take_out_failed_backends); one process then starts the step's passes over, the compiled
+        regions traced again without that backend. Several ranks cannot start over in step (the others wait in
+        collectives of the failed pass), so there the error ends the run and names the backend to turn off."""
+        while True:
+            try:
+                return [self.forward_backward(inputs, labels, global_count) for inputs, labels in batches]
+            except Exception as error:
+                taken_out = dispatch.take_out_failed_backends(error)
+                if not taken_out:
+                    raise
+                ranks = self.topology.parallel_dims.world_size
+                if ranks > 1:
+                    why = "; ".join(dispatch.why_out(op, backend) for op, backend in taken_out)
+                    pairs = ",".join(f"{op}:{backend}" for op, backend in taken_out)
+                    raise KernelBuildError(
+                        f"{why}; {ranks} ranks cannot start the step over without it: run again with "
+                        f"{dispatch.BACKENDS_OFF_VARIABLE}={pairs}"
+                    ) from error
+                torch._dynamo.reset()  # compiled regions chose the failed backend while tracing: trace them again
+                self.optimizers.zero_grad()
 
     def forward_backward(
         self, input_dict: dict, labels: torch.Tensor, global_count: torch.Tensor

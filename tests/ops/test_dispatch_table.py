@@ -5,6 +5,7 @@ import torch
 
 import flame.ops.selective_scan  # noqa: F401 (registers its op)
 import flame.ops.ssd  # noqa: F401 (registers its op)
+from flame.errors import ConfigError
 from flame.ops import attention, dispatch, gated_rms_norm, rms_norm, short_conv
 from flame.ops.norm import rms_norm_torch
 
@@ -324,3 +325,157 @@ def test_a_function_marked_constant_runs_once_while_tracing(mark):
     for _ in range(3):
         torch.testing.assert_close(compiled(torch.ones(2)), torch.full((2,), 3.0))
     assert len(calls) == (1 if mark != "none" else 3)
+
+
+def raised_in(module: str, call: str) -> BaseException:
+    """The error that ``call`` raises, run in KERNEL_CODE as the code of a module named ``module``."""
+    namespace = {"__name__": module}
+    exec(KERNEL_CODE, namespace)
+    try:
+        eval(call, namespace)
+    except Exception as error:
+        return error
+    raise AssertionError(f"{call} raised nothing")
+
+
+KERNEL_CODE = """
+from triton.runtime.errors import OutOfResources
+
+def launch():
+    raise OutOfResources(232448, 166912, "shared memory")
+
+def fwd_op():
+    launch()
+
+def fwd_kernel():
+    raise OutOfResources(232448, 166912, "shared memory")
+
+def mistaken_op():
+    raise ValueError("q and k differ in their last dimension")
+
+def custom_op_wrapper():
+    try:
+        fwd_op()
+    except Exception as error:
+        raise RuntimeError("the custom op failed") from error
+"""
+
+
+@pytest.fixture
+def claimed_ops():
+    """Two throwaway ops whose backends claim code of the module ``flame_test_kernels``: one its functions whose
+    names start with ``fwd_``, the other the whole module."""
+    entries = [
+        dispatch.register_op(
+            "claiming_op",
+            lambda x: "torch",
+            {
+                "kernel": dispatch.Backend(lambda x: "kernel", code=("flame_test_kernels.fwd_",)),
+                "other": lambda x: "other",
+            },
+        ),
+        dispatch.register_op(
+            "sharing_op",
+            lambda x: "torch",
+            {"kernel": dispatch.Backend(lambda x: "kernel", code=("flame_test_kernels.",))},
+        ),
+    ]
+    yield entries
+    for entry in entries:
+        del dispatch._TABLE[entry.name]
+
+
+def test_a_kernel_build_failure_takes_out_the_backends_that_claim_its_innermost_claimed_frame(claimed_ops):
+    """fwd_op calls launch, which raises: launch, the innermost frame, is sharing_op's code only. Taken out, a
+    backend serves no more calls, and the same error then names the next claimed frame's backend (fwd_op's)."""
+    claiming, sharing = claimed_ops
+    error = raised_in("flame_test_kernels", "fwd_op()")
+    assert dispatch.take_out_failed_backends(error) == [("sharing_op", "kernel")]
+    assert claiming.failed == {}
+    assert dispatch.why_out("sharing_op", "kernel") == (
+        "sharing_op: the kernel backend failed to build its kernel (OutOfResources: out of resource: shared memory, "
+        "Required: 232448, Hardware limit: 166912. Reducing block sizes or `num_stages` may help.)"
+    )
+    assert dispatch.take_out_failed_backends(error) == [("claiming_op", "kernel")]
+    cuda = torch.zeros(2).as_subclass(PretendCuda)
+    assert (claiming(cuda), sharing(cuda)) == ("other", "torch")
+
+
+def test_a_failure_in_code_two_backends_claim_takes_out_both(claimed_ops):
+    error = raised_in("flame_test_kernels", "fwd_kernel()")
+    assert dispatch.take_out_failed_backends(error) == [("claiming_op", "kernel"), ("sharing_op", "kernel")]
+
+
+def test_a_build_failure_raised_from_another_error_is_traced_through_the_first_errors_frames(claimed_ops):
+    """Torch raises a custom op's or a compiled graph's error again from its own code: the frames of the error
+    raised first count, innermost first; the line names the error the step saw."""
+    error = raised_in("flame_test_kernels", "custom_op_wrapper()")
+    assert dispatch.take_out_failed_backends(error) == [("sharing_op", "kernel")]
+    assert dispatch.why_out("sharing_op", "kernel") == (
+        "sharing_op: the kernel backend failed to build its kernel (RuntimeError: the custom op failed)"
+    )
+
+
+def test_errors_that_are_not_build_failures_or_that_no_backend_claims_take_nothing_out(claimed_ops):
+    assert dispatch.take_out_failed_backends(raised_in("flame_test_kernels", "mistaken_op()")) == []
+    assert dispatch.take_out_failed_backends(raised_in("flame_test_elsewhere", "fwd_op()")) == []
+    assert [entry.failed for entry in claimed_ops] == [{}, {}]
+
+
+def test_flame_backends_off_takes_backends_out_from_the_start(monkeypatch, caplog):
+    monkeypatch.setenv("FLAME_BACKENDS_OFF", " attention:reference , switched_op:fast,switched_op:slow")
+    entry = dispatch.register_op(
+        "switched_op", lambda x: "torch", {"fast": lambda x: "fast", "slow": lambda x: "slow"}
+    )
+    try:
+        dispatch.check_backends_off()
+        with caplog.at_level("WARNING", logger="flame.ops.dispatch"):
+            assert entry(torch.zeros(2).as_subclass(PretendCuda)) == "torch"
+    finally:
+        del dispatch._TABLE["switched_op"]
+    assert caplog.messages == [
+        f"switched_op: the {name} backend is turned off (FLAME_BACKENDS_OFF); the pytorch implementation serves it"
+        for name in ("fast", "slow")
+    ]
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("short_conv:trtion", "FLAME_BACKENDS_OFF: short_conv has no backend 'trtion'; its backends: triton"),
+        ("short_conv", "FLAME_BACKENDS_OFF: short_conv has no backend ''; its backends: triton"),
+        (
+            "shortconv:triton",
+            "FLAME_BACKENDS_OFF: no op 'shortconv' has backends; those that do: attention, ",
+        ),
+    ],
+)
+def test_flame_backends_off_naming_no_backend_is_refused(monkeypatch, value, message):
+    monkeypatch.setenv("FLAME_BACKENDS_OFF", value)
+    with pytest.raises(ConfigError) as raised:
+        dispatch.check_backends_off()
+    assert str(raised.value).startswith(message)
+
+
+def test_the_code_each_backend_claims_exists():
+    """Each prefix in a backend's ``code`` names a module (ending in ".") or a module's functions by the start of
+    their names: a renamed module or function would leave a failing kernel unclaimed, and the step would stop
+    instead of going on without it. Prefixes in packages not installed here (FlashQLA's) are passed over."""
+    import importlib
+    import inspect
+
+    checked = 0
+    for entry in dispatch._TABLE.values():
+        for name, backend in entry.cuda_backends.items():
+            for prefix in backend.code:
+                if prefix.endswith("."):
+                    module_name, start = prefix[:-1], ""
+                else:
+                    module_name, _, start = prefix.rpartition(".")
+                if importlib.util.find_spec(module_name.split(".")[0]) is None:
+                    continue
+                module = importlib.import_module(module_name)
+                functions = [n for n, _ in inspect.getmembers(module, callable) if n.startswith(start)]
+                assert functions, f"{entry.name}:{name} claims {prefix}, which names no function"
+                checked += 1
+    assert checked >= 15

@@ -363,3 +363,153 @@ def test_each_line_measures_the_steps_it_reports(make_trainer, monkeypatch, flag
         assert metrics["throughput/data_loading_share"] == pytest.approx(
             DATA_SECONDS / (STEP_SECONDS + DATA_SECONDS), rel=1e-9
         ), line
+
+
+# What the flaky backend's kernels raise at their next calls, in order: in its forward and in its backward.
+FLAKY_ERRORS: dict[str, list[Exception]] = {"forward": [], "backward": []}
+
+
+def build_failure() -> Exception:
+    """Triton's error for a kernel config past the GPU's shared memory."""
+    from triton.runtime.errors import OutOfResources
+
+    return OutOfResources(232448, 166912, "shared memory")
+
+
+BUILD_FAILURE_LINE = (
+    "failed to build its kernel (OutOfResources: out of resource: shared memory, Required: 232448, Hardware limit: "
+    "166912. Reducing block sizes or `num_stages` may help.)"
+)
+
+
+@torch.library.custom_op("flame_test::flaky_attention", mutates_args=(), device_types="cpu")
+def flaky_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A kernel's forward as a custom op (a compiled graph calls it directly): the reference's causal softmax."""
+    from flame.ops.attention import reference_causal_attention
+
+    if FLAKY_ERRORS["forward"]:
+        raise FLAKY_ERRORS["forward"].pop(0)
+    return reference_causal_attention(q, k, v, impl="softmax", window_size=None, cu_seqlens=None, scale=None)
+
+
+@flaky_attention.register_fake
+def _(q, k, v):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("flame_test::flaky_attention_bwd", mutates_args=(), device_types="cpu")
+def flaky_attention_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from flame.ops.attention import reference_causal_attention
+
+    if FLAKY_ERRORS["backward"]:
+        raise FLAKY_ERRORS["backward"].pop(0)
+    with torch.enable_grad():
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        o = reference_causal_attention(*inputs, impl="softmax", window_size=None, cu_seqlens=None, scale=None)
+        return torch.autograd.grad(o, inputs, do)
+
+
+@flaky_attention_bwd.register_fake
+def _(q, k, v, do):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+flaky_attention.register_autograd(
+    lambda ctx, do: flaky_attention_bwd(*ctx.saved_tensors, do), setup_context=_save_inputs
+)
+
+
+@pytest.fixture
+def flaky_attention_backend(monkeypatch):
+    """The attention op with one backend, "auto": the custom ops above, raising FLAKY_ERRORS; where it is out the
+    op's PyTorch code serves the call, as it serves CPU calls. ``serve_cpu_calls(True)`` sends CPU calls to the
+    backend as a GPU's calls go."""
+    from flame.ops import dispatch
+
+    def flaky(q, k, v, *, impl, window_size, cu_seqlens, scale):
+        assert impl == "softmax" and window_size is None and cu_seqlens is None and scale is None
+        return flaky_attention(q, k, v)
+
+    entry = dispatch._TABLE["attention"]
+    # The trainer pins the backend its attention_backend names, "auto" by default.
+    monkeypatch.setattr(
+        entry, "cuda_backends", {"auto": dispatch.Backend(flaky, code=(f"{__name__}.flaky_attention",))}
+    )
+    monkeypatch.setattr(entry, "missing", {})
+    monkeypatch.setattr(entry, "failed", {})
+    monkeypatch.setattr(entry, "pinned", None)
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    monkeypatch.setattr(dispatch, "_PASSED_OVER", set())
+    monkeypatch.setitem(FLAKY_ERRORS, "forward", [])
+    monkeypatch.setitem(FLAKY_ERRORS, "backward", [])
+
+    def serve_cpu_calls(on: bool) -> None:
+        torch._dynamo.reset()  # compiled blocks decided with the other answer
+        monkeypatch.setattr(entry, "runs_kernels_for", lambda x: on)
+
+    entry.serve_cpu_calls = serve_cpu_calls
+    yield entry
+    del entry.serve_cpu_calls
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("stage", ["forward", "backward"])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_kernel_that_fails_to_build_where_the_table_chose_earlier_is_out_and_the_step_starts_over(
+    make_trainer, flaky_attention_backend, caplog, stage, compiled
+):
+    """A backend whose kernel fails to build inside a compiled block, or in the backward pass, where the dispatch
+    table chose it earlier: the backend is out with one log line, and the step starts over on what serves the call next, here
+    the PyTorch code (the blocks traced again), giving what a run on it alone gives: the reference trainer's CPU
+    calls run that code."""
+    flags = ("--compile.enable", "--compile.backend", "aot_eager") if compiled else ()
+    trainer, reference = make_trainer(*flags), make_trainer(*flags)
+    batches = [first_rows(trainer, 2)]
+    flaky_attention_backend.serve_cpu_calls(False)
+    expected = reference.train_step_fn(batches)
+    flaky_attention_backend.serve_cpu_calls(True)
+    FLAKY_ERRORS[stage].append(build_failure())
+    with caplog.at_level("WARNING"):
+        result = trainer.train_step_fn(batches)
+    assert FLAKY_ERRORS[stage] == []  # raised
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention:")] == [
+        f"attention: the auto backend {BUILD_FAILURE_LINE}; the pytorch implementation serves it"
+    ]
+    assert torch.equal(result.metrics["loss"], expected.metrics["loss"])
+    assert torch.equal(result.grad_norm, expected.grad_norm)
+    for ours, theirs in zip(trainer.model_parts[0].parameters(), reference.model_parts[0].parameters()):
+        assert torch.equal(ours, theirs)
+
+
+def test_with_several_ranks_a_kernel_that_fails_to_build_ends_the_run_naming_the_backend_to_turn_off(
+    make_trainer, flaky_attention_backend, monkeypatch
+):
+    from flame.errors import KernelBuildError
+
+    trainer = make_trainer("--compile.enable", "--compile.backend", "aot_eager")
+    monkeypatch.setattr(trainer.train_step_fn.topology.parallel_dims, "world_size", 2)
+    flaky_attention_backend.serve_cpu_calls(True)
+    FLAKY_ERRORS["backward"].append(build_failure())
+    with pytest.raises(KernelBuildError) as raised:
+        trainer.train_step_fn([first_rows(trainer, 2)])
+    assert str(raised.value) == (
+        f"attention: the auto backend {BUILD_FAILURE_LINE}; 2 ranks cannot start the step over without it: run again "
+        "with FLAME_BACKENDS_OFF=attention:auto"
+    )
+
+
+def test_an_error_that_is_not_a_kernel_build_failure_ends_the_step_as_it_is(
+    make_trainer, flaky_attention_backend
+):
+    trainer = make_trainer("--compile.enable", "--compile.backend", "aot_eager")
+    flaky_attention_backend.serve_cpu_calls(True)
+    FLAKY_ERRORS["backward"].append(ValueError("do has the wrong shape"))
+    with pytest.raises(ValueError, match="do has the wrong shape"):
+        trainer.train_step_fn([first_rows(trainer, 2)])
+    assert flaky_attention_backend.failed == {}

@@ -146,11 +146,14 @@ def reference_causal_attention(q, k, v, *, impl, window_size, cu_seqlens, scale)
     )
 
 
+# Every backend but the reference runs the softpick family on flame's kernel, whose custom ops a compiled graph
+# calls directly.
+SOFTPICK_KERNEL = ("flame.ops.attention.softpick_triton.",)
 BACKENDS = {
-    "auto": auto_cuda_attention,
-    "fla": fla_cuda_attention,
-    "flash": pinned_sdpa_backend(SDPBackend.FLASH_ATTENTION),
-    "cudnn": pinned_sdpa_backend(SDPBackend.CUDNN_ATTENTION),
+    "auto": dispatch.Backend(auto_cuda_attention, code=SOFTPICK_KERNEL),
+    "fla": dispatch.Backend(fla_cuda_attention, code=(*SOFTPICK_KERNEL, "fla.ops.attn.")),
+    "flash": dispatch.Backend(pinned_sdpa_backend(SDPBackend.FLASH_ATTENTION), code=SOFTPICK_KERNEL),
+    "cudnn": dispatch.Backend(pinned_sdpa_backend(SDPBackend.CUDNN_ATTENTION), code=SOFTPICK_KERNEL),
     "reference": reference_causal_attention,
 }
 ATTENTION_BACKENDS = tuple(BACKENDS)

@@ -92,10 +92,23 @@ def fla_chunk_refuses(q, *args, **kwargs) -> str | None:
 CHUNK_DELTA_RULE = dispatch.register_op(
     "chunk_delta_rule",
     pytorch_delta_rule,
-    {"fla": dispatch.Backend(fla_chunk_delta_rule, refuses=fla_chunk_refuses, requires=("fla",))},
+    {
+        "fla": dispatch.Backend(
+            fla_chunk_delta_rule,
+            refuses=fla_chunk_refuses,
+            requires=("fla",),
+            code=(
+                "flame.ops.fla_library.delta_rule_",
+                "flame.ops.fla_library._delta_",
+                "fla.ops.delta_rule.chunk.",
+            ),
+        )
+    },
 )
 FUSED_RECURRENT_DELTA_RULE = dispatch.register_op(
-    "fused_recurrent_delta_rule", pytorch_delta_rule, {"fla": fla_fused_recurrent_delta_rule}
+    "fused_recurrent_delta_rule",
+    pytorch_delta_rule,
+    {"fla": dispatch.Backend(fla_fused_recurrent_delta_rule, code=("fla.ops.delta_rule.fused_recurrent.",))},
 )
 
 

@@ -122,9 +122,19 @@ GATED_DELTA_RULE = dispatch.register_op(
     pytorch_chunk_gated_delta_rule,
     {
         "flash_qla": dispatch.Backend(
-            flash_qla_chunk_gated_delta_rule, refuses=flash_qla_refuses, requires=("flash_qla", "tilelang")
+            flash_qla_chunk_gated_delta_rule,
+            refuses=flash_qla_refuses,
+            requires=("flash_qla", "tilelang"),
+            code=("flame.ops.gated_delta_rule.flash_qla.", "flash_qla."),
         ),
-        "fla": fla_chunk_gated_delta_rule,
+        "fla": dispatch.Backend(
+            fla_chunk_gated_delta_rule,
+            code=(
+                "flame.ops.fla_library.gated_delta_rule_",
+                "flame.ops.fla_library._gdn_",
+                "fla.ops.gated_delta_rule.",
+            ),
+        ),
     },
 )
 

@@ -21,7 +21,11 @@ def triton_selective_scan(u, delta, A, B, C, cu_seqlens=None) -> tuple[torch.Ten
 SELECTIVE_SCAN = dispatch.register_op(
     "selective_scan",
     selective_scan_recurrent,
-    {"triton": dispatch.Backend(triton_selective_scan, requires=("triton",))},
+    {
+        "triton": dispatch.Backend(
+            triton_selective_scan, requires=("triton",), code=("flame.ops.selective_scan.triton_kernel.",)
+        )
+    },
 )
 
 

@@ -35,7 +35,14 @@ def triton_refuses(x, weight, bias, activation, cu_seqlens) -> str | None:
 SHORT_CONV = dispatch.register_op(
     "short_conv",
     short_conv_torch,
-    {"triton": dispatch.Backend(triton_short_conv, refuses=triton_refuses, requires=("triton",))},
+    {
+        "triton": dispatch.Backend(
+            triton_short_conv,
+            refuses=triton_refuses,
+            requires=("triton",),
+            code=("flame.ops.short_conv.triton_kernel.",),
+        )
+    },
 )
 
 

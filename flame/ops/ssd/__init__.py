@@ -68,7 +68,20 @@ def fla_ssd_refuses(x, dt, A, B, C, cu_seqlens=None) -> str | None:
 
 
 SSD = dispatch.register_op(
-    "ssd", ssd_chunked, {"fla": dispatch.Backend(fla_ssd, refuses=fla_ssd_refuses, requires=("fla",))}
+    "ssd",
+    ssd_chunked,
+    {
+        "fla": dispatch.Backend(
+            fla_ssd,
+            refuses=fla_ssd_refuses,
+            requires=("fla",),
+            code=(
+                "flame.ops.fla_library.simple_gla_",
+                "flame.ops.fla_library._simple_gla_",
+                "fla.ops.simple_gla.",
+            ),
+        )
+    },
 )
 
 
