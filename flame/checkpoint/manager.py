@@ -67,6 +67,7 @@ from flame.checkpoint.layout import (
     write_sidecar,
 )
 from flame.checkpoint.verify import checkpoint_problem, write_manifest
+from flame.models.layers.sharding import local_tensor
 
 # Entries of the states dict that older checkpoints may lack: loaded only when the checkpoint has them.
 OPTIONAL_STATES = ("rng",)
@@ -117,9 +118,7 @@ def _non_finite_parameters(modules: list[torch.nn.Module]) -> tuple[int, list[st
     """(The most parameters that hold NaN or inf on one rank, the names of those on this rank): one host sync here
     and one collective, whatever the number of parameters (the ranks of a pipeline hold different ones)."""
     named = [
-        (name, parameter.to_local() if isinstance(parameter, DTensor) else parameter)
-        for module in modules
-        for name, parameter in module.named_parameters()
+        (name, local_tensor(parameter)) for module in modules for name, parameter in module.named_parameters()
     ]
     named = [(name, tensor) for name, tensor in named if tensor.is_floating_point() and tensor.numel()]
     if not named:

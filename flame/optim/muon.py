@@ -32,6 +32,8 @@ from collections import defaultdict
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from flame.models.layers.sharding import local_tensor
+
 # Keller Jordan's quintic coefficients (the post above): a steep slope at 0 (3.4445) while five iterations of
 # the polynomial keep [1/200, 1] within [0.68, 1.16].
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -61,11 +63,6 @@ def newton_schulz(matrix: torch.Tensor, steps: int = 5, dtype: torch.dtype = tor
         x = torch.baddbmm(x, polynomial, x, beta=a)
     x = x.reshape(wide_shape)
     return x.mT if tall else x
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local part (a view: in-place ops on it change the DTensor), or the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _layout(param: torch.Tensor):
@@ -199,12 +196,12 @@ class Muon(torch.optim.Optimizer):
             for param in params:
                 if "momentum_buffer" not in self.state[param]:
                     self.state[param]["momentum_buffer"] = torch.zeros_like(param.grad)
-            grads = [local(param.grad) for param in params]
-            buffers = [local(self.state[param]["momentum_buffer"]) for param in params]
+            grads = [local_tensor(param.grad) for param in params]
+            buffers = [local_tensor(self.state[param]["momentum_buffer"]) for param in params]
             torch._foreach_lerp_(buffers, grads, 1 - momentum)
             updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
             updates = orthogonalize(updates, params, group["ns_steps"], self.ns_dtype)
-            weights = [local(param) for param in params]
+            weights = [local_tensor(param) for param in params]
             torch._foreach_mul_(weights, 1 - lr * group["weight_decay"])
             by_shape = defaultdict(list)
             for index, param in enumerate(params):

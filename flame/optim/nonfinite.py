@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 
 from flame.errors import FlameError
+from flame.models.layers.sharding import local_tensor
 
 
 class NonFiniteGradients(FlameError):
@@ -87,7 +88,7 @@ def clip_grad_norm_(
     torch.nn.utils.clip_grads_with_norm_(
         parameters, max_norm, torch.where(total.isfinite(), total, 0.0), True
     )
-    local = torch.stack([norm.to_local() if isinstance(norm, DTensor) else norm for norm in norms])
+    local = torch.stack([local_tensor(norm) for norm in norms])
     return total, local
 
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from flame.errors import ConfigError
+from flame.models.layers.sharding import local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class ReplicatedOnShards(ParallelStyle):
 
     @staticmethod
     def _outputs(module: nn.Module, outputs, mesh: DeviceMesh):
-        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+        return local_tensor(outputs)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)

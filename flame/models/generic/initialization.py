@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
 from flame.errors import ModelConfigError
+from flame.models.layers.sharding import local_tensor
 
 # Tensors a constructor creates with at most this many elements are made for real when it runs again (4 MiB in
 # float32): every per-channel or per-layer table of FLA 0.6.0's classes, while a large model's projections and
@@ -74,10 +75,6 @@ def set_full_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
     if isinstance(tensor, DTensor):
         value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None)
     tensor.copy_(value)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 # Attributes by which torch.compile and activation checkpointing wrap a block: not part of the class's names.
@@ -176,7 +173,7 @@ def initialize_as_constructed(model: nn.Module) -> list[str]:
                 unbuilt.setdefault(name, []).append(tensor_name)
                 if tensor.is_floating_point():
                     # check_initialized refuses it unless a later step writes it
-                    local(tensor).fill_(float("nan"))
+                    local_tensor(tensor).fill_(float("nan"))
                     left.append(f"{name}.{tensor_name}" if name else tensor_name)
             else:
                 set_full_value(tensor, value)
@@ -213,7 +210,7 @@ def check_initialized(model: nn.Module, names: list[str]) -> None:
         joined(m, t): v for m, module in class_modules(model).items() for t, v in tensors(module).items()
     }
     for name in names:
-        if local(named[name]).isnan().any():
+        if local_tensor(named[name]).isnan().any():
             raise ModelConfigError(
                 f"{type(model).__name__}: nothing initialises {name} after the model is built on the meta device "
                 "(its constructor fills it and it is too large to make again); initialise it in the class's "

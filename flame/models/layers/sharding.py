@@ -15,12 +15,21 @@ import torch
 from torch import nn
 
 
-def local_param(module: nn.Module, name: str) -> torch.Tensor | None:
-    param = getattr(module, name)
+def is_dtensor(tensor: torch.Tensor) -> bool:
     # No DTensor exists before torch.distributed.tensor is imported, and importing it costs a process that builds
     # no parallel model (train.sh's pre-flight) ~0.7 s (sympy, through DTensor's sharding propagation).
     dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None or not isinstance(param, dtensor.DTensor):
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (a view: in-place ops on it change the DTensor), or the tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def local_param(module: nn.Module, name: str) -> torch.Tensor | None:
+    param = getattr(module, name)
+    if not is_dtensor(param):
         return param
     from torch.distributed.tensor import Partial
 
