@@ -61,6 +61,47 @@ def _contiguous(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     return tuple(None if x is None else x.contiguous() for x in tensors)
 
 
+def _forward_outputs_like(
+    q, k, v, cu_seqlens, output_final_state, l2norm, state_v_first
+) -> tuple[Tensor, ...]:
+    """The fake (shape-only) o, final state, q_normed, q_rstd, k_normed and k_rstd of a delta rule's forward op,
+    empty where absent: the final state in float32, one per sequence; the l2 norm's results where it is on."""
+    batch, seq_len, num_heads, key_dim = q.shape
+    num_v_heads, value_dim = v.shape[2], v.shape[3]
+    num_sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state_shape = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
+
+    def normed(x: Tensor) -> tuple[Tensor, Tensor]:
+        if not l2norm:
+            return _empty(x), _empty(x)
+        return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(
+            batch, seq_len, num_heads, dtype=torch.float32
+        )
+
+    final_state = q.new_empty(num_sequences, num_v_heads, *state_shape, dtype=torch.float32)
+    return (
+        q.new_empty(batch, seq_len, num_v_heads, value_dim),
+        final_state if output_final_state else _empty(q),
+        *normed(q),
+        *normed(k),
+    )
+
+
+def _chunk_states_like(k, v, chunk_size, state_v_first, keep) -> tuple[Tensor, Tensor, Tensor]:
+    """The fake w, h and v_new a forward op keeps for the backward (empty where it does not keep them)."""
+    if not keep:
+        return _empty(k), _empty(k), _empty(v)
+    batch, seq_len, _, key_dim = k.shape
+    num_v_heads, value_dim = v.shape[2], v.shape[3]
+    num_chunks = (seq_len + chunk_size - 1) // chunk_size
+    state_shape = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
+    return (
+        k.new_empty(batch, seq_len, num_v_heads, key_dim),
+        k.new_empty(batch, num_chunks, num_v_heads, *state_shape),
+        v.new_empty(batch, seq_len, num_v_heads, value_dim),
+    )
+
+
 def _chunk_indices(
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_size: int
 ) -> Tensor | None:
@@ -273,33 +314,15 @@ def gated_delta_rule_fwd(
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
       use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, use_gate_in_kernel,
       chunk_size, save_states):  # fmt: skip
-    batch, seq_len, num_heads, key_dim = q.shape
-    num_v_heads, value_dim = v.shape[2], v.shape[3]
-    num_sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    state_shape = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
-    float32 = torch.float32
-    if save_states and cu_seqlens is None:
-        num_chunks = (seq_len + chunk_size - 1) // chunk_size
-        states = (
-            k.new_empty(batch, seq_len, num_v_heads, key_dim),
-            k.new_empty(batch, num_chunks, num_v_heads, *state_shape),
-            v.new_empty(batch, seq_len, num_v_heads, value_dim),
-        )
-    else:
-        states = (_empty(k), _empty(k), _empty(v))
+    batch, seq_len, num_v_heads = g.shape[:3]
     return (
-        q.new_empty(batch, seq_len, num_v_heads, value_dim),
-        q.new_empty(num_sequences, num_v_heads, *state_shape, dtype=float32)
-        if output_final_state
-        else _empty(q),
-        torch.empty_like(q, memory_format=torch.contiguous_format) if use_qk_l2norm_in_kernel else _empty(q),
-        q.new_empty(batch, seq_len, num_heads, dtype=float32) if use_qk_l2norm_in_kernel else _empty(q),
-        torch.empty_like(k, memory_format=torch.contiguous_format) if use_qk_l2norm_in_kernel else _empty(k),
-        k.new_empty(batch, seq_len, num_heads, dtype=float32) if use_qk_l2norm_in_kernel else _empty(k),
-        g.new_empty(batch, seq_len, num_v_heads, dtype=float32),
-        beta.new_empty(beta.shape, dtype=float32) if use_beta_sigmoid_in_kernel else _empty(beta),
+        *_forward_outputs_like(
+            q, k, v, cu_seqlens, output_final_state, use_qk_l2norm_in_kernel, state_v_first
+        ),
+        g.new_empty(batch, seq_len, num_v_heads, dtype=torch.float32),
+        beta.new_empty(beta.shape, dtype=torch.float32) if use_beta_sigmoid_in_kernel else _empty(beta),
         k.new_empty(batch, seq_len, num_v_heads, chunk_size),
-        *states,
+        *_chunk_states_like(k, v, chunk_size, state_v_first, save_states and cu_seqlens is None),
     )
 
 
@@ -601,29 +624,11 @@ def delta_rule_fwd(
 @delta_rule_fwd.register_fake
 def _(q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, use_qk_l2norm_in_kernel,
       chunk_size, save_states):  # fmt: skip
-    batch, seq_len, num_heads, key_dim = q.shape
-    value_dim = v.shape[3]
-    num_sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if save_states and cu_seqlens is None:
-        num_chunks = (seq_len + chunk_size - 1) // chunk_size
-        states = (
-            k.new_empty(batch, seq_len, num_heads, key_dim),
-            k.new_empty(batch, num_chunks, num_heads, key_dim, value_dim),
-            v.new_empty(batch, seq_len, num_heads, value_dim),
-        )
-    else:
-        states = (_empty(k), _empty(k), _empty(v))
+    batch, seq_len, num_heads = k.shape[:3]
     return (
-        q.new_empty(batch, seq_len, num_heads, value_dim),
-        q.new_empty(num_sequences, num_heads, key_dim, value_dim, dtype=torch.float32)
-        if output_final_state
-        else _empty(q),
-        torch.empty_like(q, memory_format=torch.contiguous_format) if use_qk_l2norm_in_kernel else _empty(q),
-        q.new_empty(batch, seq_len, num_heads, dtype=torch.float32) if use_qk_l2norm_in_kernel else _empty(q),
-        torch.empty_like(k, memory_format=torch.contiguous_format) if use_qk_l2norm_in_kernel else _empty(k),
-        k.new_empty(batch, seq_len, num_heads, dtype=torch.float32) if use_qk_l2norm_in_kernel else _empty(k),
+        *_forward_outputs_like(q, k, v, cu_seqlens, output_final_state, use_qk_l2norm_in_kernel, False),
         k.new_empty(batch, seq_len, num_heads, chunk_size),
-        *states,
+        *_chunk_states_like(k, v, chunk_size, False, save_states and cu_seqlens is None),
     )
 
 

@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 
 from flame.ops.dispatch import constant_to_compiler
-from flame.ops.fla_library import _contiguous, _empty  # contiguous inputs (input_guard) and empty outputs
+
+# Contiguous inputs (FLA's input_guard), empty outputs, the fake forward outputs the delta rules' ops share.
+from flame.ops.fla_library import _contiguous, _empty, _forward_outputs_like
 from flame.ops.gated_delta_rule.gate import gdn_gate
 
 # Compute capabilities whose FlashQLA kernels run forward and backward, and its chunk length on them.
@@ -176,20 +178,11 @@ def gated_delta_rule_fwd(
 @gated_delta_rule_fwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel,
       state_v_first):  # fmt: skip
-    batch, seq_len, num_heads, key_dim = q.shape
-    num_v_heads, value_dim = v.shape[2], v.shape[3]
-    num_sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    state_shape = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
-    l2norm, float32 = use_qk_l2norm_in_kernel, torch.float32
+    batch, seq_len, num_v_heads = g.shape[:3]
     return (
-        q.new_empty(batch, seq_len, num_v_heads, value_dim),
-        q.new_empty(num_sequences, num_v_heads, *state_shape, dtype=float32)
-        if output_final_state
-        else _empty(q),
-        torch.empty_like(q, memory_format=torch.contiguous_format) if l2norm else _empty(q),
-        q.new_empty(batch, seq_len, num_heads, dtype=float32) if l2norm else _empty(q),
-        torch.empty_like(k, memory_format=torch.contiguous_format) if l2norm else _empty(k),
-        k.new_empty(batch, seq_len, num_heads, dtype=float32) if l2norm else _empty(k),
+        *_forward_outputs_like(
+            q, k, v, cu_seqlens, output_final_state, use_qk_l2norm_in_kernel, state_v_first
+        ),
         torch.empty_like(g, memory_format=torch.contiguous_format),
         k.new_empty(batch, seq_len, num_v_heads, CHUNK_SIZE),
     )
