@@ -32,7 +32,9 @@ host's size would have (a part's time depends on the cores it has: a compiled st
 data loading); the table then names this one command. From the parts there, the table has one row per measurement: what was measured, its anchor
 from the same file, their ratio, the issue's target and whether it is met (or how far it is). It is printed and, on
 a GPU (or with ``--write_doc``), written into docs/performance.md between ``<!-- bench_speed_<device> -->`` markers
-(one table per device) with the command, device and date.
+(one table per device), each run named with its command, the items of its rows, its dates and torch. A run replaces
+the rows of the items it measured; the section keeps the other items' rows and the runs that measured them, so parts
+measured on one device in runs of different days (a GPU lent for less time than every part takes) make one table.
 """
 
 import argparse
@@ -438,7 +440,7 @@ def throughput_rows(parts: dict) -> list[list[str]]:
         naive = bench_result(parts, model, "naive HF loop")
         anchor = naive["tokens_per_s"] if naive else float("nan")
         met = how_far(tokens, TARGET_TOKENS_PER_S[model])
-        if met.startswith("no") and (limit := limits(bench_result(parts, model, mode))):
+        if met.startswith("no:") and (limit := limits(bench_result(parts, model, mode))):
             met += f" ({limit})"
         out.append([
             "3", f"{model}: {source} tokens/s, {shape}", number(tokens, ",.0f"),
@@ -457,7 +459,7 @@ def throughput_rows(parts: dict) -> list[list[str]]:
         else "n/a"
     )
     met = how_far(mfu, TARGET_MFU)
-    if met.startswith("no") and (limit := limits(bench_result(parts, "transformer", mode))):
+    if met.startswith("no:") and (limit := limits(bench_result(parts, "transformer", mode))):
         met += f" ({limit})"
     out.append([
         "4", f"transformer: {source} MFU (tokens/s), {shape}", f"{number(mfu, '.1f', '%')} ({number(tokens, ',.0f')})",
@@ -561,11 +563,71 @@ def rows(parts: dict) -> list[list[str]]:
     return out
 
 
+TABLE_HEAD = ["| item | measurement | measured | anchor, same run | ratio | target | met |",
+              "|---|---|---|---|---:|---|---|"]  # fmt: skip
+
+
+def row_lines(parts: dict) -> list[str]:
+    return ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows(parts)]
+
+
 def table(parts: dict) -> str:
-    lines = ["| item | measurement | measured | anchor, same run | ratio | target | met |",
-             "|---|---|---|---|---:|---|---|"]  # fmt: skip
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows(parts)]
-    return "\n".join(lines)
+    return "\n".join(TABLE_HEAD + row_lines(parts))
+
+
+# Which of the issue's items a part's results give rows to (item 1 needs train_sh and throughput both).
+PART_ITEMS = {"throughput": {1, 3, 4}, "train_sh": {1, 3, 4}, "torchtitan": {4}, "first_step": {2},
+              "long_context": {5}, "tokens_to_loss": {6}}  # fmt: skip
+ROW_ITEM = re.compile(r"^\| (\d+) \|")
+RUN_LINE = re.compile(r"^- (`.*`) \(items? ([\d, ]+); (.*)\)$")
+
+
+def items_text(items: set[int]) -> str:
+    return ("items " if len(items) > 1 else "item ") + ", ".join(map(str, sorted(items)))
+
+
+def run_lines(saved: dict, items_shown: set[int]) -> list[str]:
+    """One line per run of the saved parts: its command, the items its rows are, the dates its parts ran, torch and
+    each part's seconds."""
+    parts = saved["parts"]
+    out = []
+    for run, dates in runs_and_dates(parts, saved["date"]).items():
+        run_parts = [part for part in PARTS if part in parts and parts[part]["run"] == run]
+        items = set().union(*(PART_ITEMS[part] for part in run_parts)) & items_shown
+        if not items:
+            continue
+        seconds = ", ".join(f"{part} {parts[part]['seconds']:.0f} s" for part in run_parts)
+        out.append(f"- `{run}` ({items_text(items)}; {dates}; torch {saved['torch']}; {seconds})")
+    return out
+
+
+def merged_with_section(
+    old_section: str, new_runs: list[str], new_rows: list[str]
+) -> tuple[list[str], list[str]]:
+    """The runs and rows of a device's section after this run: the rows of the items it measured, and the earlier
+    section's rows of every other item with the runs that measured them (so that parts measured on different days,
+    or by a run cut short, make one table). Rows come in the items' order."""
+    new_items = {int(ROW_ITEM.match(row)[1]) for row in new_rows}
+    kept_rows = [line for line in old_section.splitlines()
+                 if (match := ROW_ITEM.match(line)) and int(match[1]) not in new_items]  # fmt: skip
+    kept_items = {int(ROW_ITEM.match(row)[1]) for row in kept_rows}
+    kept_runs = []
+    for line in old_section.splitlines():
+        if match := RUN_LINE.match(line):
+            items = {int(item) for item in match[2].split(",")} & kept_items
+            if items:
+                kept_runs.append(f"- {match[1]} ({items_text(items)}; {match[3]})")
+    rows_in_order = sorted(kept_rows + new_rows, key=lambda row: int(ROW_ITEM.match(row)[1]))
+    return kept_runs + new_runs, rows_in_order
+
+
+def section_text(doc: Path, marker: str) -> str:
+    """The text between ``marker``'s comments in ``doc`` ("" where there is none)."""
+    text = doc.read_text() if doc.exists() else ""
+    match = re.search(
+        re.escape(f"<!-- {marker} -->") + "(.*?)" + re.escape(f"<!-- /{marker} -->"), text, re.DOTALL
+    )
+    return match[1] if match else ""
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -678,17 +740,23 @@ def main(argv: list[str] | None = None) -> int:
     text = table(parts)
     print("\n" + text)
     if not args.no_write and (args.device == "cuda" or args.write_doc):
-        seconds = ", ".join(f"{part} {parts[part]['seconds']:.0f} s" for part in PARTS if part in parts)
-        runs = " and ".join(f"`{run}` ({date})" for run, date in runs_and_dates(parts, saved["date"]).items())
+        marker = f"{MARKER}_{re.sub(r'[^a-z0-9]+', '_', saved['device'].lower()).strip('_')}"
+        new_rows = row_lines(parts)
+        new_runs = run_lines(saved, {int(ROW_ITEM.match(row)[1]) for row in new_rows})
+        runs, all_rows = merged_with_section(section_text(args.doc, marker), new_runs, new_rows)
         write_section(
             args.doc,
-            f"{MARKER}_{re.sub(r'[^a-z0-9]+', '_', saved['device'].lower()).strip('_')}",
+            marker,
             f"The speed table, {saved['device']}",
-            f"Measured by {runs} on {saved['device']}, torch {saved['torch']} ({seconds}). Items of the speed issue: 1 train.sh against the bench, 2 the "
-            "first step, 3 the linear-attention models' throughput, 4 the transformer's MFU (3 and 4 through train.sh, or "
-            "the bench where train.sh's part did not run), 5 long context, 6 tokens to a loss. Each anchor ran in the "
-            "same run (bench/speed.py says how each part runs).",
-            text,
+            f"Measured on {saved['device']} by these runs (the items of their rows; the dates their parts ran; torch; "
+            "each part's seconds):\n\n"
+            + "\n".join(runs)
+            + "\n\nItems of the speed issue: 1 train.sh against the "
+            "bench, 2 the first step, 3 the linear-attention models' throughput, 4 the transformer's MFU (3 and 4 "
+            "through train.sh, or the bench where train.sh's part did not run), 5 long context, 6 tokens to a loss. "
+            "Each anchor ran in the same run (bench/speed.py says how each part runs). A run replaces the rows of the "
+            "items it measured and keeps the others with the runs that measured them.",
+            "\n".join(TABLE_HEAD + all_rows),
         )
     return 1 if failed else 0
 

@@ -243,14 +243,15 @@ def test_empty_parts_write_the_table_of_the_saved_parts_on_their_device(tmp_path
     # A run cut part-way by its time limit saved its finished parts; the table comes from them, measured on the
     # device the file names (not the machine that renders it).
     path, doc = tmp_path / "speed.json", tmp_path / "performance.md"
-    speed.save_parts(path, {"torchtitan": {"tokens_per_s": 1.0, "seconds": 5, "run": "bench/speed.py --parts torchtitan"}},
+    speed.save_parts(path, {"train_sh": {**PARTS["train_sh"], "seconds": 5, "run": "bench/speed.py --parts train_sh"}},
                      "NVIDIA H100 80GB HBM3")  # fmt: skip
     doc.write_text("# Performance\n")
     assert (
         speed.main(["--parts", "", "--json", str(path), "--doc", str(doc), "--write_doc", "--device", "cpu"])
         == 0
     )
-    assert "on NVIDIA H100 80GB HBM3," in doc.read_text() and "torchtitan 5 s" in doc.read_text()
+    assert "Measured on NVIDIA H100 80GB HBM3 by" in doc.read_text() and "(items 1, 3, 4; " in doc.read_text()
+    assert "train_sh 5 s)" in doc.read_text()
     with pytest.raises(SystemExit):
         speed.parse(["--parts", "", "--json", str(tmp_path / "none.json")])
 
@@ -261,13 +262,70 @@ def test_each_run_is_named_with_the_dates_its_parts_ran(tmp_path):
     # run B's part ran on the file's date
     no_date = {"long_context": {"results": [], "status": 0, "seconds": 2, "run": "run B"}}
     speed.save_parts(path, no_date, "GPU")
-    speed.save_parts(path, {"torchtitan": {"tokens_per_s": 1.0, "seconds": 5, "run": "run A", "date": "2026-01-02"}},
+    speed.save_parts(path, {"first_step": {**PARTS["first_step"], "seconds": 5, "run": "run A", "date": "2026-01-02"}},
                      "GPU")  # fmt: skip
     saved = json.loads(path.read_text())
     dates = speed.runs_and_dates(saved["parts"], "2026-01-01")
     assert dates == {"run A": "2026-01-02", "run B": "2026-01-01"}
     speed.main(["--parts", "", "--json", str(path), "--doc", str(doc), "--write_doc", "--device", "cpu"])
-    assert f"`run A` (2026-01-02) and `run B` ({saved['date']})" in doc.read_text()
+    torch = saved["torch"]
+    assert f"- `run A` (item 2; 2026-01-02; torch {torch}; first_step 5 s)" in doc.read_text()
+    assert f"- `run B` (item 5; {saved['date']}; torch {torch}; long_context 2 s)" in doc.read_text()
+
+
+def section_rows(doc: Path, device: str) -> list[str]:
+    return [
+        line
+        for line in speed.section_text(doc, f"bench_speed_{device}").splitlines()
+        if speed.ROW_ITEM.match(line)
+    ]
+
+
+def test_a_run_replaces_its_items_rows_and_keeps_the_others_with_their_runs(tmp_path):
+    # Parts of one device measured on different days (a GPU lent for less time than every part takes) make one
+    # table: a run of the first step keeps the section's rows of items 1, 3 and 4 and the run that measured them.
+    doc = tmp_path / "performance.md"
+    doc.write_text("# Performance\n")
+    day1, day2 = tmp_path / "day1.json", tmp_path / "day2.json"
+    earlier = {part: {**PARTS[part], "seconds": 10, "run": "run A", "date": "2026-01-01"}
+               for part in ("throughput", "train_sh", "torchtitan")}  # fmt: skip
+    speed.save_parts(day1, earlier, "GPU X")
+    speed.main(["--parts", "", "--json", str(day1), "--doc", str(doc), "--write_doc", "--device", "cpu"])
+    first_day = section_rows(doc, "gpu_x")
+    assert [row[:4] for row in first_day] == ["| 1 "] * 3 + ["| 3 "] * 2 + ["| 4 "]
+
+    speed.save_parts(day2, {"first_step": {**PARTS["first_step"], "seconds": 7, "run": "run B", "date": "2026-01-05"},
+                            "long_context": {**PARTS["long_context"], "seconds": 8, "run": "run B", "date": "2026-01-05"}},
+                     "GPU X")  # fmt: skip
+    speed.main(["--parts", "", "--json", str(day2), "--doc", str(doc), "--write_doc", "--device", "cpu"])
+    both_days = section_rows(doc, "gpu_x")
+    new_rows = speed.row_lines(json.loads(day2.read_text())["parts"])
+    assert both_days == first_day[:3] + new_rows[:2] + first_day[3:] + new_rows[2:]  # items 1, 2, 3, 4, 5
+    text = doc.read_text()
+    assert "- `run A` (items 1, 3, 4; 2026-01-01; torch " in text and "throughput 10 s, train_sh 10 s" in text
+    assert "- `run B` (items 2, 5; 2026-01-05; torch " in text
+
+    # A run of every part run A measured leaves none of its rows, so it is named no more.
+    day3 = tmp_path / "day3.json"
+    later = {part: {**PARTS[part], "seconds": 11, "run": "run C", "date": "2026-01-09"}
+             for part in ("throughput", "train_sh")}  # fmt: skip
+    later["train_sh"]["models"] = {"transformer": {"tokens_per_s": 1.0, "data_share": 0.0, "mfu": 1.0}}
+    speed.save_parts(day3, later, "GPU X")
+    speed.main(["--parts", "", "--json", str(day3), "--doc", str(doc), "--write_doc", "--device", "cpu"])
+    text = doc.read_text()
+    assert "`run A`" not in text and "- `run B` (items 2, 5;" in text and "- `run C` (items 1, 3, 4;" in text
+    assert [row[:4] for row in section_rows(doc, "gpu_x")] == [
+        "| 1 ",
+        "| 2 ",
+        "| 2 ",
+        "| 3 ",
+        "| 3 ",
+        "| 4 ",
+    ] + ["| 5 "] * 6
+    # a model train.sh did not measure says so, without the bench profile's limits
+    assert "| not measured |" in section_rows(doc, "gpu_x")[3]
+    # the other devices' sections are left as they are
+    assert text.count("## The speed table, GPU X") == 1
 
 
 def test_parts_spread_over_gpus_longest_first():
