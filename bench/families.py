@@ -79,6 +79,7 @@ from train_throughput import (  # noqa: E402
     command_line,
     device_name,
     run_naive_hf_loop,
+    section_in,
     write_section,
 )
 
@@ -585,8 +586,7 @@ RUN_LINE = re.compile(r"^- run: .*: (?P<families>[^:]*)$")
 
 def section_of(text: str) -> tuple[dict[str, str], list[str]]:
     """(row line by family, run lines) of the family table section in a doc's ``text``."""
-    start, end = f"<!-- {MARKER} -->", f"<!-- /{MARKER} -->"
-    section = text.split(start, 1)[1].split(end, 1)[0] if start in text and end in text else ""
+    section = section_in(text, MARKER)
     rows = {line.split("|")[1].strip(): line for line in section.splitlines()
             if line.startswith("| ") and not line.startswith("| family |")}  # fmt: skip
     return rows, [line for line in section.splitlines() if RUN_LINE.match(line)]

@@ -61,7 +61,14 @@ sys.path.insert(0, str(REPO / "bench"))
 from families import stop_on_sigterm, train_env  # noqa: E402
 from first_step import CASES as FIRST_STEP_CASES  # noqa: E402
 from first_step import SHIPPED_VOCAB, measure_model, phase_text  # noqa: E402
-from train_throughput import add_doc_options, command_line, device_name, model_config, write_section  # noqa: E402
+from train_throughput import (  # noqa: E402
+    add_doc_options,
+    command_line,
+    device_name,
+    model_config,
+    section_in,
+    write_section,
+)
 
 from flame.plot import read_scalar_events  # noqa: E402
 
@@ -586,8 +593,8 @@ def row_lines(parts: dict) -> list[str]:
     return ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows(parts)]
 
 
-def table(parts: dict) -> str:
-    return "\n".join(TABLE_HEAD + row_lines(parts))
+def table(lines: list[str]) -> str:
+    return "\n".join(TABLE_HEAD + lines)
 
 
 # Which of the issue's items a part's results give rows to (item 1 needs train_sh and throughput both).
@@ -634,15 +641,6 @@ def merged_with_section(
                 kept_runs.append(f"- {match[1]} ({items_text(items)}; {match[3]})")
     rows_in_order = sorted(kept_rows + new_rows, key=lambda row: int(ROW_ITEM.match(row)[1]))
     return kept_runs + new_runs, rows_in_order
-
-
-def section_text(doc: Path, marker: str) -> str:
-    """The text between ``marker``'s comments in ``doc`` ("" where there is none)."""
-    text = doc.read_text() if doc.exists() else ""
-    match = re.search(
-        re.escape(f"<!-- {marker} -->") + "(.*?)" + re.escape(f"<!-- /{marker} -->"), text, re.DOTALL
-    )
-    return match[1] if match else ""
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -752,13 +750,13 @@ def main(argv: list[str] | None = None) -> int:
             save_parts(args.json, measured, device_name(torch.device(args.device)))
     saved = json.loads(args.json.read_text())
     parts = saved["parts"]
-    text = table(parts)
-    print("\n" + text)
+    new_rows = row_lines(parts)
+    print("\n" + table(new_rows))
     if not args.no_write and (args.device == "cuda" or args.write_doc):
         marker = f"{MARKER}_{re.sub(r'[^a-z0-9]+', '_', saved['device'].lower()).strip('_')}"
-        new_rows = row_lines(parts)
         new_runs = run_lines(saved, {int(ROW_ITEM.match(row)[1]) for row in new_rows})
-        runs, all_rows = merged_with_section(section_text(args.doc, marker), new_runs, new_rows)
+        doc_text = args.doc.read_text() if args.doc.exists() else ""
+        runs, all_rows = merged_with_section(section_in(doc_text, marker), new_runs, new_rows)
         write_section(
             args.doc,
             marker,
@@ -771,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
             "through train.sh, or the bench where train.sh's part did not run), 5 long context, 6 tokens to a loss. "
             "Each anchor ran in the same run (bench/speed.py says how each part runs). A run replaces the rows of the "
             "items it measured and keeps the others with the runs that measured them.",
-            "\n".join(TABLE_HEAD + all_rows),
+            table(all_rows),
         )
     return 1 if failed else 0
 

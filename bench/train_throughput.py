@@ -550,6 +550,13 @@ def write_section(doc: Path, marker: str, title: str, description: str, table_te
     print(f"\nwrote the {marker} section of {doc}")
 
 
+def section_in(text: str, marker: str) -> str:
+    """The text between ``marker``'s comments in a doc's ``text`` ("" where there is none): the section a bench
+    script wrote there last, for the scripts that merge their rows into it."""
+    start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    return text.split(start, 1)[1].split(end, 1)[0] if start in text and end in text else ""
+
+
 def data_description(args) -> str:
     if args.data == "random":
         return "random tokens"

@@ -175,7 +175,7 @@ def test_only_the_parts_measured_have_rows_and_a_failed_part_says_why():
         ("5", "exit status 1: boom", "no"),
         ("6", "no dataset", "no"),
     ]
-    table = speed.table({"tokens_to_loss": {"error": "a | b"}})
+    table = speed.table(speed.row_lines({"tokens_to_loss": {"error": "a | b"}}))
     assert table.splitlines()[-1] == "| 6 | tokens to a validation loss | a \\| b |  |  |  | no |"
 
 
@@ -276,7 +276,7 @@ def test_each_run_is_named_with_the_dates_its_parts_ran(tmp_path):
 def section_rows(doc: Path, device: str) -> list[str]:
     return [
         line
-        for line in speed.section_text(doc, f"bench_speed_{device}").splitlines()
+        for line in speed.section_in(doc.read_text(), f"bench_speed_{device}").splitlines()
         if speed.ROW_ITEM.match(line)
     ]
 
@@ -324,7 +324,7 @@ def test_a_run_replaces_its_items_rows_and_keeps_the_others_with_their_runs(tmp_
     ] + ["| 5 "] * 6
     # a model train.sh did not measure says so, without the bench profile's limits
     assert "| not measured |" in section_rows(doc, "gpu_x")[3]
-    # the other devices' sections are left as they are
+    # the device's section is replaced, not written again
     assert text.count("## The speed table, GPU X") == 1
 
 
