@@ -25,7 +25,9 @@ Parts (``--parts``), each a run of another bench script or of train.sh, in this 
 
 ``--json`` keeps every part's results (a part run again replaces its own), so a run stopped part-way continues
 with the parts left, and runs of different parts on the GPUs of one machine can share it (each reads it again
-before writing, under a lock). ``--gpus N`` is such a run by one command: the parts are spread over N GPUs of this
+before writing, under a lock). With ``--resume`` a long_context or tokens_to_loss part run again keeps the launches
+its earlier run finished (a model's every case, an optimizer's run) and runs the others: a part longer than one
+sitting on a GPU is measured in two, and named by both commands. ``--gpus N`` is such a run by one command: the parts are spread over N GPUs of this
 machine, longest first, and each GPU's parts run in a process of their own that sees that GPU alone
 (``CUDA_VISIBLE_DEVICES``) and an equal, disjoint share of this process's CPU cores, as a one-GPU machine of the
 host's size would have (a part's time depends on the cores it has: a compiled step issued by the host, compiling,
@@ -135,12 +137,18 @@ def part_throughput(args, work: Path) -> dict:
     }
 
 
-def part_long_context(args, work: Path) -> dict:
+def part_long_context(args, work: Path, earlier: dict | None = None) -> dict:
     """One bench launch per model (``--timeout_s`` each, so that a slow model leaves the others their time): each
-    model's results, and each launch's exit status or why it gave none (``launches``)."""
+    model's results, and each launch's exit status or why it gave none (``launches``). A model whose every case
+    ``earlier`` (this part's saved results, under ``--resume``) holds is not launched again: its results are kept."""
     seq, context = (512, 128) if args.tiny else (65536, 4096)
     results, launches = [], {}
+    kept = sorted(finished_long_context_models(earlier), key=MODELS.index) if earlier else []
     for model in MODELS:
+        if model in kept:
+            results += [result for result in earlier["results"] if result["model"] == model]
+            launches[model] = earlier["launches"][model]
+            continue
         flags = ["--models", model, "--seq_lens", str(seq), "--tokens_per_gpu", str(seq), "--modes",
                  "compiled" if args.device == "cuda" else "eager", "--activations",
                  ",".join(LONG_CONTEXT_ACTIVATIONS), "--data", "real", "--job_flags",
@@ -148,7 +156,15 @@ def part_long_context(args, work: Path) -> dict:
         launch = throughput_bench(args, work, f"long_context_{model}", flags)
         results += launch.get("results", [])
         launches[model] = launch.get("error", f"exit status {launch.get('status')}")
-    return {"results": results, "launches": launches}
+    return {"results": results, "launches": launches, "kept": kept}
+
+
+def finished_long_context_models(part: dict) -> set[str]:
+    """The models with a result for every activation mode in the long_context part's results ``part``."""
+    cases = {
+        (result["model"], result["activations"]) for result in part.get("results", []) if not result["error"]
+    }
+    return {model for model in MODELS if all((model, mode) in cases for mode in LONG_CONTEXT_ACTIVATIONS)}
 
 
 def model_file(name: str, args, folder: Path) -> Path:
@@ -211,7 +227,9 @@ def part_first_step(args, work: Path) -> dict:
                                                                                           "transformer")}}  # fmt: skip
 
 
-def part_tokens_to_loss(args, work: Path) -> dict:
+def part_tokens_to_loss(args, work: Path, earlier: dict | None = None) -> dict:
+    """AdamW's and Muon's runs; an optimizer whose finished run ``earlier`` (this part's saved results, under
+    ``--resume``) holds is not run again."""
     import tokens_to_loss
 
     dataset = REPO / args.t2l_dataset
@@ -225,15 +243,21 @@ def part_tokens_to_loss(args, work: Path) -> dict:
              str(args.log_freq)] + (["--compile.enable"] if args.device == "cuda" else [])  # fmt: skip
     t2l = argparse.Namespace(workdir=work / "tokens_to_loss", extra=extra, ngpu=1, val_freq=args.t2l_val_freq,
                              val_steps=args.t2l_val_steps)  # fmt: skip
-    runs = {}
+    runs = {
+        optimizer: run for optimizer, run in (earlier or {}).get("runs", {}).items() if isinstance(run, dict)
+    }
+    kept = list(runs)
     for optimizer in ("AdamW", "Muon"):
+        if optimizer in kept:
+            continue
         dump, status = tokens_to_loss.train(optimizer, t2l)
         runs[optimizer] = (tokens_to_loss.curve(dump) if status == 0
                            else f"exit status {status}: {last_line(dump.with_suffix('.log'))}")  # fmt: skip
     for run in runs.values():  # JSON keys are strings
         if isinstance(run, dict):
             run["validation"] = {str(step): value for step, value in run["validation"].items()}
-    return {"runs": runs, "command": "bash train.sh " + " ".join(extra)}
+    return {"runs": {optimizer: runs[optimizer] for optimizer in ("AdamW", "Muon")}, "kept": kept,
+            "command": "bash train.sh " + " ".join(extra)}  # fmt: skip
 
 
 # Seconds each part took on one H200 with 16 cores (2026-11-28): how --gpus spreads the parts.
@@ -266,7 +290,13 @@ def worker_argv(args, parts: list[str], work: Path) -> list[str]:
     argv = ["--parts", ",".join(parts), "--json", str(args.json), "--work", str(work), "--no_write"]
     for name in PASSED_ON:
         argv += [f"--{name}", str(getattr(args, name))]
-    return argv + (["--tiny"] if args.tiny else [])
+    return argv + (["--tiny"] if args.tiny else []) + (["--resume"] if args.resume else [])
+
+
+def renamed(part_run: str, worker_run: str, run: str) -> str:
+    """A part's runs with ``run`` (a --gpus command) in place of ``worker_run`` (its process' own command), which
+    ends them (after the earlier runs whose launches --resume kept)."""
+    return part_run.removesuffix(worker_run) + run
 
 
 def run_on_gpus(args, parts: list[str], work: Path, run: str) -> dict[str, int]:
@@ -277,7 +307,7 @@ def run_on_gpus(args, parts: list[str], work: Path, run: str) -> dict[str, int]:
     devices += [str(gpu) for gpu in range(len(devices), args.gpus)]
     shares = spread(parts, args.gpus)
     cores = core_shares(sorted(os.sched_getaffinity(0)), len(shares))
-    processes = []
+    processes, worker_runs = [], {}
     try:
         for gpu, share in enumerate(shares):
             log = work / f"gpu{gpu}.log"
@@ -286,11 +316,9 @@ def run_on_gpus(args, parts: list[str], work: Path, run: str) -> dict[str, int]:
                 f"GPU {devices[gpu]}: {', '.join(share)} on cores {cores[gpu][0]}-{cores[gpu][-1]} ({log})",
                 flush=True,
             )
-            command = [
-                sys.executable,
-                str(REPO / "bench" / "speed.py"),
-                *worker_argv(args, share, work / f"gpu{gpu}"),
-            ]
+            argv = worker_argv(args, share, work / f"gpu{gpu}")
+            command = [sys.executable, str(REPO / "bench" / "speed.py"), *argv]
+            worker_runs.update(dict.fromkeys(share, command_line("bench/speed.py", argv)))
             with open(log, "w") as out:
                 process = subprocess.Popen(
                     command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -306,11 +334,13 @@ def run_on_gpus(args, parts: list[str], work: Path, run: str) -> dict[str, int]:
         raise
     if args.json.exists():
         saved = json.loads(args.json.read_text())
-        named = {part: {**saved["parts"][part], "run": run} for part in parts if part in saved["parts"]}
+        named = {part: {**saved["parts"][part], "run": renamed(saved["parts"][part]["run"], worker_runs[part], run)}
+                 for part in parts if part in saved["parts"]}  # fmt: skip
         save_parts(args.json, named, saved["device"])
     return statuses
 
 
+RESUMABLE = ("long_context", "tokens_to_loss")  # the parts whose launches --resume keeps
 RUNNERS = {"throughput": part_throughput, "train_sh": part_train_sh, "torchtitan": part_torchtitan,
            "first_step": part_first_step, "long_context": part_long_context, "tokens_to_loss": part_tokens_to_loss}  # fmt: skip
 
@@ -679,6 +709,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="run the parts at once on this many GPUs of this machine, each GPU's in a process of its own with an "
         "equal share of the CPU cores",
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="long_context, tokens_to_loss: keep the launches that --json's earlier run of the part finished (a "
+        "model's every case, an optimizer's run) and run only the others",
+    )
     add_doc_options(parser)
     parser.add_argument("--write_doc", action="store_true", help="write the doc on a CPU too")
     args = parser.parse_args(argv)
@@ -703,10 +739,15 @@ def runs_and_dates(parts: dict, saved_date: str) -> dict[str, str]:
     for part in PARTS:
         if part in parts:
             run_dates = dates.setdefault(parts[part]["run"], [])
-            date = parts[part].get("date", saved_date)
-            if date not in run_dates:
-                run_dates.append(date)
+            for date in parts[part].get("date", saved_date).split(", "):
+                if date not in run_dates:
+                    run_dates.append(date)
     return {run: ", ".join(run_dates) for run, run_dates in dates.items()}
+
+
+def saved_part(path: Path, part: str) -> dict | None:
+    """``part``'s results in the --json file ``path``, or None."""
+    return json.loads(path.read_text())["parts"].get(part) if path.exists() else None
 
 
 def save_parts(path: Path, measured: dict, device: str) -> None:
@@ -741,11 +782,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"no part saved a result in {args.json}; each GPU's log is in {work}", file=sys.stderr)
                 return 1
         for part in parts_to_run:
+            earlier = saved_part(args.json, part) if args.resume and part in RESUMABLE else None
             part_started = time.perf_counter()
-            measured[part] = RUNNERS[part](args, work / part)
+            measured[part] = RUNNERS[part](args, work / part, *([earlier] if earlier else []))
+            run, date = command_line("bench/speed.py", argv), time.strftime("%Y-%m-%d")
             measured[part]["seconds"] = time.perf_counter() - part_started
-            measured[part]["run"] = command_line("bench/speed.py", argv)
-            measured[part]["date"] = time.strftime("%Y-%m-%d")
+            # A part resumed: the earlier runs' launches kept, then this run's.
+            if measured[part].get("kept"):
+                measured[part]["seconds"] += earlier["seconds"]
+                run = f"{earlier['run']}; {run}"
+                date = ", ".join(dict.fromkeys([*earlier.get("date", date).split(", "), date]))
+            measured[part]["run"] = run
+            measured[part]["date"] = date
             print(f"{part}: {measured[part]['seconds']:.0f} s", flush=True)
             save_parts(args.json, measured, device_name(torch.device(args.device)))
     saved = json.loads(args.json.read_text())

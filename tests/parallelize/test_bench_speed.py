@@ -166,6 +166,82 @@ def test_long_context_runs_one_launch_per_model_and_a_missing_case_names_its_lau
     )
 
 
+def test_resume_keeps_the_models_a_long_context_run_finished_and_names_both_runs(tmp_path, monkeypatch):
+    # A GPU lent for less time than the part takes: the model whose launch reached its limit runs again in a second
+    # sitting, the finished ones are kept, and the part names both commands, both dates and both sittings' seconds.
+    launched, slow = [], {"gated_deltanet"}
+
+    def throughput_bench(args, work, name, flags):
+        model = flags[flags.index("--models") + 1]
+        launched.append(model)
+        if model in slow:
+            return {"error": "exit status 124: step 1"}
+        cases = [{"model": model, "seq_len": 512, "activations": mode, "tokens_per_s": 10.0, "peak_gib": 1.0,
+                  "error": ""} for mode in speed.LONG_CONTEXT_ACTIVATIONS]  # fmt: skip
+        return {"results": cases, "status": 0}
+
+    monkeypatch.setattr(speed, "throughput_bench", throughput_bench)
+    path = tmp_path / "speed.json"
+    first = ["--tiny", "--device", "cpu", "--parts", "long_context", "--json", str(path), "--no_write"]
+    speed.main(first)
+    saved = json.loads(path.read_text())
+    saved["parts"]["long_context"].update(date="2026-01-01", seconds=100.0)
+    path.write_text(json.dumps(saved))
+    launched.clear()
+    slow.clear()
+    second = [*first, "--timeout_s", "500", "--resume"]
+    speed.main(second)
+    part = json.loads(path.read_text())["parts"]["long_context"]
+    assert launched == ["gated_deltanet"]
+    assert part["kept"] == ["transformer", "hybrid"]
+    assert sorted((r["model"], r["activations"]) for r in part["results"]) == sorted(
+        (model, mode) for model in speed.MODELS for mode in speed.LONG_CONTEXT_ACTIVATIONS
+    )
+    assert part["launches"] == dict.fromkeys(speed.MODELS, "exit status 0")
+    assert part["run"] == "; ".join(speed.command_line("bench/speed.py", argv) for argv in (first, second))
+    assert part["date"] == f"2026-01-01, {speed.time.strftime('%Y-%m-%d')}" and 100 <= part["seconds"] < 110
+    # Without --resume the part is measured again whole and names this run alone.
+    launched.clear()
+    speed.main(first)
+    assert launched == list(speed.MODELS)
+    part = json.loads(path.read_text())["parts"]["long_context"]
+    assert part["run"] == speed.command_line("bench/speed.py", first) and part["kept"] == []
+
+
+def test_resume_keeps_the_finished_optimizer_run_of_tokens_to_loss(tmp_path, monkeypatch):
+    import tokens_to_loss
+
+    trained = []
+
+    def train(optimizer, t2l):
+        trained.append(optimizer)
+        return tmp_path / optimizer, 0
+
+    monkeypatch.setattr(tokens_to_loss, "train", train)
+    monkeypatch.setattr(
+        tokens_to_loss, "curve", lambda dump: {"tokens_per_step": 2.0, "validation": {4: [1.0, 3.0]}}
+    )
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl.gz").write_bytes(b"")
+    args = speed.parse(
+        ["--tiny", "--device", "cpu", "--json", "x.json", "--t2l_dataset", str(tmp_path / "data")]
+    )
+    adamw = {"tokens_per_step": 2.0, "validation": {"4": [9.0, 2.5]}}
+    earlier = {"runs": {"AdamW": adamw, "Muon": "exit status 124: step 700"}}
+    part = speed.part_tokens_to_loss(args, tmp_path / "work", earlier)
+    assert trained == ["Muon"] and part["kept"] == ["AdamW"]
+    assert part["runs"] == {"AdamW": adamw, "Muon": {"tokens_per_step": 2.0, "validation": {"4": [1.0, 3.0]}}}
+    trained.clear()
+    assert speed.part_tokens_to_loss(args, tmp_path / "work")["kept"] == [] and trained == ["AdamW", "Muon"]
+
+
+def test_a_gpus_run_names_itself_after_the_runs_a_resumed_part_kept():
+    assert speed.renamed("python a; python w --gpu0", "python w --gpu0", "python g --gpus 2") == (
+        "python a; python g --gpus 2"
+    )
+    assert speed.renamed("python w --gpu0", "python w --gpu0", "python g --gpus 2") == "python g --gpus 2"
+
+
 def test_only_the_parts_measured_have_rows_and_a_failed_part_says_why():
     assert speed.rows({}) == []
     rows = speed.rows(
