@@ -5,7 +5,8 @@
 
 Sources are Triton cache folders (default: TRITON_CACHE_DIR, else Triton's own) or .tar.gz archives of one. Run
 on a machine where nothing else shared the GPUs while the kernels were tuned: the bundle's choices become every
-fresh machine's (flame.ops.autotune.seed_shipped_results).
+fresh machine's (flame.ops.autotune.seed_shipped_results). Entries that the bundles of the GPU's chip siblings
+seeded into the cache (the same result, not tuned on this GPU) are left out: the bundle holds this GPU's choices.
 """
 
 import argparse
@@ -14,7 +15,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from flame.ops.autotune import bundle_path, collect_results, write_bundle
+from flame.ops.autotune import SHIPPED_DIR, bundle_path, collect_results, sibling_entries, write_bundle
 
 
 def results_of(source: Path) -> dict[str, dict]:
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="the bundle (default: the device's in flame/assets)"
     )
+    parser.add_argument(
+        "--shipped", type=Path, default=SHIPPED_DIR, help="the bundles whose seeded entries are left out"
+    )
     args = parser.parse_args(argv)
     if args.device is None or args.triton is None or not args.sources:
         import torch
@@ -54,13 +58,22 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for source in args.sources:
         results.update(results_of(source))
+    seeded = sibling_entries(args.device, args.triton, args.shipped)
+    copied = [name for name, result in results.items() if seeded.get(name) == result]
+    for name in copied:
+        del results[name]
     if not results:
+        seeded_only = f" ({len(copied)} seeded from its chip's other bundles)" if copied else ""
         parser.error(
-            f"no autotuning results that chose among configurations in {', '.join(map(str, args.sources))}"
+            "no autotuning results tuned on this GPU that chose among configurations in "
+            f"{', '.join(map(str, args.sources))}{seeded_only}"
         )
-    out = args.out or bundle_path(args.device)
+    out = args.out or bundle_path(args.device, args.shipped)
     total = write_bundle(out, args.device, args.triton, results)
-    print(f"{out}: {len(results)} results read, {total} in all ({args.device}, Triton {args.triton})")
+    left_out = f"; {len(copied)} left out, seeded from its chip's other bundles" if copied else ""
+    print(
+        f"{out}: {len(results)} results read, {total} in all ({args.device}, Triton {args.triton}){left_out}"
+    )
     return 0
 
 

@@ -247,6 +247,19 @@ def bundle_devices(device_name: str) -> list[str]:
     return [device_name, *siblings]
 
 
+def sibling_entries(device_name: str, triton_version: str, directory: Path = SHIPPED_DIR) -> dict[str, dict]:
+    """The entries of the bundles of ``device_name``'s chip (``SAME_CHIP``, not its own) measured with
+    ``triton_version``: what seeding writes into its cache beside its own bundle's."""
+    entries = {}
+    for name in reversed(bundle_devices(device_name)[1:]):  # the first sibling's entry wins, as when seeding
+        path = bundle_path(name, directory)
+        if path.exists():
+            bundle = json.loads(path.read_text())
+            if bundle["device"] == name and bundle["triton"] == triton_version:
+                entries.update(bundle["results"])
+    return entries
+
+
 def seed_shipped_results(
     device_name: str, triton_version: str, cache_dir: Path, directory: Path = SHIPPED_DIR
 ) -> int:

@@ -347,6 +347,22 @@ def test_the_bundle_script_reads_a_cache_archive(tmp_path, capsys):
     ]
     with pytest.raises(SystemExit):  # nothing there to ship: one line, not an unchanged bundle
         script.main([str(cache / ("D" * 52)), *common])
+    # On an H100 the H200's bundle seeded A's entry: the H100's bundle takes only what was tuned there (B).
+    shipped = tmp_path / "shipped"
+    script.main(
+        [str(cache / ("A" * 52)), *common[:4], "--out", str(autotune.bundle_path("NVIDIA H200", shipped))]
+    )
+    h100 = ["--device", "NVIDIA H100 80GB HBM3", "--triton", "3.6.0", "--shipped", str(shipped)]
+    assert script.main([str(cache), *h100]) == 0
+    assert "1 results read, 1 in all (NVIDIA H100 80GB HBM3, Triton 3.6.0); 1 left out, seeded from" in (
+        capsys.readouterr().out
+    )
+    h100_bundle = json.loads(autotune.bundle_path("NVIDIA H100 80GB HBM3", shipped).read_text())
+    assert list(h100_bundle["results"]) == [f"{'B' * 52}/k.autotune.json"]
+    # Another Triton's H200 bundle seeds nothing: A was tuned here.
+    assert autotune.sibling_entries("NVIDIA H100 80GB HBM3", "3.7.0", shipped) == {}
+    with pytest.raises(SystemExit):  # only seeded entries: nothing tuned here to ship
+        script.main([str(cache / ("A" * 52)), *h100])
 
 
 CONFIGS = [triton.Config({"BLOCK": block}) for block in (16, 32, 64)]
