@@ -4,6 +4,7 @@ tokens to a loss, each beside its anchor measured in the same run, on one GPU, b
     python bench/speed.py --json /tmp/speed.json                       # every part, one GPU (~35 min on an H100)
     python bench/speed.py --json /tmp/speed.json --gpus 4              # every part, at once on 4 GPUs (~10 min)
     python bench/speed.py --json /tmp/speed.json --parts long_context  # some parts; the others' results are kept
+    python bench/speed.py --json /tmp/speed.json --parts long_context --resume  # what a stopped run did not finish
     python bench/speed.py --json /tmp/speed.json --parts ""            # the table of the parts measured
     python bench/speed.py --tiny --device cpu --parts throughput,train_sh --json /tmp/s.json --no_write  # smoke
 
@@ -25,9 +26,10 @@ Parts (``--parts``), each a run of another bench script or of train.sh, in this 
 
 ``--json`` keeps every part's results (a part run again replaces its own), so a run stopped part-way continues
 with the parts left, and runs of different parts on the GPUs of one machine can share it (each reads it again
-before writing, under a lock). With ``--resume`` a long_context or tokens_to_loss part run again keeps the launches
-its earlier run finished (a model's every case, an optimizer's run) and runs the others: a part longer than one
-sitting on a GPU is measured in two, and named by both commands. ``--gpus N`` is such a run by one command: the parts are spread over N GPUs of this
+before writing, under a lock). The long_context and tokens_to_loss parts are saved as each of their launches ends;
+with ``--resume`` such a part run again keeps the launches its earlier run finished (a model's every case, an
+optimizer's run) and runs the others: a part longer than one sitting on a GPU, or stopped by the sitting's end, is
+measured in two, and named by both commands. ``--gpus N`` is such a run by one command: the parts are spread over N GPUs of this
 machine, longest first, and each GPU's parts run in a process of their own that sees that GPU alone
 (``CUDA_VISIBLE_DEVICES``) and an equal, disjoint share of this process's CPU cores, as a one-GPU machine of the
 host's size would have (a part's time depends on the cores it has: a compiled step issued by the host, compiling,
@@ -78,6 +80,9 @@ MARKER = "bench_speed"  # one section per device: bench_speed_<device>
 PARTS = ("throughput", "train_sh", "torchtitan", "first_step", "long_context", "tokens_to_loss")
 MODELS = ("transformer", "gated_deltanet", "hybrid")
 LONG_CONTEXT_ACTIVATIONS = ("full", "offload")
+OPTIMIZERS = ("AdamW", "Muon")  # tokens_to_loss's runs
+# A launch of a part that its run, stopped (a device call's time limit), did not reach: --resume makes it.
+NOT_RUN = "not run: the run stopped before this launch"
 # The speed issue's targets on one H100 (tokens/s at 8 x 2048 through train.sh; MFU of the transformer; seconds to
 # GatedDeltaNet's first step on a fresh machine).
 TARGET_TOKENS_PER_S = {"gated_deltanet": 120_000, "hybrid": 140_000}
@@ -137,10 +142,11 @@ def part_throughput(args, work: Path) -> dict:
     }
 
 
-def part_long_context(args, work: Path, earlier: dict | None = None) -> dict:
+def part_long_context(args, work: Path, earlier: dict | None = None, progress=None) -> dict:
     """One bench launch per model (``--timeout_s`` each, so that a slow model leaves the others their time): each
     model's results, and each launch's exit status or why it gave none (``launches``). A model whose every case
-    ``earlier`` (this part's saved results, under ``--resume``) holds is not launched again: its results are kept."""
+    ``earlier`` (this part's saved results, under ``--resume``) holds is not launched again: its results are kept.
+    ``progress`` is given the part's results after each launch (the models not yet launched: NOT_RUN)."""
     seq, context = (512, 128) if args.tiny else (65536, 4096)
     results, launches = [], {}
     kept = sorted(finished_long_context_models(earlier), key=MODELS.index) if earlier else []
@@ -156,6 +162,10 @@ def part_long_context(args, work: Path, earlier: dict | None = None) -> dict:
         launch = throughput_bench(args, work, f"long_context_{model}", flags)
         results += launch.get("results", [])
         launches[model] = launch.get("error", f"exit status {launch.get('status')}")
+        if progress:
+            progress(
+                {"results": results, "launches": {**dict.fromkeys(MODELS, NOT_RUN), **launches}, "kept": kept}
+            )
     return {"results": results, "launches": launches, "kept": kept}
 
 
@@ -227,9 +237,10 @@ def part_first_step(args, work: Path) -> dict:
                                                                                           "transformer")}}  # fmt: skip
 
 
-def part_tokens_to_loss(args, work: Path, earlier: dict | None = None) -> dict:
+def part_tokens_to_loss(args, work: Path, earlier: dict | None = None, progress=None) -> dict:
     """AdamW's and Muon's runs; an optimizer whose finished run ``earlier`` (this part's saved results, under
-    ``--resume``) holds is not run again."""
+    ``--resume``) holds is not run again. ``progress`` is given the part's results after each run (the runs not yet
+    made: NOT_RUN)."""
     import tokens_to_loss
 
     dataset = REPO / args.t2l_dataset
@@ -247,17 +258,28 @@ def part_tokens_to_loss(args, work: Path, earlier: dict | None = None) -> dict:
         optimizer: run for optimizer, run in (earlier or {}).get("runs", {}).items() if isinstance(run, dict)
     }
     kept = list(runs)
-    for optimizer in ("AdamW", "Muon"):
+    command = "bash train.sh " + " ".join(extra)
+    for optimizer in OPTIMIZERS:
         if optimizer in kept:
             continue
         dump, status = tokens_to_loss.train(optimizer, t2l)
-        runs[optimizer] = (tokens_to_loss.curve(dump) if status == 0
-                           else f"exit status {status}: {last_line(dump.with_suffix('.log'))}")  # fmt: skip
-    for run in runs.values():  # JSON keys are strings
-        if isinstance(run, dict):
-            run["validation"] = {str(step): value for step, value in run["validation"].items()}
-    return {"runs": {optimizer: runs[optimizer] for optimizer in ("AdamW", "Muon")}, "kept": kept,
-            "command": "bash train.sh " + " ".join(extra)}  # fmt: skip
+        if status == 0:
+            run = tokens_to_loss.curve(dump)
+            runs[optimizer] = {
+                **run,
+                "validation": {str(step): value for step, value in run["validation"].items()},
+            }
+        else:
+            runs[optimizer] = f"exit status {status}: {last_line(dump.with_suffix('.log'))}"
+        if progress:
+            progress(
+                {"runs": {**dict.fromkeys(OPTIMIZERS, NOT_RUN), **runs}, "kept": kept, "command": command}
+            )
+    return {
+        "runs": {optimizer: runs[optimizer] for optimizer in OPTIMIZERS},
+        "kept": kept,
+        "command": command,
+    }
 
 
 # Seconds each part took on one H200 with 16 cores (2026-11-28): how --gpus spreads the parts.
@@ -745,6 +767,23 @@ def runs_and_dates(parts: dict, saved_date: str) -> dict[str, str]:
     return {run: ", ".join(run_dates) for run, run_dates in dates.items()}
 
 
+def named_part(result: dict, argv: list[str] | None, started: float, earlier: dict | None = None) -> dict:
+    """A part's results with the seconds since ``started``, this run's command and date; where it kept launches of
+    ``earlier`` (--resume), after the earlier runs' commands, dates and seconds."""
+    run, date = command_line("bench/speed.py", argv), time.strftime("%Y-%m-%d")
+    seconds = time.perf_counter() - started
+    if result.get("kept"):
+        seconds += earlier["seconds"]
+        run = f"{earlier['run']}; {run}"
+        date = ", ".join(dict.fromkeys([*earlier.get("date", date).split(", "), date]))
+    return {**result, "seconds": seconds, "run": run, "date": date}
+
+
+def save_named(path: Path, part: str, device: str, named, result: dict) -> None:
+    """save_parts of one part's results so far, ``named`` (named_part) for the run that is making them."""
+    save_parts(path, {part: named(result)}, device)
+
+
 def saved_part(path: Path, part: str) -> dict | None:
     """``part``'s results in the --json file ``path``, or None."""
     return json.loads(path.read_text())["parts"].get(part) if path.exists() else None
@@ -781,21 +820,18 @@ def main(argv: list[str] | None = None) -> int:
             if not args.json.exists():
                 print(f"no part saved a result in {args.json}; each GPU's log is in {work}", file=sys.stderr)
                 return 1
+        device = device_name(torch.device(args.device))
         for part in parts_to_run:
-            earlier = saved_part(args.json, part) if args.resume and part in RESUMABLE else None
-            part_started = time.perf_counter()
-            measured[part] = RUNNERS[part](args, work / part, *([earlier] if earlier else []))
-            run, date = command_line("bench/speed.py", argv), time.strftime("%Y-%m-%d")
-            measured[part]["seconds"] = time.perf_counter() - part_started
-            # A part resumed: the earlier runs' launches kept, then this run's.
-            if measured[part].get("kept"):
-                measured[part]["seconds"] += earlier["seconds"]
-                run = f"{earlier['run']}; {run}"
-                date = ", ".join(dict.fromkeys([*earlier.get("date", date).split(", "), date]))
-            measured[part]["run"] = run
-            measured[part]["date"] = date
+            named = functools.partial(named_part, argv=argv, started=time.perf_counter())
+            if part in RESUMABLE:  # its launches are saved as they finish, and --resume keeps them
+                earlier = saved_part(args.json, part) if args.resume else None
+                named = functools.partial(named, earlier=earlier)
+                progress = functools.partial(save_named, args.json, part, device, named)
+                measured[part] = named(RUNNERS[part](args, work / part, earlier, progress))
+            else:
+                measured[part] = named(RUNNERS[part](args, work / part))
             print(f"{part}: {measured[part]['seconds']:.0f} s", flush=True)
-            save_parts(args.json, measured, device_name(torch.device(args.device)))
+            save_parts(args.json, measured, device)
     saved = json.loads(args.json.read_text())
     parts = saved["parts"]
     new_rows = row_lines(parts)

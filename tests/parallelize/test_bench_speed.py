@@ -208,6 +208,40 @@ def test_resume_keeps_the_models_a_long_context_run_finished_and_names_both_runs
     assert part["run"] == speed.command_line("bench/speed.py", first) and part["kept"] == []
 
 
+def test_a_long_context_run_stopped_mid_part_keeps_its_finished_launches_for_resume(tmp_path, monkeypatch):
+    # A device call's time limit kills the run during the second model's launch: the first model's cases are saved,
+    # the table says which launches the run did not reach, and --resume launches only those.
+    launched = []
+
+    def throughput_bench(args, work, name, flags):
+        model = flags[flags.index("--models") + 1]
+        launched.append(model)
+        if model == "gated_deltanet" and len(launched) == 2:
+            raise KeyboardInterrupt  # the call's end
+        cases = [{"model": model, "seq_len": 512, "activations": mode, "tokens_per_s": 10.0, "peak_gib": 1.0,
+                  "error": ""} for mode in speed.LONG_CONTEXT_ACTIVATIONS]  # fmt: skip
+        return {"results": cases, "status": 0}
+
+    monkeypatch.setattr(speed, "throughput_bench", throughput_bench)
+    path = tmp_path / "speed.json"
+    argv = ["--tiny", "--device", "cpu", "--parts", "long_context", "--json", str(path), "--no_write"]
+    with pytest.raises(KeyboardInterrupt):
+        speed.main(argv)
+    part = json.loads(path.read_text())["parts"]["long_context"]
+    assert {r["model"] for r in part["results"]} == {"transformer"}
+    assert part["run"] == speed.command_line("bench/speed.py", argv)
+    rows = {row[1]: row[2] for row in speed.rows({"long_context": part})}
+    assert rows["transformer: batch 1 x 512, offload activations"] == "10 tokens/s, 1.0 GiB"
+    assert rows["hybrid: batch 1 x 512, full activations"] == (
+        f"no result: the bench stopped before this case ({speed.NOT_RUN})"
+    )
+    launched.clear()
+    speed.main([*argv, "--resume"])
+    assert launched == ["gated_deltanet", "hybrid"]
+    part = json.loads(path.read_text())["parts"]["long_context"]
+    assert part["kept"] == ["transformer"] and len(part["results"]) == 6
+
+
 def test_resume_keeps_the_finished_optimizer_run_of_tokens_to_loss(tmp_path, monkeypatch):
     import tokens_to_loss
 
@@ -228,11 +262,20 @@ def test_resume_keeps_the_finished_optimizer_run_of_tokens_to_loss(tmp_path, mon
     )
     adamw = {"tokens_per_step": 2.0, "validation": {"4": [9.0, 2.5]}}
     earlier = {"runs": {"AdamW": adamw, "Muon": "exit status 124: step 700"}}
-    part = speed.part_tokens_to_loss(args, tmp_path / "work", earlier)
-    assert trained == ["Muon"] and part["kept"] == ["AdamW"]
+    progress = []
+    part = speed.part_tokens_to_loss(args, tmp_path / "work", earlier, progress.append)
+    assert trained == ["Muon"] and part["kept"] == ["AdamW"] and progress[-1]["runs"] == part["runs"]
     assert part["runs"] == {"AdamW": adamw, "Muon": {"tokens_per_step": 2.0, "validation": {"4": [1.0, 3.0]}}}
     trained.clear()
-    assert speed.part_tokens_to_loss(args, tmp_path / "work")["kept"] == [] and trained == ["AdamW", "Muon"]
+    progress.clear()
+    assert speed.part_tokens_to_loss(args, tmp_path / "work", None, progress.append)["kept"] == []
+    assert trained == ["AdamW", "Muon"]
+    # After the first run the part is saved with the second not yet run: its row says so.
+    assert progress[0]["runs"]["Muon"] == speed.NOT_RUN
+    assert speed.rows({"tokens_to_loss": progress[0]})[0][1:3] == [
+        "tokens to a validation loss: Muon",
+        speed.NOT_RUN,
+    ]
 
 
 def test_a_gpus_run_names_itself_after_the_runs_a_resumed_part_kept():
