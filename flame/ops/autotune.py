@@ -294,15 +294,23 @@ def _seed_bundle(path: Path, device_name: str, triton_version: str, cache_dir: P
     return written
 
 
+def tuning_cache_is_read() -> bool:
+    """Whether kernels read Triton's cache of tuning results: every kernel with TRITON_CACHE_AUTOTUNING=1 (train.sh's
+    default); FLA's without it too, unless FLA_CACHE_RESULTS=0 (FLA passes ``cache_results`` to its autotuners)."""
+    from triton import knobs
+
+    return knobs.autotuning.cache or os.environ.get("FLA_CACHE_RESULTS", "1") == "1"
+
+
 def use_shipped_results(device_name: str) -> int:
-    """seed_shipped_results for the GPU in use, into the cache tune_once_per_host chose, where Triton caches
-    autotuning (TRITON_CACHE_AUTOTUNING=1) and FLAME_SHIPPED_TUNING is not 0; logs what it wrote."""
+    """seed_shipped_results for the GPU in use, into the cache tune_once_per_host chose, where kernels read it
+    (tuning_cache_is_read) and FLAME_SHIPPED_TUNING is not 0; logs what it wrote."""
     try:
         import triton
         from triton import knobs
     except ImportError:
         return 0
-    if os.environ.get("FLAME_SHIPPED_TUNING", "1") == "0" or not knobs.autotuning.cache:
+    if os.environ.get("FLAME_SHIPPED_TUNING", "1") == "0" or not tuning_cache_is_read():
         return 0
     cache_dir = Path(os.environ.get("TRITON_CACHE_DIR") or knobs.cache.dir)
     try:

@@ -273,7 +273,7 @@ def test_bundles_merge_and_a_new_triton_replaces_them(tmp_path):
         autotune.write_bundle(path, "Other GPU", "3.7.0", {})
 
 
-def test_seeding_follows_tritons_cache_setting_and_flames_switch(monkeypatch, tmp_path):
+def test_seeding_follows_whether_kernels_read_the_cache_and_flames_switch(monkeypatch, tmp_path):
     import triton
 
     assets = tmp_path / "assets"
@@ -284,7 +284,12 @@ def test_seeding_follows_tritons_cache_setting_and_flames_switch(monkeypatch, tm
     monkeypatch.setattr(autotune, "SHIPPED_DIR", assets)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
-    assert autotune.use_shipped_results("GPU") == 0  # Triton would not read it
+    monkeypatch.setenv("FLA_CACHE_RESULTS", "0")
+    assert autotune.use_shipped_results("GPU") == 0  # no kernel would read it
+    monkeypatch.delenv("FLA_CACHE_RESULTS")
+    assert autotune.use_shipped_results("GPU") == 1  # FLA's kernels read it (a launch without train.sh)
+    (tmp_path / "cache" / "A" / "k.autotune.json").unlink()
+    monkeypatch.setenv("FLA_CACHE_RESULTS", "0")
     monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "1")
     monkeypatch.setenv("FLAME_SHIPPED_TUNING", "0")
     assert autotune.use_shipped_results("GPU") == 0
