@@ -11,6 +11,12 @@ of the GPU in backward: memory freed behind a pending copy or fetched ahead of t
 gathered weights, which it frees and gathers again itself) stay where they are; a tensor saved by several ops of a
 block is copied once.
 
+Host memory: before the offloaded tensors grow past what the host had free (MemAvailable) less HOST_RESERVE_BYTES,
+when they were last measured, the host is measured again, and a step that would take more stops with one line
+(HostMemoryExhausted) instead of the kernel's out-of-memory killer ending the process without one. Pinned memory
+freed in backward stays in the CUDA host allocator's cache for the next step, which reuses it: the check bounds the
+first step's high-water mark.
+
 Composition: the hooks wrap the outermost module of each block, so with activation checkpointing they see what
 the checkpoint saves, which is the block's input (full AC: the input is offloaded, the recomputation in backward
 runs on the device; per-op selective AC: the ops' outputs it keeps stay on the device, as the checkpoint stores them
@@ -30,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torchtitan.tools.logging import logger
 
+from flame.errors import FlameError
 from flame.models import model_spec
 
 # Below this a copy costs more in launches than it saves in memory (norm statistics, gates of one scalar per head).
@@ -38,6 +45,27 @@ MIN_OFFLOAD_BYTES = 1 << 16
 # copy, or a fetched copy, counts as allocated until the GPU gets there, so an unbounded lead would keep every
 # block's activations on the device after all.
 BLOCKS_AHEAD = 2
+# Host memory left to the rest of the job (the data loader, compile workers, the ranks' other buffers) when the
+# offloaded activations are measured against what the host has free.
+HOST_RESERVE_BYTES = 4 << 30
+GIB = 1 << 30
+
+
+class HostMemoryExhausted(FlameError):
+    """The offloaded activations of a step would need more host memory than the machine has free."""
+
+
+def available_host_bytes() -> float:
+    """The host memory the kernel can give without swapping (/proc/meminfo's MemAvailable); unbounded where it
+    does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
 
 
 class _Stash:
@@ -100,6 +128,8 @@ class ActivationOffload:
         self.current: _BlockForward | None = None
         self.parameter_storages: set[int] = set()
         self.offloaded_bytes = 0  # copied to the host so far
+        self.live_bytes = 0  # held in host memory now
+        self.host_budget = 0.0  # what live_bytes may reach before the host's free memory is measured again
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def enter(self, block: nn.Module, index: int) -> None:
@@ -137,6 +167,17 @@ class ActivationOffload:
         )
         if (seen := group.by_key.get(key)) is not None:
             return seen[1]
+        size = tensor.numel() * tensor.element_size()
+        if self.live_bytes + size > self.host_budget:
+            self.host_budget = self.live_bytes + available_host_bytes() - HOST_RESERVE_BYTES
+            if self.live_bytes + size > self.host_budget:
+                raise HostMemoryExhausted(
+                    f"activation offloading needs more host memory than this machine has free: "
+                    f"{(self.live_bytes + size) / GIB:.1f} GiB of this step's activations would leave less than "
+                    f"{HOST_RESERVE_BYTES / GIB:.0f} GiB to the rest of the job; train with "
+                    "--activation_checkpoint.mode full instead (it recomputes them), a shorter --training.seq_len, or "
+                    "on a host with more memory"
+                )
         host = torch.empty_like(tensor, device="cpu", pin_memory=self.stream is not None)
         if host.stride() != tensor.stride():
             return tensor  # not dense (an expanded view): a copy would not have its strides
@@ -147,11 +188,16 @@ class ActivationOffload:
             with torch.cuda.stream(self.stream):
                 host.copy_(tensor, non_blocking=True)
             tensor.record_stream(self.stream)  # its memory is not reused before the copy has read it
-        self.offloaded_bytes += host.numel() * host.element_size()
+        self.offloaded_bytes += size
+        self.live_bytes += size
         stash = _Stash(group, host)
+        weakref.finalize(stash, self.released, size)  # autograd dropped the saved tensor
         group.stashes.append(weakref.ref(stash))
         group.by_key[key] = (tensor, stash)
         return stash
+
+    def released(self, size: int) -> None:
+        self.live_bytes -= size
 
     def unpack(self, packed):
         if not isinstance(packed, _Stash):

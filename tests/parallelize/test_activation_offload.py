@@ -51,6 +51,7 @@ def test_gradients_equal_without_offload(family):
     want = gradients(tiny_model(family.replace("hybrid", "gated_deltanet"), **FAMILIES[family]))
     got, offload = with_offload(family)
     assert offload.offloaded_bytes > 100_000  # the blocks' activations went through the copies
+    assert offload.live_bytes == 0  # backward done: autograd released every copy
     assert_equal(got, want)
 
 
@@ -84,6 +85,38 @@ def test_a_tensor_saved_twice_is_copied_once_and_parameters_and_small_tensors_st
     y.sum().backward()
     want_x, want_w = torch.autograd.grad((linear(x) * x[:, :24].sin().sum()).sum(), (x, linear.weight))
     assert torch.equal(x.grad, want_x) and torch.equal(linear.weight.grad, want_w)
+
+
+def test_offloading_past_the_hosts_free_memory_stops_with_one_line(monkeypatch):
+    """The host's free memory is measured when the offloaded bytes pass what it had free at the last measurement,
+    and a tensor that would leave less than the reserve stops the step with a FlameError naming what to do."""
+    from flame.errors import FlameError
+    from flame.parallelize import activation_offload
+
+    offload = ActivationOffload(CPU, min_bytes=0)
+    measured = []
+
+    def available_host_bytes():  # a host with 3,000 bytes to spare, less what the offload holds
+        measured.append(offload.live_bytes)
+        return activation_offload.HOST_RESERVE_BYTES + 3000 - offload.live_bytes
+
+    monkeypatch.setattr(activation_offload, "available_host_bytes", available_host_bytes)
+    offload.enter(nn.Linear(2, 2), 0)
+    first, second = offload.pack(torch.randn(250)), offload.pack(torch.randn(250))  # 1,000 bytes each
+    assert measured == [0] and offload.live_bytes == 2000
+    with pytest.raises(
+        activation_offload.HostMemoryExhausted, match="activation_checkpoint.mode full"
+    ) as error:
+        offload.pack(torch.randn(500))  # 2,000 more: measured again, 1,000 left
+    assert isinstance(error.value, FlameError) and measured == [0, 2000]
+    offload.exit()
+    del first  # autograd dropped it
+    assert offload.live_bytes == 1000
+    offload.enter(nn.Linear(2, 2), 1)
+    offload.pack(torch.randn(500))  # within what the last measurement left: not measured again
+    assert measured == [0, 2000] and offload.live_bytes == 3000
+    offload.exit()
+    assert second.host.numel() == 250
 
 
 def test_a_compilers_traced_tensors_stay_where_they_are(monkeypatch):
