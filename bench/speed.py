@@ -564,6 +564,10 @@ def launch_outcome(long_context: dict, model: str) -> str:
     if outcome.startswith("exit status 124"):  # run_logged's status for a launch it stopped at --timeout_s
         last = outcome.removeprefix("exit status 124").removeprefix(": ")
         return "its launch reached the time limit, --timeout_s" + (f"; its last line: {last}" if last else "")
+    if match := re.match(r"exit status -(\d+)$", outcome):  # Popen's status of a process a signal ended
+        number = int(match[1])
+        name = signal.Signals(number).name if number in signal.valid_signals() else "a signal"
+        return f"its launch was killed by {name} (signal {number})"
     return outcome
 
 

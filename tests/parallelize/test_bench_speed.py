@@ -164,6 +164,11 @@ def test_long_context_runs_one_launch_per_model_and_a_missing_case_names_its_lau
     assert rows["hybrid: batch 1 x 512, full activations"] == (
         "no result: the bench stopped before this case (exit status 1: CUDA out of memory)"
     )
+    part["launches"]["hybrid"] = "exit status -9"  # the process killed (the host's out-of-memory killer)
+    rows = {row[1]: row[2] for row in speed.rows({"long_context": json.loads(json.dumps(part))})}
+    assert rows["hybrid: batch 1 x 512, offload activations"] == (
+        "no result: the bench stopped before this case (its launch was killed by SIGKILL (signal 9))"
+    )
 
 
 def test_resume_keeps_the_models_a_long_context_run_finished_and_names_both_runs(tmp_path, monkeypatch):
