@@ -9,11 +9,11 @@ none; ``--z_loss`` adds it to flame's rows):
 - unfused: ``hidden @ weight.T`` (the whole logits) then flame/loss.py's ``loss_sums`` in float32, as training with
   ``fuse_linear_cross_entropy`` false computes it;
 - flame fused: flame/ops/linear_cross_entropy.py's PyTorch implementation (chunk size ``--chunk_size``, default
-  Liger's rule), the dispatch table's default;
+  Liger's rule), the dispatch table's ``torch`` backend;
 - FLA fused: FLA 0.6.0's Triton ``fused_linear_cross_entropy_loss`` (CUDA only), the table's ``fla`` backend;
-- Liger fused: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (Triton; its z-loss is ``lse_square_scale``),
-  where ``liger-kernel`` is installed (the ``liger`` extra): on a GPU, or on a CPU under Triton's interpreter
-  (``TRITON_INTERPRET=1``).
+- Liger fused: the table's ``liger`` backend, its default where ``liger-kernel`` is installed (the ``liger``
+  extra): Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (Triton; its z-loss is ``lse_square_scale``; the
+  weight gradient accumulated in float32), on a GPU, or on a CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
 Times are medians of ``--repeats`` timed runs after two untimed ones (CUDA events on a GPU); peak is the most memory
 allocated during one forward + backward beyond the inputs, weight and their gradients' buffers. The markdown table
 goes into docs/performance.md between ``<!-- bench_linear_cross_entropy -->`` markers.
@@ -37,7 +37,11 @@ from train_throughput import add_doc_options, command_line, device_name, write_s
 
 from flame.loss import IGNORE_INDEX, loss_sums  # noqa: E402
 from flame.ops import dispatch  # noqa: E402
-from flame.ops.linear_cross_entropy import default_chunk_size, linear_cross_entropy  # noqa: E402
+from flame.ops.linear_cross_entropy import (  # noqa: E402
+    default_chunk_size,
+    liger_linear_cross_entropy,
+    linear_cross_entropy,
+)
 
 MARKER = "bench_linear_cross_entropy"
 TINY = {"tokens": 96, "vocab": 300, "hidden": 32}
@@ -57,12 +61,7 @@ def fused(backend: str):
 
 
 def liger(hidden, weight, labels, z_loss, chunk_size):
-    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-
-    loss = LigerFusedLinearCrossEntropyLoss(
-        ignore_index=IGNORE_INDEX, lse_square_scale=z_loss, reduction="sum"
-    )
-    return loss(weight, hidden, labels)
+    return liger_linear_cross_entropy(hidden, weight, labels, IGNORE_INDEX, z_loss, chunk_size, 0.0)[0]
 
 
 def implementations(device: torch.device, z_loss: float) -> dict:

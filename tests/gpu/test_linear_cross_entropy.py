@@ -1,5 +1,6 @@
-"""The fused linear cross-entropy's CUDA backends (flame/ops/linear_cross_entropy.py): flame's chunked PyTorch code
-("torch") and FLA 0.6.0's Triton kernel ("fla"), against the unfused loss (the logits, then flame/loss.py's
+"""The fused linear cross-entropy's CUDA backends (flame/ops/linear_cross_entropy.py): Liger-Kernel's Triton kernel
+("liger", where the liger extra is installed), flame's chunked PyTorch code ("torch") and FLA 0.6.0's Triton kernel
+("fla"), against the unfused loss (the logits, then flame/loss.py's
 loss_sums) on the same inputs: 1037 tokens x vocabulary 5003 x hidden 256, a tenth of the labels ignored, chunks of
 100 tokens (FLA rounds them up to 128).
 float32 (TF32 off): loss rtol 1e-5, gradients rtol = 1e-4, atol = 1e-4 x max |reference|. bfloat16: both paths
@@ -18,6 +19,8 @@ TOKENS, VOCAB, HIDDEN, CHUNK = 1037, 5003, 256, 100
 
 @pytest.fixture
 def backend(request):
+    if request.param == "liger":
+        pytest.importorskip("liger_kernel")
     dispatch.pin("linear_cross_entropy", request.param)
     yield request.param
     dispatch.pin("linear_cross_entropy", None)
@@ -42,14 +45,20 @@ def relative_rms(actual, expected):
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
-@pytest.mark.parametrize("backend", ["torch", "fla"], indirect=True)
+@pytest.mark.parametrize("backend", ["liger", "torch", "fla"], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("z_loss", [0.0, 1e-3])
 def test_backend_matches_the_unfused_loss(backend, dtype, z_loss):
     hidden, weight, labels = inputs(dtype)
     loss, grads = unfused(hidden, weight, labels, z_loss)
-    fused_loss = linear_cross_entropy(hidden, weight, labels, IGNORE_INDEX, z_loss, CHUNK)[0]
+    fused_loss, cross_entropy, z_term = linear_cross_entropy(
+        hidden, weight, labels, IGNORE_INDEX, z_loss, CHUNK
+    )
     fused_grads = torch.autograd.grad(fused_loss, (hidden, weight))
+    if backend != "fla" or z_loss == 0:  # FLA refuses the z-loss: the PyTorch code served the call
+        want_cross_entropy, want_z_term = loss_sums((hidden @ weight.T).detach(), labels, z_loss=z_loss > 0)
+        torch.testing.assert_close(cross_entropy.float(), want_cross_entropy.float(), rtol=1e-3, atol=0)
+        torch.testing.assert_close(z_term.float(), want_z_term.float(), rtol=1e-2, atol=1e-6)
     if dtype == torch.float32:
         torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=0)
         for actual, expected in zip(fused_grads, grads):

@@ -97,7 +97,7 @@ def test_default_chunk_size_and_dispatch_entry():
     assert default_chunk_size(16384, 32000, 1024) == 512
     assert default_chunk_size(37, 101, 24) == 8  # 5 chunks of ceil(37 / 5) = 8
     assert default_chunk_size(3, 10, 1024) == 4
-    assert dispatch.backend_names("linear_cross_entropy") == ("torch", "fla")
+    assert dispatch.backend_names("linear_cross_entropy") == ("liger", "torch", "fla")
 
 
 def test_bench_smoke_on_cpu_writes_its_section(tmp_path, monkeypatch):
@@ -145,6 +145,46 @@ def test_bench_calls_liger_as_flame_computes_the_loss(tmp_path, z_loss):
         "Liger fused (Triton)",
     }
     assert rows["Liger fused (Triton)"] == rows["unfused (logits + loss_sums)"]
+
+
+LIGER_AGAINST_FLAME = """
+import sys, torch
+from flame.ops.linear_cross_entropy import liger_linear_cross_entropy, linear_cross_entropy_torch
+z_loss = float(sys.argv[1])
+generator = torch.Generator().manual_seed(3)
+hidden = torch.randn(37, 24, generator=generator, requires_grad=True)
+weight = (torch.randn(101, 24, generator=generator) / 24**0.5).requires_grad_()
+labels = torch.randint(0, 101, (37,), generator=generator)
+labels[::7] = -100
+for name, impl in (("liger", liger_linear_cross_entropy), ("torch", linear_cross_entropy_torch)):
+    loss, cross_entropy, z_term = impl(hidden, weight, labels, -100, z_loss, 8, 0.0)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    print(name, *(f"{v:.17g}" for v in (loss.item(), cross_entropy.item(), z_term.item())), flush=True)
+    torch.save(grads, f"{sys.argv[2]}/{name}.pt")
+"""
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+def test_liger_backend_matches_flames_loss_and_gradients(tmp_path, z_loss):
+    """The liger backend (Liger-Kernel's Triton kernels under Triton's interpreter, on the CPU; float32, 37 tokens x
+    vocabulary 101 x hidden 24, every seventh label ignored) returns flame's (loss, cross-entropy, z-term) and
+    gradients: rtol 1e-5 on the sums, 1e-5 x max |reference| on the gradients (float32 sums in other orders)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-c", LIGER_AGAINST_FLAME, str(z_loss), str(tmp_path)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sums = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in done.stdout.splitlines()}
+    torch.testing.assert_close(torch.tensor(sums["liger"]), torch.tensor(sums["torch"]), rtol=1e-5, atol=1e-6)
+    if z_loss == 0:
+        assert sums["liger"][2] == 0.0
+    else:
+        assert sums["liger"][0] > sums["liger"][1]  # the z-loss is in the loss
+    for actual, expected in zip(torch.load(tmp_path / "liger.pt"), torch.load(tmp_path / "torch.pt")):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
 def test_cuda_calls_pinned_to_fla_reach_its_kernel_with_arguments_it_accepts(monkeypatch):
