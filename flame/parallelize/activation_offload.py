@@ -11,8 +11,9 @@ of the GPU in backward: memory freed behind a pending copy or fetched ahead of t
 gathered weights, which it frees and gathers again itself) stay where they are; a tensor saved by several ops of a
 block is copied once.
 
-Host memory: before the offloaded tensors grow past what the host had free (MemAvailable) less HOST_RESERVE_BYTES,
-when they were last measured, the host is measured again, and a step that would take more stops with one line
+Host memory: before the offloaded tensors grow past their share of what the host had free (MemAvailable less
+HOST_RESERVE_BYTES, divided among the host's ranks, LOCAL_WORLD_SIZE) when it was last measured, the host is
+measured again, and a step that would take more stops with one line
 (HostMemoryExhausted) instead of the kernel's out-of-memory killer ending the process without one. Pinned memory
 freed in backward stays in the CUDA host allocator's cache for the next step, which reuses it: the check bounds the
 first step's high-water mark.
@@ -28,6 +29,7 @@ identity.
 """
 
 import collections
+import os
 import weakref
 
 import torch
@@ -169,12 +171,14 @@ class ActivationOffload:
             return seen[1]
         size = tensor.numel() * tensor.element_size()
         if self.live_bytes + size > self.host_budget:
-            self.host_budget = self.live_bytes + available_host_bytes() - HOST_RESERVE_BYTES
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the host's ranks offload at once
+            self.host_budget = self.live_bytes + (available_host_bytes() - HOST_RESERVE_BYTES) / ranks
             if self.live_bytes + size > self.host_budget:
                 raise HostMemoryExhausted(
                     f"activation offloading needs more host memory than this machine has free: "
-                    f"{(self.live_bytes + size) / GIB:.1f} GiB of this step's activations would leave less than "
-                    f"{HOST_RESERVE_BYTES / GIB:.0f} GiB to the rest of the job; train with "
+                    f"{(self.live_bytes + size) / GIB:.1f} GiB of this step's activations (this rank's, of {ranks}"
+                    f" on the host) would leave less than {HOST_RESERVE_BYTES / GIB:.0f} GiB to the rest of the job; "
+                    "train with "
                     "--activation_checkpoint.mode full instead (it recomputes them), a shorter --training.seq_len, or "
                     "on a host with more memory"
                 )

@@ -94,11 +94,12 @@ def test_offloading_past_the_hosts_free_memory_stops_with_one_line(monkeypatch):
     from flame.parallelize import activation_offload
 
     offload = ActivationOffload(CPU, min_bytes=0)
-    measured = []
+    offloads, measured = [offload], []
 
-    def available_host_bytes():  # a host with 3,000 bytes to spare, less what the offload holds
-        measured.append(offload.live_bytes)
-        return activation_offload.HOST_RESERVE_BYTES + 3000 - offload.live_bytes
+    def available_host_bytes():  # a host with 3,000 bytes to spare, less what the offloads hold
+        held = sum(o.live_bytes for o in offloads)
+        measured.append(held)
+        return activation_offload.HOST_RESERVE_BYTES + 3000 - held
 
     monkeypatch.setattr(activation_offload, "available_host_bytes", available_host_bytes)
     offload.enter(nn.Linear(2, 2), 0)
@@ -117,6 +118,21 @@ def test_offloading_past_the_hosts_free_memory_stops_with_one_line(monkeypatch):
     assert measured == [0, 2000] and offload.live_bytes == 3000
     offload.exit()
     assert second.host.numel() == 250
+    # Two ranks on the host: each takes half of what is free.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    shared = ActivationOffload(CPU, min_bytes=0)
+    offloads.append(shared)
+    shared.enter(nn.Linear(2, 2), 0)
+    with pytest.raises(activation_offload.HostMemoryExhausted, match="of 2 on the host"):
+        shared.pack(torch.randn(500))  # 3,000 held by the other rank: none left
+    offload.live_bytes = 0  # the other rank's tensors gone: 3,000 free, 1,500 for each rank
+    kept = shared.pack(torch.randn(250))
+    shared.pack(torch.randn(125))  # 1,500 in all
+    with pytest.raises(activation_offload.HostMemoryExhausted):
+        shared.pack(torch.randn(250))  # measured again: 1,500 free, 750 for this rank
+    assert shared.live_bytes == 1500
+    shared.exit()
+    assert kept.host.numel() == 250 and shared.live_bytes == 1000  # the unheld stash released with the block
 
 
 def test_a_compilers_traced_tensors_stay_where_they_are(monkeypatch):
