@@ -20,7 +20,8 @@ Parts (``--parts``), each a run of another bench script or of train.sh, in this 
 - ``first_step``: bench/first_step.py's four launches (fresh; fresh with flame's shipped tuning, without and with
   train.sh's kernel prewarm; warm) of GatedDeltaNet and the transformer.
 - ``long_context``: the seed recipe's 64k-token varlen job (batch 1 x 65,536, documents cut at 4,096) of the three
-  models with full activation checkpointing and with offloading, one bench launch per model.
+  models with full activation checkpointing and with offloading, one bench launch per model; an offloading row's
+  anchor is full checkpointing in the same launch.
 - ``tokens_to_loss``: bench/tokens_to_loss.py's AdamW and Muon runs of the 340M transformer on ``--t2l_dataset``
   (``python scripts/build_code_corpus.py --out exp/code_corpus`` builds the default one).
 
@@ -572,25 +573,36 @@ def launch_outcome(long_context: dict, model: str) -> str:
 
 
 def long_context_rows(parts: dict) -> list[list[str]]:
-    """Item 5: the 64k-token varlen job of each model in each activation mode."""
+    """Item 5: the 64k-token varlen job of each model in each activation mode; offloading beside full activation
+    checkpointing of the same launch (what it costs in tokens/s and saves in memory)."""
     long_context = parts["long_context"]
     if "error" in long_context:
         return [["5", "64k-token varlen job", long_context["error"], "", "", "trains", "no"]]
     results = {(result["model"], result["activations"]): result for result in long_context["results"]}
     seq_len = next((result["seq_len"] for result in results.values()), 65536)
+
+    def measured(result: dict) -> str:
+        return result["error"] or (
+            f"{number(result['tokens_per_s'], ',.0f')} tokens/s, {number(result['peak_gib'], '.1f')} GiB")  # fmt: skip
+
     out = []
     for model in MODELS:
         for activations in LONG_CONTEXT_ACTIVATIONS:
             result = results.get((model, activations))
+            anchor, ratio = "", ""
             if result is None:  # the model's launch ended before this case (its time limit, a crash)
-                measured = (
+                text = (
                     f"no result: the bench stopped before this case ({launch_outcome(long_context, model)})"
                 )
             else:
-                measured = result["error"] or (
-                    f"{number(result['tokens_per_s'], ',.0f')} tokens/s, {number(result['peak_gib'], '.1f')} GiB")  # fmt: skip
+                text = measured(result)
+                full = results.get((model, "full"))
+                if activations != "full" and full is not None and not full["error"] and not result["error"]:
+                    anchor = f"full checkpointing: {measured(full)}"
+                    ratio = (f"{number(result['tokens_per_s'] / full['tokens_per_s'], '.2f', 'x the tokens/s')}, "
+                             f"{number(result['peak_gib'] - full['peak_gib'], '+.1f', ' GiB')}")  # fmt: skip
             out.append([
-                "5", f"{model}: batch 1 x {seq_len}, {activations} activations", measured, "", "", "trains",
+                "5", f"{model}: batch 1 x {seq_len}, {activations} activations", text, anchor, ratio, "trains",
                 "yes" if result and not result["error"] else "no",
             ])  # fmt: skip
     return out
@@ -684,7 +696,7 @@ def merged_with_section(
 ) -> tuple[list[str], list[str]]:
     """The runs and rows of a device's section after this run: the rows of the items it measured, and the earlier
     section's rows of every other item with the runs that measured them (so that parts measured on different days,
-    or by a run cut short, make one table). Rows come in the items' order."""
+    or by a run cut short, make one table). Rows come in the items' order, runs in the order of their first items."""
     new_items = {int(ROW_ITEM.match(row)[1]) for row in new_rows}
     kept_rows = [line for line in old_section.splitlines()
                  if (match := ROW_ITEM.match(line)) and int(match[1]) not in new_items]  # fmt: skip
@@ -696,7 +708,10 @@ def merged_with_section(
             if items:
                 kept_runs.append(f"- {match[1]} ({items_text(items)}; {match[3]})")
     rows_in_order = sorted(kept_rows + new_rows, key=lambda row: int(ROW_ITEM.match(row)[1]))
-    return kept_runs + new_runs, rows_in_order
+    runs_in_order = sorted(
+        kept_runs + new_runs, key=lambda run: min(map(int, RUN_LINE.match(run)[2].split(",")))
+    )
+    return runs_in_order, rows_in_order
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -290,6 +290,27 @@ def test_a_gpus_run_names_itself_after_the_runs_a_resumed_part_kept():
     assert speed.renamed("python w --gpu0", "python w --gpu0", "python g --gpus 2") == "python g --gpus 2"
 
 
+def test_offloading_rows_stand_beside_full_checkpointing_of_the_same_launch():
+    def case(model, activations, tokens_per_s, peak_gib, error=""):
+        return {"model": model, "seq_len": 65536, "activations": activations, "tokens_per_s": tokens_per_s,
+                "peak_gib": peak_gib, "error": error}  # fmt: skip
+
+    part = {"results": [case("transformer", "full", 74_988.0, 18.6), case("transformer", "offload", 37_428.0, 24.7),
+                        case("hybrid", "full", 1.0, 1.0, error="failed: OOM"), case("hybrid", "offload", 2.0, 2.0)],
+            "launches": dict.fromkeys(speed.MODELS, "exit status 0")}  # fmt: skip
+    rows = {row[1]: row[2:5] for row in speed.rows({"long_context": part})}
+    assert rows["transformer: batch 1 x 65536, offload activations"] == [
+        "37,428 tokens/s, 24.7 GiB",
+        "full checkpointing: 74,988 tokens/s, 18.6 GiB",
+        "0.50x the tokens/s, +6.1 GiB",
+    ]
+    assert rows["transformer: batch 1 x 65536, full activations"][1:] == ["", ""]
+    assert rows["hybrid: batch 1 x 65536, offload activations"][1:] == [
+        "",
+        "",
+    ]  # no full result to stand beside
+
+
 def test_only_the_parts_measured_have_rows_and_a_failed_part_says_why():
     assert speed.rows({}) == []
     rows = speed.rows(
@@ -450,6 +471,15 @@ def test_a_run_replaces_its_items_rows_and_keeps_the_others_with_their_runs(tmp_
     assert "| not measured |" in section_rows(doc, "gpu_x")[3]
     # the device's section is replaced, not written again
     assert text.count("## The speed table, GPU X") == 1
+
+
+def test_a_section_lists_its_runs_in_the_order_of_their_items():
+    old = "\n".join(["- `run A` (items 1, 3; d; torch t; x 1 s)", "- `run B` (item 5; d; torch t; y 1 s)",
+                     "- `run C` (item 6; d; torch t; z 1 s)", "| 1 | a |", "| 3 | c |", "| 5 | e |", "| 6 | f |"])  # fmt: skip
+    runs, rows = speed.merged_with_section(old, ["- `run D` (item 5; d; torch t; y 2 s)"], ["| 5 | g |"])
+    assert runs == ["- `run A` (items 1, 3; d; torch t; x 1 s)", "- `run D` (item 5; d; torch t; y 2 s)",
+                    "- `run C` (item 6; d; torch t; z 1 s)"]  # fmt: skip
+    assert rows == ["| 1 | a |", "| 3 | c |", "| 5 | g |", "| 6 | f |"]
 
 
 def test_parts_spread_over_gpus_longest_first():
