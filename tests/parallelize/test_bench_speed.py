@@ -171,6 +171,13 @@ def test_long_context_runs_one_launch_per_model_and_a_missing_case_names_its_lau
     )
 
 
+def every_case_of(model: str) -> dict:
+    """A tiny long-context launch's results: both activation modes of ``model``."""
+    cases = [{"model": model, "seq_len": 512, "activations": mode, "tokens_per_s": 10.0, "peak_gib": 1.0, "error": ""}
+             for mode in speed.LONG_CONTEXT_ACTIVATIONS]  # fmt: skip
+    return {"results": cases, "status": 0}
+
+
 def test_resume_keeps_the_models_a_long_context_run_finished_and_names_both_runs(tmp_path, monkeypatch):
     # A GPU lent for less time than the part takes: the model whose launch reached its limit runs again in a second
     # sitting, the finished ones are kept, and the part names both commands, both dates and both sittings' seconds.
@@ -181,9 +188,7 @@ def test_resume_keeps_the_models_a_long_context_run_finished_and_names_both_runs
         launched.append(model)
         if model in slow:
             return {"error": "exit status 124: step 1"}
-        cases = [{"model": model, "seq_len": 512, "activations": mode, "tokens_per_s": 10.0, "peak_gib": 1.0,
-                  "error": ""} for mode in speed.LONG_CONTEXT_ACTIVATIONS]  # fmt: skip
-        return {"results": cases, "status": 0}
+        return every_case_of(model)
 
     monkeypatch.setattr(speed, "throughput_bench", throughput_bench)
     path = tmp_path / "speed.json"
@@ -223,9 +228,7 @@ def test_a_long_context_run_stopped_mid_part_keeps_its_finished_launches_for_res
         launched.append(model)
         if model == "gated_deltanet" and len(launched) == 2:
             raise KeyboardInterrupt  # the call's end
-        cases = [{"model": model, "seq_len": 512, "activations": mode, "tokens_per_s": 10.0, "peak_gib": 1.0,
-                  "error": ""} for mode in speed.LONG_CONTEXT_ACTIVATIONS]  # fmt: skip
-        return {"results": cases, "status": 0}
+        return every_case_of(model)
 
     monkeypatch.setattr(speed, "throughput_bench", throughput_bench)
     path = tmp_path / "speed.json"
