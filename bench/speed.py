@@ -27,10 +27,7 @@ Parts (``--parts``), each a run of another bench script or of train.sh, in this 
 
 ``--json`` keeps every part's results (a part run again replaces its own), so a run stopped part-way continues
 with the parts left, and runs of different parts on the GPUs of one machine can share it (each reads it again
-before writing, under a lock). The long_context and tokens_to_loss parts are saved as each of their launches ends;
-with ``--resume`` such a part run again keeps the launches its earlier run finished (a model's every case, an
-optimizer's run) and runs the others: a part longer than one sitting on a GPU, or stopped by the sitting's end, is
-measured in two, and named by both commands. ``--gpus N`` is such a run by one command: the parts are spread over N GPUs of this
+before writing, under a lock). ``--gpus N`` is such a run by one command: the parts are spread over N GPUs of this
 machine, longest first, and each GPU's parts run in a process of their own that sees that GPU alone
 (``CUDA_VISIBLE_DEVICES``) and an equal, disjoint share of this process's CPU cores, as a one-GPU machine of the
 host's size would have (a part's time depends on the cores it has: a compiled step issued by the host, compiling,
@@ -40,6 +37,11 @@ a GPU (or with ``--write_doc``), written into docs/performance.md between ``<!--
 (one table per device), each run named with its command, the items of its rows, its dates and torch. A run replaces
 the rows of the items it measured; the section keeps the other items' rows and the runs that measured them, so parts
 measured on one device in runs of different days (a GPU lent for less time than every part takes) make one table.
+
+The long_context and tokens_to_loss parts are saved as each of their launches ends; with ``--resume`` such a part
+run again keeps the launches its earlier run finished (a model's every case, an optimizer's run) and runs the
+others: a part longer than one sitting on a GPU, or stopped by the sitting's end, is measured in two and named by
+both commands.
 """
 
 import argparse

@@ -737,8 +737,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        # As train.sh runs the trainer: tuning results in Triton's cache (flame's kernels load its shipped ones too).
-        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     else:
         device = torch.device("cpu")
     if args.fake_world:

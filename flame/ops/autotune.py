@@ -50,7 +50,8 @@ SHIPPED_DIR = Path(__file__).resolve().parents[1] / "assets" / "autotune"
 
 def tune_once_per_host() -> bool:
     """Keep Triton's cache in one folder for every process on the host (``TRITON_CACHE_DIR``, if unset, becomes
-    Triton's default) and wrap Triton's ``Autotuner.check_disk_cache`` (where it looks for a cached result and
+    Triton's default), keep tuning results there (``TRITON_CACHE_AUTOTUNING``, if unset, becomes 1: every launch path
+    as train.sh's, flame's own kernels too) and wrap Triton's ``Autotuner.check_disk_cache`` (where it looks for a cached result and
     otherwise benchmarks) in a per-key file lock; once per process, before anything is compiled. False where Triton
     is absent or its method is not the one wrapped."""
     try:
@@ -59,6 +60,7 @@ def tune_once_per_host() -> bool:
     except ImportError:
         return False
     os.environ.setdefault("TRITON_CACHE_DIR", str(knobs.cache.dir))
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     original = getattr(Autotuner, "check_disk_cache", None)
     if original is None:
         return False
@@ -252,12 +254,19 @@ def sibling_entries(device_name: str, triton_version: str, directory: Path = SHI
     ``triton_version``: what seeding writes into its cache beside its own bundle's."""
     entries = {}
     for name in reversed(bundle_devices(device_name)[1:]):  # the first sibling's entry wins, as when seeding
-        path = bundle_path(name, directory)
-        if path.exists():
-            bundle = json.loads(path.read_text())
-            if bundle["device"] == name and bundle["triton"] == triton_version:
-                entries.update(bundle["results"])
+        entries.update(bundle_results(bundle_path(name, directory), name, triton_version))
     return entries
+
+
+def bundle_results(path: Path, device_name: str, triton_version: str) -> dict[str, dict]:
+    """The entries of the bundle at ``path`` where it holds ``device_name``'s results with ``triton_version`` (none
+    otherwise: another Triton's choices are filed under other cache keys)."""
+    if not path.exists():
+        return {}
+    bundle = json.loads(path.read_text())
+    if bundle["device"] != device_name or bundle["triton"] != triton_version:
+        return {}
+    return bundle["results"]
 
 
 def seed_shipped_results(
@@ -273,13 +282,8 @@ def seed_shipped_results(
 
 
 def _seed_bundle(path: Path, device_name: str, triton_version: str, cache_dir: Path) -> int:
-    if not path.exists():
-        return 0
-    bundle = json.loads(path.read_text())
-    if bundle["device"] != device_name or bundle["triton"] != triton_version:
-        return 0
     written = 0
-    for name, result in bundle["results"].items():
+    for name, result in bundle_results(path, device_name, triton_version).items():
         folder, file_name = name.split("/")
         target = cache_dir / folder / file_name
         if target.exists():

@@ -145,8 +145,10 @@ def test_installed_on_tritons_autotuner_once(monkeypatch, tmp_path):
 
     monkeypatch.setattr(autotuner.Autotuner, "check_disk_cache", autotuner.Autotuner.check_disk_cache)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
     original = autotuner.Autotuner.check_disk_cache
     assert autotune.tune_once_per_host()
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"  # results kept in the cache, as train.sh keeps them
     wrapped = autotuner.Autotuner.check_disk_cache
     assert wrapped is not original and wrapped.__wrapped__ is original
     assert autotune.tune_once_per_host() and autotuner.Autotuner.check_disk_cache is wrapped
@@ -162,6 +164,7 @@ def test_one_cache_folder_for_every_device(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_HOME", str(tmp_path))
     monkeypatch.setenv("TRITON_CACHE_DIR", "restored after the test")
     monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
     assert triton_cache_dir(1) != triton_cache_dir(0)
     assert autotune.tune_once_per_host()
     host_cache = str(tmp_path / ".triton" / "cache")
@@ -174,8 +177,10 @@ def test_a_chosen_cache_folder_is_kept(monkeypatch, tmp_path):
 
     monkeypatch.setattr(autotuner.Autotuner, "check_disk_cache", autotuner.Autotuner.check_disk_cache)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
     assert autotune.tune_once_per_host()
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "0"  # the user's choice stands
     assert autotune.lock_dir() == tmp_path / "mine" / autotune.LOCK_DIR
 
 
