@@ -16,7 +16,12 @@ HOST_RESERVE_BYTES, divided among the host's ranks, LOCAL_WORLD_SIZE) when it wa
 measured again, and a step that would take more stops with one line
 (HostMemoryExhausted) instead of the kernel's out-of-memory killer ending the process without one. Pinned memory
 freed in backward stays in the CUDA host allocator's cache for the next step, which reuses it: the check bounds the
-first step's high-water mark.
+first step's high-water mark. That allocator rounds each allocation up to a power of two (torch's
+CachingHostAllocator.h; its ``pinned_max_round_threshold`` is unbounded by default), which would cost up to twice the
+tensor's bytes (a 65,536 x 1,536 bf16 tensor, 192 MiB, would take 256): a tensor is stored in pieces of
+``piece_bytes`` (a power of two, so not rounded) and one last piece, under one piece lost per tensor, and the bytes
+the allocator takes are what the check counts (GatedDeltaNet 340M's 65,536-token step: about 99 GiB in pieces, more
+than an H100 machine's 125 GiB rounded).
 
 Composition: the hooks wrap the outermost module of each block, so with activation checkpointing they see what
 the checkpoint saves, which is the block's input (full AC: the input is offloaded, the recomputation in backward
@@ -29,6 +34,7 @@ identity.
 """
 
 import collections
+import contextlib
 import os
 import weakref
 
@@ -50,6 +56,9 @@ BLOCKS_AHEAD = 2
 # Host memory left to the rest of the job (the data loader, compile workers, the ranks' other buffers) when the
 # offloaded activations are measured against what the host has free.
 HOST_RESERVE_BYTES = 4 << 30
+# The size of the pinned pieces a saved tensor is stored in: a power of two (the host allocator keeps it as it is
+# and reuses it for any piece of the next step), large enough that one copy moves at the link's speed.
+PIECE_BYTES = 1 << 24
 GIB = 1 << 30
 
 
@@ -70,15 +79,44 @@ def available_host_bytes() -> float:
     return float("inf")
 
 
+def host_bytes(size: int, piece_bytes: int, pinned: bool) -> int:
+    """The host memory a tensor of ``size`` bytes takes in pieces of ``piece_bytes``: the last piece rounded up to a
+    power of two where it is pinned (the CUDA host allocator's rounding)."""
+    whole, last = divmod(size, piece_bytes)
+    if last and pinned:
+        last = 1 << (last - 1).bit_length()
+    return whole * piece_bytes + last
+
+
+def memory_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The bytes of a dense tensor (one without gaps or overlaps, in any dimension order) in memory order, as a
+    view; None for any other (an expanded view, a tensor subclass, a sparse layout)."""
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+        return None
+    if torch.empty_like(tensor, device="meta").stride() != tensor.stride():
+        return None  # empty_like keeps the strides of exactly the dense tensors
+    return tensor.detach().as_strided((tensor.numel(),), (1,)).view(torch.uint8)
+
+
 class _Stash:
-    """One saved tensor in host memory, and its copy back on the device once fetched."""
+    """One saved tensor in host memory (its bytes in pieces), and its copy back on the device once fetched."""
 
-    __slots__ = ("group", "host", "device", "__weakref__")
+    __slots__ = ("group", "pieces", "shape", "stride", "dtype", "device", "__weakref__")
 
-    def __init__(self, group: "_BlockForward", host: torch.Tensor):
+    def __init__(self, group: "_BlockForward", pieces: list[torch.Tensor], like: torch.Tensor):
         self.group = group
-        self.host = host
+        self.pieces = pieces
+        self.shape, self.stride, self.dtype = like.shape, like.stride(), like.dtype
         self.device: torch.Tensor | None = None
+
+    def restore(self, device: torch.device) -> torch.Tensor:
+        """The tensor again on ``device`` (asynchronous on a CUDA stream from pinned pieces)."""
+        tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+        data, start = memory_bytes(tensor), 0
+        for piece in self.pieces:
+            data[start : start + piece.numel()].copy_(piece, non_blocking=True)
+            start += piece.numel()
+        return tensor
 
 
 class _BlockForward:
@@ -107,11 +145,11 @@ class _BlockForward:
         stream = self.offload.stream
         if stream is None:
             for stash in live:
-                stash.device = stash.host
+                stash.device = stash.restore(self.offload.device)
             return
         with torch.cuda.stream(stream):
             for stash in live:
-                stash.device = stash.host.to(self.offload.device, non_blocking=True)
+                stash.device = stash.restore(self.offload.device)
             self.copied_back = torch.cuda.Event()
             self.copied_back.record(stream)
 
@@ -119,9 +157,12 @@ class _BlockForward:
 class ActivationOffload:
     """The pack/unpack hooks of every block of a model (one instance per model)."""
 
-    def __init__(self, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES):
+    def __init__(
+        self, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES, piece_bytes: int = PIECE_BYTES
+    ):
         self.device = device
         self.min_bytes = min_bytes
+        self.piece_bytes = piece_bytes
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.last: _BlockForward | None = None  # the block forward that ran last
         # CUDA events: copies of the last blocks' forwards done; the GPU reached the last blocks' backwards.
@@ -129,8 +170,8 @@ class ActivationOffload:
         self.reached = collections.deque(maxlen=BLOCKS_AHEAD)
         self.current: _BlockForward | None = None
         self.parameter_storages: set[int] = set()
-        self.offloaded_bytes = 0  # copied to the host so far
-        self.live_bytes = 0  # held in host memory now
+        self.offloaded_bytes = 0  # the saved tensors' bytes copied to the host so far
+        self.live_bytes = 0  # host memory the stored pieces take now
         self.host_budget = 0.0  # what live_bytes may reach before the host's free memory is measured again
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
@@ -169,7 +210,11 @@ class ActivationOffload:
         )
         if (seen := group.by_key.get(key)) is not None:
             return seen[1]
-        size = tensor.numel() * tensor.element_size()
+        data = memory_bytes(tensor)
+        if data is None:
+            return tensor  # not dense: its bytes do not make the tensor again
+        pinned = self.stream is not None
+        size = host_bytes(data.numel(), self.piece_bytes, pinned)
         if self.live_bytes + size > self.host_budget:
             ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the host's ranks offload at once
             self.host_budget = self.live_bytes + (available_host_bytes() - HOST_RESERVE_BYTES) / ranks
@@ -182,19 +227,20 @@ class ActivationOffload:
                     "--activation_checkpoint.mode full instead (it recomputes them), a shorter --training.seq_len, or "
                     "on a host with more memory"
                 )
-        host = torch.empty_like(tensor, device="cpu", pin_memory=self.stream is not None)
-        if host.stride() != tensor.stride():
-            return tensor  # not dense (an expanded view): a copy would not have its strides
-        if self.stream is None:
-            host.copy_(tensor)
-        else:
+        pieces = [
+            torch.empty(min(self.piece_bytes, data.numel() - start), dtype=torch.uint8, pin_memory=pinned)
+            for start in range(0, data.numel(), self.piece_bytes)
+        ]
+        if pinned:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                host.copy_(tensor, non_blocking=True)
-            tensor.record_stream(self.stream)  # its memory is not reused before the copy has read it
-        self.offloaded_bytes += size
+        with torch.cuda.stream(self.stream) if pinned else contextlib.nullcontext():
+            for start, piece in zip(range(0, data.numel(), self.piece_bytes), pieces):
+                piece.copy_(data[start : start + piece.numel()], non_blocking=pinned)
+        if pinned:
+            tensor.record_stream(self.stream)  # its memory is not reused before the copies have read it
+        self.offloaded_bytes += data.numel()
         self.live_bytes += size
-        stash = _Stash(group, host)
+        stash = _Stash(group, pieces, tensor)
         weakref.finalize(stash, self.released, size)  # autograd dropped the saved tensor
         group.stashes.append(weakref.ref(stash))
         group.by_key[key] = (tensor, stash)
@@ -233,11 +279,11 @@ def traced(tensor: torch.Tensor) -> bool:
 
 
 def apply_activation_offload(
-    model: nn.Module, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES
+    model: nn.Module, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES, piece_bytes: int = PIECE_BYTES
 ) -> ActivationOffload:
     """Offload the saved tensors of each block of ``model`` (its outermost module: after activation checkpointing
     and compile wrapped it, before FSDP shards it)."""
-    offload = ActivationOffload(device, min_bytes)
+    offload = ActivationOffload(device, min_bytes, piece_bytes)
     index = 0
     for stack in model_spec(model.args).blocks(model):
         for block in stack.children():

@@ -9,7 +9,12 @@ from torch import nn
 
 from flame.config import parse_args
 from flame.parallelize.activation_checkpoint import apply_activation_checkpointing
-from flame.parallelize.activation_offload import ActivationOffload, apply_activation_offload
+from flame.parallelize.activation_offload import (
+    PIECE_BYTES,
+    ActivationOffload,
+    apply_activation_offload,
+    host_bytes,
+)
 from flame.parallelize.compile import compile_blocks
 from tests.models.helpers import tiny_model
 from tests.trainer_helpers import tensorboard_scalars
@@ -32,11 +37,11 @@ def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     return {names[name]: p.grad for name, p in model.named_parameters()}
 
 
-def with_offload(family: str, prepare=None) -> tuple[dict, ActivationOffload]:
+def with_offload(family: str, prepare=None, piece_bytes: int = PIECE_BYTES) -> tuple[dict, ActivationOffload]:
     model = tiny_model(family.replace("hybrid", "gated_deltanet"), **FAMILIES[family])
     if prepare is not None:
         prepare(model)
-    offload = apply_activation_offload(model, CPU, min_bytes=0)
+    offload = apply_activation_offload(model, CPU, min_bytes=0, piece_bytes=piece_bytes)
     return gradients(model), offload
 
 
@@ -46,10 +51,13 @@ def assert_equal(got: dict, want: dict) -> None:
         assert torch.equal(got[name], want[name]), name
 
 
+# The default pieces hold each of these tensors whole; 128-byte pieces split them (37-token rows: a last piece of
+# another size).
+@pytest.mark.parametrize("piece_bytes", [PIECE_BYTES, 128])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_gradients_equal_without_offload(family):
+def test_gradients_equal_without_offload(family, piece_bytes):
     want = gradients(tiny_model(family.replace("hybrid", "gated_deltanet"), **FAMILIES[family]))
-    got, offload = with_offload(family)
+    got, offload = with_offload(family, piece_bytes=piece_bytes)
     assert offload.offloaded_bytes > 100_000  # the blocks' activations went through the copies
     assert offload.live_bytes == 0  # backward done: autograd released every copy
     assert_equal(got, want)
@@ -87,6 +95,36 @@ def test_a_tensor_saved_twice_is_copied_once_and_parameters_and_small_tensors_st
     assert torch.equal(x.grad, want_x) and torch.equal(linear.weight.grad, want_w)
 
 
+def test_a_tensor_in_pieces_comes_back_with_its_strides_and_values():
+    """A saved tensor is stored as its bytes in memory order, in pieces; what comes back has its shape, strides and
+    dtype (a transposed view at an offset into its storage, bf16) and its values bit for bit."""
+    base = torch.randn(13, 29, 31).to(torch.bfloat16)
+    saved = base[2:].transpose(0, 2)  # dense, permuted strides, storage offset 2 x 29 x 31
+    offload = ActivationOffload(CPU, min_bytes=0, piece_bytes=256)
+    offload.enter(nn.Linear(2, 2), 0)
+    stash = offload.pack(saved)
+    offload.exit()
+    size = saved.numel() * 2  # 11 x 29 x 31 bf16: 19,778 bytes, 77 pieces of 256 and one of 66
+    assert [piece.numel() for piece in stash.pieces] == [256] * 77 + [66] and offload.live_bytes == size
+    back = offload.unpack(stash)
+    assert back.shape == saved.shape and back.stride() == saved.stride() and back.dtype == torch.bfloat16
+    assert torch.equal(back, saved) and back.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    expanded = torch.randn(1, 64).expand(64, 64)  # overlapping: its bytes would not make it again
+    offload.enter(nn.Linear(2, 2), 1)
+    assert offload.pack(expanded) is expanded
+    offload.exit()
+
+
+def test_host_bytes_count_the_pinned_allocators_rounding_of_the_last_piece():
+    assert host_bytes(5 * 256, 256, pinned=True) == 5 * 256  # whole pieces: a power of two each, not rounded
+    assert host_bytes(5 * 256 + 3, 256, pinned=True) == 5 * 256 + 4
+    assert host_bytes(5 * 256 + 129, 256, pinned=True) == 6 * 256
+    assert host_bytes(100, 256, pinned=True) == 128
+    assert host_bytes(5 * 256 + 129, 256, pinned=False) == 5 * 256 + 129  # a plain host tensor takes its size
+    # A 65,536 x 1,536 bf16 tensor: rounded whole it would take 256 MiB; in 16 MiB pieces, its 192 MiB.
+    assert host_bytes(65536 * 1536 * 2, PIECE_BYTES, pinned=True) == 192 << 20
+
+
 def test_offloading_past_the_hosts_free_memory_stops_with_one_line(monkeypatch):
     """The host's free memory is measured when the offloaded bytes pass what it had free at the last measurement,
     and a tensor that would leave less than the reserve stops the step with a FlameError naming what to do."""
@@ -117,7 +155,7 @@ def test_offloading_past_the_hosts_free_memory_stops_with_one_line(monkeypatch):
     offload.pack(torch.randn(500))  # within what the last measurement left: not measured again
     assert measured == [0, 2000] and offload.live_bytes == 3000
     offload.exit()
-    assert second.host.numel() == 250
+    assert sum(piece.numel() for piece in second.pieces) == 1000
     # Two ranks on the host: each takes half of what is free.
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     shared = ActivationOffload(CPU, min_bytes=0)
@@ -132,7 +170,9 @@ def test_offloading_past_the_hosts_free_memory_stops_with_one_line(monkeypatch):
         shared.pack(torch.randn(250))  # measured again: 1,500 free, 750 for this rank
     assert shared.live_bytes == 1500
     shared.exit()
-    assert kept.host.numel() == 250 and shared.live_bytes == 1000  # the unheld stash released with the block
+    assert (
+        sum(piece.numel() for piece in kept.pieces) == 1000 and shared.live_bytes == 1000
+    )  # the unheld stash released with the block
 
 
 def test_a_compilers_traced_tensors_stay_where_they_are(monkeypatch):
