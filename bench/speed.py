@@ -584,8 +584,13 @@ def long_context_rows(parts: dict) -> list[list[str]]:
     seq_len = next((result["seq_len"] for result in results.values()), 65536)
 
     def measured(result: dict) -> str:
+        host = (
+            f" + {number(result['host_gib'], '.1f')} GiB of host memory"
+            if result.get("host_gib") is not None
+            else ""
+        )
         return result["error"] or (
-            f"{number(result['tokens_per_s'], ',.0f')} tokens/s, {number(result['peak_gib'], '.1f')} GiB")  # fmt: skip
+            f"{number(result['tokens_per_s'], ',.0f')} tokens/s, {number(result['peak_gib'], '.1f')} GiB{host}")  # fmt: skip
 
     out = []
     for model in MODELS:

@@ -42,7 +42,9 @@ random tokens) and gives every row its ratio to that loop.
 
 MFU = FLOPs per token (the model args' get_nparams_and_flops, docs/metrics.md: weights, attention and
 linear-attention terms, attention counted as torchtitan does) x tokens/s per GPU / peak; peak is 989 TFLOP/s (H100/H200 dense bf16), ``--peak_tflops``
-otherwise. Rank 0 prints a markdown table and writes it into docs/performance.md between
+otherwise. "peak GiB" is the GPU's peak allocated memory, and for the cases that offload activations the host
+memory they took at their peak (pinned, as the host allocator rounds it). Rank 0 prints a markdown table and writes
+it into docs/performance.md between
 ``<!-- bench_train_throughput_<N>gpu -->`` markers (N = number of GPUs; other sections are kept).
 """
 
@@ -79,6 +81,7 @@ from flame import compat  # noqa: E402
 from flame.config import parse_args  # noqa: E402
 from flame.models import model_args_from_dict, read_model_config  # noqa: E402
 from flame.ops.attention import ATTENTION_BACKENDS  # noqa: E402
+from flame.parallelize.activation_offload import host_peak_gib  # noqa: E402
 from flame.train.model_parts import Topology, build_model_parts  # noqa: E402
 from flame.train.step import STEP_REGIONS, build_train_step  # noqa: E402
 
@@ -132,6 +135,7 @@ class Result:
     tflops: float = float("nan")
     mfu: float = float("nan")
     peak_gib: float = float("nan")
+    host_gib: float | None = None  # activation offloading: the host memory the activations took at their peak
     data_wait: float = float("nan")  # --data real: share of the timed steps spent waiting for the loader
     error: str = ""
     profile: str = ""  # rank 0's top kernels
@@ -249,6 +253,7 @@ def run_case(name, seq_len, mode, activations, optimizer, args, device, parallel
             data.wait_seconds = 0.0
 
     measure(result, step, local_tokens, flops_per_token, args, device, warmed_up)
+    result.host_gib = host_peak_gib(model.parts)
     if mode == "compiled":
         result.graph_breaks = sum(counters["graph_break"].values())
     if data is not None:
@@ -472,6 +477,8 @@ def table(results: list[Result], world_size: int, cp: int = 1) -> str:
             continue
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu == r.mfu else "n/a"
         peak = f"{r.peak_gib:.1f}" if r.peak_gib == r.peak_gib else "n/a"
+        if r.host_gib is not None:
+            peak += f" (host {r.host_gib:.1f})"
         wait = f"{100 * r.data_wait:.2f}%" if r.data_wait == r.data_wait else "random tokens"
         anchor = anchors.get((r.model, r.seq_len))
         ratio = f"{r.tokens_per_s / anchor:.2f}x" if anchor else "n/a"

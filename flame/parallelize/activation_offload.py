@@ -172,6 +172,7 @@ class ActivationOffload:
         self.parameter_storages: set[int] = set()
         self.offloaded_bytes = 0  # the saved tensors' bytes copied to the host so far
         self.live_bytes = 0  # host memory the stored pieces take now
+        self.peak_live_bytes = 0  # the most they took at once (a step's high-water mark)
         self.host_budget = 0.0  # what live_bytes may reach before the host's free memory is measured again
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
@@ -240,6 +241,7 @@ class ActivationOffload:
             tensor.record_stream(self.stream)  # its memory is not reused before the copies have read it
         self.offloaded_bytes += data.numel()
         self.live_bytes += size
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
         stash = _Stash(group, pieces, tensor)
         weakref.finalize(stash, self.released, size)  # autograd dropped the saved tensor
         group.stashes.append(weakref.ref(stash))
@@ -282,8 +284,10 @@ def apply_activation_offload(
     model: nn.Module, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES, piece_bytes: int = PIECE_BYTES
 ) -> ActivationOffload:
     """Offload the saved tensors of each block of ``model`` (its outermost module: after activation checkpointing
-    and compile wrapped it, before FSDP shards it)."""
+    and compile wrapped it, before FSDP shards it); the hooks' state is ``model.activation_offload``, where the
+    trainer and the bench read the host memory it took (``host_peak_gib``)."""
     offload = ActivationOffload(device, min_bytes, piece_bytes)
+    model.activation_offload = offload
     index = 0
     for stack in model_spec(model.args).blocks(model):
         for block in stack.children():
@@ -297,3 +301,10 @@ def apply_activation_offload(
             "activation_offload.mode full without a GPU: saved tensors are copied in host memory (no gain)"
         )
     return offload
+
+
+def host_peak_gib(modules) -> float | None:
+    """The host memory the offloaded activations of ``modules`` (a model's parts) took at their peak, in GiB;
+    None where none offloads."""
+    offloads = [offload for module in modules if (offload := getattr(module, "activation_offload", None))]
+    return sum(offload.peak_live_bytes for offload in offloads) / GIB if offloads else None

@@ -39,6 +39,7 @@ from flame.models import check_device, load_model_args
 from flame.models.common.args import ModelArgs
 from flame.models.custom import import_custom_modules
 from flame.optim.nonfinite import NonFiniteSteps
+from flame.parallelize.activation_offload import host_peak_gib
 from flame.process_end import end_with_parent
 from flame.samples import SampleGenerator
 from flame.train.evaluator import Evaluator
@@ -358,6 +359,10 @@ class Trainer(Stateful):
                 if memory_profiler:
                     memory_profiler.step()
                 if self.step == 1:
+                    if (host_gib := host_peak_gib(self.model_parts)) is not None:
+                        logger.info(
+                            f"Activation offloading: the first step's activations took {host_gib:.3g} GiB of host memory"
+                        )
                     # Lazy init and compilation are done: tighten the timeout for faster failure.
                     dist_utils.set_pg_timeouts(
                         timedelta(seconds=job_config.comm.train_timeout_seconds), self.topology.parallel_dims

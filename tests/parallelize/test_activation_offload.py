@@ -3,6 +3,8 @@ copy in host memory: the gradients equal those without it bit for bit (eager, un
 compiled blocks), what is copied (once per tensor, not the parameters, not small tensors), and a training run
 with the flag. The GPU path (pinned memory, side stream): tests/gpu/test_activation_offload.py."""
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -14,6 +16,7 @@ from flame.parallelize.activation_offload import (
     ActivationOffload,
     apply_activation_offload,
     host_bytes,
+    host_peak_gib,
 )
 from flame.parallelize.compile import compile_blocks
 from tests.models.helpers import tiny_model
@@ -60,6 +63,9 @@ def test_gradients_equal_without_offload(family, piece_bytes):
     got, offload = with_offload(family, piece_bytes=piece_bytes)
     assert offload.offloaded_bytes > 100_000  # the blocks' activations went through the copies
     assert offload.live_bytes == 0  # backward done: autograd released every copy
+    # Unpinned pieces take the tensors' bytes; the peak is reached before backward releases any, though a few of
+    # the forward's saved tensors (1% of the hybrid's) go with intermediate results autograd drops in the forward.
+    assert 0.95 * offload.offloaded_bytes < offload.peak_live_bytes <= offload.offloaded_bytes
     assert_equal(got, want)
 
 
@@ -153,7 +159,7 @@ def test_offloading_past_the_hosts_free_memory_stops_with_one_line(monkeypatch):
     assert offload.live_bytes == 1000
     offload.enter(nn.Linear(2, 2), 1)
     offload.pack(torch.randn(500))  # within what the last measurement left: not measured again
-    assert measured == [0, 2000] and offload.live_bytes == 3000
+    assert measured == [0, 2000] and offload.live_bytes == 3000 and offload.peak_live_bytes == 3000
     offload.exit()
     assert sum(piece.numel() for piece in second.pieces) == 1000
     # Two ranks on the host: each takes half of what is free.
@@ -191,8 +197,10 @@ def test_a_compilers_traced_tensors_stay_where_they_are(monkeypatch):
     assert offload.offloaded_bytes == 64 * 40 * 4
 
 
-def test_training_with_offload_repeats_the_run_without(make_trainer, tmp_path, monkeypatch):
+def test_training_with_offload_repeats_the_run_without(make_trainer, tmp_path, monkeypatch, caplog):
     from flame.parallelize import parallelize
+
+    caplog.set_level(logging.INFO)
 
     applied = []
 
@@ -207,5 +215,22 @@ def test_training_with_offload_repeats_the_run_without(make_trainer, tmp_path, m
     make_trainer(*flags, "--activation_offload.mode", "full", dump=tmp_path / "offload").train()
     # The default tiny model's hidden states (2 x 64 x 256 float32) are above MIN_OFFLOAD_BYTES.
     assert len(applied) == 1 and applied[0].offloaded_bytes > 0
+    # The first step says how much host memory its offloaded activations took at their peak.
+    said = [
+        r.message for r in caplog.records if r.message.startswith("Activation offloading: the first step")
+    ]
+    assert said == [
+        f"Activation offloading: the first step's activations took {applied[0].peak_live_bytes / 2**30:.3g} GiB "
+        "of host memory"
+    ]
     plain, offloaded = (tensorboard_scalars(tmp_path / name, "loss/train") for name in ("plain", "offload"))
     assert sorted(plain) == [1, 2] and offloaded == plain
+
+
+def test_host_peak_gib_sums_the_offloading_parts_of_a_model():
+    first, second, plain = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    for part, peak in ((first, 3 << 30), (second, 1 << 29)):
+        part.activation_offload = ActivationOffload(CPU)
+        part.activation_offload.peak_live_bytes = peak
+    assert host_peak_gib([first, plain, second]) == 3.5
+    assert host_peak_gib([plain]) is None

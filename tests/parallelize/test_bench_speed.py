@@ -294,16 +294,17 @@ def test_a_gpus_run_names_itself_after_the_runs_a_resumed_part_kept():
 
 
 def test_offloading_rows_stand_beside_full_checkpointing_of_the_same_launch():
-    def case(model, activations, tokens_per_s, peak_gib, error=""):
+    def case(model, activations, tokens_per_s, peak_gib, error="", host_gib=None):
         return {"model": model, "seq_len": 65536, "activations": activations, "tokens_per_s": tokens_per_s,
-                "peak_gib": peak_gib, "error": error}  # fmt: skip
+                "peak_gib": peak_gib, "error": error, "host_gib": host_gib}  # fmt: skip
 
-    part = {"results": [case("transformer", "full", 74_988.0, 18.6), case("transformer", "offload", 37_428.0, 24.7),
+    part = {"results": [case("transformer", "full", 74_988.0, 18.6),
+                        case("transformer", "offload", 37_428.0, 24.7, host_gib=38.25),
                         case("hybrid", "full", 1.0, 1.0, error="failed: OOM"), case("hybrid", "offload", 2.0, 2.0)],
             "launches": dict.fromkeys(speed.MODELS, "exit status 0")}  # fmt: skip
     rows = {row[1]: row[2:5] for row in speed.rows({"long_context": part})}
     assert rows["transformer: batch 1 x 65536, offload activations"] == [
-        "37,428 tokens/s, 24.7 GiB",
+        "37,428 tokens/s, 24.7 GiB + 38.2 GiB of host memory",
         "full checkpointing: 74,988 tokens/s, 18.6 GiB",
         "0.50x the tokens/s, +6.1 GiB",
     ]
