@@ -34,7 +34,6 @@ identity.
 """
 
 import collections
-import contextlib
 import os
 import weakref
 
@@ -228,15 +227,15 @@ class ActivationOffload:
                     "--activation_checkpoint.mode full instead (it recomputes them), a shorter --training.seq_len, or "
                     "on a host with more memory"
                 )
-        pieces = [
-            torch.empty(min(self.piece_bytes, data.numel() - start), dtype=torch.uint8, pin_memory=pinned)
-            for start in range(0, data.numel(), self.piece_bytes)
-        ]
         if pinned:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream) if pinned else contextlib.nullcontext():
-            for start, piece in zip(range(0, data.numel(), self.piece_bytes), pieces):
-                piece.copy_(data[start : start + piece.numel()], non_blocking=pinned)
+        pieces = []
+        with torch.cuda.stream(self.stream):  # no stream (no GPU): a no-op
+            for start in range(0, data.numel(), self.piece_bytes):
+                piece = data[start : start + self.piece_bytes]
+                pieces.append(
+                    torch.empty_like(piece, device="cpu", pin_memory=pinned).copy_(piece, non_blocking=pinned)
+                )
         if pinned:
             tensor.record_stream(self.stream)  # its memory is not reused before the copies have read it
         self.offloaded_bytes += data.numel()
