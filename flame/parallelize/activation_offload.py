@@ -20,8 +20,8 @@ first step's high-water mark. That allocator rounds each allocation up to a powe
 CachingHostAllocator.h; its ``pinned_max_round_threshold`` is unbounded by default), which would cost up to twice the
 tensor's bytes (a 65,536 x 1,536 bf16 tensor, 192 MiB, would take 256): a tensor is stored in pieces of
 ``piece_bytes`` (a power of two, so not rounded) and one last piece, under one piece lost per tensor, and the bytes
-the allocator takes are what the check counts (GatedDeltaNet 340M's 65,536-token step: about 99 GiB in pieces, more
-than an H100 machine's 125 GiB rounded).
+the allocator takes are what the check counts (rounded whole, GatedDeltaNet 340M's 65,536-token step outgrew an
+H100 machine's 125 GiB; in pieces it fits, docs/performance.md).
 
 Composition: the hooks wrap the outermost module of each block, so with activation checkpointing they see what
 the checkpoint saves, which is the block's input (full AC: the input is offloaded, the recomputation in backward
