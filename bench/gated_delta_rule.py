@@ -34,7 +34,8 @@ so the wall time measures the host as much as the kernels; a training step that 
 them as CUDA graphs does not pay it. The
 error is the largest of max|x - ref| / max|ref| over the output and the gradients of q, k, v, g and beta, against
 flame's PyTorch implementation in float32 (float64 on the CPU) on the same inputs. The table goes into
-docs/performance.md between ``<!-- bench_gated_delta_rule -->`` markers with the command, device and date.
+docs/performance.md between ``<!-- bench_gated_delta_rule_<device> -->`` markers (one section per device) with the
+command, device and date.
 """
 
 import argparse
@@ -54,9 +55,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from train_throughput import add_doc_options, command_line, device_name, device_synchronize, write_section  # noqa: E402
+from train_throughput import (  # noqa: E402
+    add_doc_options,
+    command_line,
+    device_name,
+    device_slug,
+    device_synchronize,
+    write_section,
+)
 
-MARKER = "bench_gated_delta_rule"
+MARKER = "bench_gated_delta_rule"  # one section per device: bench_gated_delta_rule_<device>
 SHAPES = "16x128x128,6x256x512,16x96x192"
 # FLA's backend switches per variant (None: unset, FLA's default, as in a training job).
 VARIANTS = {
@@ -299,11 +307,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.device == "cuda"
             else "the median time"
         )
+        device = device_name(torch.device(args.device))
         write_section(
             args.doc,
-            MARKER,
-            "Gated delta rule, every implementation",
-            f"Command: `{command.strip()}` on {device_name(torch.device(args.device))}, torch {torch.__version__} "
+            f"{MARKER}_{device_slug(device)}",
+            f"Gated delta rule, every implementation, {device}",
+            f"Command: `{command.strip()}` on {device}, torch {torch.__version__} "
             f"({time.strftime('%Y-%m-%d')}); {args.batch} x {args.seq_len} tokens, {dtype}, forward + backward, "
             f"the l2 norm of q and k in the kernel. Each cell: {timing}, and the largest relative error over "
             "o and the gradients against flame's PyTorch implementation in "

@@ -72,6 +72,7 @@ from train_throughput import (  # noqa: E402
     add_doc_options,
     command_line,
     device_name,
+    device_slug,
     model_config,
     section_in,
     write_section,
@@ -863,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     new_rows = row_lines(parts)
     print("\n" + table(new_rows))
     if not args.no_write and (args.device == "cuda" or args.write_doc):
-        marker = f"{MARKER}_{re.sub(r'[^a-z0-9]+', '_', saved['device'].lower()).strip('_')}"
+        marker = f"{MARKER}_{device_slug(saved['device'])}"
         new_runs = run_lines(saved, {int(ROW_ITEM.match(row)[1]) for row in new_rows})
         doc_text = args.doc.read_text() if args.doc.exists() else ""
         runs, all_rows = merged_with_section(section_in(doc_text, marker), new_runs, new_rows)

@@ -456,6 +456,11 @@ def device_name(device) -> str:
     return found.group(1).strip() if found else "CPU"
 
 
+def device_slug(name: str) -> str:
+    """A device's name as a doc marker's suffix: "NVIDIA H100 80GB HBM3" -> "nvidia_h100_80gb_hbm3"."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
 def millions(n: int) -> str:
     return f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n:,}"
 

@@ -6,6 +6,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from tests.checkpoint.helpers import REPO
 
@@ -88,7 +89,8 @@ def test_the_table_goes_into_the_doc_and_a_failed_variant_fails_the_exit_status(
     monkeypatch.setattr(bench, "run_variant", lambda variant, args, work: rows[variant])
     doc = tmp_path / "performance.md"
     assert bench.main(["--device", "cpu", "--tiny", "--variants", "flame,fla", "--doc", str(doc)]) == 1
-    section = doc.read_text().split("<!-- bench_gated_delta_rule -->")[1]
+    marker = f"bench_gated_delta_rule_{bench.device_slug(bench.device_name(torch.device('cpu')))}"  # one per device
+    section = doc.read_text().split(f"<!-- {marker} -->")[1]
     assert "| 3x16x24 | 2.50 ms (4.0e-03 in o, fla) | failed: no result within 600 s |" in section
     assert "First call (autotuning and compilation): flame 3x16x24 30.0 s." in section
     assert "Command: `python bench/gated_delta_rule.py --device cpu --tiny --variants flame,fla" in section
