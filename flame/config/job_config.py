@@ -344,7 +344,7 @@ class Compile:
     """inductor's mode for the compiled blocks and loss: reduce-overhead replays each compiled block as a CUDA graph
     (no per-kernel launch work on the host; the shapes must stay fixed), max-autotune also benchmarks inductor's
     matmul and kernel choices (long first steps); the loss compiles without CUDA graphs; inductor backend only; the
-    CUDA graph modes with one GPU or DDP, not FSDP (docs/performance.md, "CUDA graphs")"""
+    CUDA graph modes with one GPU or DDP, not FSDP nor packed documents (docs/performance.md, "CUDA graphs")"""
 
     graph_eager_blocks: bool = True
     """Blocks that torch.compile leaves eager (FLA's classes) replay as CUDA graphs, captured beside the first

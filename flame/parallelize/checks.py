@@ -250,7 +250,7 @@ def check_activation_checkpoint(job_config) -> None:
             )
 
 
-def check_compile(compile_config, degrees: dict[str, int]) -> None:
+def check_compile(compile_config, degrees: dict[str, int], varlen: bool) -> None:
     if compile_config.mode != "default" and compile_config.backend != "inductor":
         raise ConfigError(
             f"compile.mode {compile_config.mode} is inductor's; compile.backend is {compile_config.backend}: "
@@ -263,6 +263,15 @@ def check_compile(compile_config, degrees: dict[str, int]) -> None:
             f"compile.mode {compile_config.mode} replays CUDA graphs, which under FSDP (data_parallel_shard_degree "
             f"{degrees['dp_shard']}) made training 4.4x slower; use DDP (--parallelism.data_parallel_replicate_degree "
             "N --parallelism.data_parallel_shard_degree 1) or --compile.mode max-autotune-no-cudagraphs"
+        )
+    # A CUDA graph replays the launches its capture recorded, and packed documents' kernels size their launches from
+    # each batch's boundaries on the host (FLA's chunk indices); on an H100 GatedDeltaNet's first replayable step
+    # failed inductor's check that no tensor outlives the graph unrecorded (docs/performance.md, "CUDA graphs").
+    if uses_cuda_graphs(compile_config) and varlen:
+        raise ConfigError(
+            f"compile.mode {compile_config.mode} replays CUDA graphs recorded for one batch, and packed documents "
+            "(training.varlen) change the kernels' launches with every batch's document boundaries; use "
+            f"--compile.mode {CUDA_GRAPH_MODES[compile_config.mode]} with --training.varlen"
         )
     unknown = [c for c in compile_config.components if c not in COMPILE_COMPONENTS]
     if unknown:
@@ -347,7 +356,7 @@ def check_parallelism(job_config, model_args, world_size: int, model=None) -> di
     check_fused_loss(job_config, model_args, degrees)
     check_l2warp(job_config, model_args, degrees)
     check_activation_checkpoint(job_config)
-    check_compile(job_config.compile, degrees)
+    check_compile(job_config.compile, degrees, job_config.training.varlen)
     check_converters(job_config, on_gpu=True)  # the GPU is checked on the ranks
     if degrees["tp"] > 1 and model_args.generic:
         check_generic_tensor_parallel(model_args, degrees["tp"])

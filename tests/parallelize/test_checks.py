@@ -438,3 +438,19 @@ def test_cuda_graphs_are_refused_under_fsdp_and_kept_with_ddp_and_one_rank():
     assert check(2, *graphs, *ddp)["dp_replicate"] == 2
     assert check(1, *graphs)["dp_shard"] == 1
     assert check(2, "--compile.enable", "--compile.mode", "max-autotune-no-cudagraphs")["dp_shard"] == 2
+
+
+def test_cuda_graphs_are_refused_with_packed_documents():
+    """A replayed graph would keep the launches of the batch it recorded; the modes without graphs train varlen."""
+    varlen = ("--training.varlen", "--training.local_batch_size", "1")
+    for mode, without_graphs in (
+        ("reduce-overhead", "default"),
+        ("max-autotune", "max-autotune-no-cudagraphs"),
+    ):
+        message = refused(1, "--compile.enable", "--compile.mode", mode, *varlen)
+        assert message.startswith(
+            f"compile.mode {mode} replays CUDA graphs recorded for one batch, and packed"
+        )
+        assert message.endswith(f"use --compile.mode {without_graphs} with --training.varlen")
+        assert check(1, "--compile.enable", "--compile.mode", without_graphs, *varlen)["dp_shard"] == 1
+    assert check(1, "--compile.mode", "reduce-overhead", *varlen)["dp_shard"] == 1  # compile off: no graphs
