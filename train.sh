@@ -128,19 +128,31 @@ if [ -n "$signalled" ] && [ "$rc" -ne 0 ]; then
 fi
 
 # A failed run ends on its reason: the refusal shown last, else the first rank's refusal from its log (a rank the
-# console does not show, LOG_RANK), else one line on how it ended and where the reports are.
+# console does not show, LOG_RANK), else the exception that ended the first rank that raised one (the last
+# "SomethingError: message" line of its traceback, as the rank's excepthook prefixes it), else one line on how it
+# ended and where the reports are.
+exception_line='^(\[rank[0-9]+\]: ?)?([A-Za-z_][A-Za-z0-9_]*\.)*[A-Za-z_][A-Za-z0-9_]*(Error|Exception|Interrupt)(: .*)?$'
 if [ "$rc" -ne 0 ] && ! grep -Eq '^\[[A-Za-z_]+[0-9]+\]:error: ' "$last_line"; then
   attempt=$(ls -td "$DUMP_FOLDER"/logs/*/attempt_*/ 2>/dev/null | head -1)
   refusal=""
+  raised=""
   for ((local_rank = 0; local_rank < NGPU; local_rank++)); do
-    line=$(grep -m1 '^error: ' "${attempt}${local_rank}/stderr.log" 2>/dev/null)
+    rank_log="${attempt}${local_rank}/stderr.log"
+    line=$(grep -m1 '^error: ' "$rank_log" 2>/dev/null)
     if [ -n "$line" ]; then
       refusal="[rank$((NODE_RANK * NGPU + local_rank))]:$line"
       break
     fi
+    line=$(grep -E "$exception_line" "$rank_log" 2>/dev/null | tail -1 | sed -E 's/^\[rank[0-9]+\]: ?//' | cut -c1-400)
+    if [ -n "$line" ] && [ -z "$raised" ]; then
+      raised="error: training failed: rank $((NODE_RANK * NGPU + local_rank)) raised $line; its traceback is in"
+      raised="$raised $rank_log, the launcher's report in $launcher_log"
+    fi
   done
   if [ -n "$refusal" ]; then
     echo "$refusal" >&2
+  elif [ -n "$raised" ]; then
+    echo "$raised" >&2
   else
     code=$(grep -m1 -o 'exitcode *: *-*[0-9]*' "$launcher_log" 2>/dev/null | grep -o -- '-*[0-9]*$')
     echo "error: training failed: a rank ended${code:+ with exit code $code} without a message (killed, out of" \

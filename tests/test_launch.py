@@ -409,6 +409,36 @@ def test_a_rank_ending_without_a_message_gets_one_line_naming_the_reports(tmp_pa
     ]
 
 
+def test_a_rank_that_raised_ends_the_output_on_its_exception(tmp_path):
+    """A crash's traceback goes to the rank's log; the last line names the exception (the last of the traceback's
+    "Type: message" lines, without the rank prefix torch's excepthook adds) and where the traceback is."""
+    dump = tmp_path / "dump"
+    traceback = tmp_path / "traceback.log"
+    traceback.write_text(
+        "[rank1]: Traceback (most recent call last):\n"
+        '[rank1]:   File "step.py", line 3, in run\n'
+        "[rank1]: KeyError: 'first'\n"
+        "[rank1]: During handling of the above exception, another exception occurred:\n"
+        "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+        "[rank1]: Debugging:\n"
+        "[rank1]: - Set PYTORCH_CUDA_ALLOC_CONF\n"
+    )
+    body = (
+        'mkdir -p "$LOG_DIR/none_x/attempt_0/0" "$LOG_DIR/none_x/attempt_0/1"\n'
+        'echo "[rank0]:[titan] step 1" > "$LOG_DIR/none_x/attempt_0/0/stderr.log"\n'
+        f'cp "{traceback}" "$LOG_DIR/none_x/attempt_0/1/stderr.log"\n'
+    )
+    result = train_sh(
+        "--job.dump_folder", str(dump), env={**stub_torchrun(tmp_path, body + LAUNCHER_FAILURE), "NGPU": "2"}
+    )
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        "error: training failed: rank 1 raised torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 "
+        f"GiB; its traceback is in {dump}/logs/none_x/attempt_0/1/stderr.log, the launcher's report in "
+        f"{dump}/logs/launcher.log"
+    )
+
+
 @pytest.mark.slow
 def test_under_torchrun_a_rank_refusal_is_the_last_line_without_launcher_traceback(tmp_path):
     """Two CPU ranks refuse an unreadable dataset: the refusal ends the output, torchrun's report is in the log."""
