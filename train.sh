@@ -63,6 +63,9 @@ if [ "${FLAME_EXPORT_HF:-1}" != 0 ] && [ "$NODE_RANK" -eq 0 ]; then export FLAME
 # summary; flame.launch_local's report) go to <dump_folder>/logs/launcher.log: the ranks' lines ([rankN]: ...)
 # pass, so a rank's refusal stays the last line.
 launcher_log="$DUMP_FOLDER/logs/launcher.log"
+# Launches into the same dump folder append to it: this launch's report starts after its present bytes.
+launcher_log_start=1
+if [ -f "$launcher_log" ]; then launcher_log_start=$(($(wc -c < "$launcher_log") + 1)); fi
 last_line=$(mktemp)
 # A GPU compiles each Triton kernel at its first call, one after another inside the first step: a process of its
 # own runs one block of each kind of the model meanwhile and leaves the kernels in Triton's cache for the ranks
@@ -128,12 +131,14 @@ if [ -n "$signalled" ] && [ "$rc" -ne 0 ]; then
 fi
 
 # A failed run ends on its reason: the refusal shown last, else the first rank's refusal from its log (a rank the
-# console does not show, LOG_RANK), else the exception that ended the first rank that raised one (the last
-# "SomethingError: message" line of its traceback, as the rank's excepthook prefixes it), else one line on how it
-# ended and where the reports are.
+# console does not show, LOG_RANK), else, where no rank was killed by a signal, the exception that ended the first
+# rank that raised one (the "Type: message" line after its log's last "Traceback", without the rank prefix of
+# torch's excepthook), else one line on how it ended and where the reports are.
 exception_line='^(\[rank[0-9]+\]: ?)?([A-Za-z_][A-Za-z0-9_]*\.)*[A-Za-z_][A-Za-z0-9_]*(Error|Exception|Interrupt)(: .*)?$'
 if [ "$rc" -ne 0 ] && ! grep -Eq '^\[[A-Za-z_]+[0-9]+\]:error: ' "$last_line"; then
   attempt=$(ls -td "$DUMP_FOLDER"/logs/*/attempt_*/ 2>/dev/null | head -1)
+  code=$(tail -c "+$launcher_log_start" "$launcher_log" 2>/dev/null | grep -m1 -o 'exitcode *: *-*[0-9]*' |
+    grep -o -- '-*[0-9]*$')
   refusal=""
   raised=""
   for ((local_rank = 0; local_rank < NGPU; local_rank++)); do
@@ -143,10 +148,14 @@ if [ "$rc" -ne 0 ] && ! grep -Eq '^\[[A-Za-z_]+[0-9]+\]:error: ' "$last_line"; t
       refusal="[rank$((NODE_RANK * NGPU + local_rank))]:$line"
       break
     fi
-    line=$(grep -E "$exception_line" "$rank_log" 2>/dev/null | tail -1 | sed -E 's/^\[rank[0-9]+\]: ?//' | cut -c1-400)
-    if [ -n "$line" ] && [ -z "$raised" ]; then
-      raised="error: training failed: rank $((NODE_RANK * NGPU + local_rank)) raised $line; its traceback is in"
-      raised="$raised $rank_log, the launcher's report in $launcher_log"
+    if [ -z "$raised" ] && [ "${code:-1}" -ge 0 ]; then
+      line=$(pattern="$exception_line" awk '/Traceback \(most recent call last\):/ { traceback = 1; found = "" }
+        traceback && $0 ~ ENVIRON["pattern"] { found = $0 } END { print found }' "$rank_log" 2>/dev/null |
+        sed -E 's/^\[rank[0-9]+\]: ?//' | cut -c1-400)
+      if [ -n "$line" ]; then
+        raised="error: training failed: rank $((NODE_RANK * NGPU + local_rank)) raised $line; its traceback is in"
+        raised="$raised $rank_log, the launcher's report in $launcher_log"
+      fi
     fi
   done
   if [ -n "$refusal" ]; then
@@ -154,7 +163,6 @@ if [ "$rc" -ne 0 ] && ! grep -Eq '^\[[A-Za-z_]+[0-9]+\]:error: ' "$last_line"; t
   elif [ -n "$raised" ]; then
     echo "$raised" >&2
   else
-    code=$(grep -m1 -o 'exitcode *: *-*[0-9]*' "$launcher_log" 2>/dev/null | grep -o -- '-*[0-9]*$')
     echo "error: training failed: a rank ended${code:+ with exit code $code} without a message (killed, out of" \
       "memory or crashed); every rank's output is in $DUMP_FOLDER/logs, the launcher's report in $launcher_log" >&2
   fi

@@ -428,14 +428,24 @@ def test_a_rank_that_raised_ends_the_output_on_its_exception(tmp_path):
         'echo "[rank0]:[titan] step 1" > "$LOG_DIR/none_x/attempt_0/0/stderr.log"\n'
         f'cp "{traceback}" "$LOG_DIR/none_x/attempt_0/1/stderr.log"\n'
     )
-    result = train_sh(
-        "--job.dump_folder", str(dump), env={**stub_torchrun(tmp_path, body + LAUNCHER_FAILURE), "NGPU": "2"}
-    )
+    raised = body + LAUNCHER_FAILURE.replace("-9", "1")
+    result = train_sh("--job.dump_folder", str(dump), env={**stub_torchrun(tmp_path, raised), "NGPU": "2"})
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1] == (
         "error: training failed: rank 1 raised torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 "
         f"GiB; its traceback is in {dump}/logs/none_x/attempt_0/1/stderr.log, the launcher's report in "
         f"{dump}/logs/launcher.log"
+    )
+    # Launched again into the same dump folder, a rank killed by a signal: this launch's report counts (launcher.log
+    # holds both), and the exception in a rank's log is not what ended the run.
+    (tmp_path / "killed").mkdir()
+    killed = train_sh(
+        "--job.dump_folder",
+        str(dump),
+        env={**stub_torchrun(tmp_path / "killed", body + LAUNCHER_FAILURE), "NGPU": "2"},
+    )
+    assert killed.stderr.splitlines()[-1].startswith(
+        "error: training failed: a rank ended with exit code -9 without a message"
     )
 
 
