@@ -5,6 +5,7 @@ tokens to a loss, each beside its anchor measured in the same run, on one GPU, b
     python bench/speed.py --json /tmp/speed.json --gpus 4              # every part, at once on 4 GPUs (~10 min)
     python bench/speed.py --json /tmp/speed.json --parts long_context  # some parts; the others' results are kept
     python bench/speed.py --json /tmp/speed.json --parts long_context --resume  # what a stopped run did not finish
+    python bench/speed.py --json /tmp/speed.json --parts long_context --rerun hybrid  # one model's launch again
     python bench/speed.py --json /tmp/speed.json --parts ""            # the table of the parts measured
     python bench/speed.py --tiny --device cpu --parts throughput,train_sh --json /tmp/s.json --no_write  # smoke
 
@@ -39,9 +40,11 @@ the rows of the items it measured; the section keeps the other items' rows and t
 measured on one device in runs of different days (a GPU lent for less time than every part takes) make one table.
 
 The long_context and tokens_to_loss parts are saved as each of their launches ends; with ``--resume`` such a part
-run again keeps the launches its earlier run finished (a model's every case, an optimizer's run) and runs the
-others: a part longer than one sitting on a GPU, or stopped by the sitting's end, is measured in two and named by
-both commands.
+run again keeps the launches its earlier runs finished (a model's every case, an optimizer's run) and runs the
+others: a part longer than one sitting on a GPU, or stopped by the sitting's end, is measured in two. ``--rerun
+NAMES`` (models, optimizers) is ``--resume`` that launches the named ones again though they finished. Each launch
+keeps the command, date and seconds of the run that made it, and the part is named by the runs of its launches,
+earliest first: a run whose launches were all made again by later ones drops out of the table.
 """
 
 import argparse
@@ -149,16 +152,19 @@ def part_throughput(args, work: Path) -> dict:
 def part_long_context(args, work: Path, earlier: dict | None = None, progress=None) -> dict:
     """One bench launch per model (``--timeout_s`` each, so that a slow model leaves the others their time): each
     model's results, and each launch's exit status or why it gave none (``launches``). A model whose every case
-    ``earlier`` (this part's saved results, under ``--resume``) holds is not launched again: its results are kept.
-    ``progress`` is given the part's results after each launch (the models not yet launched: NOT_RUN)."""
+    ``earlier`` (this part's saved results, under ``--resume``) holds is not launched again unless ``--rerun`` names
+    it: its results are kept. ``progress`` is given the part's results after each launch (the models not yet
+    launched: NOT_RUN); ``launch_seconds`` holds each launch's seconds."""
     seq, context = (512, 128) if args.tiny else (65536, 4096)
-    results, launches = [], {}
-    kept = sorted(finished_long_context_models(earlier), key=MODELS.index) if earlier else []
+    results, launches, launch_seconds = [], {}, {}
+    finished = finished_long_context_models(earlier) - set(args.rerun) if earlier else set()
+    kept = sorted(finished, key=MODELS.index)
     for model in MODELS:
         if model in kept:
             results += [result for result in earlier["results"] if result["model"] == model]
             launches[model] = earlier["launches"][model]
             continue
+        started = time.perf_counter()
         flags = ["--models", model, "--seq_lens", str(seq), "--tokens_per_gpu", str(seq), "--modes",
                  "compiled" if args.device == "cuda" else "eager", "--activations",
                  ",".join(LONG_CONTEXT_ACTIVATIONS), "--data", "real", "--job_flags",
@@ -166,11 +172,11 @@ def part_long_context(args, work: Path, earlier: dict | None = None, progress=No
         launch = throughput_bench(args, work, f"long_context_{model}", flags)
         results += launch.get("results", [])
         launches[model] = launch.get("error", f"exit status {launch.get('status')}")
+        launch_seconds[model] = time.perf_counter() - started
         if progress:
-            progress(
-                {"results": results, "launches": {**dict.fromkeys(MODELS, NOT_RUN), **launches}, "kept": kept}
-            )
-    return {"results": results, "launches": launches, "kept": kept}
+            progress({"results": results, "launches": {**dict.fromkeys(MODELS, NOT_RUN), **launches},
+                      "kept": kept, "launch_seconds": launch_seconds})  # fmt: skip
+    return {"results": results, "launches": launches, "kept": kept, "launch_seconds": launch_seconds}
 
 
 def finished_long_context_models(part: dict) -> set[str]:
@@ -243,8 +249,8 @@ def part_first_step(args, work: Path) -> dict:
 
 def part_tokens_to_loss(args, work: Path, earlier: dict | None = None, progress=None) -> dict:
     """AdamW's and Muon's runs; an optimizer whose finished run ``earlier`` (this part's saved results, under
-    ``--resume``) holds is not run again. ``progress`` is given the part's results after each run (the runs not yet
-    made: NOT_RUN)."""
+    ``--resume``) holds is not run again unless ``--rerun`` names it. ``progress`` is given the part's results after
+    each run (the runs not yet made: NOT_RUN); ``launch_seconds`` holds each run's seconds."""
     import tokens_to_loss
 
     dataset = REPO / args.t2l_dataset
@@ -259,13 +265,16 @@ def part_tokens_to_loss(args, work: Path, earlier: dict | None = None, progress=
     t2l = argparse.Namespace(workdir=work / "tokens_to_loss", extra=extra, ngpu=1, val_freq=args.t2l_val_freq,
                              val_steps=args.t2l_val_steps)  # fmt: skip
     runs = {
-        optimizer: run for optimizer, run in (earlier or {}).get("runs", {}).items() if isinstance(run, dict)
+        optimizer: run
+        for optimizer, run in (earlier or {}).get("runs", {}).items()
+        if isinstance(run, dict) and optimizer not in args.rerun
     }
-    kept = list(runs)
+    kept, launch_seconds = list(runs), {}
     command = "bash train.sh " + " ".join(extra)
     for optimizer in OPTIMIZERS:
         if optimizer in kept:
             continue
+        started = time.perf_counter()
         dump, status = tokens_to_loss.train(optimizer, t2l)
         if status == 0:
             run = tokens_to_loss.curve(dump)
@@ -275,14 +284,15 @@ def part_tokens_to_loss(args, work: Path, earlier: dict | None = None, progress=
             }
         else:
             runs[optimizer] = f"exit status {status}: {last_line(dump.with_suffix('.log'))}"
+        launch_seconds[optimizer] = time.perf_counter() - started
         if progress:
-            progress(
-                {"runs": {**dict.fromkeys(OPTIMIZERS, NOT_RUN), **runs}, "kept": kept, "command": command}
-            )
+            progress({"runs": {**dict.fromkeys(OPTIMIZERS, NOT_RUN), **runs}, "kept": kept, "command": command,
+                      "launch_seconds": launch_seconds})  # fmt: skip
     return {
         "runs": {optimizer: runs[optimizer] for optimizer in OPTIMIZERS},
         "kept": kept,
         "command": command,
+        "launch_seconds": launch_seconds,
     }
 
 
@@ -316,6 +326,7 @@ def worker_argv(args, parts: list[str], work: Path) -> list[str]:
     argv = ["--parts", ",".join(parts), "--json", str(args.json), "--work", str(work), "--no_write"]
     for name in PASSED_ON:
         argv += [f"--{name}", str(getattr(args, name))]
+    argv += ["--rerun", ",".join(args.rerun)] if args.rerun else []
     return argv + (["--tiny"] if args.tiny else []) + (["--resume"] if args.resume else [])
 
 
@@ -360,8 +371,16 @@ def run_on_gpus(args, parts: list[str], work: Path, run: str) -> dict[str, int]:
         raise
     if args.json.exists():
         saved = json.loads(args.json.read_text())
-        named = {part: {**saved["parts"][part], "run": renamed(saved["parts"][part]["run"], worker_runs[part], run)}
-                 for part in parts if part in saved["parts"]}  # fmt: skip
+        named = {}
+        for part in parts:
+            if part in saved["parts"]:
+                result = saved["parts"][part]
+                named[part] = {**result, "run": renamed(result["run"], worker_runs[part], run)}
+                if "launch_runs" in result:
+                    named[part]["launch_runs"] = {
+                        name: {**made, "run": run} if made["run"] == worker_runs[part] else made
+                        for name, made in result["launch_runs"].items()
+                    }
         save_parts(args.json, named, saved["device"])
     return statuses
 
@@ -761,14 +780,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="long_context, tokens_to_loss: keep the launches that --json's earlier run of the part finished (a "
+        help="long_context, tokens_to_loss: keep the launches that --json's earlier runs of the part finished (a "
         "model's every case, an optimizer's run) and run only the others",
+    )
+    parser.add_argument(
+        "--rerun",
+        default="",
+        help="comma separated models (long_context) or optimizers (tokens_to_loss): --resume, launching these "
+        "again though an earlier run finished them",
     )
     add_doc_options(parser)
     parser.add_argument("--write_doc", action="store_true", help="write the doc on a CPU too")
     args = parser.parse_args(argv)
     if unknown := set(filter(None, args.parts.split(","))) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    args.rerun = list(filter(None, args.rerun.split(",")))
+    if unknown := set(args.rerun) - set(MODELS) - set(OPTIMIZERS):
+        parser.error(f"--rerun {','.join(sorted(unknown))}: name models ({', '.join(MODELS)}) or optimizers "
+                     f"({', '.join(OPTIMIZERS)})")  # fmt: skip
+    args.resume = args.resume or bool(args.rerun)
     if args.gpus < 1 or (args.device == "cuda" and args.gpus > torch.cuda.device_count()):
         parser.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} visible GPU(s)")
     if not args.parts.strip(",") and not args.json.exists():
@@ -794,16 +824,29 @@ def runs_and_dates(parts: dict, saved_date: str) -> dict[str, str]:
     return {run: ", ".join(run_dates) for run, run_dates in dates.items()}
 
 
-def named_part(result: dict, argv: list[str] | None, started: float, earlier: dict | None = None) -> dict:
-    """A part's results with the seconds since ``started``, this run's command and date; where it kept launches of
-    ``earlier`` (--resume), after the earlier runs' commands, dates and seconds."""
-    run, date = command_line("bench/speed.py", argv), time.strftime("%Y-%m-%d")
-    seconds = time.perf_counter() - started
-    if result.get("kept"):
-        seconds += earlier["seconds"]
-        run = f"{earlier['run']}; {run}"
-        date = ", ".join(dict.fromkeys([*earlier.get("date", date).split(", "), date]))
-    return {**result, "seconds": seconds, "run": run, "date": date}
+def named_part(
+    result: dict,
+    argv: list[str] | None,
+    started: float,
+    earlier: dict | None = None,
+    began: float | None = None,
+) -> dict:
+    """A part's results with this run's command, date and seconds since ``started``. A resumable part's launches
+    each keep the run that made them (``launch_runs``: its command, date, start ``began``, epoch seconds, and the
+    launch's seconds): this run's launches name it, the launches kept from ``earlier`` (--resume) their own runs,
+    and the part is named by its launches' runs, earliest first, with their dates and seconds."""
+    this = {"run": command_line("bench/speed.py", argv), "date": time.strftime("%Y-%m-%d")}
+    if "launch_seconds" not in result:
+        return {**result, **this, "seconds": time.perf_counter() - started}
+    launch_runs = {name: earlier["launch_runs"][name] for name in result["kept"]}
+    for name, seconds in result["launch_seconds"].items():
+        launch_runs[name] = {**this, "began": time.time() if began is None else began, "seconds": seconds}
+    in_order = sorted(launch_runs.values(), key=lambda made: made["began"])
+    runs = list(dict.fromkeys(made["run"] for made in in_order))
+    dates = list(dict.fromkeys(date for made in in_order for date in made["date"].split(", ")))
+    seconds = sum(made["seconds"] for made in in_order)
+    return {**result, "launch_runs": launch_runs, "run": "; ".join(runs), "date": ", ".join(dates),
+            "seconds": seconds}  # fmt: skip
 
 
 def save_named(path: Path, part: str, device: str, named, result: dict) -> None:
@@ -849,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         device = device_name(torch.device(args.device))
         for part in parts_to_run:
-            named = functools.partial(named_part, argv=argv, started=time.perf_counter())
+            named = functools.partial(named_part, argv=argv, started=time.perf_counter(), began=time.time())
             if part in RESUMABLE:  # its launches are saved as they finish, and --resume keeps them
                 earlier = saved_part(args.json, part) if args.resume else None
                 named = functools.partial(named, earlier=earlier)

@@ -195,7 +195,8 @@ def test_resume_keeps_the_models_a_long_context_run_finished_and_names_both_runs
     first = ["--tiny", "--device", "cpu", "--parts", "long_context", "--json", str(path), "--no_write"]
     speed.main(first)
     saved = json.loads(path.read_text())
-    saved["parts"]["long_context"].update(date="2026-01-01", seconds=100.0)
+    for made in saved["parts"]["long_context"]["launch_runs"].values():
+        made.update(date="2026-01-01", seconds=50.0)
     path.write_text(json.dumps(saved))
     launched.clear()
     slow.clear()
@@ -216,6 +217,56 @@ def test_resume_keeps_the_models_a_long_context_run_finished_and_names_both_runs
     assert launched == list(speed.MODELS)
     part = json.loads(path.read_text())["parts"]["long_context"]
     assert part["run"] == speed.command_line("bench/speed.py", first) and part["kept"] == []
+
+
+def test_rerun_launches_a_finished_model_again_and_the_table_names_the_runs_of_the_launches_kept(
+    tmp_path, monkeypatch
+):
+    # Run A measures every model; run B launches the hybrid again; run C GatedDeltaNet. The part then names the runs
+    # whose launches it holds, earliest first: A (the transformer's), B, C, each launch with its own run's date and
+    # seconds. Launching every model again drops A, B and C.
+    launched = []
+
+    def throughput_bench(args, work, name, flags):
+        launched.append(flags[flags.index("--models") + 1])
+        return every_case_of(launched[-1])
+
+    monkeypatch.setattr(speed, "throughput_bench", throughput_bench)
+    path = tmp_path / "speed.json"
+    base = ["--tiny", "--device", "cpu", "--parts", "long_context", "--json", str(path), "--no_write"]
+    run_a, run_b, run_c = base, [*base, "--rerun", "hybrid"], [*base, "--rerun", "gated_deltanet"]
+    speed.main(run_a)
+    saved = json.loads(path.read_text())
+    for day, made in enumerate(saved["parts"]["long_context"]["launch_runs"].values(), 1):
+        made.update(date=f"2026-01-0{day}", seconds=10.0 * day)
+    path.write_text(json.dumps(saved))
+    launched.clear()
+    speed.main(run_b)
+    speed.main(run_c)
+    assert launched == ["hybrid", "gated_deltanet"]
+    part = json.loads(path.read_text())["parts"]["long_context"]
+    assert part["kept"] == ["transformer", "hybrid"]
+    names = [speed.command_line("bench/speed.py", argv) for argv in (run_a, run_b, run_c)]
+    assert [part["launch_runs"][model]["run"] for model in speed.MODELS] == [names[0], names[2], names[1]]
+    assert part["run"] == "; ".join(names)
+    assert part["date"] == f"2026-01-01, {speed.time.strftime('%Y-%m-%d')}" and 10 <= part["seconds"] < 20
+    # The doc names the runs and the dates the part's launches ran.
+    lines = speed.run_lines(json.loads(path.read_text()), {5})
+    assert lines == [f"- `{part['run']}` (item 5; {part['date']}; torch {speed.torch.__version__}; "
+                     f"long_context {part['seconds']:.0f} s)"]  # fmt: skip
+    launched.clear()
+    speed.main([*base, "--rerun", ",".join(speed.MODELS)])
+    assert launched == list(speed.MODELS)
+    assert json.loads(path.read_text())["parts"]["long_context"]["run"] == speed.command_line(
+        "bench/speed.py", [*base, "--rerun", ",".join(speed.MODELS)]
+    )
+
+
+def test_rerun_names_models_or_optimizers():
+    args = speed.parse(["--json", "x.json", "--rerun", "hybrid,Muon"])
+    assert args.rerun == ["hybrid", "Muon"] and args.resume
+    with pytest.raises(SystemExit):
+        speed.parse(["--json", "x.json", "--rerun", "mamba"])
 
 
 def test_a_long_context_run_stopped_mid_part_keeps_its_finished_launches_for_resume(tmp_path, monkeypatch):
