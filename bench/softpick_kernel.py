@@ -1,13 +1,13 @@
 """Speed and memory of flame's fused softpick / rectified attention kernel against torch SDPA's flash softmax.
 
-    python bench/softpick_kernel.py [--seq_lens 1024,4096,16384] [--shapes 16x64,8x128] [--no_write]
+    python bench/softpick_kernel.py [--seq_lens 1024,2048,4096,16384,65536] [--shapes 16x64,8x128] [--no_write]
 
-Per sequence length T (batch = --tokens // T, so every row holds the same number of tokens) and heads x head dim,
-causal attention on bfloat16 q, k, v [B, T, H, D] (no GQA), for: flame's softpick kernel, its rectified-softmax
-variant, torch SDPA restricted to the FlashAttention backend (the softmax flame runs on CUDA), and the materialized
-PyTorch reference (reference_attention, O(T^2) memory; "OOM" where it does not fit). Times are medians of
-triton.testing.do_bench after one untimed call (compilation, autotuning); "fwd+bwd" is the forward and the backward
-of a fixed output gradient. TFLOP/s counts causal attention as FlashAttention does (forward 2 x 2 x B x H x T^2 x D
+Per sequence length T (batch = --tokens // T, at least 1: the rows up to T = --tokens hold the same number of
+tokens) and heads x head dim, causal attention on bfloat16 q, k, v [B, T, H, D] (no GQA), for: flame's softpick
+kernel, its rectified-softmax variant, torch SDPA restricted to the FlashAttention backend (the softmax flame runs
+on CUDA), and the materialized PyTorch reference (reference_attention, O(T^2) memory; "OOM" where it does not fit).
+Times are medians of triton.testing.do_bench after one untimed call (compilation, autotuning); "fwd+bwd" is the
+forward and the backward of a fixed output gradient. TFLOP/s counts causal attention as FlashAttention does (forward 2 x 2 x B x H x T^2 x D
 / 2, backward 2.5 x forward). Peak memory is the most allocated above the inputs during one forward + backward.
 The markdown table goes into docs/performance.md between ``<!-- bench_softpick_kernel -->`` markers.
 """
@@ -109,7 +109,7 @@ def table(rows: list[dict]) -> str:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq_lens", default="1024,4096,16384", help="comma separated")
+    parser.add_argument("--seq_lens", default="1024,2048,4096,16384,65536", help="comma separated")
     parser.add_argument("--shapes", default="16x64,8x128", help="comma separated heads x head dim")
     parser.add_argument("--tokens", type=int, default=16384, help="batch x T of every case")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma separated: " + ", ".join(IMPLS))
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             "Softpick attention kernel",
             f"Command: `{command}` on {device_name(torch.device('cuda'))}, torch {torch.__version__} "
             f"({time.strftime('%Y-%m-%d')}); causal, bfloat16, {args.tokens:,} tokens per case (B = tokens / T), "
-            "no GQA. Medians of triton.testing.do_bench; peak memory above the inputs during one forward + "
+            "at least one sequence, no GQA. Medians of triton.testing.do_bench; peak memory above the inputs during one forward + "
             f"backward. Total run time {time.perf_counter() - started:.0f} s.",
             text,
         )

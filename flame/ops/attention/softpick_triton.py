@@ -34,8 +34,9 @@ non-empty, and runs in three ranges: blocks fully visible to every row of the bl
 ones at the edges (diagonal, window edge, document boundaries, the ragged end) with them. Block indices count
 rows of q (of k): only the masks and the ranges compare positions, which add OFFSET to a query row.
 
-`torch.ops.flame.softpick_attention_fwd` / `_bwd` are torch custom ops (torch.compile sees one node each), with
-autograd registered on the forward. With TRITON_INTERPRET=1 set before this module is imported, the kernels run
+Under torch.compile the kernels run as the torch custom ops `torch.ops.flame.softpick_attention_fwd` / `_bwd` (one
+node each, autograd registered on the forward); eager calls take an autograd.Function around the same kernels,
+which costs the host less than a custom op's dispatch. With TRITON_INTERPRET=1 set before this module is imported, the kernels run
 in Triton's CPU interpreter with one small block configuration (the CPU tests do that).
 """
 
@@ -522,8 +523,7 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-@torch.library.custom_op("flame::softpick_attention_fwd", mutates_args=())
-def softpick_attention_fwd(
+def _forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -549,6 +549,20 @@ def softpick_attention_fwd(
     return o, lse
 
 
+@torch.library.custom_op("flame::softpick_attention_fwd", mutates_args=())
+def softpick_attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor | None,
+    window_size: int | None,
+    scale: float,
+    variant: str,
+) -> tuple[Tensor, Tensor]:
+    """`_forward` as one node of a compiled graph."""
+    return _forward(q, k, v, cu_seqlens, window_size, scale, variant)
+
+
 @softpick_attention_fwd.register_fake
 def _(q, k, v, cu_seqlens, window_size, scale, variant):
     batch, seq_len, num_heads, _ = q.shape
@@ -557,8 +571,7 @@ def _(q, k, v, cu_seqlens, window_size, scale, variant):
     )
 
 
-@torch.library.custom_op("flame::softpick_attention_bwd", mutates_args=())
-def softpick_attention_bwd(
+def _backward_kernels(
     do: Tensor,
     q: Tensor,
     k: Tensor,
@@ -605,6 +618,23 @@ def softpick_attention_bwd(
     return dq, dk, dv
 
 
+@torch.library.custom_op("flame::softpick_attention_bwd", mutates_args=())
+def softpick_attention_bwd(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    cu_seqlens: Tensor | None,
+    window_size: int | None,
+    scale: float,
+    variant: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`_backward_kernels` as one node of a compiled graph."""
+    return _backward_kernels(do, q, k, v, o, lse, cu_seqlens, window_size, scale, variant)
+
+
 @softpick_attention_bwd.register_fake
 def _(do, q, k, v, o, lse, cu_seqlens, window_size, scale, variant):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
@@ -627,6 +657,26 @@ def _backward(ctx, do, _dlse):
 
 
 softpick_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _SoftpickAttention(torch.autograd.Function):
+    """The kernels for eager calls: a custom op's dispatch costs the host about as much as a call's kernels at
+    T = 1024 (docs/performance.md, softpick attention kernel), so only compiled graphs go through the ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, window_size, scale, variant):
+        o, lse = _forward(q, k, v, cu_seqlens, window_size, scale, variant)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+        ctx.window_size, ctx.scale, ctx.variant = window_size, scale, variant
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = _backward_kernels(
+            do, q, k, v, o, lse, cu_seqlens, ctx.window_size, ctx.scale, ctx.variant
+        )
+        return dq, dk, dv, None, None, None, None
 
 
 def check_arguments(
@@ -675,4 +725,6 @@ def softpick_attention(
         scale = q.shape[-1] ** -0.5
     if scale <= 0:
         raise ValueError(f"scale must be positive (the kernel reads score signs off q . k), got {scale}")
-    return softpick_attention_fwd(q, k, v, cu_seqlens, window_size, float(scale), variant)[0]
+    if torch.compiler.is_compiling():
+        return softpick_attention_fwd(q, k, v, cu_seqlens, window_size, float(scale), variant)[0]
+    return _SoftpickAttention.apply(q, k, v, cu_seqlens, window_size, float(scale), variant)
