@@ -35,9 +35,10 @@ ones at the edges (diagonal, window edge, document boundaries, the ragged end) w
 rows of q (of k): only the masks and the ranges compare positions, which add OFFSET to a query row.
 
 Under torch.compile the kernels run as the torch custom ops `torch.ops.flame.softpick_attention_fwd` / `_bwd` (one
-node each, autograd registered on the forward); eager calls take an autograd.Function around the same kernels,
-which costs the host less than a custom op's dispatch. With TRITON_INTERPRET=1 set before this module is imported, the kernels run
-in Triton's CPU interpreter with one small block configuration (the CPU tests do that).
+node each, autograd registered on the forward); eager calls run the same code as an autograd.Function
+(flame.ops.custom_ops), which costs the host less than the op's dispatch. With TRITON_INTERPRET=1 set before this
+module is imported, the kernels run in Triton's CPU interpreter with one small block configuration (the CPU tests
+do that).
 """
 
 import os
@@ -48,6 +49,7 @@ import triton.language as tl
 from torch import Tensor
 
 from flame.ops.attention.reference import SOFTPICK_EPS, check_query_key_lengths
+from flame.ops.custom_ops import differentiable_op
 
 VARIANTS = ("softpick", "rectified")
 MAX_HEAD_DIM = 128
@@ -549,18 +551,7 @@ def _forward(
     return o, lse
 
 
-@torch.library.custom_op("flame::softpick_attention_fwd", mutates_args=())
-def softpick_attention_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens: Tensor | None,
-    window_size: int | None,
-    scale: float,
-    variant: str,
-) -> tuple[Tensor, Tensor]:
-    """`_forward` as one node of a compiled graph."""
-    return _forward(q, k, v, cu_seqlens, window_size, scale, variant)
+softpick_attention_fwd = torch.library.custom_op("flame::softpick_attention_fwd", _forward, mutates_args=())
 
 
 @softpick_attention_fwd.register_fake
@@ -571,7 +562,8 @@ def _(q, k, v, cu_seqlens, window_size, scale, variant):
     )
 
 
-def _backward_kernels(
+@torch.library.custom_op("flame::softpick_attention_bwd", mutates_args=())
+def softpick_attention_bwd(
     do: Tensor,
     q: Tensor,
     k: Tensor,
@@ -618,23 +610,6 @@ def _backward_kernels(
     return dq, dk, dv
 
 
-@torch.library.custom_op("flame::softpick_attention_bwd", mutates_args=())
-def softpick_attention_bwd(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    lse: Tensor,
-    cu_seqlens: Tensor | None,
-    window_size: int | None,
-    scale: float,
-    variant: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """`_backward_kernels` as one node of a compiled graph."""
-    return _backward_kernels(do, q, k, v, o, lse, cu_seqlens, window_size, scale, variant)
-
-
 @softpick_attention_bwd.register_fake
 def _(do, q, k, v, o, lse, cu_seqlens, window_size, scale, variant):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
@@ -656,27 +631,8 @@ def _backward(ctx, do, _dlse):
     return dq, dk, dv, None, None, None, None
 
 
-softpick_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _SoftpickAttention(torch.autograd.Function):
-    """The kernels for eager calls: a custom op's dispatch costs the host about as much as a call's kernels at
-    T = 1024 (docs/performance.md, softpick attention kernel), so only compiled graphs go through the ops."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, window_size, scale, variant):
-        o, lse = _forward(q, k, v, cu_seqlens, window_size, scale, variant)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-        ctx.window_size, ctx.scale, ctx.variant = window_size, scale, variant
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = _backward_kernels(
-            do, q, k, v, o, lse, cu_seqlens, ctx.window_size, ctx.scale, ctx.variant
-        )
-        return dq, dk, dv, None, None, None, None
+# Eager calls run the kernels through an autograd.Function, compiled graphs through the ops.
+_softpick_attention = differentiable_op(softpick_attention_fwd, _forward, _setup_context, _backward)
 
 
 def check_arguments(
@@ -725,6 +681,4 @@ def softpick_attention(
         scale = q.shape[-1] ** -0.5
     if scale <= 0:
         raise ValueError(f"scale must be positive (the kernel reads score signs off q . k), got {scale}")
-    if torch.compiler.is_compiling():
-        return softpick_attention_fwd(q, k, v, cu_seqlens, window_size, float(scale), variant)[0]
-    return _SoftpickAttention.apply(q, k, v, cu_seqlens, window_size, float(scale), variant)
+    return _softpick_attention(q, k, v, cu_seqlens, window_size, float(scale), variant)[0]

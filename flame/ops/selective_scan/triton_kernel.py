@@ -28,7 +28,8 @@ alone, no gradient flows back past it, and a[t] h[t-1] = 0 leaves delta and A no
 and dC are summed over the channel blocks, dA over the rows, by torch after the
 kernel (partial buffers, no atomics: deterministic). Sums run in float32 (float64 for float64 inputs). Forward and
 backward are torch.library custom ops with shape-only fake implementations, so that a compiled Mamba block traces
-them as single nodes instead of breaking its graph. With TRITON_INTERPRET=1 set before this module is imported, the
+them as single nodes instead of breaking its graph; eager calls run the same code as an autograd.Function
+(flame.ops.custom_ops), which costs the host less than the op's dispatch. With TRITON_INTERPRET=1 set before this module is imported, the
 kernels run in Triton's CPU interpreter (the CPU tests).
 """
 
@@ -39,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from flame.ops.custom_ops import differentiable_op
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -259,8 +262,7 @@ def _backward(
             dc.sum(1).to(C.dtype))  # fmt: skip
 
 
-@torch.library.custom_op("flame::selective_scan_fwd", mutates_args=())
-def selective_scan_fwd(
+def _forward_and_states(
     u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, keep: Tensor | None, ends: Tensor | None,
     documents: int, chunk: int, block_d: int, warps: int,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
@@ -268,6 +270,11 @@ def selective_scan_fwd(
     by ``keep`` and ``ends`` (document_marks)."""
     u, delta, A, B, C = (_row_major(t) for t in (u, delta, A, B, C))
     return _forward(u, delta, A, B, C, keep, ends, documents, ScanTiles(chunk, block_d, warps))
+
+
+selective_scan_fwd = torch.library.custom_op(
+    "flame::selective_scan_fwd", _forward_and_states, mutates_args=()
+)
 
 
 @selective_scan_fwd.register_fake
@@ -308,7 +315,8 @@ def _gradients(ctx, dy, _last, _states):
     return *selective_scan_bwd(u, delta, A, B, C, keep, states, dy, *ctx.tiles), *(None,) * 6
 
 
-selective_scan_fwd.register_autograd(_gradients, setup_context=_setup_context)
+# Eager calls run the kernels through an autograd.Function, compiled graphs through the ops.
+_selective_scan = differentiable_op(selective_scan_fwd, _forward_and_states, _setup_context, _gradients)
 
 
 def document_marks(cu_seqlens: Tensor, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -337,7 +345,7 @@ def selective_scan_triton(
     if cu_seqlens is not None:
         keep, ends = document_marks(cu_seqlens.to(u.device), u.shape[1], _compute_dtype(u))
     documents = 0 if cu_seqlens is None else len(cu_seqlens) - 1
-    y, last, _ = selective_scan_fwd(
+    y, last, _ = _selective_scan(
         u, delta, A, B, C, keep, ends, documents, tiles.chunk, tiles.block_d, tiles.warps
     )
     return y, last

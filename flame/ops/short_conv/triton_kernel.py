@@ -31,8 +31,9 @@ In a packed row, a small kernel first finds each token's position in its documen
 cu_seqlens (on the device, no host sync); a batch row needs none (position = t, and the loads already read 0 before
 the row start).
 
-`torch.ops.flame.short_conv_fwd` / `_bwd` are torch custom ops (torch.compile sees one node each), with autograd
-registered on the forward. With TRITON_INTERPRET=1 set before this module is imported, the kernels run in Triton's
+Under torch.compile the kernels run as the torch custom ops `torch.ops.flame.short_conv_fwd` / `_bwd` (one node
+each, autograd registered on the forward); eager calls run the same code as an autograd.Function
+(flame.ops.custom_ops), which costs the host less than the op's dispatch. With TRITON_INTERPRET=1 set before this module is imported, the kernels run in Triton's
 CPU interpreter with one small block configuration (the CPU tests do that).
 """
 
@@ -43,6 +44,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flame.ops.custom_ops import differentiable_op
 from flame.ops.short_conv.reference import ACTIVATIONS, as_depthwise_taps
 
 MAX_WIDTH = 8
@@ -376,8 +378,7 @@ def _flags(weight: Tensor, bias: Tensor | None, activation: str | None, cu_seqle
     )
 
 
-@torch.library.custom_op("flame::short_conv_fwd", mutates_args=())
-def short_conv_fwd(
+def _forward(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -400,6 +401,9 @@ def short_conv_fwd(
         **_flags(weight, bias, activation, cu_seqlens),
     )  # fmt: skip
     return y
+
+
+short_conv_fwd = torch.library.custom_op("flame::short_conv_fwd", _forward, mutates_args=())
 
 
 @short_conv_fwd.register_fake
@@ -471,7 +475,8 @@ def _backward(ctx, dy):
     return dx, dweight, None if bias is None else dbias, None, None
 
 
-short_conv_fwd.register_autograd(_backward, setup_context=_setup_context)
+# Eager calls run the kernels through an autograd.Function, compiled graphs through the ops.
+_short_conv = differentiable_op(short_conv_fwd, _forward, _setup_context, _backward)
 
 
 def short_conv_triton(
@@ -495,4 +500,4 @@ def short_conv_triton(
         raise ValueError(f"bias must be [D] = [{x.shape[2]}], got {tuple(bias.shape)}")
     if cu_seqlens is not None and x.shape[0] != 1:
         raise ValueError(f"a packed batch (cu_seqlens given) must have batch size 1, got {x.shape[0]}")
-    return short_conv_fwd(x, weight, bias, activation, cu_seqlens)
+    return _short_conv(x, weight, bias, activation, cu_seqlens)

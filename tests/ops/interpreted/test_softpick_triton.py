@@ -198,33 +198,3 @@ def test_compiled_graph_equals_eager():
         value = fn(*inputs)
         results.append((value, *torch.autograd.grad(value, inputs)))
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
-
-
-def test_eager_calls_skip_the_custom_ops_and_compiled_graphs_hold_them():
-    """An eager call runs the kernels through an autograd.Function (a custom op's dispatch costs host time); a
-    compiled graph holds the forward op as a node."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
-    inputs = [x.requires_grad_() for x in make_inputs(1, 21, 2, 1, 16, seed=6)]
-    with Ops() as ops:
-        softpick_attention(*inputs).sum().backward()
-    assert not {name for name in ops.names if "softpick" in name}
-    assert all(x.grad is not None for x in inputs)
-
-    graph_targets = []
-
-    def record(graph_module, example_inputs):
-        graph_targets.extend(str(node.target) for node in graph_module.graph.nodes)
-        return graph_module.forward
-
-    torch.compile(lambda q, k, v: softpick_attention(q, k, v), backend=record, fullgraph=True)(*inputs)
-    assert "flame.softpick_attention_fwd.default" in graph_targets
