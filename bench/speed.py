@@ -1,7 +1,7 @@
 """The speed table: train.sh against the bench, the first step, the 340M models' throughput and MFU, long context and
 tokens to a loss, each beside its anchor measured in the same run, on one GPU, by one command.
 
-    python bench/speed.py --json /tmp/speed.json                       # every part, one GPU (~35 min on an H100)
+    python bench/speed.py --json /tmp/speed.json                       # every part, one GPU (~38 min on an H100)
     python bench/speed.py --json /tmp/speed.json --gpus 4              # every part, at once on 4 GPUs (~10 min)
     python bench/speed.py --json /tmp/speed.json --parts long_context  # some parts; the others' results are kept
     python bench/speed.py --json /tmp/speed.json --parts long_context --resume  # what a stopped run did not finish
@@ -15,7 +15,10 @@ Parts (``--parts``), each a run of another bench script or of train.sh, in this 
   loop of the same model) and one profiled step (the top kernels say what limits a row), for the transformer,
   GatedDeltaNet and the hybrid; and the transformer at twice the micro-batch (16 x 2048), for its MFU.
 - ``train_sh``: ``NGPU=1 bash train.sh`` of the same models and shapes on the shipped corpus, ``--steps`` steps: the
-  tokens/s, data share and MFU of its log lines from ``--skip_steps`` on (their mean), from its TensorBoard events.
+  tokens/s, data share, MFU and peak memory of its log lines from ``--skip_steps`` on (the mean; the peak's
+  largest), from its TensorBoard events.
+- ``train_sh_graphs``: the same launches with ``--compile.mode reduce-overhead`` (the compiled blocks replayed as
+  CUDA graphs; a CUDA GPU only), beside the default mode's for items 3 and 4.
 - ``torchtitan``: torchtitan's own trainer on a Llama3 of the transformer's shape (bench/torchtitan_anchor.py), the
   transformer's second anchor.
 - ``first_step``: bench/first_step.py's four launches (fresh; fresh with flame's shipped tuning, without and with
@@ -84,7 +87,15 @@ from train_throughput import (  # noqa: E402
 from flame.plot import read_scalar_events  # noqa: E402
 
 MARKER = "bench_speed"  # one section per device: bench_speed_<device>
-PARTS = ("throughput", "train_sh", "torchtitan", "first_step", "long_context", "tokens_to_loss")
+PARTS = (
+    "throughput",
+    "train_sh",
+    "train_sh_graphs",
+    "torchtitan",
+    "first_step",
+    "long_context",
+    "tokens_to_loss",
+)
 MODELS = ("transformer", "gated_deltanet", "hybrid")
 LONG_CONTEXT_ACTIVATIONS = ("full", "offload")
 OPTIMIZERS = ("AdamW", "Muon")  # tokens_to_loss's runs
@@ -206,6 +217,10 @@ def log_means(dump: Path, skip_steps: int) -> dict:
                      ("data_share", "throughput/data_loading_share"), ("mfu", "throughput/mfu_percent")):  # fmt: skip
         values = [value for step, (_, value) in events.get(tag, {}).items() if step > skip_steps]
         means[key] = statistics.fmean(values) if values else float("nan")
+    peaks = [
+        value for step, (_, value) in events.get("memory/peak_reserved_gib", {}).items() if step > skip_steps
+    ]
+    means["peak_gib"] = max(peaks, default=float("nan"))
     means["lines"] = len(
         [s for s in events.get("throughput/tokens_per_second_per_device", {}) if s > skip_steps]
     )
@@ -213,13 +228,24 @@ def log_means(dump: Path, skip_steps: int) -> dict:
 
 
 def part_train_sh(args, work: Path) -> dict:
+    return train_sh_launches(args, work / "train_sh", [])
+
+
+def part_train_sh_graphs(args, work: Path) -> dict:
+    if args.device != "cuda":
+        return {"error": "CUDA graphs need a CUDA GPU"}
+    return train_sh_launches(args, work / "train_sh_graphs", ["--compile.mode", "reduce-overhead"])
+
+
+def train_sh_launches(args, work: Path, extra: list[str]) -> dict:
+    """One ``bash train.sh`` launch per model with ``extra`` flags: its log's means (log_means) and command."""
     rows = {}
     for name in MODELS:
-        dump = work / "train_sh" / name
+        dump = work / name
         flags = ["--model.config", str(model_file(name, args, work / "configs")), "--job.dump_folder", str(dump),
                  "--training.local_batch_size", str(args.batch_size), "--training.seq_len", str(args.seq_len),
                  "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
-                 "--checkpoint.no-enable"] + (["--compile.enable"] if args.device == "cuda" else [])  # fmt: skip
+                 "--checkpoint.no-enable"] + (["--compile.enable"] if args.device == "cuda" else []) + extra  # fmt: skip
         status = run_logged(
             ["bash", "train.sh", *flags], dump.with_suffix(".log"), args.timeout_s, train_env()
         )
@@ -297,7 +323,7 @@ def part_tokens_to_loss(args, work: Path, earlier: dict | None = None, progress=
 
 
 # Seconds each part took on one H200 with 16 cores (2026-11-28): how --gpus spreads the parts.
-PART_SECONDS = {"throughput": 148, "train_sh": 175, "torchtitan": 33, "first_step": 574, "long_context": 515,
+PART_SECONDS = {"throughput": 148, "train_sh": 175, "train_sh_graphs": 175, "torchtitan": 33, "first_step": 574, "long_context": 515,
                 "tokens_to_loss": 567}  # fmt: skip
 # The options a --gpus run passes on to the process of each GPU.
 PASSED_ON = ("device", "seq_len", "batch_size", "steps", "skip_steps", "log_freq", "warmup", "bench_steps",
@@ -386,7 +412,8 @@ def run_on_gpus(args, parts: list[str], work: Path, run: str) -> dict[str, int]:
 
 
 RESUMABLE = ("long_context", "tokens_to_loss")  # the parts whose launches --resume keeps
-RUNNERS = {"throughput": part_throughput, "train_sh": part_train_sh, "torchtitan": part_torchtitan,
+RUNNERS = {"throughput": part_throughput, "train_sh": part_train_sh, "train_sh_graphs": part_train_sh_graphs,
+           "torchtitan": part_torchtitan,
            "first_step": part_first_step, "long_context": part_long_context, "tokens_to_loss": part_tokens_to_loss}  # fmt: skip
 
 
@@ -475,6 +502,46 @@ def case_seconds(row: dict, case: str) -> str:
     """A first-step launch's seconds, or why it gave none (its note: "no step within 110 s", the last line)."""
     value = row["seconds"].get(case, float("nan"))
     return number(value, ".1f") if value == value else row.get("notes", {}).get(case) or "n/a"
+
+
+def graphs_rows(parts: dict) -> list[list[str]]:
+    """Items 3 and 4 with the blocks replayed as CUDA graphs: each model's train.sh launch with ``--compile.mode
+    reduce-overhead`` beside its default-mode launch (tokens/s, and peak memory: the graphs keep their own pool)."""
+    graphs = parts["train_sh_graphs"]
+    if "error" in graphs:
+        return [["3", "train.sh with --compile.mode reduce-overhead", graphs["error"], "", "", "", "no"]]
+    default = parts.get("train_sh", {}).get("models", {})
+
+    def cell(run: dict, mfu: bool) -> str:
+        if "error" in run:
+            return run["error"]
+        tokens = number(run["tokens_per_s"], ",.0f")
+        value = f"{number(run['mfu'], '.1f', '%')} ({tokens})" if mfu else tokens
+        return f"{value}, {number(run.get('peak_gib'), '.1f')} GiB"
+
+    out = []
+    for model in ("gated_deltanet", "hybrid", "transformer"):
+        run = graphs["models"].get(model, {"error": "not run"})
+        base = default.get(model)
+        transformer = model == "transformer"
+        anchor = f"default mode: {cell(base, transformer)}" if base else ""
+        ratio = (
+            number(run["tokens_per_s"] / base["tokens_per_s"], ".2f", "x")
+            if base and "error" not in base and "error" not in run
+            else ""
+        )
+        if transformer:
+            measured, target = run.get("mfu", float("nan")), TARGET_MFU
+            label, target_text = "MFU (tokens/s), peak memory", f">= {TARGET_MFU:.0f}% MFU"
+        else:
+            measured, target = run.get("tokens_per_s", float("nan")), TARGET_TOKENS_PER_S[model]
+            label, target_text = "tokens/s, peak memory", f">= {TARGET_TOKENS_PER_S[model]:,}"
+        out.append([
+            "4" if transformer else "3",
+            f"{model}: train.sh with --compile.mode reduce-overhead {label}, {graphs['shape']}",
+            cell(run, transformer), anchor, ratio, target_text, how_far(measured, target),
+        ])  # fmt: skip
+    return out
 
 
 def first_step_rows(parts: dict) -> list[list[str]]:
@@ -673,6 +740,8 @@ def rows(parts: dict) -> list[list[str]]:
         out += first_step_rows(parts)
     if "train_sh" in parts or "throughput" in parts:
         out += throughput_rows(parts)
+    if "train_sh_graphs" in parts:
+        out += graphs_rows(parts)
     if "long_context" in parts:
         out += long_context_rows(parts)
     if "tokens_to_loss" in parts:
@@ -693,7 +762,7 @@ def table(lines: list[str]) -> str:
 
 
 # Which of the issue's items a part's results give rows to (item 1 needs train_sh and throughput both).
-PART_ITEMS = {"throughput": {1, 3, 4}, "train_sh": {1, 3, 4}, "torchtitan": {4}, "first_step": {2},
+PART_ITEMS = {"throughput": {1, 3, 4}, "train_sh": {1, 3, 4}, "train_sh_graphs": {3, 4}, "torchtitan": {4}, "first_step": {2},
               "long_context": {5}, "tokens_to_loss": {6}}  # fmt: skip
 ROW_ITEM = re.compile(r"^\| (\d+) \|")
 RUN_LINE = re.compile(r"^- (`.*`) \(items? ([\d, ]+); (.*)\)$")

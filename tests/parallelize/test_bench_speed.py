@@ -543,7 +543,7 @@ def test_parts_spread_over_gpus_longest_first():
         ["first_step"],
         ["tokens_to_loss"],
         ["long_context"],
-        ["throughput", "train_sh", "torchtitan"],
+        ["throughput", "train_sh", "train_sh_graphs", "torchtitan"],
     ]
     assert speed.spread(["torchtitan", "throughput"], 4) == [["throughput"], ["torchtitan"]]
 
@@ -578,3 +578,47 @@ def test_the_transformer_at_twice_the_batch_is_a_row_beside_the_usual_one():
                         "bench, 8 x 2048: 160,000", "1.10x", ">= 50% MFU", "no: 95% of it"]  # fmt: skip
     assert len(rows) == 2
     assert [row for row in speed.rows(PARTS) if row[0] == "4"] == rows[:1]  # no larger-batch result: no row
+
+
+def test_cuda_graph_rows_stand_beside_the_default_modes_launch(tmp_path, monkeypatch):
+    graphs = {"shape": "8 x 2048", "models": {
+        "gated_deltanet": {"tokens_per_s": 91_000.0, "mfu": 30.0, "peak_gib": 43.9, "data_share": 0.0},
+        "hybrid": {"error": "exit status 1: CUDA out of memory"},
+        "transformer": {"tokens_per_s": 180_000.0, "mfu": 48.3, "peak_gib": 30.2, "data_share": 0.0},
+    }}  # fmt: skip
+    train_sh = json.loads(json.dumps(PARTS["train_sh"]))
+    train_sh["models"]["gated_deltanet"]["peak_gib"] = 33.0
+    rows = {row[1].split(":")[0] + " " + row[0]: row for row in speed.graphs_rows({"train_sh_graphs": graphs,
+                                                                                  "train_sh": train_sh})}  # fmt: skip
+    assert rows["gated_deltanet 3"][1:] == [
+        "gated_deltanet: train.sh with --compile.mode reduce-overhead tokens/s, peak memory, 8 x 2048",
+        "91,000, 43.9 GiB", "default mode: 84,000, 33.0 GiB", "1.08x", ">= 120,000", "no: 76% of it",
+    ]  # fmt: skip
+    assert rows["hybrid 3"][2:5] == [
+        "exit status 1: CUDA out of memory",
+        "default mode: exit status 1: CUDA out of memory",
+        "",
+    ]
+    assert rows["transformer 4"][2:] == [
+        "48.3% (180,000), 30.2 GiB", "default mode: 43.5% (158,400), n/a GiB", "1.14x", ">= 50% MFU", "no: 97% of it",
+    ]  # fmt: skip
+    # The part's launches are train.sh's with the flag; without a CUDA GPU it says why it has none.
+    assert speed.graphs_rows({"train_sh_graphs": {"error": "CUDA graphs need a CUDA GPU"}})[0][2] == (
+        "CUDA graphs need a CUDA GPU"
+    )
+    args = speed.parse(["--json", str(tmp_path / "s.json"), "--device", "cpu", "--tiny"])
+    assert speed.part_train_sh_graphs(args, tmp_path) == {"error": "CUDA graphs need a CUDA GPU"}
+    launched = []
+
+    def run_logged(command, log, timeout_s, env):
+        launched.append(command)
+        log.write_text("error: no GPU here\n")
+        return 1
+
+    monkeypatch.setattr(speed, "run_logged", run_logged)
+    args.device = "cuda"
+    part = speed.part_train_sh_graphs(args, tmp_path)
+    assert [command[-2:] for command in launched] == [["--compile.mode", "reduce-overhead"]] * len(
+        speed.MODELS
+    )
+    assert part["models"] == dict.fromkeys(speed.MODELS, {"error": "exit status 1: error: no GPU here"})
