@@ -42,10 +42,11 @@ a GPU (or with ``--write_doc``), written into docs/performance.md between ``<!--
 the rows of the items it measured; the section keeps the other items' rows and the runs that measured them, so parts
 measured on one device in runs of different days (a GPU lent for less time than every part takes) make one table.
 
-The long_context and tokens_to_loss parts are saved as each of their launches ends; with ``--resume`` such a part
-run again keeps the launches its earlier runs finished (a model's every case, an optimizer's run) and runs the
-others: a part longer than one sitting on a GPU, or stopped by the sitting's end, is measured in two. ``--rerun
-NAMES`` (models, optimizers) is ``--resume`` that launches the named ones again though they finished. Each launch
+The train_sh, train_sh_graphs, long_context and tokens_to_loss parts are saved as each of their launches ends; with
+``--resume`` such a part run again keeps the launches its earlier runs finished (a model's train.sh run at the same
+shape, a model's every long-context case, an optimizer's run) and runs the others: a part longer than one sitting
+on a GPU, or stopped by the sitting's end, is measured in two. ``--rerun NAMES`` (models, optimizers) is
+``--resume`` that launches the named ones again though they finished. Each launch
 keeps the command, date and seconds of the run that made it, and the part is named by the runs of its launches,
 earliest first: a run whose launches were all made again by later ones drops out of the table.
 """
@@ -227,20 +228,37 @@ def log_means(dump: Path, skip_steps: int) -> dict:
     return means
 
 
-def part_train_sh(args, work: Path) -> dict:
-    return train_sh_launches(args, work / "train_sh", [])
+def part_train_sh(args, work: Path, earlier: dict | None = None, progress=None) -> dict:
+    return train_sh_launches(args, work / "train_sh", [], earlier, progress)
 
 
-def part_train_sh_graphs(args, work: Path) -> dict:
+def part_train_sh_graphs(args, work: Path, earlier: dict | None = None, progress=None) -> dict:
     if args.device != "cuda":
         return {"error": "CUDA graphs need a CUDA GPU"}
-    return train_sh_launches(args, work / "train_sh_graphs", ["--compile.mode", "reduce-overhead"])
+    return train_sh_launches(
+        args, work / "train_sh_graphs", ["--compile.mode", "reduce-overhead"], earlier, progress
+    )
 
 
-def train_sh_launches(args, work: Path, extra: list[str]) -> dict:
-    """One ``bash train.sh`` launch per model with ``extra`` flags: its log's means (log_means) and command."""
-    rows = {}
+def train_sh_launches(args, work: Path, extra: list[str], earlier: dict | None, progress) -> dict:
+    """One ``bash train.sh`` launch per model with ``extra`` flags: its log's means (log_means) and command. A model
+    that ``earlier`` (this part's saved results, under ``--resume``) ran to the end at the same shape is not launched
+    again unless ``--rerun`` names it; ``progress`` is given the part's results after each launch (the models not
+    yet launched: NOT_RUN)."""
+    shape = f"{args.batch_size} x {args.seq_len}"
+    finished = {
+        name: run
+        for name, run in (earlier or {}).get("models", {}).items()
+        if earlier["shape"] == shape
+        and isinstance(run, dict)
+        and "error" not in run
+        and name not in args.rerun
+    }
+    rows, kept, launch_seconds = dict(finished), [name for name in MODELS if name in finished], {}
     for name in MODELS:
+        if name in kept:
+            continue
+        started = time.perf_counter()
         dump = work / name
         flags = ["--model.config", str(model_file(name, args, work / "configs")), "--job.dump_folder", str(dump),
                  "--training.local_batch_size", str(args.batch_size), "--training.seq_len", str(args.seq_len),
@@ -251,9 +269,14 @@ def train_sh_launches(args, work: Path, extra: list[str]) -> dict:
         )
         if status != 0:
             rows[name] = {"error": f"exit status {status}: {last_line(dump.with_suffix('.log'))}"}
-            continue
-        rows[name] = {**log_means(dump, args.skip_steps), "command": "bash train.sh " + " ".join(flags)}
-    return {"models": rows, "shape": f"{args.batch_size} x {args.seq_len}"}
+        else:
+            rows[name] = {**log_means(dump, args.skip_steps), "command": "bash train.sh " + " ".join(flags)}
+        launch_seconds[name] = time.perf_counter() - started
+        if progress:
+            progress({"models": {**dict.fromkeys(MODELS, {"error": NOT_RUN}), **rows}, "shape": shape, "kept": kept,
+                      "launch_seconds": launch_seconds})  # fmt: skip
+    return {"models": {name: rows[name] for name in MODELS}, "shape": shape, "kept": kept,
+            "launch_seconds": launch_seconds}  # fmt: skip
 
 
 def part_torchtitan(args, work: Path) -> dict:
@@ -411,7 +434,12 @@ def run_on_gpus(args, parts: list[str], work: Path, run: str) -> dict[str, int]:
     return statuses
 
 
-RESUMABLE = ("long_context", "tokens_to_loss")  # the parts whose launches --resume keeps
+RESUMABLE = (
+    "train_sh",
+    "train_sh_graphs",
+    "long_context",
+    "tokens_to_loss",
+)  # the parts whose launches --resume keeps
 RUNNERS = {"throughput": part_throughput, "train_sh": part_train_sh, "train_sh_graphs": part_train_sh_graphs,
            "torchtitan": part_torchtitan,
            "first_step": part_first_step, "long_context": part_long_context, "tokens_to_loss": part_tokens_to_loss}  # fmt: skip
@@ -849,14 +877,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="long_context, tokens_to_loss: keep the launches that --json's earlier runs of the part finished (a "
-        "model's every case, an optimizer's run) and run only the others",
+        help="train_sh, train_sh_graphs, long_context, tokens_to_loss: keep the launches that --json's earlier runs "
+        "of the part finished (a model's run, an optimizer's run) and run only the others",
     )
     parser.add_argument(
         "--rerun",
         default="",
-        help="comma separated models (long_context) or optimizers (tokens_to_loss): --resume, launching these "
-        "again though an earlier run finished them",
+        help="comma separated models (train_sh, train_sh_graphs, long_context) or optimizers (tokens_to_loss): "
+        "--resume, launching these again though an earlier run finished them",
     )
     add_doc_options(parser)
     parser.add_argument("--write_doc", action="store_true", help="write the doc on a CPU too")

@@ -622,3 +622,41 @@ def test_cuda_graph_rows_stand_beside_the_default_modes_launch(tmp_path, monkeyp
         speed.MODELS
     )
     assert part["models"] == dict.fromkeys(speed.MODELS, {"error": "exit status 1: error: no GPU here"})
+
+
+def test_train_sh_resume_keeps_the_models_run_to_the_end_at_the_same_shape(tmp_path, monkeypatch):
+    launched, failing = [], {"gated_deltanet"}
+
+    def run_logged(command, log, timeout_s, env):
+        model = Path(command[command.index("--model.config") + 1]).stem
+        launched.append(model)
+        log.write_text("step 3\n")
+        return 124 if model in failing else 0
+
+    monkeypatch.setattr(speed, "run_logged", run_logged)
+    monkeypatch.setattr(
+        speed, "log_means", lambda dump, skip: {"tokens_per_s": 5.0, "data_share": 0.0, "mfu": 1.0}
+    )
+    path = tmp_path / "speed.json"
+    base = ["--tiny", "--device", "cpu", "--parts", "train_sh", "--json", str(path), "--no_write"]
+    speed.main(base)
+    part = json.loads(path.read_text())["parts"]["train_sh"]
+    assert part["models"]["gated_deltanet"] == {"error": "exit status 124: step 3"}
+    failing.clear()
+    launched.clear()
+    speed.main([*base, "--resume"])
+    part = json.loads(path.read_text())["parts"]["train_sh"]
+    assert launched == ["gated_deltanet"] and part["kept"] == ["transformer", "hybrid"]
+    assert part["models"]["gated_deltanet"]["tokens_per_s"] == 5.0
+    assert part["run"] == "; ".join(
+        speed.command_line("bench/speed.py", argv) for argv in (base, [*base, "--resume"])
+    )
+    launched.clear()
+    speed.main([*base, "--rerun", "hybrid"])
+    assert launched == ["hybrid"]
+    # Another shape measures every model again.
+    launched.clear()
+    speed.main([*base, "--resume", "--batch_size", "4"])
+    assert launched == list(speed.MODELS)
+    part = json.loads(path.read_text())["parts"]["train_sh"]
+    assert part["shape"] == "4 x 64" and part["kept"] == []
