@@ -1,8 +1,8 @@
 """The speed table: train.sh against the bench, the first step, the 340M models' throughput and MFU, long context and
 tokens to a loss, each beside its anchor measured in the same run, on one GPU, by one command.
 
-    python bench/speed.py --json /tmp/speed.json                       # every part, one GPU (~38 min on an H100)
-    python bench/speed.py --json /tmp/speed.json --gpus 4              # every part, at once on 4 GPUs (~10 min)
+    python bench/speed.py --json /tmp/speed.json                       # every part, one GPU (~40 min)
+    python bench/speed.py --json /tmp/speed.json --gpus 4              # every part, at once on 4 GPUs (~15 min)
     python bench/speed.py --json /tmp/speed.json --parts long_context  # some parts; the others' results are kept
     python bench/speed.py --json /tmp/speed.json --parts long_context --resume  # what a stopped run did not finish
     python bench/speed.py --json /tmp/speed.json --parts long_context --rerun hybrid  # one model's launch again
@@ -22,7 +22,7 @@ Parts (``--parts``), each a run of another bench script or of train.sh, in this 
 - ``torchtitan``: torchtitan's own trainer on a Llama3 of the transformer's shape (bench/torchtitan_anchor.py), the
   transformer's second anchor.
 - ``first_step``: bench/first_step.py's four launches (fresh; fresh with flame's shipped tuning, without and with
-  train.sh's kernel prewarm; warm) of GatedDeltaNet and the transformer.
+  train.sh's kernel prewarm; warm) of GatedDeltaNet, the transformer and the hybrid.
 - ``long_context``: the seed recipe's 64k-token varlen job (batch 1 x 65,536, documents cut at 4,096) of the three
   models with full activation checkpointing and with offloading, one bench launch per model; an offloading row's
   anchor is full checkpointing in the same launch.
@@ -42,13 +42,13 @@ a GPU (or with ``--write_doc``), written into docs/performance.md between ``<!--
 the rows of the items it measured; the section keeps the other items' rows and the runs that measured them, so parts
 measured on one device in runs of different days (a GPU lent for less time than every part takes) make one table.
 
-The train_sh, train_sh_graphs, long_context and tokens_to_loss parts are saved as each of their launches ends; with
-``--resume`` such a part run again keeps the launches its earlier runs finished (a model's train.sh run at the same
-shape, a model's every long-context case, an optimizer's run) and runs the others: a part longer than one sitting
-on a GPU, or stopped by the sitting's end, is measured in two. ``--rerun NAMES`` (models, optimizers) is
-``--resume`` that launches the named ones again though they finished. Each launch
-keeps the command, date and seconds of the run that made it, and the part is named by the runs of its launches,
-earliest first: a run whose launches were all made again by later ones drops out of the table.
+The first_step, train_sh, train_sh_graphs, long_context and tokens_to_loss parts are saved as each of their launches
+ends; with ``--resume`` such a part run again keeps the launches its earlier runs finished (a model's every
+first-step case or its train.sh run at the same shape, a model's every long-context case, an optimizer's run) and
+runs the others: a part longer than one sitting on a GPU, or stopped by the sitting's end, is measured in two.
+``--rerun NAMES`` (models, optimizers) is ``--resume`` that launches the named ones again though they finished.
+Each launch keeps the command, date and seconds of the run that made it, and the part is named by the runs of its
+launches, earliest first: a run whose launches were all made again by later ones drops out of the table.
 """
 
 import argparse
@@ -58,6 +58,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -98,6 +99,7 @@ PARTS = (
     "tokens_to_loss",
 )
 MODELS = ("transformer", "gated_deltanet", "hybrid")
+FIRST_STEP_MODELS = ("gated_deltanet", "transformer", "hybrid")  # the target's model first
 LONG_CONTEXT_ACTIVATIONS = ("full", "offload")
 OPTIMIZERS = ("AdamW", "Muon")  # tokens_to_loss's runs
 # A launch of a part that its run, stopped (a device call's time limit), did not reach: --resume makes it.
@@ -135,6 +137,25 @@ def last_line(log: Path) -> str:
     return lines[-1] if lines else "no output"
 
 
+def launch_each(names, kept_values: dict, launch, part, pending, progress) -> dict:
+    """A resumable part's launches: ``launch(name)`` for each of ``names`` (in order) that ``kept_values`` (the
+    launches an earlier run finished, which --resume keeps) lacks. ``part(values)`` makes the part's results from
+    each name's value; ``progress`` is given them after each launch, with ``pending`` for the names not yet
+    launched. The results add ``kept`` (the names kept) and ``launch_seconds`` (each launch's seconds)."""
+    values, launch_seconds = dict(kept_values), {}
+    kept = [name for name in names if name in kept_values]
+    for name in names:
+        if name in kept:
+            continue
+        started = time.perf_counter()
+        values[name] = launch(name)
+        launch_seconds[name] = time.perf_counter() - started
+        if progress:
+            so_far = {name: values.get(name, pending) for name in names}
+            progress({**part(so_far), "kept": kept, "launch_seconds": launch_seconds})
+    return {**part({name: values[name] for name in names}), "kept": kept, "launch_seconds": launch_seconds}
+
+
 def throughput_bench(args, work: Path, name: str, flags: list[str]) -> dict:
     """bench/train_throughput.py with ``flags``: its results (``results``), or why it failed (``error``)."""
     out = work / f"{name}.json"
@@ -168,27 +189,28 @@ def part_long_context(args, work: Path, earlier: dict | None = None, progress=No
     it: its results are kept. ``progress`` is given the part's results after each launch (the models not yet
     launched: NOT_RUN); ``launch_seconds`` holds each launch's seconds."""
     seq, context = (512, 128) if args.tiny else (65536, 4096)
-    results, launches, launch_seconds = [], {}, {}
     finished = finished_long_context_models(earlier) - set(args.rerun) if earlier else set()
-    kept = sorted(finished, key=MODELS.index)
-    for model in MODELS:
-        if model in kept:
-            results += [result for result in earlier["results"] if result["model"] == model]
-            launches[model] = earlier["launches"][model]
-            continue
-        started = time.perf_counter()
+    kept = {
+        model: (
+            [result for result in earlier["results"] if result["model"] == model],
+            earlier["launches"][model],
+        )
+        for model in finished
+    }
+
+    def launch(model: str) -> tuple[list, str]:
         flags = ["--models", model, "--seq_lens", str(seq), "--tokens_per_gpu", str(seq), "--modes",
                  "compiled" if args.device == "cuda" else "eager", "--activations",
                  ",".join(LONG_CONTEXT_ACTIVATIONS), "--data", "real", "--job_flags",
                  f"--training.varlen --training.context_len {context}", "--warmup", "2", "--steps", "5"]  # fmt: skip
-        launch = throughput_bench(args, work, f"long_context_{model}", flags)
-        results += launch.get("results", [])
-        launches[model] = launch.get("error", f"exit status {launch.get('status')}")
-        launch_seconds[model] = time.perf_counter() - started
-        if progress:
-            progress({"results": results, "launches": {**dict.fromkeys(MODELS, NOT_RUN), **launches},
-                      "kept": kept, "launch_seconds": launch_seconds})  # fmt: skip
-    return {"results": results, "launches": launches, "kept": kept, "launch_seconds": launch_seconds}
+        run = throughput_bench(args, work, f"long_context_{model}", flags)
+        return run.get("results", []), run.get("error", f"exit status {run.get('status')}")
+
+    def part(values: dict) -> dict:
+        return {"results": [result for results, _ in values.values() for result in results],
+                "launches": {model: status for model, (_, status) in values.items()}}  # fmt: skip
+
+    return launch_each(MODELS, kept, launch, part, ([], NOT_RUN), progress)
 
 
 def finished_long_context_models(part: dict) -> set[str]:
@@ -254,11 +276,8 @@ def train_sh_launches(args, work: Path, extra: list[str], earlier: dict | None, 
         and "error" not in run
         and name not in args.rerun
     }
-    rows, kept, launch_seconds = dict(finished), [name for name in MODELS if name in finished], {}
-    for name in MODELS:
-        if name in kept:
-            continue
-        started = time.perf_counter()
+
+    def launch(name: str) -> dict:
         dump = work / name
         flags = ["--model.config", str(model_file(name, args, work / "configs")), "--job.dump_folder", str(dump),
                  "--training.local_batch_size", str(args.batch_size), "--training.seq_len", str(args.seq_len),
@@ -268,15 +287,13 @@ def train_sh_launches(args, work: Path, extra: list[str], earlier: dict | None, 
             ["bash", "train.sh", *flags], dump.with_suffix(".log"), args.timeout_s, train_env()
         )
         if status != 0:
-            rows[name] = {"error": f"exit status {status}: {last_line(dump.with_suffix('.log'))}"}
-        else:
-            rows[name] = {**log_means(dump, args.skip_steps), "command": "bash train.sh " + " ".join(flags)}
-        launch_seconds[name] = time.perf_counter() - started
-        if progress:
-            progress({"models": {**dict.fromkeys(MODELS, {"error": NOT_RUN}), **rows}, "shape": shape, "kept": kept,
-                      "launch_seconds": launch_seconds})  # fmt: skip
-    return {"models": {name: rows[name] for name in MODELS}, "shape": shape, "kept": kept,
-            "launch_seconds": launch_seconds}  # fmt: skip
+            return {"error": f"exit status {status}: {last_line(dump.with_suffix('.log'))}"}
+        return {**log_means(dump, args.skip_steps), "command": "bash train.sh " + " ".join(flags)}
+
+    def part(rows: dict) -> dict:
+        return {"models": rows, "shape": shape}
+
+    return launch_each(MODELS, finished, launch, part, {"error": NOT_RUN}, progress)
 
 
 def part_torchtitan(args, work: Path) -> dict:
@@ -289,11 +306,31 @@ def part_torchtitan(args, work: Path) -> dict:
     )  # fmt: skip
 
 
-def part_first_step(args, work: Path) -> dict:
-    launch = argparse.Namespace(seq_len=args.seq_len, batch_size=args.batch_size, timeout_s=args.timeout_s,
-                                tiny=args.tiny, device=args.device, cases=list(FIRST_STEP_CASES))  # fmt: skip
-    return {"models": {name: measure_model(name, launch, work / "first_step") for name in ("gated_deltanet",
-                                                                                          "transformer")}}  # fmt: skip
+def part_first_step(args, work: Path, earlier: dict | None = None, progress=None) -> dict:
+    """bench/first_step.py's launches of each model (FIRST_STEP_MODELS), every case. A model whose every case
+    ``earlier`` (this part's saved results, under ``--resume``) holds at the same shape is not launched again unless
+    ``--rerun`` names it; ``progress`` is given the part's results after each model (those not yet launched:
+    NOT_RUN)."""
+    shape = f"{args.batch_size} x {args.seq_len}"
+    cases = argparse.Namespace(seq_len=args.seq_len, batch_size=args.batch_size, timeout_s=args.timeout_s,
+                               tiny=args.tiny, device=args.device, cases=list(FIRST_STEP_CASES))  # fmt: skip
+    finished = {
+        name: row
+        for name, row in (earlier or {}).get("models", {}).items()
+        if earlier.get("shape") == shape
+        and set(FIRST_STEP_CASES) <= set(row.get("seconds", {}))
+        and name not in args.rerun
+    }
+
+    def launch(name: str) -> dict:
+        folder = work / "first_step"
+        shutil.rmtree(folder / name, ignore_errors=True)  # a stopped run's launches of this model
+        return measure_model(name, cases, folder)
+
+    def part(rows: dict) -> dict:
+        return {"models": rows, "shape": shape}
+
+    return launch_each(FIRST_STEP_MODELS, finished, launch, part, {"error": NOT_RUN}, progress)
 
 
 def part_tokens_to_loss(args, work: Path, earlier: dict | None = None, progress=None) -> dict:
@@ -318,36 +355,25 @@ def part_tokens_to_loss(args, work: Path, earlier: dict | None = None, progress=
         for optimizer, run in (earlier or {}).get("runs", {}).items()
         if isinstance(run, dict) and optimizer not in args.rerun
     }
-    kept, launch_seconds = list(runs), {}
     command = "bash train.sh " + " ".join(extra)
-    for optimizer in OPTIMIZERS:
-        if optimizer in kept:
-            continue
-        started = time.perf_counter()
+
+    def launch(optimizer: str) -> dict | str:
         dump, status = tokens_to_loss.train(optimizer, t2l)
-        if status == 0:
-            run = tokens_to_loss.curve(dump)
-            runs[optimizer] = {
-                **run,
-                "validation": {str(step): value for step, value in run["validation"].items()},
-            }
-        else:
-            runs[optimizer] = f"exit status {status}: {last_line(dump.with_suffix('.log'))}"
-        launch_seconds[optimizer] = time.perf_counter() - started
-        if progress:
-            progress({"runs": {**dict.fromkeys(OPTIMIZERS, NOT_RUN), **runs}, "kept": kept, "command": command,
-                      "launch_seconds": launch_seconds})  # fmt: skip
-    return {
-        "runs": {optimizer: runs[optimizer] for optimizer in OPTIMIZERS},
-        "kept": kept,
-        "command": command,
-        "launch_seconds": launch_seconds,
-    }
+        if status != 0:
+            return f"exit status {status}: {last_line(dump.with_suffix('.log'))}"
+        run = tokens_to_loss.curve(dump)
+        return {**run, "validation": {str(step): value for step, value in run["validation"].items()}}
+
+    def part(values: dict) -> dict:
+        return {"runs": values, "command": command}
+
+    return launch_each(OPTIMIZERS, runs, launch, part, NOT_RUN, progress)
 
 
-# Seconds each part took on one H200 with 16 cores (2026-11-28): how --gpus spreads the parts.
-PART_SECONDS = {"throughput": 148, "train_sh": 175, "train_sh_graphs": 175, "torchtitan": 33, "first_step": 574, "long_context": 515,
-                "tokens_to_loss": 567}  # fmt: skip
+# Seconds each part took on one H200 with 16 cores (2026-11-28; first_step then launched two models of its three,
+# train_sh_graphs is train_sh's launches): how --gpus spreads the parts.
+PART_SECONDS = {"throughput": 148, "train_sh": 175, "train_sh_graphs": 175, "torchtitan": 33, "first_step": 574 * 3 // 2,
+                "long_context": 515, "tokens_to_loss": 567}  # fmt: skip
 # The options a --gpus run passes on to the process of each GPU.
 PASSED_ON = ("device", "seq_len", "batch_size", "steps", "skip_steps", "log_freq", "warmup", "bench_steps",
              "timeout_s", "t2l_dataset", "t2l_steps", "t2l_val_freq", "t2l_val_steps")  # fmt: skip
@@ -435,6 +461,7 @@ def run_on_gpus(args, parts: list[str], work: Path, run: str) -> dict[str, int]:
 
 
 RESUMABLE = (
+    "first_step",
     "train_sh",
     "train_sh_graphs",
     "long_context",
@@ -577,6 +604,9 @@ def first_step_rows(parts: dict) -> list[list[str]]:
     prewarm, beside the same launch without the prewarm and one without either."""
     out = []
     for model, row in parts["first_step"]["models"].items():
+        if "error" in row:
+            out.append(["2", f"{model}: seconds to the first step", row["error"], "", "", "", "no"])
+            continue
         fresh, _, shipped, _ = (row["seconds"].get(case, float("nan")) for case in FIRST_STEP_CASES)
         target = met = ""
         if model == "gated_deltanet":
@@ -877,14 +907,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="train_sh, train_sh_graphs, long_context, tokens_to_loss: keep the launches that --json's earlier runs "
-        "of the part finished (a model's run, an optimizer's run) and run only the others",
+        help="first_step, train_sh, train_sh_graphs, long_context, tokens_to_loss: keep the launches that --json's "
+        "earlier runs of the part finished (a model's run, an optimizer's run) and run only the others",
     )
     parser.add_argument(
         "--rerun",
         default="",
-        help="comma separated models (train_sh, train_sh_graphs, long_context) or optimizers (tokens_to_loss): "
-        "--resume, launching these again though an earlier run finished them",
+        help="comma separated models (first_step, train_sh, train_sh_graphs, long_context) or optimizers "
+        "(tokens_to_loss): --resume, launching these again though an earlier run finished them",
     )
     add_doc_options(parser)
     parser.add_argument("--write_doc", action="store_true", help="write the doc on a CPU too")
@@ -992,6 +1022,11 @@ def main(argv: list[str] | None = None) -> int:
             named = functools.partial(named_part, argv=argv, started=time.perf_counter(), began=time.time())
             if part in RESUMABLE:  # its launches are saved as they finish, and --resume keeps them
                 earlier = saved_part(args.json, part) if args.resume else None
+                if earlier is not None and "launch_runs" not in earlier:
+                    print(
+                        f"{part}: its saved results name no run per launch; launching all of it", flush=True
+                    )
+                    earlier = None
                 named = functools.partial(named, earlier=earlier)
                 progress = functools.partial(save_named, args.json, part, device, named)
                 measured[part] = named(RUNNERS[part](args, work / part, earlier, progress))

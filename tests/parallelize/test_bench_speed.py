@@ -393,7 +393,7 @@ def test_train_sh_part_runs_each_model_and_keeps_other_parts(tmp_path):
         assert run["lines"] == 3 and run["tokens_per_s"] > 0 and 0 <= run["data_share"] <= 1
 
 
-def test_first_step_part_runs_every_case_for_both_models(tmp_path, monkeypatch):
+def test_first_step_part_runs_every_case_for_each_bench_model(tmp_path, monkeypatch):
     launched = []
 
     def measure_model(name, args, work):
@@ -404,9 +404,42 @@ def test_first_step_part_runs_every_case_for_both_models(tmp_path, monkeypatch):
     args = speed.parse(
         ["--tiny", "--device", "cpu", "--parts", "first_step", "--json", str(tmp_path / "s.json")]
     )
-    assert list(speed.part_first_step(args, tmp_path)["models"]) == ["gated_deltanet", "transformer"]
+    models = ["gated_deltanet", "transformer", "hybrid"]
+    assert list(speed.part_first_step(args, tmp_path)["models"]) == models
     cases = ["fresh", "fresh, shipped tuning, no prewarm", "fresh, shipped tuning", "warm"]
-    assert launched == [("gated_deltanet", cases), ("transformer", cases)]
+    assert launched == [(model, cases) for model in models]
+
+
+def test_first_step_resume_keeps_the_models_with_every_case_and_launches_the_rest(tmp_path, monkeypatch):
+    launched, stop_after = [], {"transformer"}
+
+    def measure_model(name, args, work):
+        (work / name).mkdir(parents=True)  # as bench/first_step.py does: a stopped launch leaves its folder
+        launched.append(name)
+        if name in stop_after:
+            raise KeyboardInterrupt  # the device call's time limit, mid-model
+        return {"model": name, "seconds": dict.fromkeys(args.cases, 9.0), "notes": {}, "phases": {}}
+
+    monkeypatch.setattr(speed, "measure_model", measure_model)
+    path = tmp_path / "speed.json"
+    base = ["--tiny", "--device", "cpu", "--parts", "first_step", "--json", str(path), "--no_write",
+            "--work", str(tmp_path / "work")]  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        speed.main(base)
+    part = json.loads(path.read_text())["parts"]["first_step"]
+    assert part["models"]["gated_deltanet"]["seconds"]["warm"] == 9.0
+    assert part["models"]["transformer"] == part["models"]["hybrid"] == {"error": speed.NOT_RUN}
+    rows = by_measurement(speed.rows({"first_step": part}))
+    assert rows["hybrid 2"][2] == speed.NOT_RUN and rows["hybrid 2"][6] == "no"
+    stop_after.clear()
+    launched.clear()
+    speed.main([*base, "--resume"])
+    part = json.loads(path.read_text())["parts"]["first_step"]
+    assert launched == ["transformer", "hybrid"] and part["kept"] == ["gated_deltanet"]
+    assert all(row["seconds"]["fresh"] == 9.0 for row in part["models"].values())
+    launched.clear()
+    speed.main([*base, "--rerun", "hybrid"])
+    assert launched == ["hybrid"]
 
 
 def test_without_train_sh_items_3_and_4_come_from_the_bench():
@@ -660,3 +693,26 @@ def test_train_sh_resume_keeps_the_models_run_to_the_end_at_the_same_shape(tmp_p
     assert launched == list(speed.MODELS)
     part = json.loads(path.read_text())["parts"]["train_sh"]
     assert part["shape"] == "4 x 64" and part["kept"] == []
+
+
+def test_resume_launches_all_of_a_part_saved_without_its_launches_runs(tmp_path, monkeypatch, capsys):
+    launched = []
+
+    def run_logged(command, log, timeout_s, env):
+        launched.append(Path(command[command.index("--model.config") + 1]).stem)
+        log.write_text("step 3\n")
+        return 0
+
+    monkeypatch.setattr(speed, "run_logged", run_logged)
+    run = {"tokens_per_s": 5.0, "data_share": 0.0, "mfu": 1.0}
+    monkeypatch.setattr(speed, "log_means", lambda dump, skip: run)
+    path = tmp_path / "speed.json"
+    models = dict.fromkeys(speed.MODELS, run)
+    path.write_text(json.dumps({"parts": {"train_sh": {"models": models, "shape": "2 x 64", "run": "old"}}}))
+    speed.main(
+        ["--tiny", "--device", "cpu", "--parts", "train_sh", "--json", str(path), "--no_write", "--resume"]
+    )
+    assert launched == list(speed.MODELS)
+    assert (
+        "train_sh: its saved results name no run per launch; launching all of it" in capsys.readouterr().out
+    )
