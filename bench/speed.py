@@ -46,7 +46,9 @@ The first_step, train_sh, train_sh_graphs, long_context and tokens_to_loss parts
 ends; with ``--resume`` such a part run again keeps the launches its earlier runs finished (a model's every
 first-step case or its train.sh run at the same shape, a model's every long-context case, an optimizer's run) and
 runs the others: a part longer than one sitting on a GPU, or stopped by the sitting's end, is measured in two.
-``--rerun NAMES`` (models, optimizers) is ``--resume`` that launches the named ones again though they finished.
+``--rerun NAMES`` (models, optimizers) is ``--resume`` that launches the named ones again though they finished. The
+other parts are saved whole as they end, and ``--resume`` keeps those saved without an error, so one command,
+``python bench/speed.py --json F --resume``, run again after each stop, measures every part once.
 Each launch keeps the command, date and seconds of the run that made it, and the part is named by the runs of its
 launches, earliest first: a run whose launches were all made again by later ones drops out of the table.
 """
@@ -907,8 +909,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="first_step, train_sh, train_sh_graphs, long_context, tokens_to_loss: keep the launches that --json's "
-        "earlier runs of the part finished (a model's run, an optimizer's run) and run only the others",
+        help="keep what --json's earlier runs finished: first_step, train_sh, train_sh_graphs, long_context, "
+        "tokens_to_loss run only the launches (a model's, an optimizer's) not finished; the other parts, saved whole, "
+        "are not run again where saved without an error",
     )
     parser.add_argument(
         "--rerun",
@@ -1007,6 +1010,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="flame-speed-") as scratch:
         work = args.work or Path(scratch)
         parts_to_run = list(filter(None, args.parts.split(",")))
+        if args.resume:  # a part saved only whole, and saved without an error, is finished
+            for part in [part for part in parts_to_run if part not in RESUMABLE]:
+                earlier_part = saved_part(args.json, part)
+                if earlier_part is not None and "error" not in earlier_part:
+                    print(f"{part}: kept from `{earlier_part['run']}` (--resume keeps a finished part; leave --resume out "
+                          "to measure it again)", flush=True)  # fmt: skip
+                    parts_to_run.remove(part)
         failed = False
         if args.gpus > 1 and parts_to_run:
             statuses = run_on_gpus(args, parts_to_run, work, command_line("bench/speed.py", argv))

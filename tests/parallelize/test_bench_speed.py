@@ -716,3 +716,30 @@ def test_resume_launches_all_of_a_part_saved_without_its_launches_runs(tmp_path,
     assert (
         "train_sh: its saved results name no run per launch; launching all of it" in capsys.readouterr().out
     )
+
+
+def test_resume_keeps_the_parts_saved_whole_without_an_error_and_measures_the_rest(
+    tmp_path, monkeypatch, capsys
+):
+    measured = []
+
+    def runner(part):
+        def run(args, work, *resumable):
+            measured.append(part)
+            return {"error": "no GPU"} if part == "torchtitan" else {"results": []}
+
+        return run
+
+    monkeypatch.setattr(speed, "RUNNERS", {part: runner(part) for part in ("throughput", "torchtitan")})
+    monkeypatch.setattr(speed, "rows", lambda parts: [])
+    path = tmp_path / "speed.json"
+    base = ["--device", "cpu", "--parts", "throughput,torchtitan", "--json", str(path), "--no_write"]
+    speed.main(base)
+    assert measured == ["throughput", "torchtitan"]
+    measured.clear()
+    speed.main([*base, "--resume"])  # the throughput part finished; torchtitan's ended on an error
+    assert measured == ["torchtitan"]
+    assert f"throughput: kept from `{speed.command_line('bench/speed.py', base)}`" in capsys.readouterr().out
+    measured.clear()
+    speed.main(base)  # without --resume every part named is measured again
+    assert measured == ["throughput", "torchtitan"]
