@@ -139,13 +139,13 @@ def last_line(log: Path) -> str:
     return lines[-1] if lines else "no output"
 
 
-def launch_each(names, kept_values: dict, launch, part, pending, progress) -> dict:
+def launch_each(names, kept_values: dict, launch, part, pending, progress, rerun) -> dict:
     """A resumable part's launches: ``launch(name)`` for each of ``names`` (in order) that ``kept_values`` (the
-    launches an earlier run finished, which --resume keeps) lacks. ``part(values)`` makes the part's results from
+    launches an earlier run finished, which --resume keeps) lacks or ``rerun`` (--rerun) names. ``part(values)`` makes the part's results from
     each name's value; ``progress`` is given them after each launch, with ``pending`` for the names not yet
     launched. The results add ``kept`` (the names kept) and ``launch_seconds`` (each launch's seconds)."""
-    values, launch_seconds = dict(kept_values), {}
-    kept = [name for name in names if name in kept_values]
+    kept = [name for name in names if name in kept_values and name not in rerun]
+    values, launch_seconds = {name: kept_values[name] for name in kept}, {}
     for name in names:
         if name in kept:
             continue
@@ -191,7 +191,7 @@ def part_long_context(args, work: Path, earlier: dict | None = None, progress=No
     it: its results are kept. ``progress`` is given the part's results after each launch (the models not yet
     launched: NOT_RUN); ``launch_seconds`` holds each launch's seconds."""
     seq, context = (512, 128) if args.tiny else (65536, 4096)
-    finished = finished_long_context_models(earlier) - set(args.rerun) if earlier else set()
+    finished = finished_long_context_models(earlier) if earlier else set()
     kept = {
         model: (
             [result for result in earlier["results"] if result["model"] == model],
@@ -212,7 +212,7 @@ def part_long_context(args, work: Path, earlier: dict | None = None, progress=No
         return {"results": [result for results, _ in values.values() for result in results],
                 "launches": {model: status for model, (_, status) in values.items()}}  # fmt: skip
 
-    return launch_each(MODELS, kept, launch, part, ([], NOT_RUN), progress)
+    return launch_each(MODELS, kept, launch, part, ([], NOT_RUN), progress, args.rerun)
 
 
 def finished_long_context_models(part: dict) -> set[str]:
@@ -273,10 +273,7 @@ def train_sh_launches(args, work: Path, extra: list[str], earlier: dict | None, 
     finished = {
         name: run
         for name, run in (earlier or {}).get("models", {}).items()
-        if earlier["shape"] == shape
-        and isinstance(run, dict)
-        and "error" not in run
-        and name not in args.rerun
+        if earlier["shape"] == shape and isinstance(run, dict) and "error" not in run
     }
 
     def launch(name: str) -> dict:
@@ -295,7 +292,7 @@ def train_sh_launches(args, work: Path, extra: list[str], earlier: dict | None, 
     def part(rows: dict) -> dict:
         return {"models": rows, "shape": shape}
 
-    return launch_each(MODELS, finished, launch, part, {"error": NOT_RUN}, progress)
+    return launch_each(MODELS, finished, launch, part, {"error": NOT_RUN}, progress, args.rerun)
 
 
 def part_torchtitan(args, work: Path) -> dict:
@@ -319,9 +316,7 @@ def part_first_step(args, work: Path, earlier: dict | None = None, progress=None
     finished = {
         name: row
         for name, row in (earlier or {}).get("models", {}).items()
-        if earlier.get("shape") == shape
-        and set(FIRST_STEP_CASES) <= set(row.get("seconds", {}))
-        and name not in args.rerun
+        if earlier.get("shape") == shape and set(FIRST_STEP_CASES) <= set(row.get("seconds", {}))
     }
 
     def launch(name: str) -> dict:
@@ -332,7 +327,7 @@ def part_first_step(args, work: Path, earlier: dict | None = None, progress=None
     def part(rows: dict) -> dict:
         return {"models": rows, "shape": shape}
 
-    return launch_each(FIRST_STEP_MODELS, finished, launch, part, {"error": NOT_RUN}, progress)
+    return launch_each(FIRST_STEP_MODELS, finished, launch, part, {"error": NOT_RUN}, progress, args.rerun)
 
 
 def part_tokens_to_loss(args, work: Path, earlier: dict | None = None, progress=None) -> dict:
@@ -353,9 +348,7 @@ def part_tokens_to_loss(args, work: Path, earlier: dict | None = None, progress=
     t2l = argparse.Namespace(workdir=work / "tokens_to_loss", extra=extra, ngpu=1, val_freq=args.t2l_val_freq,
                              val_steps=args.t2l_val_steps)  # fmt: skip
     runs = {
-        optimizer: run
-        for optimizer, run in (earlier or {}).get("runs", {}).items()
-        if isinstance(run, dict) and optimizer not in args.rerun
+        optimizer: run for optimizer, run in (earlier or {}).get("runs", {}).items() if isinstance(run, dict)
     }
     command = "bash train.sh " + " ".join(extra)
 
@@ -369,7 +362,7 @@ def part_tokens_to_loss(args, work: Path, earlier: dict | None = None, progress=
     def part(values: dict) -> dict:
         return {"runs": values, "command": command}
 
-    return launch_each(OPTIMIZERS, runs, launch, part, NOT_RUN, progress)
+    return launch_each(OPTIMIZERS, runs, launch, part, NOT_RUN, progress, args.rerun)
 
 
 # Seconds each part took on one H200 with 16 cores (2026-11-28; first_step then launched two models of its three,

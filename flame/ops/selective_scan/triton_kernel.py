@@ -29,8 +29,8 @@ and dC are summed over the channel blocks, dA over the rows, by torch after the
 kernel (partial buffers, no atomics: deterministic). Sums run in float32 (float64 for float64 inputs). Forward and
 backward are torch.library custom ops with shape-only fake implementations, so that a compiled Mamba block traces
 them as single nodes instead of breaking its graph; eager calls run the same code as an autograd.Function
-(flame.ops.custom_ops), which costs the host less than the op's dispatch. With TRITON_INTERPRET=1 set before this module is imported, the
-kernels run in Triton's CPU interpreter (the CPU tests).
+(flame.ops.custom_ops), which costs the host less than the op's dispatch. With TRITON_INTERPRET=1 set before this
+module is imported, the kernels run in Triton's CPU interpreter (the CPU tests).
 """
 
 import os

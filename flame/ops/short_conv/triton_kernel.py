@@ -33,8 +33,9 @@ the row start).
 
 Under torch.compile the kernels run as the torch custom ops `torch.ops.flame.short_conv_fwd` / `_bwd` (one node
 each, autograd registered on the forward); eager calls run the same code as an autograd.Function
-(flame.ops.custom_ops), which costs the host less than the op's dispatch. With TRITON_INTERPRET=1 set before this module is imported, the kernels run in Triton's
-CPU interpreter with one small block configuration (the CPU tests do that).
+(flame.ops.custom_ops), which costs the host less than the op's dispatch. With TRITON_INTERPRET=1 set before this
+module is imported, the kernels run in Triton's CPU interpreter with one small block configuration (the CPU tests
+do that).
 """
 
 import os
