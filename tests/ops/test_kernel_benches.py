@@ -11,10 +11,38 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
-@pytest.mark.parametrize("script", ["bench/softpick_kernel.py", "bench/attention_delta.py", "bench/ssd.py"])
+@pytest.mark.parametrize(
+    "script", ["bench/softpick_kernel.py", "bench/attention_delta.py", "bench/ssd.py", "bench/dqkwg.py"]
+)
 def test_a_kernel_bench_says_it_needs_a_gpu(script):
     result = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"{script} needs a CUDA GPU (the kernels are Triton); none is visible"
     ]
+
+
+def test_dqkwg_bench_settings_and_table():
+    """bench/dqkwg.py: --settings parse into launch settings, the default is every tuning setting, and each row's
+    ratio is FLA TileLang's time over the row's; a refused call's row carries its reason instead of numbers."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import dqkwg
+
+    from flame.ops.gated_delta_rule.dqkwg_triton import TUNING_CONFIGS
+
+    assert dqkwg.parse_settings("64/32/4/3,128/64/8/2") == [
+        {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 3},
+        {"BK": 128, "BV": 64, "num_warps": 8, "num_stages": 2},
+    ]
+    assert len(dqkwg.parse_settings(None)) == len(TUNING_CONFIGS)
+    rows = {
+        "6x256x512": [
+            ("flame Triton, BK 128", 0.5, 2e-3, ""),
+            ("FLA TileLang", 0.6, 3e-3, ""),
+            ("FLA Triton", float("nan"), float("nan"), "RuntimeError: refused"),
+        ]
+    }
+    lines = dqkwg.table(rows).splitlines()[2:]
+    assert lines[0] == "| 6x256x512 | flame Triton, BK 128 | 0.500 | 1.20x | 2.0e-03 |"
+    assert lines[1] == "| 6x256x512 | FLA TileLang | 0.600 | 1.00x | 3.0e-03 |"
+    assert lines[2] == "| 6x256x512 | FLA Triton | RuntimeError: refused | | |"

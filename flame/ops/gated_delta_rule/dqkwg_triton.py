@@ -6,9 +6,11 @@ accumulator: it accumulates ds = do v^T and its transpose ds^T = v do^T as two s
 (one extra BT x BT x BV product per value block, a few percent of the kernel's FLOPs). Everything else follows the
 math in dqkwg_reference.py, which also holds the PyTorch reference this kernel is tested against.
 
-One program per (chunk, key block, value head). Per chunk c with token-local cumulative log2-decay g, start state
-h_c [K, V] (stored [V, K] when state_v_first), gradient dh of the state after the chunk, output gradient do and
-(delta rule) dv:
+One program per (chunk, key block, value head), a chunk's key blocks next to each other in the launch order: every
+key block reads the chunk's v, do and dv whole, and run together they find them in L2 (1.55x faster at K = 256,
+V = 512 on an H100 than with the key blocks a batch's chunk count apart: docs/performance.md, "flame's dq/dk/dw/dg
+kernel"). Per chunk c with token-local cumulative log2-decay g, start state h_c [K, V] (stored [V, K] when
+state_v_first), gradient dh of the state after the chunk, output gradient do and (delta rule) dv:
 
     dq = scale * (2^g * (do h^T) + (ds * M) k)      ds = do v^T,  M_ts = 2^(g_t - g_s) [s <= t]
     dk = 2^(g_last - g) * (v dh^T) + scale * (ds^T * M^T) q
@@ -66,8 +68,11 @@ def _dqkwg_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, USE_DW: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # Chunks on grid axis 0, whose size limit (2^31 - 1) long packed batches cannot reach; axes 1/2 stop at 65535.
-    i_n, i_k, i_hv = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    # (chunk, key block) on grid axis 0, whose size limit (2^31 - 1) long packed batches cannot reach; axis 1 stops
+    # at 65535. Programs run in axis-0 order, so a chunk's key blocks run together.
+    KEY_BLOCKS: tl.constexpr = (K + BK - 1) // BK
+    i_nk, i_hv = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_n, i_k = i_nk // KEY_BLOCKS, i_nk % KEY_BLOCKS
     i_h = i_hv // (HV // H)  # the query/key head this value head reads
     start = tl.load(chunk_start + i_n)
     end = tl.load(chunk_end + i_n)
@@ -142,7 +147,9 @@ def _dqkwg_kernel(
 
 
 # Launch settings tried once per shape on the GPU (each compiles: keep the list short). BK is not tuned: it sets how
-# many partial dg sums the kernel writes, and a tuning run must not leave stale ones for another setting.
+# many partial dg sums the kernel writes, and a tuning run must not leave stale ones for another setting. 128-wide
+# key blocks (8 warps) ran no faster than 64-wide ones at K = 96, 128 and 256 on an H100 (docs/performance.md,
+# "flame's dq/dk/dw/dg kernel").
 TUNING_CONFIGS = [
     triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
     for bv, warps, stages in [(64, 4, 2), (64, 8, 2), (64, 4, 3), (32, 4, 2)]
@@ -218,7 +225,7 @@ def chunk_bwd_dqkwg_triton(
         H=num_heads, HV=num_v_heads, K=key_dim, V=value_dim, BT=chunk_size, STATE_V_FIRST=state_v_first,
         USE_DW=w is not None, PRECISION=dot_precision(),
     )  # fmt: skip
-    grid = (num_chunks, key_blocks, num_v_heads)
+    grid = (num_chunks * key_blocks, num_v_heads)
     if launch is None:
         _dqkwg_kernel_tuned[grid](*args, **meta, BK=block_k)
     else:

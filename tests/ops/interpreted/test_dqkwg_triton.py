@@ -14,8 +14,11 @@ import torch
 from flame.ops.gated_delta_rule.dqkwg_reference import chunk_bwd_dqkwg_torch
 from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds, chunk_bwd_dqkwg_triton, dot_precision
 
-# Small blocks: several key and value blocks per chunk, and the partial dg sums over key blocks.
+# Small blocks: several key and value blocks per chunk (a chunk's key blocks adjacent in the launch), and the
+# partial dg sums over key blocks.
 LAUNCH = {"BK": 16, "BV": 16, "num_warps": 4, "num_stages": 1}
+# A key block wider than half of K: the last block partly masked.
+WIDE_KEYS = {"BK": 32, "BV": 16, "num_warps": 4, "num_stages": 1}
 
 
 def test_chunk_bounds_follow_fla_chunk_order():
@@ -29,6 +32,7 @@ def test_chunk_bounds_follow_fla_chunk_order():
     assert with_indices[0].tolist() == starts.tolist() and with_indices[1].tolist() == ends.tolist()
 
 
+@pytest.mark.parametrize("launch", [LAUNCH, WIDE_KEYS], ids=["BK16", "BK32"])
 @pytest.mark.parametrize(
     ("lengths", "num_heads", "num_v_heads", "key_dim", "value_dim", "state_v_first", "with_w"),
     [
@@ -37,7 +41,7 @@ def test_chunk_bounds_follow_fla_chunk_order():
         ((19, 40, 5), 2, 4, 40, 33, True, False),
     ],
 )
-def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, state_v_first, with_w):
+def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, state_v_first, with_w, launch):
     torch.manual_seed(0)
     chunk_size, scale = 16, 0.37
     varlen = len(lengths) != 2
@@ -64,7 +68,7 @@ def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, st
     expected = chunk_bwd_dqkwg_torch(*(x.double() for x in (q, k, v, do, h, dh)),
                                      **{n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x
                                         for n, x in args.items()})  # fmt: skip
-    result = chunk_bwd_dqkwg_triton(q, k, v, do, h, dh, **args, launch=LAUNCH)
+    result = chunk_bwd_dqkwg_triton(q, k, v, do, h, dh, **args, launch=launch)
     for name, got, want in zip(("dq", "dk", "dw", "dg"), result, expected):
         if want is None:
             assert got is None

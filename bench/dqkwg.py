@@ -1,0 +1,208 @@
+"""flame's dq/dk/dw/dg kernel (the gated delta rule's chunk_bwd_dqkwg) per launch setting, beside FLA's TileLang one.
+
+    python bench/dqkwg.py                                  # the three head shapes below, 8 x 2048 tokens
+    python bench/dqkwg.py --shapes 6x256x512 --settings 64/64/4/3,128/64/8/3 --no_write   # 128-wide key blocks
+
+Shapes are heads x K x V of a Gated DeltaNet layer: 6x256x512 (configs/gated_deltanet_340M.json), 16x96x192
+(configs/olmo_1b_*.json) and 16x128x128 (Qwen3-Next-like heads). The call is the one FLA's backward makes: q, k, v,
+w, do, dv in bf16, the chunk states h and their gradient dh in bf16 stored [V, K], float32 log2-decay, 64-token
+chunks. Rows: flame's Triton kernel as a training job runs it (autotuned; the row names the setting it chose), then
+each launch setting pinned (``--settings BK/BV/warps/stages``, by default every setting the kernel tunes over, all
+with its 64-wide key blocks), then FLA's TileLang kernel where tilelang and nvcc are installed (the anchor: FLA
+serves this call with it on Hopper).
+Times are medians of triton.testing.do_bench_cudagraph (GPU time, the call's small allocations included) after one
+untimed call. The error is the largest relative RMS error ||x - ref|| / ||ref|| of dq, dk, dw and dg against
+flame's PyTorch reference in float64 on the same inputs. The table goes into docs/performance.md between
+``<!-- bench_dqkwg_<device> -->`` markers.
+"""
+
+import argparse
+import functools
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from train_throughput import (  # noqa: E402
+    add_doc_options,
+    command_line,
+    device_name,
+    device_slug,
+    no_cuda_gpu,
+    write_section,
+)
+
+MARKER = "bench_dqkwg"
+CHUNK = 64
+
+
+def inputs(shape: str, batch: int, seq_len: int) -> tuple[tuple, dict]:
+    """(q, k, v, do, h, dh) and the keyword arguments of one call at heads x K x V."""
+    heads, key_dim, value_dim = (int(n) for n in shape.split("x"))
+    chunks = batch * math.ceil(seq_len / CHUNK)
+    dev = "cuda"
+
+    def draw(*size, scale=1.0):
+        return (torch.randn(*size, device=dev) * scale).to(torch.bfloat16)
+
+    tokens = (batch, seq_len, heads)
+    q, k, w = draw(*tokens, key_dim), draw(*tokens, key_dim, scale=key_dim**-0.5), draw(*tokens, key_dim)
+    v, do, dv = draw(*tokens, value_dim), draw(*tokens, value_dim), draw(*tokens, value_dim)
+    h, dh = draw(1, chunks, heads, value_dim, key_dim), draw(1, chunks, heads, value_dim, key_dim)
+    decay = -torch.rand(batch, seq_len // CHUNK, CHUNK, heads, device=dev) * 0.2
+    g = decay.cumsum(2).view(batch, seq_len, heads)  # token-local within each chunk
+    kwargs = dict(w=w, g=g, dv=dv, scale=key_dim**-0.5, state_v_first=True, chunk_size=CHUNK)
+    return (q, k, v, do, h, dh), kwargs
+
+
+def relative_error(got: tuple, want: tuple) -> float:
+    ratios = [
+        ((x.double() - ref).square().mean().sqrt() / ref.square().mean().sqrt()).item()
+        for x, ref in zip(got, want)
+        if ref is not None
+    ]
+    return max(ratios)
+
+
+def implementations(settings: list[dict]) -> dict:
+    """Row name -> call: flame's kernel autotuned, then pinned to each setting, then FLA's TileLang kernel."""
+    from flame.ops.gated_delta_rule import dqkwg_triton
+
+    rows = {"flame Triton, autotuned": dqkwg_triton.chunk_bwd_dqkwg_triton}
+    for launch in settings:
+        text = "BK {BK}, BV {BV}, {num_warps} warps, {num_stages} stages".format(**launch)
+        rows[f"flame Triton, {text}"] = functools.partial(dqkwg_triton.chunk_bwd_dqkwg_triton, launch=launch)
+    try:
+        from fla.ops.common.backends.tilelang import CommonTileLangBackend
+    except ImportError:
+        return rows
+    backend = CommonTileLangBackend()
+    if backend.is_available():
+        rows["FLA TileLang"] = backend.chunk_bwd_dqkwg
+    return rows
+
+
+def chosen_setting() -> str:
+    """The setting flame's autotuner chose for the last shape it tuned."""
+    from flame.ops.gated_delta_rule import dqkwg_triton
+
+    best = dqkwg_triton._dqkwg_kernel_tuned.best_config
+    return ", ".join(f"{name} {value}" for name, value in best.kwargs.items()) + (
+        f", {best.num_warps} warps, {best.num_stages} stages"
+    )
+
+
+def measure(
+    shape: str, args: argparse.Namespace, settings: list[dict]
+) -> list[tuple[str, float, float, str]]:
+    """[(row name, ms, error, why the call was refused or '')] for one shape."""
+    from triton.testing import do_bench_cudagraph
+
+    from flame.ops.gated_delta_rule.dqkwg_reference import chunk_bwd_dqkwg_torch
+
+    tensors, kwargs = inputs(shape, args.batch, args.seq_len)
+    f64 = {n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x for n, x in kwargs.items()}
+    want = chunk_bwd_dqkwg_torch(*(x.double() for x in tensors), **f64)
+    rows = []
+    for name, call in implementations(settings).items():
+        try:
+            got = call(*tensors, **kwargs)  # autotunes or compiles
+        except Exception as error:  # a backend that refuses the call: the row says why
+            rows.append(
+                (name, math.nan, math.nan, f"{type(error).__name__}: {str(error).splitlines()[0][:80]}")
+            )
+            continue
+        error = relative_error(got, want)
+        if name.endswith("autotuned"):
+            name = f"{name} ({chosen_setting()})"
+        ms = do_bench_cudagraph(
+            lambda call=call: call(*tensors, **kwargs), rep=args.rep, return_mode="median"
+        )
+        rows.append((name, ms, error, ""))
+        print(f"{shape} {name}: {ms:.3f} ms, error {error:.1e}", flush=True)
+    del want
+    torch.cuda.empty_cache()
+    return rows
+
+
+def table(results: dict) -> str:
+    lines = [
+        "| heads x K x V | implementation | ms | FLA TileLang's time / row's | rel. RMS error vs float64 |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for shape, rows in results.items():
+        anchor = next((ms for name, ms, _, _ in rows if name == "FLA TileLang"), math.nan)
+        for name, ms, error, note in rows:
+            if note:
+                lines.append(f"| {shape} | {name} | {note} | | |")
+                continue
+            ratio = f"{anchor / ms:.2f}x" if not math.isnan(anchor) else ""
+            lines.append(f"| {shape} | {name} | {ms:.3f} | {ratio} | {error:.1e} |")
+    return "\n".join(lines)
+
+
+def parse_settings(text: str | None) -> list[dict]:
+    if text is None:
+        from flame.ops.gated_delta_rule.dqkwg_triton import BLOCK_K, TUNING_CONFIGS
+
+        return [
+            {"BK": BLOCK_K, **c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+            for c in TUNING_CONFIGS
+        ]
+    settings = []
+    for item in text.split(","):
+        bk, bv, warps, stages = (int(n) for n in item.split("/"))
+        settings.append({"BK": bk, "BV": bv, "num_warps": warps, "num_stages": stages})
+    return settings
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--shapes", default="6x256x512,16x96x192,16x128x128", help="heads x K x V, comma separated"
+    )
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=2048, help="a multiple of 64")
+    parser.add_argument(
+        "--settings", default=None, help="BK/BV/warps/stages, comma separated (default: every tuning setting)"
+    )
+    parser.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph repetitions, ms")
+    add_doc_options(parser)
+    args = parser.parse_args(argv)
+    if args.seq_len % CHUNK:
+        parser.error(f"--seq_len must be a multiple of {CHUNK}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if no_cuda_gpu("bench/dqkwg.py"):
+        return 1
+    started = time.perf_counter()
+    settings = parse_settings(args.settings)
+    results = {shape: measure(shape, args, settings) for shape in args.shapes.split(",")}
+    text = table(results)
+    print("\n" + text)
+    if not args.no_write:
+        device = device_name(torch.device("cuda"))
+        write_section(
+            args.doc,
+            f"{MARKER}_{device_slug(device)}",
+            f"flame's dq/dk/dw/dg kernel per launch setting, {device}",
+            f"Command: `{command_line('bench/dqkwg.py', argv)}` on {device}, torch {torch.__version__} "
+            f"({time.strftime('%Y-%m-%d')}); {args.batch} x {args.seq_len} tokens, bf16, the states stored [V, K]. "
+            "Medians of triton.testing.do_bench_cudagraph (GPU time). "
+            f"Total run time {time.perf_counter() - started:.0f} s.",
+            text,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
