@@ -45,7 +45,7 @@ CHUNK = 64
 def inputs(shape: str, batch: int, seq_len: int) -> tuple[tuple, dict]:
     """(q, k, v, do, h, dh) and the keyword arguments of one call at heads x K x V."""
     heads, key_dim, value_dim = (int(n) for n in shape.split("x"))
-    chunks = batch * math.ceil(seq_len / CHUNK)
+    chunks = batch * seq_len // CHUNK
     dev = "cuda"
 
     def draw(*size, scale=1.0):

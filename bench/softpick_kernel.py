@@ -8,8 +8,9 @@ kernel, its rectified-softmax variant, torch SDPA restricted to the FlashAttenti
 on CUDA), and the materialized PyTorch reference (reference_attention, O(T^2) memory; "OOM" where it does not fit).
 Times are medians of triton.testing.do_bench after one untimed call (compilation, autotuning); "fwd+bwd" is the
 forward and the backward of a fixed output gradient. TFLOP/s counts causal attention as FlashAttention does
-(forward 2 x 2 x B x H x T^2 x D / 2, backward 2.5 x forward). Peak memory is the most allocated above the inputs during one forward + backward.
-The markdown table goes into docs/performance.md between ``<!-- bench_softpick_kernel -->`` markers.
+(forward 2 x 2 x B x H x T^2 x D / 2, backward 2.5 x forward). Peak memory is the most allocated above the inputs
+during one forward + backward. The markdown table goes into docs/performance.md between
+``<!-- bench_softpick_kernel -->`` markers.
 """
 
 import argparse

@@ -141,9 +141,10 @@ def last_line(log: Path) -> str:
 
 def launch_each(names, kept_values: dict, launch, part, pending, progress, rerun) -> dict:
     """A resumable part's launches: ``launch(name)`` for each of ``names`` (in order) that ``kept_values`` (the
-    launches an earlier run finished, which --resume keeps) lacks or ``rerun`` (--rerun) names. ``part(values)`` makes the part's results from
-    each name's value; ``progress`` is given them after each launch, with ``pending`` for the names not yet
-    launched. The results add ``kept`` (the names kept) and ``launch_seconds`` (each launch's seconds)."""
+    launches an earlier run finished, which --resume keeps) lacks or ``rerun`` (--rerun) names. ``part(values)``
+    makes the part's results from each name's value; ``progress`` is given them after each launch, with
+    ``pending`` for the names not yet launched. The results add ``kept`` (the names kept) and ``launch_seconds``
+    (each launch's seconds)."""
     kept = [name for name in names if name in kept_values and name not in rerun]
     values, launch_seconds = {name: kept_values[name] for name in kept}, {}
     for name in names:
@@ -1007,8 +1008,8 @@ def main(argv: list[str] | None = None) -> int:
             for part in [part for part in parts_to_run if part not in RESUMABLE]:
                 earlier_part = saved_part(args.json, part)
                 if earlier_part is not None and "error" not in earlier_part:
-                    print(f"{part}: kept from `{earlier_part['run']}` (--resume keeps a finished part; leave --resume out "
-                          "to measure it again)", flush=True)  # fmt: skip
+                    print(f"{part}: kept from `{earlier_part['run']}` (--resume keeps a finished part; leave "
+                          "--resume out to measure it again)", flush=True)  # fmt: skip
                     parts_to_run.remove(part)
         failed = False
         if args.gpus > 1 and parts_to_run:

@@ -29,9 +29,8 @@ PROBE = textwrap.dedent("""
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "term":  # a rank's preemption handler: note the signal, finish, exit 0
-        # os.write and os._exit, as flame's own handler (flame.checkpoint.preemption) writes: the handler can run
-        # inside print("waiting")'s flush, after its line was read; with print and sys.exit there the launcher
-        # exited 1 in 1 of 40 runs of this test on a loaded 2-core machine.
+        # os.write and os._exit, as flame's own handler (flame.checkpoint.preemption) does: the handler can run
+        # inside print("waiting")'s flush, where print would re-enter the stream and sys.exit raise out of it.
         signal.signal(signal.SIGTERM, lambda *_: (os.write(1, b"got SIGTERM\\n"), os._exit(0)))
     if action == "deaf":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
