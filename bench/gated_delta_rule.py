@@ -2,6 +2,7 @@
 
     python bench/gated_delta_rule.py                                   # the three head shapes below, 8 x 2048, bf16
     python bench/gated_delta_rule.py --shapes 16x128x128 --batch 8 --seq_len 2048
+    python bench/gated_delta_rule.py --variants flame --shapes 6x256x512 --kernels 12 --no_write   # where time goes
     python bench/gated_delta_rule.py --device cpu --tiny               # smoke test: the PyTorch implementation
 
 Shapes are heads x K x V: 16x128x128 (Qwen3-Next-like heads), 6x256x512 (configs/gated_deltanet_340M.json) and
@@ -33,7 +34,8 @@ kernel launches take about as long as its kernels (docs/performance.md, "Gated d
 so the wall time measures the host as much as the kernels; a training step that compiles its blocks or replays
 them as CUDA graphs does not pay it. The
 error is the largest of max|x - ref| / max|ref| over the output and the gradients of q, k, v, g and beta, against
-flame's PyTorch implementation in float32 (float64 on the CPU) on the same inputs. The table goes into
+flame's PyTorch implementation in float32 (float64 on the CPU) on the same inputs. ``--kernels N`` adds a table of
+each cell's N longest kernels per call, which says what bounds each variant. The tables go into
 docs/performance.md between ``<!-- bench_gated_delta_rule_<device> -->`` markers (one section per device) with the
 command, device and date.
 """
@@ -157,15 +159,20 @@ def time_ms(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def kernel_ms(fn, calls: int = 5) -> float:
-    """The GPU's kernel time per call of ``fn``: the CUDA kernels' durations summed over ``calls`` calls."""
+def kernel_times(fn, calls: int = 5) -> dict[str, float]:
+    """The GPU's time per call of ``fn`` in each CUDA kernel (ms, the longest first), from ``calls`` calls."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return sum(event.self_device_time_total for event in profiler.key_averages()) / calls / 1e3
+    per_kernel = {
+        event.key: event.self_device_time_total / calls / 1e3
+        for event in profiler.key_averages()
+        if event.self_device_time_total > 0
+    }
+    return dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
 
 
 def measure_variant(args: argparse.Namespace) -> list[dict]:
@@ -197,7 +204,8 @@ def measure_variant(args: argparse.Namespace) -> list[dict]:
             call = functools.partial(forward_backward, op, tensors)
             row["ms"] = time_ms(call, device, args.repeats)
             if device.type == "cuda":
-                row["kernel_ms"] = kernel_ms(call)
+                row["kernels"] = kernel_times(call)
+                row["kernel_ms"] = sum(row["kernels"].values())
         except Exception as error:  # a backend that refuses or fails: its row says so, the others still run
             row["failed"] = (
                 f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
@@ -249,6 +257,23 @@ def table(rows: list[dict], shapes: list[str], variants: list[str]) -> str:
     return "\n".join(lines)
 
 
+def kernel_table(rows: list[dict], top: int) -> str:
+    """Each measured row's ``top`` longest kernels per call, and what the rest of its kernels take together."""
+    lines = ["| heads x K x V | variant | kernel | ms per call | share |", "|---|---|---|---:|---:|"]
+    for row in rows:
+        if "kernels" not in row:
+            continue
+        kernels = list(row["kernels"].items())
+        shown = kernels[:top]
+        if rest := kernels[top:]:
+            shown.append((f"{len(rest)} others", sum(ms for _, ms in rest)))
+        for name, ms in shown:
+            lines.append(
+                f"| {row['shape']} | {row['variant']} | {name[:90]} | {ms:.3f} | {ms / row['kernel_ms']:.0%} |"
+            )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -269,6 +294,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--timeout_s", type=float, default=600, help="per variant, compilation and tuning included"
     )
     parser.add_argument("--tiny", action="store_true", help="small shapes (smoke test)")
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        help="on a GPU, also tabulate each cell's N longest kernels per call",
+    )
     add_doc_options(parser)
     parser.add_argument(
         "--variant", choices=list(VARIANTS), help=argparse.SUPPRESS
@@ -298,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{r['variant']} {r['shape']} {r['first_call_s']} s" for r in rows if "first_call_s" in r
     )
     text += f"\n\nFirst call (autotuning and compilation): {first_calls}."
+    if args.kernels and (kernels := kernel_table(rows, args.kernels)):
+        text += f"\n\nEach cell's {args.kernels} longest kernels per call (torch.profiler, five calls):\n\n{kernels}"
     print("\n" + text)
     if not args.no_write:
         command = command_line("bench/gated_delta_rule.py", argv)

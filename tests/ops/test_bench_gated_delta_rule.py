@@ -104,3 +104,18 @@ def test_a_gpu_cell_ranks_by_the_kernels_time_and_shows_the_wall_time_beside_it(
     assert bench.table(rows, ["3x16x24"], ["flame"]).splitlines()[2] == (
         "| 3x16x24 | 2.24 ms (2.90 wall; 7.6e-03 in dv, fla) |"
     )
+
+
+def test_the_kernel_table_lists_each_cells_longest_kernels_and_the_rest_together():
+    bench = load_bench()
+    rows = [
+        {"variant": "flame", "shape": "6x256x512", "kernel_ms": 4.0,
+         "kernels": {"dhu": 2.0, "fwd_h": 1.0, "dqkwg": 0.6, "cumsum": 0.4}},
+        {"variant": "fla", "shape": "6x256x512", "failed": "refused"},
+    ]  # fmt: skip
+    assert bench.kernel_table(rows, top=2).splitlines()[2:] == [
+        "| 6x256x512 | flame | dhu | 2.000 | 50% |",
+        "| 6x256x512 | flame | fwd_h | 1.000 | 25% |",
+        "| 6x256x512 | flame | 2 others | 1.000 | 25% |",
+    ]
+    assert bench.kernel_table(rows[1:], top=2) == ""
