@@ -102,15 +102,24 @@ def measure(
     shape: str, args: argparse.Namespace, settings: list[dict]
 ) -> list[tuple[str, float, float, str]]:
     """[(row name, ms, error, why the call was refused or '')] for one shape."""
-    from triton.testing import do_bench_cudagraph
-
     from flame.ops.gated_delta_rule.dqkwg_reference import chunk_bwd_dqkwg_torch
 
     tensors, kwargs = inputs(shape, args.batch, args.seq_len)
     f64 = {n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x for n, x in kwargs.items()}
     want = chunk_bwd_dqkwg_torch(*(x.double() for x in tensors), **f64)
+    rows = time_rows(shape, implementations(settings), tensors, kwargs, want, chosen_setting, args.rep)
+    del want
+    torch.cuda.empty_cache()
+    return rows
+
+
+def time_rows(shape, calls: dict, tensors, kwargs, want, chosen, rep) -> list[tuple[str, float, float, str]]:
+    """Each call's time and error against ``want``; the autotuned row is named with ``chosen()``, the setting it
+    chose (bench/dhu.py's rows too)."""
+    from triton.testing import do_bench_cudagraph
+
     rows = []
-    for name, call in implementations(settings).items():
+    for name, call in calls.items():
         try:
             got = call(*tensors, **kwargs)  # autotunes or compiles
         except Exception as error:  # a backend that refuses the call: the row says why
@@ -120,24 +129,21 @@ def measure(
             continue
         error = relative_error(got, want)
         if name.endswith("autotuned"):
-            name = f"{name} ({chosen_setting()})"
-        ms = do_bench_cudagraph(
-            lambda call=call: call(*tensors, **kwargs), rep=args.rep, return_mode="median"
-        )
+            name = f"{name} ({chosen()})"
+        ms = do_bench_cudagraph(lambda call=call: call(*tensors, **kwargs), rep=rep, return_mode="median")
         rows.append((name, ms, error, ""))
         print(f"{shape} {name}: {ms:.3f} ms, error {error:.1e}", flush=True)
-    del want
-    torch.cuda.empty_cache()
     return rows
 
 
-def table(results: dict) -> str:
+def table(results: dict, anchor_row: str = "FLA TileLang") -> str:
+    """Each shape's rows with the anchor row's time over theirs (bench/dhu.py's table too)."""
     lines = [
-        "| heads x K x V | implementation | ms | FLA TileLang's time / row's | rel. RMS error vs float64 |",
+        f"| heads x K x V | implementation | ms | {anchor_row}'s time / row's | rel. RMS error vs float64 |",
         "|---|---|---:|---:|---:|",
     ]
     for shape, rows in results.items():
-        anchor = next((ms for name, ms, _, _ in rows if name == "FLA TileLang"), math.nan)
+        anchor = next((ms for name, ms, _, _ in rows if name == anchor_row), math.nan)
         for name, ms, error, note in rows:
             if note:
                 lines.append(f"| {shape} | {name} | {note} | | |")

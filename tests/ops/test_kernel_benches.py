@@ -12,7 +12,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 @pytest.mark.parametrize(
-    "script", ["bench/softpick_kernel.py", "bench/attention_delta.py", "bench/ssd.py", "bench/dqkwg.py"]
+    "script",
+    [
+        "bench/softpick_kernel.py",
+        "bench/attention_delta.py",
+        "bench/ssd.py",
+        "bench/dqkwg.py",
+        "bench/dhu.py",
+    ],
 )
 def test_a_kernel_bench_says_it_needs_a_gpu(script):
     result = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -1,0 +1,227 @@
+"""flame's Triton kernel for the dh recurrence of the (gated) delta rule's chunked backward, with the arguments and
+results of FLA 0.6.0's ``chunk_gated_delta_rule_bwd_dhu`` (dhu_reference.py holds the math and the PyTorch reference
+it is tested against).
+
+One program per (value block, sequence x value head), a head's value blocks next to each other in the launch so
+that they read the head's k, q and w from L2. The program carries its [K, BV] slice of the state gradient through
+the sequence's chunks from the last to the first as one float32 tile (K padded to a power of two), where FLA's
+kernel holds it as up to four 64-wide tiles: per chunk one product k dh for dv2, and q^T do - w^T dv2 for the
+update, each over the whole K at once.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from flame.ops.gated_delta_rule.dqkwg_triton import dot_precision
+
+
+@triton.jit
+def _dhu_kernel(
+    q, k, w, g, dht, dh0, do, dh, dv, dv2, cu_seqlens, chunk_offsets, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)  # the query/key head this value head reads
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n * T
+        boh = i_n * tl.cdiv(T, BT)
+    num_chunks = tl.cdiv(T, BT)
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    if STATE_V_FIRST:  # [V, K] states, read and written as [K, BV] tiles
+        p_kv = o_k[:, None] + o_v[None, :] * K
+    else:
+        p_kv = o_k[:, None] * V + o_v[None, :]
+
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_FINAL_STATE_GRADIENT:
+        b_dh += tl.load(dht + i_nh * K * V + p_kv, mask=m_kv, other=0.0).to(tl.float32)
+
+    for i_t in range(num_chunks - 1, -1, -1):
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        tl.store(dh + ((boh + i_t) * HV + i_hv) * K * V + p_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+
+        p_tk = (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
+        p_tv = ((bos + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_k = tl.load(k + p_tk, mask=m_tk, other=0.0)
+        b_dv = tl.dot(b_k, b_dh.to(b_k.dtype), input_precision=PRECISION)
+        # Transposed [BK, BT] tiles of q and w for the state update.
+        p_kt = (bos + o_t[None, :]) * (H * K) + i_h * K + o_k[:, None]
+        p_wt = ((bos + o_t[None, :]) * HV + i_hv) * K + o_k[:, None]
+        m_kt = m_k[:, None] & m_t[None, :]
+        b_qt = tl.load(q + p_kt, mask=m_kt, other=0.0)
+        b_wt = tl.load(w + p_wt, mask=m_kt, other=0.0)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
+        if USE_G:
+            last = tl.minimum((i_t + 1) * BT, T) - 1
+            b_g_last = tl.load(g + (bos + last) * HV + i_hv).to(tl.float32)
+            b_g = tl.load(g + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+            b_dv *= tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
+            b_dh *= tl.exp2(b_g_last)
+            b_qt = (b_qt.to(tl.float32) * tl.exp2(b_g)[None, :]).to(b_k.dtype)
+        b_dv += tl.load(dv + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(dv2 + p_tv, b_dv.to(dv2.dtype.element_ty), mask=m_tv)
+        b_dh += scale * tl.dot(b_qt, b_do.to(b_qt.dtype), input_precision=PRECISION)
+        b_dh -= tl.dot(b_wt, b_dv.to(b_wt.dtype), input_precision=PRECISION)
+
+    if USE_INITIAL_STATE:
+        tl.store(dh0 + i_nh * K * V + p_kv, b_dh, mask=m_kv)
+
+
+# Launch settings tried once per shape on the GPU (each compiles: keep the list short). On an H100 (2026-12-06,
+# 8 x 2048 tokens, bf16) BV 64 with 8 warps won at 6x256x512 (2 stages), 16x96x192 and 16x128x128 (3 stages);
+# BV 32 with 4 warps is the setting whose tiles fit with float32 inputs at K 128.
+TUNING_CONFIGS = [
+    triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
+    for bv, warps, stages in [(64, 8, 2), (64, 8, 3), (32, 4, 2)]
+]
+
+
+def shared_memory_bytes(
+    config: triton.Config, key_block: int, chunk_size: int, element_size: int, state_v_first: bool
+) -> int:
+    """An upper bound on the shared memory a setting needs: each pipeline stage holds a chunk's k, q and w
+    ([BT, BK]) and its do and dv ([BT, BV]); key-first states also pass the [BK, BV] tile through shared memory
+    on their way out. Triton's compiler asked for less than this with float32 inputs and within 5% of it with
+    bf16 ones (H100, Triton 3.6: 229,376 bytes estimated, up to 232,448 compiled, value-first at K 256 with BV 64
+    and 2 stages; 238,084 asked key-first)."""
+    chunk_tiles = config.num_stages * chunk_size * (3 * key_block + 2 * config.kwargs["BV"]) * element_size
+    return chunk_tiles + (0 if state_v_first else key_block * config.kwargs["BV"] * element_size)
+
+
+@functools.cache
+def shared_memory_limit(device_index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def fitting_configs(
+    key_block: int, chunk_size: int, element_size: int, state_v_first: bool, limit: int
+) -> list[triton.Config]:
+    return [
+        c
+        for c in TUNING_CONFIGS
+        if shared_memory_bytes(c, key_block, chunk_size, element_size, state_v_first) <= limit
+    ]
+
+
+def _prune(configs, named_args, **meta):
+    q = named_args["q"]
+    limit = shared_memory_limit(q.device.index)
+    return fitting_configs(meta["BK"], meta["BT"], q.element_size(), meta["STATE_V_FIRST"], limit)
+
+
+_dhu_kernel_tuned = triton.autotune(
+    TUNING_CONFIGS,
+    key=["H", "HV", "K", "V", "BT", "USE_G", "STATE_V_FIRST", "PRECISION"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_dhu_kernel)
+
+
+def key_block(key_dim: int) -> int:
+    return max(16, triton.next_power_of_2(key_dim))
+
+
+def serves(q: torch.Tensor, chunk_size: int, state_v_first: bool) -> bool:
+    """Whether flame's kernel takes this call in training: 16-bit inputs and value-first states (Gated DeltaNet's
+    layer), where it was measured faster than FLA's (bench/dhu.py), on a CUDA device where one of its settings
+    fits. With key-first states at K 256 only BV 32 fits, slower than FLA's kernel (0.96 against 0.79 ms at
+    6x256x512 on an H100)."""
+    return (
+        q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and state_v_first
+        and q.shape[-1] <= 256
+        and bool(
+            fitting_configs(key_block(q.shape[-1]), chunk_size, 2, True, shared_memory_limit(q.device.index))
+        )
+    )
+
+
+def chunk_offsets_of(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Each sequence's first chunk in the flat chunk order (FLA's ``prepare_chunk_offsets``, without its last)."""
+    chunks = (cu_seqlens.diff() + chunk_size - 1) // chunk_size
+    return torch.cat([chunks.new_zeros(1), chunks.cumsum(0)[:-1]])
+
+
+def chunk_bwd_dhu_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    do: torch.Tensor,
+    dv: torch.Tensor,
+    g: torch.Tensor | None = None,
+    h0: torch.Tensor | None = None,
+    dht: torch.Tensor | None = None,
+    scale: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    chunk_indices: torch.Tensor | None = None,
+    launch: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Same arguments and results as FLA's ``chunk_gated_delta_rule_bwd_dhu`` without per-key gates: (dh, dh0,
+    dv2). ``launch`` fixes BV, num_warps and num_stages (needed under Triton's CPU interpreter); by default they are
+    autotuned. chunk_indices is accepted for FLA's signature; the kernel finds each sequence's chunks itself."""
+    batch, seq_len, num_heads, key_dim = q.shape
+    num_v_heads, value_dim = do.shape[2], do.shape[3]
+    if key_dim > 256:
+        raise ValueError(f"the dh recurrence holds a [K, value block] tile: K = {key_dim} is over 256")
+    if launch is None and not fitting_configs(
+        key_block(key_dim), chunk_size, q.element_size(), state_v_first, shared_memory_limit(q.device.index)
+    ):
+        raise ValueError(
+            f"no launch setting of flame's dh recurrence fits {q.dtype} inputs with K = {key_dim} in this GPU's "
+            "shared memory: use FLA's chunk_gated_delta_rule_bwd_dhu for this call"
+        )
+    scale = key_dim**-0.5 if scale is None else scale
+    if cu_seqlens is None:
+        sequences, chunk_offsets = batch, None
+        chunks = triton.cdiv(seq_len, chunk_size)
+    else:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
+        sequences = cu_seqlens.numel() - 1
+        chunk_offsets = chunk_offsets_of(cu_seqlens, chunk_size)
+        chunks = int(((cu_seqlens.diff() + chunk_size - 1) // chunk_size).sum())
+    rows = batch if cu_seqlens is None else 1
+    state_shape = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
+    dh = q.new_empty(rows, chunks, num_v_heads, *state_shape)
+    dh0 = torch.empty(h0.shape, dtype=torch.float32, device=q.device) if h0 is not None else None
+    dv2 = torch.empty_like(dv)
+    inputs = [x.contiguous() for x in (q, k, w)]
+    args = (*inputs, g.contiguous() if g is not None else q, dht.contiguous() if dht is not None else q,
+            dh0 if dh0 is not None else dv2, do.contiguous(), dh, dv.contiguous(), dv2,
+            cu_seqlens if cu_seqlens is not None else q, chunk_offsets if chunk_offsets is not None else q,
+            scale, seq_len)  # fmt: skip
+    meta = dict(
+        H=num_heads, HV=num_v_heads, K=key_dim, V=value_dim, BT=chunk_size,
+        BK=key_block(key_dim), USE_G=g is not None, USE_INITIAL_STATE=h0 is not None,
+        USE_FINAL_STATE_GRADIENT=dht is not None, STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
+        PRECISION=dot_precision(),
+    )  # fmt: skip
+
+    def grid(launch_meta):
+        return (triton.cdiv(value_dim, launch_meta["BV"]), sequences * num_v_heads)
+
+    if launch is None:
+        _dhu_kernel_tuned[grid](*args, **meta)
+    else:
+        _dhu_kernel[grid(launch)](*args, **meta, **launch)
+    return dh, dh0, dv2
