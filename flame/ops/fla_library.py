@@ -146,7 +146,10 @@ def _recurrence_backward(fla, q, k, v, g, beta, A, scale, initial_state, do, dht
                          w, h, v_new):  # fmt: skip
     """What both rules' backwards run before their WY representation's backward, with the kernels of FLA's
     namespace ``fla``: w, h and v_new recomputed unless the forward kept them, then the state recurrence's backward
-    and the gradients of q, k and w: (dq, dk, dw, dg (None for the plain rule), dv, dh0)."""
+    and the gradients of q, k and w: (dq, dk, dw, dg (None for the plain rule), dv, dh0). The state recurrence's
+    backward is flame's kernel (dhu_triton.py) where it serves the call, FLA's elsewhere."""
+    from flame.ops.gated_delta_rule import dhu_triton
+
     if h is None:
         gate = {} if g is None else {"g": g}  # the plain rule's recompute_w_u_fwd takes no gate
         w, u = fla.recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, **gate, **indices)
@@ -162,7 +165,12 @@ def _recurrence_backward(fla, q, k, v, g, beta, A, scale, initial_state, do, dht
             **indices,
         )
     dv = fla.chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=scale, chunk_size=chunk_size, **indices)
-    dh, dh0, dv = fla.chunk_gated_delta_rule_bwd_dhu(
+    dh_recurrence = (
+        dhu_triton.chunk_bwd_dhu_triton
+        if dhu_triton.serves(q, chunk_size, state_v_first)
+        else fla.chunk_gated_delta_rule_bwd_dhu
+    )
+    dh, dh0, dv = dh_recurrence(
         q=q,
         k=k,
         w=w,

@@ -2,8 +2,9 @@
 
 - torch.library.opcheck: schema, fake (shape-only) implementations against the real outputs, autograd
   registration, and tracing by AOTAutograd with dynamic shapes.
-- The custom ops give the outputs and gradients of FLA's own autograd Functions: the same Triton kernels run on
-  the same inputs (relative RMS difference <= 1e-3, see SAME_KERNELS_LIMIT).
+- The custom ops give the outputs and gradients of FLA's own autograd Functions: with FLA's dh recurrence the same
+  Triton kernels run on the same inputs (relative RMS difference <= 1e-3, see SAME_KERNELS_LIMIT); with flame's
+  (dhu_triton.py, what training runs for value-first states) within bf16 rounding (FLAME_DH_RECURRENCE_LIMIT).
 - A compiled Gated DeltaNet or DeltaNet layer is one graph (fullgraph=True compiles) and matches the eager layer.
 Eager training keeps FLA's own Functions (tested against the PyTorch reference in test_linear_attention_ops.py
 and test_model_parity.py); the custom ops serve torch.compile, whose layer the last test compares with eager.
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from flame.models.layers.delta_net import DeltaNet
 from flame.models.layers.gated_deltanet import GatedDeltaNet
 from flame.ops import fla_library
+from flame.ops.gated_delta_rule import dhu_triton
 from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -27,6 +29,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # relative). Its loss sums every output, so the gradient of the final state arrives expanded (stride 0): that
 # check found the custom ops handing such a tensor to FLA's kernels, which read it as contiguous (now copied).
 SAME_KERNELS_LIMIT = 1e-3
+# flame's dh recurrence rounds dh and dv2 to bf16 as FLA's does, from float32 sums taken in another order: one bf16
+# rounding apart (0.4%) in those intermediates, which the gradients inherit.
+FLAME_DH_RECURRENCE_LIMIT = 1e-2
 
 # (gate, beta sigmoid, l2norm, state_v_first and negative eigenvalues in the op, as the layer runs it; or none of
 # them) x (packed documents or a batch)
@@ -82,6 +87,22 @@ def chunk_states(request):
     fla_library.set_chunk_states(before)
 
 
+@pytest.fixture(params=["fla", "flame"])
+def dh_recurrence(request, monkeypatch):
+    """The custom ops' dh recurrence: FLA's (the kernels of FLA's Functions) or flame's where it serves the call
+    (value-first states). Gives the limit on the relative RMS difference from FLA's Functions and the list of
+    flame's kernel's calls."""
+    calls = []
+    if request.param == "fla":
+        monkeypatch.setattr(dhu_triton, "serves", lambda q, chunk_size, state_v_first: False)
+        return SAME_KERNELS_LIMIT, calls
+    kernel = dhu_triton.chunk_bwd_dhu_triton
+    monkeypatch.setattr(
+        dhu_triton, "chunk_bwd_dhu_triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
+    )
+    return FLAME_DH_RECURRENCE_LIMIT, calls
+
+
 @pytest.mark.parametrize("case", list(GDN_CASES))
 @pytest.mark.parametrize("save_states", [False, True], ids=["recompute", "save"])
 def test_gated_delta_rule_ops_pass_opcheck(case, save_states):
@@ -126,7 +147,8 @@ def relative_rms(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("case", list(GDN_CASES))
-def test_gated_delta_rule_ops_equal_fla_function(case, chunk_states):
+def test_gated_delta_rule_ops_equal_fla_function(case, chunk_states, dh_recurrence):
+    limit, flame_calls = dh_recurrence
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
 
     serve_where_fla_refuses()  # FLA's own backward needs flame's kernel on Hopper + Triton 3.6
@@ -143,7 +165,9 @@ def test_gated_delta_rule_ops_equal_fla_function(case, chunk_states):
             f"FLA vs FLA {relative_rms(c, b):.2e}"
         )
         assert torch.isfinite(a).all()
-        assert relative_rms(a, b) <= SAME_KERNELS_LIMIT, f"output {index}: {relative_rms(a, b):.2e}"
+        assert relative_rms(a, b) <= limit, f"output {index}: {relative_rms(a, b):.2e}"
+    # flame's kernel serves the value-first states of the layer's flags (and only those)
+    assert bool(flame_calls) == (dh_recurrence[0] == FLAME_DH_RECURRENCE_LIMIT and flags["state_v_first"])
 
 
 def delta_inputs(in_kernel: bool, lengths, dtype=torch.bfloat16, heads=2, head_dim=64):
