@@ -37,9 +37,9 @@ def fla_chunk_gated_delta_rule(*args, **kwargs):
     wherever the forward keeps the chunk states for the backward (`fla_library.set_chunk_states`), it runs through
     flame's torch.library custom ops (`flame.ops.fla_library`), so that a block compiles to one graph instead of
     breaking at FLA's ``torch.compiler.disable``, and whose backward runs flame's dh recurrence (dhu_triton.py) for
-    16-bit inputs; FLA's context parallelism (``cp_context``) stays on FLA's op. On
-    Hopper GPUs with Triton 3.4-3.7.0, where FLA refuses its own gated dq/dk/dw/dg, FLA's TileLang kernel or flame's
-    Triton one (dqkwg_triton.py) serves it, ranked per call (flame.compat.serve_gated_dqkwg_on_hopper)."""
+    bf16 inputs with value-first states (the layer's); FLA's context parallelism (``cp_context``) stays on FLA's op.
+    On Hopper GPUs with Triton 3.4-3.7.0, where FLA refuses its own gated dq/dk/dw/dg, FLA's TileLang kernel or
+    flame's Triton one (dqkwg_triton.py) serves it, ranked per call (flame.compat.serve_gated_dqkwg_on_hopper)."""
     from flame.ops import fla_library
 
     custom_ops = torch.compiler.is_compiling() or fla_library.saves_chunk_states()

@@ -140,13 +140,13 @@ def key_block(key_dim: int) -> int:
 
 
 def serves(q: torch.Tensor, chunk_size: int, state_v_first: bool) -> bool:
-    """Whether flame's kernel takes this call in training: 16-bit inputs and value-first states (Gated DeltaNet's
-    layer), where it was measured faster than FLA's (bench/dhu.py), on a CUDA device where one of its settings
-    fits. With key-first states at K 256 only BV 32 fits, slower than FLA's kernel (0.96 against 0.79 ms at
+    """Whether flame's kernel takes this call in training: bf16 inputs and value-first states (Gated DeltaNet's
+    layer), where it was measured faster than FLA's (bench/dhu.py) and tested against it, on a CUDA device where
+    one of its settings fits. With key-first states at K 256 only BV 32 fits, slower than FLA's kernel (0.96 against 0.79 ms at
     6x256x512 on an H100)."""
     return (
         q.is_cuda
-        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.dtype == torch.bfloat16
         and state_v_first
         and q.shape[-1] <= 256
         and bool(

@@ -87,5 +87,6 @@ def test_tuning_leaves_out_settings_whose_tiles_do_not_fit():
     assert fitting_configs(256, 64, 4, True, h100) == []
 
 
-def test_training_runs_it_only_on_cuda_16_bit_inputs():
+def test_training_runs_it_only_on_cuda_bf16_inputs():
     assert not serves(torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16), 64, True)
+    assert not serves(torch.zeros(1, 64, 1, 128, dtype=torch.float16), 64, True)
