@@ -148,8 +148,9 @@ def relative_rms(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("case", list(GDN_CASES))
 def test_gated_delta_rule_ops_equal_fla_function(case, chunk_states, dh_recurrence):
-    limit, flame_calls = dh_recurrence
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+
+    limit, flame_calls = dh_recurrence
 
     serve_where_fla_refuses()  # FLA's own backward needs flame's kernel on Hopper + Triton 3.6
     tensors, flags = gdn_inputs(**GDN_CASES[case])
@@ -167,7 +168,7 @@ def test_gated_delta_rule_ops_equal_fla_function(case, chunk_states, dh_recurren
         assert torch.isfinite(a).all()
         assert relative_rms(a, b) <= limit, f"output {index}: {relative_rms(a, b):.2e}"
     # flame's kernel serves the value-first states of the layer's flags (and only those)
-    assert bool(flame_calls) == (dh_recurrence[0] == FLAME_DH_RECURRENCE_LIMIT and flags["state_v_first"])
+    assert bool(flame_calls) == (limit == FLAME_DH_RECURRENCE_LIMIT and flags["state_v_first"])
 
 
 def delta_inputs(in_kernel: bool, lengths, dtype=torch.bfloat16, heads=2, head_dim=64):
