@@ -142,8 +142,8 @@ def key_block(key_dim: int) -> int:
 def serves(q: torch.Tensor, chunk_size: int, state_v_first: bool) -> bool:
     """Whether flame's kernel takes this call in training: bf16 inputs and value-first states (Gated DeltaNet's
     layer), where it was measured faster than FLA's (bench/dhu.py) and tested against it, on a CUDA device where
-    one of its settings fits. With key-first states at K 256 only BV 32 fits, slower than FLA's kernel (0.96 against 0.79 ms at
-    6x256x512 on an H100)."""
+    one of its settings fits. bench/dhu.py measures value-first states only; key-first ones stay on FLA's kernel
+    (at K 256 only BV 32 fits them, the setting that is slower than FLA's kernel value-first)."""
     return (
         q.is_cuda
         and q.dtype == torch.bfloat16
@@ -153,12 +153,6 @@ def serves(q: torch.Tensor, chunk_size: int, state_v_first: bool) -> bool:
             fitting_configs(key_block(q.shape[-1]), chunk_size, 2, True, shared_memory_limit(q.device.index))
         )
     )
-
-
-def chunk_offsets_of(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Each sequence's first chunk in the flat chunk order (FLA's ``prepare_chunk_offsets``, without its last)."""
-    chunks = (cu_seqlens.diff() + chunk_size - 1) // chunk_size
-    return torch.cat([chunks.new_zeros(1), chunks.cumsum(0)[:-1]])
 
 
 def chunk_bwd_dhu_triton(
@@ -179,7 +173,8 @@ def chunk_bwd_dhu_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Same arguments and results as FLA's ``chunk_gated_delta_rule_bwd_dhu`` without per-key gates: (dh, dh0,
     dv2). ``launch`` fixes BV, num_warps and num_stages (needed under Triton's CPU interpreter); by default they are
-    autotuned. chunk_indices is accepted for FLA's signature; the kernel finds each sequence's chunks itself."""
+    autotuned. chunk_indices (FLA's [chunks, 2], passed inside its backward) give the chunk count under varlen
+    without a host sync."""
     batch, seq_len, num_heads, key_dim = q.shape
     num_v_heads, value_dim = do.shape[2], do.shape[3]
     if key_dim > 256:
@@ -198,8 +193,9 @@ def chunk_bwd_dhu_triton(
     else:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
         sequences = cu_seqlens.numel() - 1
-        chunk_offsets = chunk_offsets_of(cu_seqlens, chunk_size)
-        chunks = int(((cu_seqlens.diff() + chunk_size - 1) // chunk_size).sum())
+        per_sequence = (cu_seqlens.diff() + chunk_size - 1) // chunk_size
+        chunk_offsets = per_sequence.cumsum(0) - per_sequence  # each sequence's first chunk in the flat order
+        chunks = chunk_indices.shape[0] if chunk_indices is not None else int(per_sequence.sum())
     rows = batch if cu_seqlens is None else 1
     state_shape = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
     dh = q.new_empty(rows, chunks, num_v_heads, *state_shape)

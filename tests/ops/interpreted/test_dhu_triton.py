@@ -56,6 +56,17 @@ def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, st
                                    **{n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x
                                       for n, x in args.items()})  # fmt: skip
     result = chunk_bwd_dhu_triton(q, k, w, do, dv, **args, launch=LAUNCH)
+    if (
+        varlen
+    ):  # FLA's chunk_indices (sequence, chunk within it), as its backward passes them: the same results
+        chunk_indices = torch.tensor(
+            [(n, c) for n, length in enumerate(lengths) for c in range(-(-length // chunk_size))]
+        )
+        with_indices = chunk_bwd_dhu_triton(
+            q, k, w, do, dv, **args, chunk_indices=chunk_indices, launch=LAUNCH
+        )
+        for got, want in zip(with_indices, result):
+            assert (got is None and want is None) or torch.equal(got, want)
     for name, got, want in zip(("dh", "dh0", "dv2"), result, expected):
         if want is None:
             assert got is None, name
