@@ -7,7 +7,10 @@
 
 Shapes are heads x K x V: 16x128x128 (Qwen3-Next-like heads), 6x256x512 (configs/gated_deltanet_340M.json) and
 16x96x192 (configs/olmo_1b_*.json). The call is a Gated DeltaNet layer's: q, k [B, T, H, K] with the l2 norm in the
-kernel, v [B, T, H, V], log-decay g and beta [B, T, H], bf16 (g float32), no initial state.
+kernel, v [B, T, H, V], log-decay g and beta [B, T, H], bf16 (g float32), no initial state, states stored value-first
+(``state_v_first``, as FLA's layer asks). On a GPU flame's variants call the op compiled (``torch.compile``, one
+graph), as a compiled block does, so that their backward is the one the speed table's compiled rows run (flame's
+custom ops, flame/ops/fla_library.py); FLA's variants call FLA's op as FLA's own layer does, eagerly.
 
 Each variant runs in a process of its own, because FLA reads its backend switches (``FLA_TILELANG``,
 ``FLA_FLASH_QLA``) from the environment, and so that no variant's autotuning or compilation shares a GPU with
@@ -18,8 +21,8 @@ another's timing:
   backend is FLA's op as FLA configures itself (on Hopper its gated dq/dk/dw/dg is FLA's TileLang kernel where
   tilelang and nvcc are installed, else flame's Triton kernel);
 - ``flame-save``: the same with the forward keeping the state recurrence's results for the backward instead of
-  the backward recomputing them (``--activation_checkpoint.chunk_states save``, flame/ops/fla_library.py); calls
-  that FlashQLA serves keep no states either way;
+  the backward recomputing them (``--activation_checkpoint.chunk_states save``); calls that FlashQLA serves keep no
+  states either way;
 - ``flame-triton``: ``flame`` with FLA's TileLang backend off, so that on Hopper flame's Triton kernel serves the
   gated dq/dk/dw/dg (the two kernels side by side);
 - ``fla+tilelang``, ``fla+flash-qla``: FLA 0.6.0's ``chunk_gated_delta_rule`` with that backend of FLA's switched
@@ -105,7 +108,7 @@ def inputs(shape: str, batch: int, seq_len: int, device: torch.device, dtype: to
 def forward_backward(op, tensors: dict) -> dict:
     """One call and its backward; the output and the gradients."""
     leaves = {name: tensors[name].detach().requires_grad_() for name in GRADIENTS}
-    o, _ = op(**leaves, use_qk_l2norm_in_kernel=True)
+    o, _ = op(**leaves, use_qk_l2norm_in_kernel=True, state_v_first=True)
     o.backward(tensors["do"])
     return {"o": o.detach(), **{name: leaf.grad for name, leaf in leaves.items()}}
 
@@ -136,8 +139,12 @@ def variant_op(variant: str, device: torch.device):
 
         def served_by(tensors: dict) -> str:
             q, k, v, g, beta = (tensors[name] for name in GRADIENTS)
-            return GATED_DELTA_RULE.choose(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+            return GATED_DELTA_RULE.choose(
+                q, k, v, g, beta, use_qk_l2norm_in_kernel=True, state_v_first=True
+            )[0]
 
+        if device.type == "cuda":
+            return torch.compile(chunk_gated_delta_rule, fullgraph=True, dynamic=False), served_by
         return chunk_gated_delta_rule, served_by
     if device.type != "cuda":
         raise RuntimeError("FLA's kernels need a CUDA device")
