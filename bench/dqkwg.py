@@ -115,7 +115,7 @@ def measure(
 
 def time_rows(shape, calls: dict, tensors, kwargs, want, chosen, rep) -> list[tuple[str, float, float, str]]:
     """Each call's time and error against ``want``; the autotuned row is named with ``chosen()``, the setting it
-    chose (bench/dhu.py's rows too)."""
+    chose (bench/recurrences.py's rows too)."""
     from triton.testing import do_bench_cudagraph
 
     rows = []
@@ -137,7 +137,7 @@ def time_rows(shape, calls: dict, tensors, kwargs, want, chosen, rep) -> list[tu
 
 
 def table(results: dict, anchor_row: str = "FLA TileLang") -> str:
-    """Each shape's rows with the anchor row's time over theirs (bench/dhu.py's table too)."""
+    """Each shape's rows with the anchor row's time over theirs (bench/recurrences.py's table too)."""
     lines = [
         f"| heads x K x V | implementation | ms | {anchor_row}'s time / row's | rel. RMS error vs float64 |",
         "|---|---|---:|---:|---:|",

@@ -13,14 +13,9 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
+from flame.ops.gated_delta_rule.chunk_recurrence import key_block, shared_memory_limit
 from flame.ops.gated_delta_rule.dhu_reference import chunk_bwd_dhu_torch
-from flame.ops.gated_delta_rule.dhu_triton import (
-    TUNING_CONFIGS,
-    chunk_bwd_dhu_triton,
-    fitting_configs,
-    key_block,
-    shared_memory_limit,
-)
+from flame.ops.gated_delta_rule.dhu_triton import TUNING_CONFIGS, chunk_bwd_dhu_triton, fitting_configs
 from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds
 
 pytestmark = [

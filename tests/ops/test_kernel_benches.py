@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
         "bench/attention_delta.py",
         "bench/ssd.py",
         "bench/dqkwg.py",
-        "bench/dhu.py",
+        "bench/recurrences.py",
     ],
 )
 def test_a_kernel_bench_says_it_needs_a_gpu(script):

@@ -9,12 +9,20 @@ kernel holds it as up to four 64-wide tiles: per chunk one product k dh for dv2,
 update, each over the whole K at once.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from flame.ops.gated_delta_rule.chunk_recurrence import (
+    check_call,
+    chunk_layout,
+    fitting,
+    key_block,
+    pruner,
+    sequence_bounds,
+    state_tile,
+    takes,
+)
 from flame.ops.gated_delta_rule.dqkwg_triton import dot_precision
 
 
@@ -29,24 +37,9 @@ def _dhu_kernel(
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)  # the query/key head this value head reads
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n * T
-        boh = i_n * tl.cdiv(T, BT)
+    bos, T, boh = sequence_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
     num_chunks = tl.cdiv(T, BT)
-
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    if STATE_V_FIRST:  # [V, K] states, read and written as [K, BV] tiles
-        p_kv = o_k[:, None] + o_v[None, :] * K
-    else:
-        p_kv = o_k[:, None] * V + o_v[None, :]
+    o_k, m_k, o_v, m_v, m_kv, p_kv = state_tile(i_v, K, V, BK, BV, STATE_V_FIRST)
 
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_FINAL_STATE_GRADIENT:
@@ -107,52 +100,25 @@ def shared_memory_bytes(
     return chunk_tiles + (0 if state_v_first else key_block * config.kwargs["BV"] * element_size)
 
 
-@functools.cache
-def shared_memory_limit(device_index: int) -> int:
-    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
-
-
 def fitting_configs(
     key_block: int, chunk_size: int, element_size: int, state_v_first: bool, limit: int
 ) -> list[triton.Config]:
-    return [
-        c
-        for c in TUNING_CONFIGS
-        if shared_memory_bytes(c, key_block, chunk_size, element_size, state_v_first) <= limit
-    ]
-
-
-def _prune(configs, named_args, **meta):
-    q = named_args["q"]
-    limit = shared_memory_limit(q.device.index)
-    return fitting_configs(meta["BK"], meta["BT"], q.element_size(), meta["STATE_V_FIRST"], limit)
+    return fitting(
+        TUNING_CONFIGS, shared_memory_bytes, key_block, chunk_size, element_size, state_v_first, limit
+    )
 
 
 _dhu_kernel_tuned = triton.autotune(
     TUNING_CONFIGS,
     key=["H", "HV", "K", "V", "BT", "USE_G", "STATE_V_FIRST", "PRECISION"],
-    prune_configs_by={"early_config_prune": _prune},
+    prune_configs_by={"early_config_prune": pruner(fitting_configs, "q")},
 )(_dhu_kernel)
 
 
-def key_block(key_dim: int) -> int:
-    return max(16, triton.next_power_of_2(key_dim))
-
-
 def serves(q: torch.Tensor, chunk_size: int, state_v_first: bool) -> bool:
-    """Whether flame's kernel takes this call in training: bf16 inputs and value-first states (Gated DeltaNet's
-    layer), where it was measured faster than FLA's (bench/dhu.py) and tested against it, on a CUDA device where
-    one of its settings fits. bench/dhu.py measures value-first states only; key-first ones stay on FLA's kernel
-    (at K 256 only BV 32 fits them, the setting that is slower than FLA's kernel value-first)."""
-    return (
-        q.is_cuda
-        and q.dtype == torch.bfloat16
-        and state_v_first
-        and q.shape[-1] <= 256
-        and bool(
-            fitting_configs(key_block(q.shape[-1]), chunk_size, 2, True, shared_memory_limit(q.device.index))
-        )
-    )
+    """Whether training runs flame's kernel for this call (chunk_recurrence.takes). Key-first states stay on FLA's
+    kernel: at K 256 only BV 32 fits them, the setting that is slower than FLA's kernel value-first."""
+    return takes(q, chunk_size, state_v_first, fitting_configs)
 
 
 def chunk_bwd_dhu_triton(
@@ -177,26 +143,21 @@ def chunk_bwd_dhu_triton(
     without a host sync."""
     batch, seq_len, num_heads, key_dim = q.shape
     num_v_heads, value_dim = do.shape[2], do.shape[3]
-    if key_dim > 256:
-        raise ValueError(f"the dh recurrence holds a [K, value block] tile: K = {key_dim} is over 256")
-    if launch is None and not fitting_configs(
-        key_block(key_dim), chunk_size, q.element_size(), state_v_first, shared_memory_limit(q.device.index)
-    ):
-        raise ValueError(
-            f"no launch setting of flame's dh recurrence fits {q.dtype} inputs with K = {key_dim} in this GPU's "
-            "shared memory: use FLA's chunk_gated_delta_rule_bwd_dhu for this call"
-        )
+    check_call(
+        "dh recurrence",
+        "chunk_gated_delta_rule_bwd_dhu",
+        q,
+        chunk_size,
+        state_v_first,
+        fitting_configs,
+        launch,
+    )
     scale = key_dim**-0.5 if scale is None else scale
-    if cu_seqlens is None:
-        sequences, chunk_offsets = batch, None
-        chunks = triton.cdiv(seq_len, chunk_size)
-    else:
+    if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
-        sequences = cu_seqlens.numel() - 1
-        per_sequence = (cu_seqlens.diff() + chunk_size - 1) // chunk_size
-        chunk_offsets = per_sequence.cumsum(0) - per_sequence  # each sequence's first chunk in the flat order
-        chunks = chunk_indices.shape[0] if chunk_indices is not None else int(per_sequence.sum())
-    rows = batch if cu_seqlens is None else 1
+    sequences, chunk_offsets, chunks, rows = chunk_layout(
+        batch, seq_len, chunk_size, cu_seqlens, chunk_indices, q.device
+    )
     state_shape = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
     dh = q.new_empty(rows, chunks, num_v_heads, *state_shape)
     dh0 = torch.empty(h0.shape, dtype=torch.float32, device=q.device) if h0 is not None else None

@@ -1,0 +1,196 @@
+"""flame's two sequential recurrences of the gated delta rule per launch setting, beside FLA's: the state recurrence
+(chunk_gated_delta_rule_fwd_h, run by the forward and again by the backward's recompute) and the dh recurrence
+(chunk_gated_delta_rule_bwd_dhu, the backward's).
+
+    python bench/recurrences.py                          # both, the three head shapes below, 8 x 2048 tokens
+    python bench/recurrences.py --recurrences fwd_h --shapes 6x256x512 --no_write
+
+Shapes are heads x K x V of a Gated DeltaNet layer: 6x256x512 (configs/gated_deltanet_340M.json), 16x96x192
+(configs/olmo_1b_*.json) and 16x128x128 (Qwen3-Next-like heads). Each call is the one training makes: bf16 tensors
+(q and k with unit rows), float32 log2-decay cumulated within 64-token chunks, the states stored [V, K] as FLA's
+layer asks, no initial or final state. Rows: FLA 0.6.0's Triton kernel (the anchor: what FLA runs), flame's Triton
+kernel as training runs it (autotuned; the row names the setting it chose), then each of its launch settings that
+fits the GPU's shared memory, pinned. Times are medians of triton.testing.do_bench_cudagraph (GPU time) after one
+untimed call. The error is the largest relative RMS error ||x - ref|| / ||ref|| over the results against flame's
+PyTorch reference in float64 on the same inputs. Each recurrence's table goes into docs/performance.md between
+``<!-- bench_<recurrence>_<device> -->`` markers; the tuning results stay in Triton's cache, where
+scripts/autotune_bundle.py finds them for the shipped bundle.
+"""
+
+import argparse
+import functools
+import importlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from dqkwg import table, time_rows  # noqa: E402
+from train_throughput import (  # noqa: E402
+    add_doc_options,
+    command_line,
+    device_name,
+    device_slug,
+    no_cuda_gpu,
+    write_section,
+)
+
+CHUNK = 64
+ANCHOR = "FLA Triton"
+
+
+@dataclass(frozen=True)
+class Recurrence:
+    title: str  # the doc section's
+    tensors: tuple[str, ...]  # the call's tensor arguments, in order
+    fla_function: str  # in fla.ops.common.chunk_delta_h
+    module: (
+        str  # flame's kernel module in flame.ops.gated_delta_rule: its function, autotuned kernel, reference
+    )
+    function: str
+    kernel: str
+    reference: str
+    extra: dict  # keyword arguments besides the gate, the layout and the chunk size
+
+
+RECURRENCES = {
+    "fwd_h": Recurrence(
+        "flame's state recurrence per launch setting", ("k", "w", "u"), "chunk_gated_delta_rule_fwd_h",
+        "fwd_h_triton", "chunk_fwd_h_triton", "_fwd_h_kernel_tuned", "fwd_h_reference.chunk_fwd_h_torch",
+        {"output_final_state": False},
+    ),
+    "dhu": Recurrence(
+        "flame's dh recurrence per launch setting", ("q", "k", "w", "do", "dv"), "chunk_gated_delta_rule_bwd_dhu",
+        "dhu_triton", "chunk_bwd_dhu_triton", "_dhu_kernel_tuned", "dhu_reference.chunk_bwd_dhu_torch", {},
+    ),
+}  # fmt: skip
+
+
+def inputs(recurrence: Recurrence, shape: str, batch: int, seq_len: int) -> tuple[tuple, dict]:
+    """The call's tensors and keyword arguments at heads x K x V."""
+    heads, key_dim, value_dim = (int(n) for n in shape.split("x"))
+    tokens = (batch, seq_len, heads)
+    widths = {"q": key_dim, "k": key_dim, "w": key_dim, "u": value_dim, "do": value_dim, "dv": value_dim}
+    tensors = []
+    for name in recurrence.tensors:
+        x = torch.randn(*tokens, widths[name], device="cuda")
+        if name in ("q", "k"):
+            x = torch.nn.functional.normalize(x, dim=-1)
+        elif name == "w":
+            x = x * key_dim**-0.5
+        tensors.append(x.to(torch.bfloat16))
+    decay = -torch.rand(batch, seq_len // CHUNK, CHUNK, heads, device="cuda") * 0.1
+    kwargs = dict(g=decay.cumsum(2).view(*tokens), state_v_first=True, chunk_size=CHUNK, **recurrence.extra)
+    if "q" in recurrence.tensors:
+        kwargs["scale"] = key_dim**-0.5
+    return tuple(tensors), kwargs
+
+
+def launch_text(launch: dict) -> str:
+    return "BV {BV}, {num_warps} warps, {num_stages} stages".format(**launch)
+
+
+def flame_module(recurrence: Recurrence):
+    return importlib.import_module(f"flame.ops.gated_delta_rule.{recurrence.module}")
+
+
+def implementations(recurrence: Recurrence, key_dim: int) -> dict:
+    """Row name -> call: FLA's kernel, flame's autotuned, then flame's pinned to each setting that fits."""
+    from fla.ops.common import chunk_delta_h
+
+    from flame.ops.gated_delta_rule.chunk_recurrence import key_block, shared_memory_limit
+
+    fla_function = getattr(chunk_delta_h, recurrence.fla_function)
+
+    def fla_call(*tensors, **kwargs):
+        return fla_function(**dict(zip(recurrence.tensors, tensors)), **kwargs)
+
+    module = flame_module(recurrence)
+    flame_function = getattr(module, recurrence.function)
+    rows = {ANCHOR: fla_call, "flame Triton, autotuned": flame_function}
+    limit = shared_memory_limit(torch.cuda.current_device())
+    for config in module.fitting_configs(key_block(key_dim), CHUNK, 2, True, limit):
+        launch = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+        rows[f"flame Triton, {launch_text(launch)}"] = functools.partial(flame_function, launch=launch)
+    return rows
+
+
+def measure(
+    recurrence: Recurrence, shape: str, args: argparse.Namespace
+) -> list[tuple[str, float, float, str]]:
+    """[(row name, ms, error, why the call was refused or '')] for one shape."""
+    module_name, function = recurrence.reference.split(".")
+    reference = getattr(importlib.import_module(f"flame.ops.gated_delta_rule.{module_name}"), function)
+    tensors, kwargs = inputs(recurrence, shape, args.batch, args.seq_len)
+    f64 = {n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x for n, x in kwargs.items()}
+    want = reference(*(x.double() for x in tensors), **f64)
+    tuned = getattr(flame_module(recurrence), recurrence.kernel)
+
+    def chosen_setting() -> str:
+        best = tuned.best_config
+        return launch_text({**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages})
+
+    calls = implementations(recurrence, tensors[0].shape[-1])
+    rows = time_rows(shape, calls, tensors, kwargs, want, chosen_setting, args.rep)
+    del want
+    torch.cuda.empty_cache()
+    return rows
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--recurrences", default=",".join(RECURRENCES), help=f"comma separated of {', '.join(RECURRENCES)}"
+    )
+    parser.add_argument(
+        "--shapes", default="6x256x512,16x96x192,16x128x128", help="heads x K x V, comma separated"
+    )
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=2048, help="a multiple of 64")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph repetitions, ms")
+    add_doc_options(parser)
+    args = parser.parse_args(argv)
+    if args.seq_len % CHUNK:
+        parser.error(f"--seq_len must be a multiple of {CHUNK}")
+    if unknown := set(args.recurrences.split(",")) - set(RECURRENCES):
+        parser.error(f"unknown recurrences {sorted(unknown)}; choose from {', '.join(RECURRENCES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if no_cuda_gpu("bench/recurrences.py"):
+        return 1
+    os.environ.setdefault(
+        "TRITON_CACHE_AUTOTUNING", "1"
+    )  # tuning results into Triton's cache, for the bundle
+    device = device_name(torch.device("cuda"))
+    for name in args.recurrences.split(","):
+        started = time.perf_counter()
+        recurrence = RECURRENCES[name]
+        results = {shape: measure(recurrence, shape, args) for shape in args.shapes.split(",")}
+        text = table(results, ANCHOR)
+        print(f"\n{recurrence.title}\n\n{text}", flush=True)
+        if not args.no_write:
+            write_section(
+                args.doc,
+                f"bench_{name}_{device_slug(device)}",
+                f"{recurrence.title}, {device}",
+                f"Command: `{command_line('bench/recurrences.py', argv)}` on {device}, torch {torch.__version__} "
+                f"({time.strftime('%Y-%m-%d')}); {args.batch} x {args.seq_len} tokens, bf16, the states stored "
+                f"[V, K]. Medians of triton.testing.do_bench_cudagraph (GPU time). This table's run time "
+                f"{time.perf_counter() - started:.0f} s.",
+                text,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""flame's Triton state recurrence on the GPU against the PyTorch one (float64 on the same inputs) and against FLA's
+``chunk_gated_delta_rule_fwd_h``, whose results it must equal for the same call.
+
+bf16 inputs (training) and float32 (exact products, ``exact_float32``), the seed configs' head sizes (K 64/128/256,
+V up to 512), both state layouts, gated and plain, the initial and the final state, grouped value heads and varlen.
+Limits on the relative RMS error ||x - ref|| / ||ref||: 1e-5 in float32, 0.01 in bf16 (h and v_new are stored in
+bf16 as FLA stores them).
+"""
+
+import math
+
+import pytest
+import torch
+from triton.runtime.errors import OutOfResources
+
+from flame.ops.gated_delta_rule.chunk_recurrence import key_block, shared_memory_limit
+from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds
+from flame.ops.gated_delta_rule.fwd_h_reference import chunk_fwd_h_torch
+from flame.ops.gated_delta_rule.fwd_h_triton import TUNING_CONFIGS, chunk_fwd_h_triton, fitting_configs
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("exact_float32"),
+]
+LIMITS = {torch.float32: 1e-5, torch.bfloat16: 0.01}
+CASES = [
+    # K, V, heads, value heads, lengths (several = varlen), state_v_first, gated, states
+    (64, 64, 4, 4, (2, 300), False, True, False),
+    (128, 128, 2, 4, (2, 257), True, True, True),
+    (256, 512, 6, 6, (2, 200), False, True, False),
+    (256, 512, 2, 2, (1, 63, 200, 37), True, True, True),
+    (96, 192, 4, 4, (2, 130), False, False, True),
+]
+PINNED = {"BV": 32, "num_warps": 4, "num_stages": 2}
+
+
+def rms_ratio(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return ((ref - out).square().mean().sqrt() / (ref.square().mean().sqrt() + 1e-30)).item()
+
+
+def inputs(key_dim, value_dim, heads, v_heads, shape, v_first, gated, states, dtype):
+    torch.manual_seed(0)
+    varlen = len(shape) > 2
+    batch, seq_len = (1, sum(shape[1:])) if varlen else shape
+    cu_seqlens = (
+        torch.tensor([0, *torch.tensor(shape[1:]).cumsum(0).tolist()], device="cuda") if varlen else None
+    )
+    sequences = len(shape) - 1 if varlen else batch
+    device = torch.device("cuda")
+    k = torch.nn.functional.normalize(torch.randn(batch, seq_len, heads, key_dim, device=device), dim=-1)
+    w = torch.randn(batch, seq_len, v_heads, key_dim, device=device) / math.sqrt(key_dim)
+    u = torch.randn(batch, seq_len, v_heads, value_dim, device=device)
+    g = None
+    if gated:
+        starts, ends = chunk_bounds(batch, seq_len, 64, cu_seqlens, device)
+        raw = -torch.rand(batch * seq_len, v_heads, device=device) * 0.1 / math.log(2)
+        g = torch.zeros_like(raw)
+        for start, end in zip(starts.tolist(), ends.tolist()):
+            g[start:end] = raw[start:end].cumsum(0)
+        g = g.view(batch, seq_len, v_heads)
+    state = (value_dim, key_dim) if v_first else (key_dim, value_dim)
+    h0 = torch.randn(sequences, v_heads, *state, device=device) if states else None
+    tensors = [x.to(dtype) for x in (k, w, u)]
+    return tensors, dict(
+        g=g, initial_state=h0, output_final_state=states, state_v_first=v_first, cu_seqlens=cu_seqlens
+    )
+
+
+def check(case, dtype, launch):
+    tensors, args = inputs(*case, dtype)
+    result = chunk_fwd_h_triton(*tensors, **args, launch=launch)
+    expected = chunk_fwd_h_torch(*(x.double() for x in tensors),
+                                 **{n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x
+                                    for n, x in args.items()})  # fmt: skip
+    for name, got, want in zip(("h", "v_new", "final state"), result, expected):
+        if want is None:
+            assert got is None, name
+            continue
+        assert got.shape == want.shape, name
+        assert rms_ratio(want, got) < LIMITS[dtype], f"{name}: {rms_ratio(want, got):.2e}"
+    return tensors, args, result
+
+
+def fits(case, dtype, config) -> bool:
+    key_dim, state_v_first = case[0], case[5]
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    return config in fitting_configs(
+        key_block(key_dim), 64, element_size, state_v_first, shared_memory_limit(0)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_pytorch(case, dtype):
+    """Autotuned over the settings that fit; where none does (float32 at K 256), the kernel refuses the call."""
+    if not any(fits(case, dtype, config) for config in TUNING_CONFIGS):
+        tensors, args = inputs(*case, dtype)
+        with pytest.raises(ValueError, match="shared memory: use FLA's"):
+            chunk_fwd_h_triton(*tensors, **args)
+        return
+    check(case, dtype, None)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=["K128", "K256", "K256-value-first"])
+@pytest.mark.parametrize("config", TUNING_CONFIGS, ids=[f"config{i}" for i in range(len(TUNING_CONFIGS))])
+def test_every_launch_setting(case, config):
+    """Each tuning setting in bf16 at K 128 and at the 340M model's K 256 with both state layouts: a setting Triton
+    miscompiles fails here, and a setting that the shared-memory bound leaves out of tuning does not compile."""
+    launch = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    if fits(case, torch.bfloat16, config):
+        check(case, torch.bfloat16, launch)
+    else:
+        with pytest.raises(OutOfResources):
+            check(case, torch.bfloat16, launch)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_equals_flas_function(case):
+    """The same call to FLA's chunk_gated_delta_rule_fwd_h gives the same results within bf16 rounding."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    tensors, args, result = check(case, torch.bfloat16, PINNED)
+    k, w, u = tensors
+    theirs = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, **args)
+    for name, got, want in zip(("h", "v_new", "final state"), result, theirs):
+        if want is None:
+            assert got is None, name
+            continue
+        assert rms_ratio(want, got) < LIMITS[torch.bfloat16], f"{name}: {rms_ratio(want, got):.2e}"

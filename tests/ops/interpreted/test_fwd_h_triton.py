@@ -1,0 +1,101 @@
+"""flame's Triton state recurrence (run by Triton's interpreter on the CPU) against the PyTorch one in float64.
+
+Inputs are float32 with odd lengths, partial chunks, grouped value heads, varlen, both state layouts, with and
+without the gate, the initial state and the final state; small value blocks, so that several programs share a
+head. Limit: 1e-5 relative to the largest value of each result (float32 products in another order).
+"""
+
+import math
+
+import pytest
+import torch
+
+from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds
+from flame.ops.gated_delta_rule.fwd_h_reference import chunk_fwd_h_torch
+from flame.ops.gated_delta_rule.fwd_h_triton import chunk_fwd_h_triton, fitting_configs, serves
+
+LAUNCH = {"BV": 16, "num_warps": 4, "num_stages": 1}
+
+
+@pytest.mark.parametrize(
+    ("lengths", "num_heads", "num_v_heads", "key_dim", "value_dim", "state_v_first", "gated", "states"),
+    [
+        ((37, 37), 2, 2, 20, 24, False, True, True),
+        ((45,), 1, 3, 32, 17, True, True, False),
+        ((19, 40, 5), 2, 4, 40, 33, True, True, True),
+        ((29, 29), 1, 1, 16, 40, False, False, True),
+    ],
+)
+def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, state_v_first, gated, states):
+    torch.manual_seed(0)
+    chunk_size = 16
+    varlen = len(lengths) != 2
+    batch, seq_len = (1, sum(lengths)) if varlen else (len(lengths), lengths[0])
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]) if varlen else None
+    sequences = len(lengths)
+    k = torch.randn(batch, seq_len, num_heads, key_dim) / math.sqrt(key_dim)
+    w = torch.randn(batch, seq_len, num_v_heads, key_dim) / math.sqrt(key_dim)
+    u = torch.randn(batch, seq_len, num_v_heads, value_dim)
+    g = None
+    if gated:
+        starts, ends = chunk_bounds(batch, seq_len, chunk_size, cu_seqlens, torch.device("cpu"))
+        raw = (-torch.rand(batch * seq_len, num_v_heads) / math.log(2)).view(batch, seq_len, num_v_heads)
+        flat = torch.zeros_like(raw).flatten(0, 1)
+        for start, end in zip(starts.tolist(), ends.tolist()):  # token-local cumulative decay per chunk
+            flat[start:end] = raw.flatten(0, 1)[start:end].cumsum(0)
+        g = flat.view_as(raw)
+    state = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
+    h0 = torch.randn(sequences, num_v_heads, *state) if states else None
+    args = dict(g=g, initial_state=h0, output_final_state=states, state_v_first=state_v_first,
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size)  # fmt: skip
+
+    expected = chunk_fwd_h_torch(*(x.double() for x in (k, w, u)),
+                                 **{n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x
+                                    for n, x in args.items()})  # fmt: skip
+    result = chunk_fwd_h_triton(k, w, u, **args, launch=LAUNCH)
+    if (
+        varlen
+    ):  # FLA's chunk_indices (sequence, chunk within it), as its functions pass them: the same results
+        chunk_indices = torch.tensor(
+            [(n, c) for n, length in enumerate(lengths) for c in range(-(-length // chunk_size))]
+        )
+        with_indices = chunk_fwd_h_triton(k, w, u, **args, chunk_indices=chunk_indices, launch=LAUNCH)
+        for got, want in zip(with_indices, result):
+            assert (got is None and want is None) or torch.equal(got, want)
+    for name, got, want in zip(("h", "v_new", "final state"), result, expected):
+        if want is None:
+            assert got is None, name
+            continue
+        assert got.shape == want.shape and got.dtype == torch.float32, name
+        err = (got.double() - want).abs().max().item() / want.abs().max().item()
+        assert err < 1e-5, f"{name}: max error {err:.2e} of the largest value"
+
+
+def test_refuses_keys_wider_than_its_tile():
+    x = torch.zeros(1, 16, 1, 272)
+    with pytest.raises(ValueError, match="K = 272 is over 256"):
+        chunk_fwd_h_triton(x, x, torch.zeros(1, 16, 1, 8), launch=LAUNCH)
+
+
+def settings(configs) -> list[tuple[int, int, int]]:
+    return [(c.kwargs["BV"], c.num_warps, c.num_stages) for c in configs]
+
+
+def test_tuning_leaves_out_settings_whose_tiles_do_not_fit():
+    """Against the H100's 232,448 bytes of shared memory: a stage holds k, w ([64, K]) and u ([64, BV]), and
+    key-first states add a [K, BV] tile; float32 inputs at K 256 fit no setting."""
+    h100 = 232448
+    assert settings(fitting_configs(256, 64, 2, True, h100)) == [
+        (64, 8, 2),
+        (64, 8, 3),
+        (64, 4, 2),
+        (32, 4, 2),
+    ]
+    assert settings(fitting_configs(256, 64, 2, False, h100)) == [(64, 8, 2), (64, 4, 2), (32, 4, 2)]
+    assert settings(fitting_configs(128, 64, 4, True, h100)) == [(64, 8, 2), (64, 4, 2), (32, 4, 2)]
+    assert fitting_configs(256, 64, 4, True, h100) == []
+
+
+def test_training_runs_it_only_on_cuda_bf16_inputs():
+    assert not serves(torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16), 64, True)
+    assert not serves(torch.zeros(1, 64, 1, 128, dtype=torch.float16), 64, True)
