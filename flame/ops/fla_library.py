@@ -112,12 +112,22 @@ def _chunk_indices(
     return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
+def _state_recurrence(fla, k, state_v_first, chunk_size):
+    """The state recurrence's kernel for this call: flame's (fwd_h_triton.py) where it serves the call, else that of
+    FLA's namespace ``fla``."""
+    from flame.ops.gated_delta_rule import fwd_h_triton
+
+    if fwd_h_triton.serves(k, chunk_size, state_v_first):
+        return fwd_h_triton.chunk_fwd_h_triton
+    return fla.chunk_gated_delta_rule_fwd_h
+
+
 def _recurrence_forward(fla, q, k, w, u, g, scale, initial_state, output_final_state, state_v_first, chunk_size,
                         indices):  # fmt: skip
     """What both rules' forwards run after their WY representation, with the kernels of FLA's namespace ``fla`` (the
-    rule's chunk module; g None for the plain rule): the state recurrence, then the output. (o, final state, h,
-    v_new)."""
-    h, v_new, final_state = fla.chunk_gated_delta_rule_fwd_h(
+    rule's chunk module; g None for the plain rule): the state recurrence (flame's kernel where it serves the call),
+    then the output. (o, final state, h, v_new)."""
+    h, v_new, final_state = _state_recurrence(fla, k, state_v_first, chunk_size)(
         k=k,
         w=w,
         u=u,
@@ -146,14 +156,14 @@ def _recurrence_backward(fla, q, k, v, g, beta, A, scale, initial_state, do, dht
                          w, h, v_new):  # fmt: skip
     """What both rules' backwards run before their WY representation's backward, with the kernels of FLA's
     namespace ``fla``: w, h and v_new recomputed unless the forward kept them, then the state recurrence's backward
-    and the gradients of q, k and w: (dq, dk, dw, dg (None for the plain rule), dv, dh0). The state recurrence's
-    backward is flame's kernel (dhu_triton.py) where it serves the call, FLA's elsewhere."""
+    and the gradients of q, k and w: (dq, dk, dw, dg (None for the plain rule), dv, dh0). The state recurrence and
+    its backward are flame's kernels (fwd_h_triton.py, dhu_triton.py) where they serve the call, FLA's elsewhere."""
     from flame.ops.gated_delta_rule import dhu_triton
 
     if h is None:
         gate = {} if g is None else {"g": g}  # the plain rule's recompute_w_u_fwd takes no gate
         w, u = fla.recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, **gate, **indices)
-        h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(
+        h, v_new, _ = _state_recurrence(fla, k, state_v_first, chunk_size)(
             k=k,
             w=w,
             u=u,

@@ -2,9 +2,10 @@
 
 - torch.library.opcheck: schema, fake (shape-only) implementations against the real outputs, autograd
   registration, and tracing by AOTAutograd with dynamic shapes.
-- The custom ops give the outputs and gradients of FLA's own autograd Functions: with FLA's dh recurrence the same
+- The custom ops give the outputs and gradients of FLA's own autograd Functions: with FLA's recurrences the same
   Triton kernels run on the same inputs (relative RMS difference <= 1e-3, see SAME_KERNELS_LIMIT); with flame's
-  (dhu_triton.py, what training runs for value-first states) within bf16 rounding (FLAME_DH_RECURRENCE_LIMIT).
+  state recurrence and dh recurrence (fwd_h_triton.py, dhu_triton.py: what training runs for value-first states)
+  within bf16 rounding (FLAME_RECURRENCES_LIMIT).
 - A compiled Gated DeltaNet or DeltaNet layer is one graph (fullgraph=True compiles) and matches the eager layer.
 Eager training keeps FLA's own Functions (tested against the PyTorch reference in test_linear_attention_ops.py
 and test_model_parity.py); the custom ops serve torch.compile, whose layer the last test compares with eager.
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from flame.models.layers.delta_net import DeltaNet
 from flame.models.layers.gated_deltanet import GatedDeltaNet
 from flame.ops import fla_library
-from flame.ops.gated_delta_rule import dhu_triton
+from flame.ops.gated_delta_rule import dhu_triton, fwd_h_triton
 from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -29,9 +30,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # relative). Its loss sums every output, so the gradient of the final state arrives expanded (stride 0): that
 # check found the custom ops handing such a tensor to FLA's kernels, which read it as contiguous (now copied).
 SAME_KERNELS_LIMIT = 1e-3
-# flame's dh recurrence rounds dh and dv2 to bf16 as FLA's does, from float32 sums taken in another order: one bf16
-# rounding apart (0.4%) in those intermediates, which the gradients inherit.
-FLAME_DH_RECURRENCE_LIMIT = 1e-2
+# flame's recurrences round h, v_new, dh and dv2 to bf16 as FLA's do, from float32 sums taken in another order: one
+# bf16 rounding apart (0.4%) in those intermediates, which the outputs and gradients inherit.
+FLAME_RECURRENCES_LIMIT = 1e-2
 
 # (gate, beta sigmoid, l2norm, state_v_first and negative eigenvalues in the op, as the layer runs it; or none of
 # them) x (packed documents or a batch)
@@ -88,19 +89,21 @@ def chunk_states(request):
 
 
 @pytest.fixture(params=["fla", "flame"])
-def dh_recurrence(request, monkeypatch):
-    """The custom ops' dh recurrence: FLA's (the kernels of FLA's Functions) or flame's where it serves the call
-    (value-first states). Gives the limit on the relative RMS difference from FLA's Functions and the list of
-    flame's kernel's calls."""
+def recurrences(request, monkeypatch):
+    """The custom ops' state recurrence and dh recurrence: FLA's (the kernels of FLA's Functions) or flame's where
+    they serve the call (value-first states). Gives the limit on the relative RMS difference from FLA's Functions
+    and the names of flame's kernels' calls."""
     calls = []
-    if request.param == "fla":
-        monkeypatch.setattr(dhu_triton, "serves", lambda q, chunk_size, state_v_first: False)
-        return SAME_KERNELS_LIMIT, calls
-    kernel = dhu_triton.chunk_bwd_dhu_triton
-    monkeypatch.setattr(
-        dhu_triton, "chunk_bwd_dhu_triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
-    )
-    return FLAME_DH_RECURRENCE_LIMIT, calls
+    kernels = {dhu_triton: "chunk_bwd_dhu_triton", fwd_h_triton: "chunk_fwd_h_triton"}
+    for module, name in kernels.items():
+        if request.param == "fla":
+            monkeypatch.setattr(module, "serves", lambda x, chunk_size, state_v_first: False)
+            continue
+        kernel = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, kernel=kernel, name=name, **kw: calls.append(name) or kernel(*a, **kw)
+        )
+    return (SAME_KERNELS_LIMIT if request.param == "fla" else FLAME_RECURRENCES_LIMIT), calls
 
 
 @pytest.mark.parametrize("case", list(GDN_CASES))
@@ -147,10 +150,10 @@ def relative_rms(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("case", list(GDN_CASES))
-def test_gated_delta_rule_ops_equal_fla_function(case, chunk_states, dh_recurrence):
+def test_gated_delta_rule_ops_equal_fla_function(case, chunk_states, recurrences):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
 
-    limit, flame_calls = dh_recurrence
+    limit, flame_calls = recurrences
 
     serve_where_fla_refuses()  # FLA's own backward needs flame's kernel on Hopper + Triton 3.6
     tensors, flags = gdn_inputs(**GDN_CASES[case])
@@ -167,8 +170,14 @@ def test_gated_delta_rule_ops_equal_fla_function(case, chunk_states, dh_recurren
         )
         assert torch.isfinite(a).all()
         assert relative_rms(a, b) <= limit, f"output {index}: {relative_rms(a, b):.2e}"
-    # flame's kernel serves the value-first states of the layer's flags (and only those)
-    assert bool(flame_calls) == (limit == FLAME_DH_RECURRENCE_LIMIT and flags["state_v_first"])
+    # flame's kernels serve the value-first states of the layer's flags (and only those): the state recurrence in
+    # the forward and, unless the forward kept its results (never for packed documents), again in the backward;
+    # then the dh recurrence
+    served = limit == FLAME_RECURRENCES_LIMIT and flags["state_v_first"]
+    kept = chunk_states == "save" and len(GDN_CASES[case]["lengths"]) == 1
+    forward_again = [] if kept else ["chunk_fwd_h_triton"]
+    expected = ["chunk_fwd_h_triton", *forward_again, "chunk_bwd_dhu_triton"] if served else []
+    assert flame_calls == expected
 
 
 def delta_inputs(in_kernel: bool, lengths, dtype=torch.bfloat16, heads=2, head_dim=64):

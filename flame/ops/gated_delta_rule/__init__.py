@@ -36,8 +36,9 @@ def fla_chunk_gated_delta_rule(*args, **kwargs):
     """FLA 0.6.0's Triton op, imported on first use (importing fla.ops pulls in Triton). Under torch.compile, and
     wherever the forward keeps the chunk states for the backward (`fla_library.set_chunk_states`), it runs through
     flame's torch.library custom ops (`flame.ops.fla_library`), so that a block compiles to one graph instead of
-    breaking at FLA's ``torch.compiler.disable``, and whose backward runs flame's dh recurrence (dhu_triton.py) for
-    bf16 inputs with value-first states (the layer's); FLA's context parallelism (``cp_context``) stays on FLA's op.
+    breaking at FLA's ``torch.compiler.disable``, and which run flame's state recurrence and dh recurrence
+    (fwd_h_triton.py, dhu_triton.py) for bf16 inputs with value-first states (the layer's); FLA's context
+    parallelism (``cp_context``) stays on FLA's op.
     On Hopper GPUs with Triton 3.4-3.7.0, where FLA refuses its own gated dq/dk/dw/dg, FLA's TileLang kernel or
     flame's Triton one (dqkwg_triton.py) serves it, ranked per call (flame.compat.serve_gated_dqkwg_on_hopper)."""
     from flame.ops import fla_library
