@@ -4,10 +4,11 @@ FLA wraps its public ops in ``torch.compiler.disable`` (and its autograd Functio
 not trace), so a compiled Gated DeltaNet or DeltaNet block broke into a graph per FLA call: every break costs a return to
 Python, guard checks and a separate compiled region in forward and backward. Registered as custom ops with fake
 (shape-only) implementations, the forward and backward of each op are single opaque nodes, and a block compiles to
-one graph. The Triton work inside is FLA's: the kernels of both rules, called one by one in the order and with the
+one graph. The Triton work inside is FLA's kernels of both rules, called one by one in the order and with the
 arguments of FLA's `chunk_gated_delta_rule_fwd` / `_bwd` and `chunk_delta_rule_fwd` / `_bwd`
-(tests/ops/test_fla_library.py compares them call by call). (The short convolution is flame's own custom op:
-short_conv/triton_kernel.py.)
+(tests/ops/test_fla_library.py compares them call by call), except the two sequential recurrences where flame's
+kernels take the call (gated_delta_rule/fwd_h_triton.py, dhu_triton.py: bf16, value-first states). (The short
+convolution is flame's own custom op: short_conv/triton_kernel.py.)
 
 Composing the kernels gives one choice FLA does not offer (`set_chunk_states`): the forward can keep what its state
 recurrence made, the chunk states h (one [K, V] state per 64 tokens and value head), the WY keys w and the new

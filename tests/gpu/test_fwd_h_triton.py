@@ -16,7 +16,12 @@ from triton.runtime.errors import OutOfResources
 from flame.ops.gated_delta_rule.chunk_recurrence import key_block, shared_memory_limit
 from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds
 from flame.ops.gated_delta_rule.fwd_h_reference import chunk_fwd_h_torch
-from flame.ops.gated_delta_rule.fwd_h_triton import TUNING_CONFIGS, chunk_fwd_h_triton, fitting_configs
+from flame.ops.gated_delta_rule.fwd_h_triton import (
+    TUNING_CONFIGS,
+    chunk_fwd_h_triton,
+    fitting_configs,
+    serves,
+)
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -128,3 +133,14 @@ def test_equals_flas_function(case):
             assert got is None, name
             continue
         assert rms_ratio(want, got) < LIMITS[torch.bfloat16], f"{name}: {rms_ratio(want, got):.2e}"
+
+
+def test_training_runs_it_for_keys_wider_than_128():
+    """Where bench/recurrences.py measured it faster than FLA's kernel: K 256, bf16, value-first states."""
+
+    def call(key_dim, dtype=torch.bfloat16, state_v_first=True):
+        return serves(torch.zeros(1, 64, 1, key_dim, device="cuda", dtype=dtype), 64, state_v_first)
+
+    assert call(256) and call(192)
+    assert not call(128) and not call(96)
+    assert not call(256, torch.float32) and not call(256, state_v_first=False)

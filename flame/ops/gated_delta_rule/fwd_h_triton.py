@@ -72,8 +72,9 @@ def _fwd_h_kernel(
         tl.store(ht + i_nh * K * V + p_kv, b_h, mask=m_kv)
 
 
-# Launch settings tried once per shape on the GPU (each compiles: keep the list short): the dh recurrence's, whose
-# per-chunk work (two products over [BT, K] tiles here, three there) is alike.
+# Launch settings tried once per shape on the GPU (each compiles: keep the list short). On an H100 (2026-12-06,
+# 8 x 2048 tokens, bf16, value-first states) BV 64 with 8 warps won: 2 stages at K 256 (3 do not fit), 3 at K 96
+# and K 128.
 TUNING_CONFIGS = [
     triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
     for bv, warps, stages in [(64, 8, 2), (64, 8, 3), (64, 4, 2), (32, 4, 2)]
@@ -84,10 +85,12 @@ def shared_memory_bytes(
     config: triton.Config, key_block: int, chunk_size: int, element_size: int, state_v_first: bool
 ) -> int:
     """An upper bound on the shared memory a setting needs: each pipeline stage holds a chunk's k and w ([BT, BK])
-    and its u ([BT, BV]); key-first states also pass the [BK, BV] tile through shared memory on their way out
-    (the dh recurrence's bound, dhu_triton.shared_memory_bytes, with one key tile less)."""
+    and its u ([BT, BV]), the state passes through it as the [BK, BV] operand of w h, and key-first states pass it
+    once more on their way out. Triton's compiler asked 250,376 bytes for BV 64, 8 warps, 3 stages at K 256 in bf16
+    with value-first states (H100, Triton 3.6), where this bound gives 253,952."""
+    tile = key_block * config.kwargs["BV"] * element_size
     chunk_tiles = config.num_stages * chunk_size * (2 * key_block + config.kwargs["BV"]) * element_size
-    return chunk_tiles + (0 if state_v_first else key_block * config.kwargs["BV"] * element_size)
+    return chunk_tiles + tile + (0 if state_v_first else tile)
 
 
 def fitting_configs(
@@ -106,8 +109,10 @@ _fwd_h_kernel_tuned = triton.autotune(
 
 
 def serves(k: torch.Tensor, chunk_size: int, state_v_first: bool) -> bool:
-    """Whether training runs flame's kernel for this call (chunk_recurrence.takes), as for its backward's."""
-    return takes(k, chunk_size, state_v_first, fitting_configs)
+    """Whether training runs flame's kernel for this call (chunk_recurrence.takes) with keys wider than 128, the
+    only width where bench/recurrences.py measured it faster than FLA's kernel (6x256x512 on an H100: 0.338 ms
+    against 0.389; at 16x128x128 even, at 16x96x192 0.90x FLA's speed)."""
+    return k.shape[-1] > 128 and takes(k, chunk_size, state_v_first, fitting_configs)
 
 
 def chunk_fwd_h_triton(
