@@ -36,7 +36,7 @@ CASES = [
     (256, 512, 2, 2, (1, 63, 200, 37), True, True, True),
     (96, 192, 4, 4, (2, 130), False, False, True),
 ]
-PINNED = {"BV": 32, "num_warps": 4, "num_stages": 2}
+PINNED = {"BV": 64, "num_warps": 8, "num_stages": 2}  # the setting that fits every case
 
 
 def rms_ratio(ref: torch.Tensor, out: torch.Tensor) -> float:
