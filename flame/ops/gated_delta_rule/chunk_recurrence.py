@@ -60,14 +60,12 @@ def chunk_layout(
     chunk_size: int,
     cu_seqlens: torch.Tensor | None,
     chunk_indices: torch.Tensor | None,
-    device: torch.device,
 ) -> tuple[int, torch.Tensor | None, int, int]:
     """(sequences, each sequence's first chunk in the flat order (varlen only), chunks per row, rows) in FLA's
-    layout of chunk states: [B, chunks per row] or, packed, [1, all chunks]. FLA's chunk_indices ([chunks, 2]) give
-    the chunk count under varlen without a host sync."""
+    layout of chunk states: [B, chunks per row] or, packed (cu_seqlens int64 on the device), [1, all chunks].
+    FLA's chunk_indices ([chunks, 2]) give the chunk count under varlen without a host sync."""
     if cu_seqlens is None:
         return batch, None, triton.cdiv(seq_len, chunk_size), batch
-    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
     per_sequence = (cu_seqlens.diff() + chunk_size - 1) // chunk_size
     chunks = chunk_indices.shape[0] if chunk_indices is not None else int(per_sequence.sum())
     return cu_seqlens.numel() - 1, per_sequence.cumsum(0) - per_sequence, chunks, 1

@@ -9,6 +9,8 @@ kernel holds it as up to four 64-wide tiles: per chunk one product k dh for dv2,
 update, each over the whole K at once.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -100,12 +102,8 @@ def shared_memory_bytes(
     return chunk_tiles + (0 if state_v_first else key_block * config.kwargs["BV"] * element_size)
 
 
-def fitting_configs(
-    key_block: int, chunk_size: int, element_size: int, state_v_first: bool, limit: int
-) -> list[triton.Config]:
-    return fitting(
-        TUNING_CONFIGS, shared_memory_bytes, key_block, chunk_size, element_size, state_v_first, limit
-    )
+# (key_block, chunk_size, element_size, state_v_first, limit) -> the settings whose bound is within limit
+fitting_configs = functools.partial(fitting, TUNING_CONFIGS, shared_memory_bytes)
 
 
 _dhu_kernel_tuned = triton.autotune(
@@ -156,7 +154,7 @@ def chunk_bwd_dhu_triton(
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
     sequences, chunk_offsets, chunks, rows = chunk_layout(
-        batch, seq_len, chunk_size, cu_seqlens, chunk_indices, q.device
+        batch, seq_len, chunk_size, cu_seqlens, chunk_indices
     )
     state_shape = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
     dh = q.new_empty(rows, chunks, num_v_heads, *state_shape)

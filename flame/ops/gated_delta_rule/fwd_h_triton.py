@@ -9,6 +9,8 @@ per chunk one product w h for the new values and one k^T v_new for the update, e
 layout of flame's dh recurrence, dhu_triton.py).
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -90,12 +92,8 @@ def shared_memory_bytes(
     return chunk_tiles + tile + (0 if state_v_first else tile)
 
 
-def fitting_configs(
-    key_block: int, chunk_size: int, element_size: int, state_v_first: bool, limit: int
-) -> list[triton.Config]:
-    return fitting(
-        TUNING_CONFIGS, shared_memory_bytes, key_block, chunk_size, element_size, state_v_first, limit
-    )
+# (key_block, chunk_size, element_size, state_v_first, limit) -> the settings whose bound is within limit
+fitting_configs = functools.partial(fitting, TUNING_CONFIGS, shared_memory_bytes)
 
 
 _fwd_h_kernel_tuned = triton.autotune(
@@ -142,7 +140,7 @@ def chunk_fwd_h_triton(
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=k.device, dtype=torch.long)
     sequences, chunk_offsets, chunks, rows = chunk_layout(
-        batch, seq_len, chunk_size, cu_seqlens, chunk_indices, k.device
+        batch, seq_len, chunk_size, cu_seqlens, chunk_indices
     )
     state_shape = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
     h = k.new_empty(rows, chunks, num_v_heads, *state_shape)
