@@ -1,20 +1,22 @@
-"""flame's two sequential recurrences of the gated delta rule per launch setting, beside FLA's: the state recurrence
-(chunk_gated_delta_rule_fwd_h, run by the forward and again by the backward's recompute) and the dh recurrence
-(chunk_gated_delta_rule_bwd_dhu, the backward's).
+"""flame's sequential recurrences of the gated delta rule per launch setting, beside FLA's: the state recurrence
+(chunk_gated_delta_rule_fwd_h, run by the forward and again by the backward's recompute), the forward's state
+recurrence and output in one pass (fwd_o: in place of chunk_gated_delta_rule_fwd_h and chunk_fwd_o in a forward
+that keeps no chunk states) and the dh recurrence (chunk_gated_delta_rule_bwd_dhu, the backward's).
 
-    python bench/recurrences.py                          # both, the three head shapes below, 8 x 2048 tokens
+    python bench/recurrences.py                          # all three, the three head shapes below, 8 x 2048 tokens
     python bench/recurrences.py --recurrences fwd_h --shapes 6x256x512 --no_write
 
 Shapes are heads x K x V of a Gated DeltaNet layer: 6x256x512 (configs/gated_deltanet_340M.json), 16x96x192
 (configs/olmo_1b_*.json) and 16x128x128 (Qwen3-Next-like heads). Each call is the one training makes: bf16 tensors
 (q and k with unit rows), float32 log2-decay cumulated within 64-token chunks, the states stored [V, K] as FLA's
-layer asks, no initial or final state. Rows: FLA 0.6.0's Triton kernel (the anchor: what FLA runs), flame's Triton
-kernel as training runs it (autotuned; the row names the setting it chose), then each of its launch settings that
-fits the GPU's shared memory, pinned. Times are medians of triton.testing.do_bench_cudagraph (GPU time) after one
-untimed call. The error is the largest relative RMS error ||x - ref|| / ||ref|| over the results against flame's
-PyTorch reference in float64 on the same inputs. Each recurrence's table goes into docs/performance.md between
-``<!-- bench_<recurrence>_<device> -->`` markers; the tuning results stay in Triton's cache, where
-scripts/autotune_bundle.py finds them for the shipped bundle.
+layer asks, no initial or final state. Rows: FLA 0.6.0's Triton kernels (the anchor: what FLA runs; for fwd_o its
+state recurrence and then its output kernel, and beside it flame's state recurrence and then FLA's output kernel),
+flame's Triton kernel as training runs it (autotuned; the row names the setting it chose), then each of its launch
+settings that fits the GPU's shared memory, pinned. Times are medians of triton.testing.do_bench_cudagraph (GPU
+time) after one untimed call. The error is the largest relative RMS error ||x - ref|| / ||ref|| over the results
+against flame's PyTorch reference in float64 on the same inputs. Each recurrence's table goes into
+docs/performance.md between ``<!-- bench_<recurrence>_<device> -->`` markers; the tuning results stay in Triton's
+cache, where scripts/autotune_bundle.py finds them for the shipped bundle.
 """
 
 import argparse
@@ -50,7 +52,7 @@ ANCHOR = "FLA Triton"
 class Recurrence:
     title: str  # the doc section's
     tensors: tuple[str, ...]  # the call's tensor arguments, in order
-    fla_function: str  # in fla.ops.common.chunk_delta_h
+    fla_function: str  # in fla.ops.common.chunk_delta_h (fwd_o: its state recurrence, then chunk_fwd_o)
     module: (
         str  # flame's kernel module in flame.ops.gated_delta_rule: its function, autotuned kernel, reference
     )
@@ -65,6 +67,11 @@ RECURRENCES = {
         "flame's state recurrence per launch setting", ("k", "w", "u"), "chunk_gated_delta_rule_fwd_h",
         "fwd_h_triton", "chunk_fwd_h_triton", "_fwd_h_kernel_tuned", "fwd_h_reference.chunk_fwd_h_torch",
         {"output_final_state": False},
+    ),
+    "fwd_o": Recurrence(
+        "flame's state recurrence with the output per launch setting", ("q", "k", "w", "u"),
+        "chunk_gated_delta_rule_fwd_h", "fwd_o_triton", "chunk_fwd_o_triton", "_fwd_o_kernel_tuned",
+        "fwd_o_reference.chunk_fwd_ho_torch", {"output_final_state": False},
     ),
     "dhu": Recurrence(
         "flame's dh recurrence per launch setting", ("q", "k", "w", "do", "dv"), "chunk_gated_delta_rule_bwd_dhu",
@@ -88,9 +95,28 @@ def inputs(recurrence: Recurrence, shape: str, batch: int, seq_len: int) -> tupl
         tensors.append(x.to(torch.bfloat16))
     decay = -torch.rand(batch, seq_len // CHUNK, CHUNK, heads, device="cuda") * 0.1
     kwargs = dict(g=decay.cumsum(2).view(*tokens), state_v_first=True, chunk_size=CHUNK, **recurrence.extra)
-    if "q" in recurrence.tensors:
+    if "q" in recurrence.tensors:  # fwd_o, dhu
         kwargs["scale"] = key_dim**-0.5
     return tuple(tensors), kwargs
+
+
+def state_recurrence_then_output(state_recurrence, q, k, w, u, scale, **kwargs):
+    """(o, final state) of ``state_recurrence`` (FLA's chunk_gated_delta_rule_fwd_h or flame's) and then FLA's
+    chunk_fwd_o: the forward's two kernels that fwd_o's one replaces."""
+    from fla.ops.common.chunk_o import chunk_fwd_o
+
+    h, v_new, final_state = state_recurrence(k=k, w=w, u=u, **kwargs)
+    o = chunk_fwd_o(
+        q=q,
+        k=k,
+        v=v_new,
+        h=h,
+        g=kwargs["g"],
+        scale=scale,
+        state_v_first=kwargs["state_v_first"],
+        chunk_size=kwargs["chunk_size"],
+    )
+    return o, final_state
 
 
 def launch_text(launch: dict) -> str:
@@ -115,6 +141,16 @@ def implementations(recurrence: Recurrence, key_dim: int) -> dict:
     module = flame_module(recurrence)
     flame_function = getattr(module, recurrence.function)
     rows = {ANCHOR: fla_call, "flame Triton, autotuned": flame_function}
+    if recurrence.module == "fwd_o_triton":
+        from flame.ops.gated_delta_rule.fwd_h_triton import chunk_fwd_h_triton
+
+        rows = {
+            ANCHOR: functools.partial(state_recurrence_then_output, fla_function),
+            "flame's state recurrence, then FLA's output": functools.partial(
+                state_recurrence_then_output, chunk_fwd_h_triton
+            ),
+            "flame Triton, autotuned": flame_function,
+        }
     limit = shared_memory_limit(torch.cuda.current_device())
     for config in module.fitting_configs(key_block(key_dim), CHUNK, 2, True, limit):
         launch = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}

@@ -16,7 +16,7 @@ from triton.runtime.errors import OutOfResources
 from flame.ops.gated_delta_rule.chunk_recurrence import key_block, shared_memory_limit
 from flame.ops.gated_delta_rule.dhu_reference import chunk_bwd_dhu_torch
 from flame.ops.gated_delta_rule.dhu_triton import TUNING_CONFIGS, chunk_bwd_dhu_triton, fitting_configs
-from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds
+from tests.ops.chunk_helpers import as_float64, chunk_local_decay, rms_ratio
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -32,11 +32,6 @@ CASES = [
     (96, 192, 4, 4, (2, 130), False, False, True),
 ]
 PINNED = {"BV": 32, "num_warps": 4, "num_stages": 2}
-
-
-def rms_ratio(ref: torch.Tensor, out: torch.Tensor) -> float:
-    ref, out = ref.double(), out.double()
-    return ((ref - out).square().mean().sqrt() / (ref.square().mean().sqrt() + 1e-30)).item()
 
 
 def inputs(key_dim, value_dim, heads, v_heads, shape, v_first, gated, states, dtype):
@@ -55,12 +50,7 @@ def inputs(key_dim, value_dim, heads, v_heads, shape, v_first, gated, states, dt
     dv = torch.randn_like(do)
     g = None
     if gated:
-        starts, ends = chunk_bounds(batch, seq_len, 64, cu_seqlens, device)
-        raw = -torch.rand(batch * seq_len, v_heads, device=device) * 0.1 / math.log(2)
-        g = torch.zeros_like(raw)
-        for start, end in zip(starts.tolist(), ends.tolist()):
-            g[start:end] = raw[start:end].cumsum(0)
-        g = g.view(batch, seq_len, v_heads)
+        g = chunk_local_decay(batch, seq_len, v_heads, 64, cu_seqlens, device, rate=0.1)
     state = (value_dim, key_dim) if v_first else (key_dim, value_dim)
     h0 = torch.randn(sequences, v_heads, *state, device=device) if states else None
     dht = torch.randn(sequences, v_heads, *state, device=device) if states else None
@@ -74,8 +64,7 @@ def check(case, dtype, launch):
     tensors, args = inputs(*case, dtype)
     result = chunk_bwd_dhu_triton(*tensors, **args, launch=launch)
     expected = chunk_bwd_dhu_torch(*(x.double() for x in tensors),
-                                   **{n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x
-                                      for n, x in args.items()})  # fmt: skip
+                                   **as_float64(args))  # fmt: skip
     for name, got, want in zip(("dh", "dh0", "dv2"), result, expected):
         if want is None:
             assert got is None, name

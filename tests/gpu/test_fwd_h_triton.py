@@ -14,7 +14,6 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from flame.ops.gated_delta_rule.chunk_recurrence import key_block, shared_memory_limit
-from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds
 from flame.ops.gated_delta_rule.fwd_h_reference import chunk_fwd_h_torch
 from flame.ops.gated_delta_rule.fwd_h_triton import (
     TUNING_CONFIGS,
@@ -22,6 +21,7 @@ from flame.ops.gated_delta_rule.fwd_h_triton import (
     fitting_configs,
     serves,
 )
+from tests.ops.chunk_helpers import as_float64, chunk_local_decay, rms_ratio
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -39,11 +39,6 @@ CASES = [
 PINNED = {"BV": 64, "num_warps": 8, "num_stages": 2}  # the setting that fits every case
 
 
-def rms_ratio(ref: torch.Tensor, out: torch.Tensor) -> float:
-    ref, out = ref.double(), out.double()
-    return ((ref - out).square().mean().sqrt() / (ref.square().mean().sqrt() + 1e-30)).item()
-
-
 def inputs(key_dim, value_dim, heads, v_heads, shape, v_first, gated, states, dtype):
     torch.manual_seed(0)
     varlen = len(shape) > 2
@@ -58,12 +53,7 @@ def inputs(key_dim, value_dim, heads, v_heads, shape, v_first, gated, states, dt
     u = torch.randn(batch, seq_len, v_heads, value_dim, device=device)
     g = None
     if gated:
-        starts, ends = chunk_bounds(batch, seq_len, 64, cu_seqlens, device)
-        raw = -torch.rand(batch * seq_len, v_heads, device=device) * 0.1 / math.log(2)
-        g = torch.zeros_like(raw)
-        for start, end in zip(starts.tolist(), ends.tolist()):
-            g[start:end] = raw[start:end].cumsum(0)
-        g = g.view(batch, seq_len, v_heads)
+        g = chunk_local_decay(batch, seq_len, v_heads, 64, cu_seqlens, device, rate=0.1)
     state = (value_dim, key_dim) if v_first else (key_dim, value_dim)
     h0 = torch.randn(sequences, v_heads, *state, device=device) if states else None
     tensors = [x.to(dtype) for x in (k, w, u)]
@@ -76,8 +66,7 @@ def check(case, dtype, launch):
     tensors, args = inputs(*case, dtype)
     result = chunk_fwd_h_triton(*tensors, **args, launch=launch)
     expected = chunk_fwd_h_torch(*(x.double() for x in tensors),
-                                 **{n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x
-                                    for n, x in args.items()})  # fmt: skip
+                                 **as_float64(args))  # fmt: skip
     for name, got, want in zip(("h", "v_new", "final state"), result, expected):
         if want is None:
             assert got is None, name

@@ -12,7 +12,7 @@ import torch
 
 from flame.ops.gated_delta_rule.dhu_reference import chunk_bwd_dhu_torch
 from flame.ops.gated_delta_rule.dhu_triton import chunk_bwd_dhu_triton, fitting_configs, serves
-from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds
+from tests.ops.chunk_helpers import as_float64, chunk_local_decay
 
 LAUNCH = {"BV": 16, "num_warps": 4, "num_stages": 1}
 
@@ -40,12 +40,7 @@ def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, st
     dv = torch.randn_like(do)
     g = None
     if gated:
-        starts, ends = chunk_bounds(batch, seq_len, chunk_size, cu_seqlens, torch.device("cpu"))
-        raw = (-torch.rand(batch * seq_len, num_v_heads) / math.log(2)).view(batch, seq_len, num_v_heads)
-        flat = torch.zeros_like(raw).flatten(0, 1)
-        for start, end in zip(starts.tolist(), ends.tolist()):  # token-local cumulative decay per chunk
-            flat[start:end] = raw.flatten(0, 1)[start:end].cumsum(0)
-        g = flat.view_as(raw)
+        g = chunk_local_decay(batch, seq_len, num_v_heads, chunk_size, cu_seqlens, "cpu")
     state = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
     h0 = torch.randn(sequences, num_v_heads, *state) if states else None
     dht = torch.randn(sequences, num_v_heads, *state) if states else None
@@ -53,8 +48,7 @@ def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, st
                 chunk_size=chunk_size)  # fmt: skip
 
     expected = chunk_bwd_dhu_torch(*(x.double() for x in (q, k, w, do, dv)),
-                                   **{n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x
-                                      for n, x in args.items()})  # fmt: skip
+                                   **as_float64(args))  # fmt: skip
     result = chunk_bwd_dhu_triton(q, k, w, do, dv, **args, launch=LAUNCH)
     if (
         varlen

@@ -1,0 +1,142 @@
+"""flame's Triton kernel of the forward's state recurrence and output in one pass, on the GPU, against the PyTorch
+references (float64 on the same inputs) and against FLA's ``chunk_gated_delta_rule_fwd_h`` followed by its
+``chunk_fwd_o``, whose o and final state it must equal for the same call.
+
+bf16 inputs (training) and float32 (exact products, ``exact_float32``), the seed configs' head sizes (K 64/128/256,
+V up to 512), both state layouts, gated and plain, the initial and the final state, grouped value heads and varlen.
+Limits on the relative RMS error ||x - ref|| / ||ref||: 1e-5 in float32, 0.01 in bf16 (h and v_new enter the
+products rounded to bf16, as FLA stores them).
+"""
+
+import math
+
+import pytest
+import torch
+
+from flame.ops.gated_delta_rule.chunk_recurrence import key_block, shared_memory_limit
+from flame.ops.gated_delta_rule.fwd_o_reference import chunk_fwd_ho_torch
+from flame.ops.gated_delta_rule.fwd_o_triton import (
+    TUNING_CONFIGS,
+    chunk_fwd_o_triton,
+    fitting_configs,
+)
+from tests.ops.chunk_helpers import as_float64, chunk_local_decay, rms_ratio
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("exact_float32"),
+]
+LIMITS = {torch.float32: 1e-5, torch.bfloat16: 0.01}
+CASES = [
+    # K, V, heads, value heads, lengths (several = varlen), state_v_first, gated, states
+    (64, 64, 4, 4, (2, 300), False, True, False),
+    (128, 128, 2, 4, (2, 257), True, True, True),
+    (256, 512, 6, 6, (2, 200), False, True, False),
+    (256, 512, 2, 2, (1, 63, 200, 37), True, True, True),
+    (96, 192, 4, 4, (2, 130), False, False, True),
+]
+PINNED = {"BV": 64, "num_warps": 8, "num_stages": 1}  # the setting that fits every case
+
+
+def inputs(key_dim, value_dim, heads, v_heads, shape, v_first, gated, states, dtype):
+    torch.manual_seed(0)
+    varlen = len(shape) > 2
+    batch, seq_len = (1, sum(shape[1:])) if varlen else shape
+    cu_seqlens = (
+        torch.tensor([0, *torch.tensor(shape[1:]).cumsum(0).tolist()], device="cuda") if varlen else None
+    )
+    sequences = len(shape) - 1 if varlen else batch
+    device = torch.device("cuda")
+    q = torch.nn.functional.normalize(torch.randn(batch, seq_len, heads, key_dim, device=device), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(batch, seq_len, heads, key_dim, device=device), dim=-1)
+    w = torch.randn(batch, seq_len, v_heads, key_dim, device=device) / math.sqrt(key_dim)
+    u = torch.randn(batch, seq_len, v_heads, value_dim, device=device)
+    g = None
+    if gated:
+        g = chunk_local_decay(batch, seq_len, v_heads, 64, cu_seqlens, device, rate=0.1)
+    state = (value_dim, key_dim) if v_first else (key_dim, value_dim)
+    h0 = torch.randn(sequences, v_heads, *state, device=device) if states else None
+    tensors = [x.to(dtype) for x in (q, k, w, u)]
+    return tensors, dict(
+        g=g,
+        scale=key_dim**-0.5,
+        initial_state=h0,
+        output_final_state=states,
+        state_v_first=v_first,
+        cu_seqlens=cu_seqlens,
+    )
+
+
+def check(case, dtype, launch):
+    tensors, args = inputs(*case, dtype)
+    result = chunk_fwd_o_triton(*tensors, **args, launch=launch)
+    expected = chunk_fwd_ho_torch(*(x.double() for x in tensors),
+                                  **as_float64(args))  # fmt: skip
+    for name, got, want in zip(("o", "final state"), result, expected):
+        if want is None:
+            assert got is None, name
+            continue
+        assert got.shape == want.shape, name
+        assert rms_ratio(want, got) < LIMITS[dtype], f"{name}: {rms_ratio(want, got):.2e}"
+    return tensors, args, result
+
+
+def fits(case, dtype, config) -> bool:
+    key_dim, state_v_first = case[0], case[5]
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    return config in fitting_configs(
+        key_block(key_dim), 64, element_size, state_v_first, shared_memory_limit(0)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_pytorch(case, dtype):
+    """Autotuned over the settings that fit; where none does (float32 at K 256), the kernel refuses the call."""
+    if not any(fits(case, dtype, config) for config in TUNING_CONFIGS):
+        tensors, args = inputs(*case, dtype)
+        with pytest.raises(ValueError, match="shared memory: use FLA's"):
+            chunk_fwd_o_triton(*tensors, **args)
+        return
+    check(case, dtype, None)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=["K128", "K256", "K256-value-first"])
+@pytest.mark.parametrize("config", TUNING_CONFIGS, ids=[f"config{i}" for i in range(len(TUNING_CONFIGS))])
+def test_every_launch_setting(case, config):
+    """Each tuning setting that fits by the shared-memory bound compiles and matches in bf16, at K 128 and at the
+    340M model's K 256 with both state layouts: a setting Triton miscompiles, or whose tiles outgrow the bound, fails
+    here."""
+    launch = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    if not fits(case, torch.bfloat16, config):
+        assert case[0] == 256, "every setting fits below K 256"
+        return
+    check(case, torch.bfloat16, launch)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_equals_flas_functions(case):
+    """The same call to FLA's chunk_gated_delta_rule_fwd_h and then chunk_fwd_o gives the same o and final state
+    within bf16 rounding."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+
+    tensors, args, result = check(case, torch.bfloat16, PINNED)
+    q, k, w, u = tensors
+    scale = args.pop("scale")
+    h, v_new, final_state = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, **args)
+    o = chunk_fwd_o(
+        q=q,
+        k=k,
+        v=v_new,
+        h=h,
+        g=args["g"],
+        scale=scale,
+        cu_seqlens=args["cu_seqlens"],
+        state_v_first=args["state_v_first"],
+    )
+    for name, got, want in zip(("o", "final state"), result, (o, final_state)):
+        if want is None:
+            assert got is None, name
+            continue
+        assert rms_ratio(want, got) < LIMITS[torch.bfloat16], f"{name}: {rms_ratio(want, got):.2e}"

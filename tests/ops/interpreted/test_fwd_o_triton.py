@@ -1,0 +1,77 @@
+"""flame's Triton kernel of the forward's state recurrence and output in one pass (run by Triton's interpreter on
+the CPU) against the PyTorch references of FLA's two functions in float64.
+
+Inputs are float32 with odd lengths, partial chunks, grouped value heads, varlen, both state layouts, with and
+without the gate, the initial and the final state; small value blocks, so that several programs share a head.
+Limit: 1e-5 relative to the largest value of each result (float32 products in another order).
+"""
+
+import math
+
+import pytest
+import torch
+
+from flame.ops.gated_delta_rule.fwd_o_reference import chunk_fwd_ho_torch
+from flame.ops.gated_delta_rule.fwd_o_triton import chunk_fwd_o_triton, fitting_configs
+from tests.ops.chunk_helpers import as_float64, chunk_local_decay
+
+LAUNCH = {"BV": 16, "num_warps": 4, "num_stages": 1}
+
+
+@pytest.mark.parametrize(
+    ("lengths", "num_heads", "num_v_heads", "key_dim", "value_dim", "state_v_first", "gated", "states"),
+    [
+        ((37, 37), 2, 2, 20, 24, False, True, True),
+        ((45,), 1, 3, 32, 17, True, True, False),
+        ((19, 40, 5), 2, 4, 40, 33, True, True, True),
+        ((29, 29), 1, 1, 16, 40, False, False, True),
+    ],
+)
+def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, state_v_first, gated, states):
+    torch.manual_seed(0)
+    chunk_size = 16
+    varlen = len(lengths) != 2
+    batch, seq_len = (1, sum(lengths)) if varlen else (len(lengths), lengths[0])
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]) if varlen else None
+    sequences = len(lengths)
+    q = torch.randn(batch, seq_len, num_heads, key_dim) / math.sqrt(key_dim)
+    k = torch.randn(batch, seq_len, num_heads, key_dim) / math.sqrt(key_dim)
+    w = torch.randn(batch, seq_len, num_v_heads, key_dim) / math.sqrt(key_dim)
+    u = torch.randn(batch, seq_len, num_v_heads, value_dim)
+    g = None
+    if gated:
+        g = chunk_local_decay(batch, seq_len, num_v_heads, chunk_size, cu_seqlens, "cpu")
+    state = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
+    h0 = torch.randn(sequences, num_v_heads, *state) if states else None
+    args = dict(g=g, scale=0.7, initial_state=h0, output_final_state=states, state_v_first=state_v_first,
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size)  # fmt: skip
+
+    expected = chunk_fwd_ho_torch(*(x.double() for x in (q, k, w, u)),
+                                  **as_float64(args))  # fmt: skip
+    result = chunk_fwd_o_triton(q, k, w, u, **args, launch=LAUNCH)
+    for name, got, want in zip(("o", "final state"), result, expected):
+        if want is None:
+            assert got is None, name
+            continue
+        assert got.shape == want.shape and got.dtype == torch.float32, name
+        err = (got.double() - want).abs().max().item() / want.abs().max().item()
+        assert err < 1e-5, f"{name}: max error {err:.2e} of the largest value"
+
+
+def test_refuses_keys_wider_than_its_tile():
+    x = torch.zeros(1, 16, 1, 272)
+    with pytest.raises(ValueError, match="K = 272 is over 256"):
+        chunk_fwd_o_triton(x, x, x, torch.zeros(1, 16, 1, 8), launch=LAUNCH)
+
+
+def settings(configs) -> list[tuple[int, int, int]]:
+    return [(c.kwargs["BV"], c.num_warps, c.num_stages) for c in configs]
+
+
+def test_tuning_leaves_out_settings_whose_tiles_do_not_fit():
+    """The H100's 232,448 bytes of shared memory: at K 256 in bf16 one pipeline stage fits; float32 inputs at K 256
+    fit no setting."""
+    h100 = 232448
+    assert settings(fitting_configs(256, 64, 2, True, h100)) == [(64, 8, 1)]
+    assert settings(fitting_configs(128, 64, 2, True, h100)) == [(64, 8, 1), (64, 8, 2), (32, 4, 2)]
+    assert fitting_configs(256, 64, 4, True, h100) == []
