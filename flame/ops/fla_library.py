@@ -6,8 +6,10 @@ Python, guard checks and a separate compiled region in forward and backward. Reg
 (shape-only) implementations, the forward and backward of each op are single opaque nodes, and a block compiles to
 one graph. The Triton work inside is FLA's kernels of both rules, called one by one in the order and with the
 arguments of FLA's `chunk_gated_delta_rule_fwd` / `_bwd` and `chunk_delta_rule_fwd` / `_bwd`
-(tests/ops/test_fla_library.py compares them call by call), except the two sequential recurrences where flame's
-kernels take the call (gated_delta_rule/fwd_h_triton.py, dhu_triton.py: bf16, value-first states). (The short
+(tests/ops/test_fla_library.py compares them call by call), except the sequential recurrences where flame's
+kernels take the call (bf16, value-first states): the state recurrence (gated_delta_rule/fwd_h_triton.py), in a
+forward that keeps no chunk states the state recurrence and the output in one pass (fwd_o_triton.py), and the dh
+recurrence (dhu_triton.py). (The short
 convolution is flame's own custom op: short_conv/triton_kernel.py.)
 
 Composing the kernels gives one choice FLA does not offer (`set_chunk_states`): the forward can keep what its state
@@ -124,10 +126,29 @@ def _state_recurrence(fla, k, state_v_first, chunk_size):
 
 
 def _recurrence_forward(fla, q, k, w, u, g, scale, initial_state, output_final_state, state_v_first, chunk_size,
-                        indices):  # fmt: skip
+                        indices, keep):  # fmt: skip
     """What both rules' forwards run after their WY representation, with the kernels of FLA's namespace ``fla`` (the
     rule's chunk module; g None for the plain rule): the state recurrence (flame's kernel where it serves the call),
-    then the output. (o, final state, h, v_new)."""
+    then the output; or, where the backward will recompute the states (not ``keep``) and flame's kernel of both in
+    one pass serves the call (fwd_o_triton.py), that kernel, which stores neither h nor v_new. (o, final state, h,
+    v_new), h and v_new None where not stored."""
+    from flame.ops.gated_delta_rule import fwd_o_triton
+
+    if not keep and fwd_o_triton.serves(k, chunk_size, state_v_first):
+        o, final_state = fwd_o_triton.chunk_fwd_o_triton(
+            q=q,
+            k=k,
+            w=w,
+            u=u,
+            g=g,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            state_v_first=state_v_first,
+            chunk_size=chunk_size,
+            **indices,
+        )
+        return o, final_state, None, None
     h, v_new, final_state = _state_recurrence(fla, k, state_v_first, chunk_size)(
         k=k,
         w=w,
@@ -214,9 +235,9 @@ def _recurrence_backward(fla, q, k, v, g, beta, A, scale, initial_state, do, dht
 
 
 def _gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
-                 chunk_indices, use_gate_in_kernel, A_log, dt_bias, chunk_size):  # fmt: skip
+                 chunk_indices, use_gate_in_kernel, A_log, dt_bias, chunk_size, keep):  # fmt: skip
     """FLA 0.6.0's ``chunk_gated_delta_rule_fwd`` without context parallelism, its kernels in its order: (g cumsum,
-    o, A, final state, w, h, v_new), the last three being what its backward recomputes."""
+    o, A, final state, w, h, v_new), the last three being what its backward recomputes unless ``keep``."""
     import fla.ops.gated_delta_rule.chunk as fla_gdn
 
     indices = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
@@ -230,7 +251,19 @@ def _gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, sta
         k=k, v=v, g=g, beta=beta, chunk_size=chunk_size, **indices
     )
     o, final_state, h, v_new = _recurrence_forward(
-        fla_gdn, q, k, w, u, g, scale, initial_state, output_final_state, state_v_first, chunk_size, indices
+        fla_gdn,
+        q,
+        k,
+        w,
+        u,
+        g,
+        scale,
+        initial_state,
+        output_final_state,
+        state_v_first,
+        chunk_size,
+        indices,
+        keep,
     )
     return g, o, A, final_state, w, h, v_new
 
@@ -310,11 +343,11 @@ def gated_delta_rule_fwd(
     beta_act = (
         fused_beta_sigmoid_fwd(beta, 2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else beta
     )
+    keep = save_states and cu_seqlens is None
     g_cumsum, o, A, final_state, w, h, v_new = _gdn_forward(
         q_normed, k_normed, v, g, beta_act, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
-        _chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size), use_gate_in_kernel, A_log, dt_bias, chunk_size,
+        _chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size), use_gate_in_kernel, A_log, dt_bias, chunk_size, keep,
     )  # fmt: skip
-    keep = save_states and cu_seqlens is None
     return (
         o.to(q.dtype),
         final_state if output_final_state else _empty(q),
@@ -553,16 +586,28 @@ def chunk_gated_delta_rule(
 
 
 def _delta_forward(
-    q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, chunk_size
+    q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, chunk_size, keep
 ):
     """FLA 0.6.0's ``chunk_delta_rule_fwd``, its kernels in its order: (o, A, final state, w, h, v_new), the last
-    three being what its backward recomputes."""
+    three being what its backward recomputes unless ``keep``."""
     import fla.ops.delta_rule.chunk as fla_delta
 
     indices = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     w, u, A = fla_delta.prepare_wy_repr_fwd(k=k, v=v, beta=beta, chunk_size=chunk_size, **indices)
     o, final_state, h, v_new = _recurrence_forward(
-        fla_delta, q, k, w, u, None, scale, initial_state, output_final_state, False, chunk_size, indices
+        fla_delta,
+        q,
+        k,
+        w,
+        u,
+        None,
+        scale,
+        initial_state,
+        output_final_state,
+        False,
+        chunk_size,
+        indices,
+        keep,
     )
     return o, A, final_state, w, h, v_new
 
@@ -623,11 +668,11 @@ def delta_rule_fwd(
     if use_qk_l2norm_in_kernel:
         q_normed, q_rstd = l2norm_fwd(q)
         k_normed, k_rstd = l2norm_fwd(k)
+    keep = save_states and cu_seqlens is None
     o, A, final_state, w, h, v_new = _delta_forward(
         q_normed, k_normed, v, beta, scale, initial_state, output_final_state, cu_seqlens,
-        _chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size), chunk_size,
+        _chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size), chunk_size, keep,
     )  # fmt: skip
-    keep = save_states and cu_seqlens is None
     return (
         o.to(q.dtype),
         final_state if output_final_state else _empty(q),

@@ -4,8 +4,8 @@
   registration, and tracing by AOTAutograd with dynamic shapes.
 - The custom ops give the outputs and gradients of FLA's own autograd Functions: with FLA's recurrences the same
   Triton kernels run on the same inputs (relative RMS difference <= 1e-3, see SAME_KERNELS_LIMIT); with flame's
-  state recurrence and dh recurrence (fwd_h_triton.py, dhu_triton.py: what training runs for value-first states)
-  within bf16 rounding (FLAME_RECURRENCES_LIMIT).
+  state recurrence, its pass with the output and the dh recurrence (fwd_h_triton.py, fwd_o_triton.py,
+  dhu_triton.py: what training runs for value-first states) within bf16 rounding (FLAME_RECURRENCES_LIMIT).
 - A compiled Gated DeltaNet or DeltaNet layer is one graph (fullgraph=True compiles) and matches the eager layer.
 Eager training keeps FLA's own Functions (tested against the PyTorch reference in test_linear_attention_ops.py
 and test_model_parity.py); the custom ops serve torch.compile, whose layer the last test compares with eager.
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from flame.models.layers.delta_net import DeltaNet
 from flame.models.layers.gated_deltanet import GatedDeltaNet
 from flame.ops import fla_library
-from flame.ops.gated_delta_rule import dhu_triton, fwd_h_triton
+from flame.ops.gated_delta_rule import dhu_triton, fwd_h_triton, fwd_o_triton
 from flame.ops.gated_delta_rule.chunk_recurrence import takes
 from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses
 
@@ -93,17 +93,21 @@ def chunk_states(request):
 
 @pytest.fixture(params=["fla", "flame"])
 def recurrences(request, monkeypatch):
-    """The custom ops' state recurrence and dh recurrence: FLA's (the kernels of FLA's Functions) or flame's where
-    they take the call (value-first states; the state recurrence also at these tests' K 64, where training keeps
-    FLA's, the faster there). Gives the limit on the relative RMS difference from FLA's Functions and the names of
-    flame's kernels' calls."""
+    """The custom ops' state recurrence (alone or with the output in one pass) and dh recurrence: FLA's (the kernels
+    of FLA's Functions) or flame's where they take the call (value-first states; the forward's kernels also at these
+    tests' K 64, where training keeps FLA's, the faster there). Gives the limit on the relative RMS difference from
+    FLA's Functions and the names of flame's kernels' calls."""
     calls = []
-    kernels = {dhu_triton: "chunk_bwd_dhu_triton", fwd_h_triton: "chunk_fwd_h_triton"}
+    kernels = {
+        dhu_triton: "chunk_bwd_dhu_triton",
+        fwd_h_triton: "chunk_fwd_h_triton",
+        fwd_o_triton: "chunk_fwd_o_triton",
+    }
     for module, name in kernels.items():
         if request.param == "fla":
             monkeypatch.setattr(module, "serves", lambda x, chunk_size, state_v_first: False)
             continue
-        if module is fwd_h_triton:
+        if module is not dhu_triton:
             monkeypatch.setattr(
                 module, "serves", functools.partial(takes, fitting_configs=module.fitting_configs)
             )
@@ -178,13 +182,13 @@ def test_gated_delta_rule_ops_equal_fla_function(case, chunk_states, recurrences
         )
         assert torch.isfinite(a).all()
         assert relative_rms(a, b) <= limit, f"output {index}: {relative_rms(a, b):.2e}"
-    # flame's kernels serve the value-first states of the layer's flags (and only those): the state recurrence in
-    # the forward and, unless the forward kept its results (never for packed documents), again in the backward;
-    # then the dh recurrence
+    # flame's kernels serve the value-first states of the layer's flags (and only those): in the forward the state
+    # recurrence where it keeps its results (never for packed documents), else its pass with the output; the state
+    # recurrence again in the backward unless the forward kept its results; then the dh recurrence
     served = limit == FLAME_RECURRENCES_LIMIT and flags["state_v_first"]
     kept = chunk_states == "save" and len(GDN_CASES[case]["lengths"]) == 1
-    forward_again = [] if kept else ["chunk_fwd_h_triton"]
-    expected = ["chunk_fwd_h_triton", *forward_again, "chunk_bwd_dhu_triton"] if served else []
+    forward = ["chunk_fwd_h_triton"] if kept else ["chunk_fwd_o_triton", "chunk_fwd_h_triton"]
+    expected = [*forward, "chunk_bwd_dhu_triton"] if served else []
     assert flame_calls == expected
 
 

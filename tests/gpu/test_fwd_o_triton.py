@@ -19,6 +19,7 @@ from flame.ops.gated_delta_rule.fwd_o_triton import (
     TUNING_CONFIGS,
     chunk_fwd_o_triton,
     fitting_configs,
+    serves,
 )
 from tests.ops.chunk_helpers import as_float64, chunk_local_decay, rms_ratio
 
@@ -140,3 +141,14 @@ def test_equals_flas_functions(case):
             assert got is None, name
             continue
         assert rms_ratio(want, got) < LIMITS[torch.bfloat16], f"{name}: {rms_ratio(want, got):.2e}"
+
+
+def test_training_runs_it_for_keys_wider_than_128():
+    """The calls a training forward that keeps no chunk states hands it: K 256, bf16, value-first states."""
+
+    def call(key_dim, dtype=torch.bfloat16, state_v_first=True):
+        return serves(torch.zeros(1, 64, 1, key_dim, device="cuda", dtype=dtype), 64, state_v_first)
+
+    assert call(256) and call(192)
+    assert not call(128) and not call(96)
+    assert not call(256, torch.float32) and not call(256, state_v_first=False)

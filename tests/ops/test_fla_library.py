@@ -23,6 +23,7 @@ import torch
 
 import flame.ops.gated_delta_rule.dqkwg_reference
 from flame.ops import fla_library
+from flame.ops.gated_delta_rule import fwd_o_triton
 
 B, T, H, HV, K, V, CHUNK = 2, 8, 2, 4, 4, 3, 32  # K != V: a transposed state layout shows in the shapes
 # torch's CustomOpDef keeps the decorated function as _init_fn and the register_fake one as _abstract_fn.
@@ -532,13 +533,56 @@ def test_forward_runs_fla_kernels_as_fla_does(rule, case, fla_calls):
     theirs = getattr(spec.fla, spec.forward)(**arguments)
     fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
     fla_calls[SEQUENCE].clear()
-    ours = getattr(fla_library, spec.ours_forward)(**arguments)
+    ours = getattr(fla_library, spec.ours_forward)(**arguments, keep=True)
     sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
     assert [name for name, _ in sequence] == [name for name, _ in fla_sequence]
     assert sequence == fla_sequence
     assert named(ours[: spec.shared], names) == named(theirs[: spec.shared], fla_names)
     wy, fwd_h = f"{spec.wy}#0", f"{spec.prefix}chunk_gated_delta_rule_fwd_h#0"
     assert named(ours[spec.shared :], names) == [f"{wy}[0]", f"{fwd_h}[0]", f"{fwd_h}[1]"]
+
+
+@pytest.mark.parametrize(("rule", "case"), RULE_CASES, ids=[f"{rule}-{case}" for rule, case in RULE_CASES])
+def test_forward_that_keeps_no_states_runs_the_state_recurrence_with_the_output(
+    rule, case, fla_calls, monkeypatch
+):
+    """Where flame's kernel of the state recurrence and the output in one pass serves the call (fwd_o_triton.py,
+    made to serve here) and the forward keeps no chunk states, it takes the place of FLA's two kernels with their
+    arguments, and its o and final state take the place of theirs; h and v_new are not stored."""
+    spec = RULES[rule]
+    inputs = spec.inputs(case)
+    arguments = {name: inputs[name] for name in spec.forward_arguments}
+    theirs = getattr(spec.fla, spec.forward)(**arguments)
+    fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
+    fla_calls[SEQUENCE].clear()
+
+    def fused_result(a):
+        states = a["k"].shape[0] if a["cu_seqlens"] is None else len(a["cu_seqlens"]) - 1
+        final = f32(states, HV, *state_shape(a)) if a["output_final_state"] else None
+        return torch.empty_like(a["u"]), final
+
+    monkeypatch.setattr(fwd_o_triton, "serves", lambda k, chunk_size, state_v_first: True)
+    patch_with_recorders(monkeypatch, {(fwd_o_triton, "chunk_fwd_o_triton"): fused_result}, fla_calls)
+    ours = getattr(fla_library, spec.ours_forward)(**arguments, keep=False)
+    sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
+
+    fwd_h, output = f"{spec.prefix}chunk_gated_delta_rule_fwd_h", f"{spec.prefix}chunk_fwd_o"
+    assert [name for name, _ in fla_sequence[-2:]] == [fwd_h, output]
+    (_, state_call), (_, output_call) = fla_sequence[-2:]
+    fused_call = {**{key: state_call[key] for key in ("k", "w", "u", "g", "initial_state", "output_final_state",
+                                                      "state_v_first", "chunk_size", "cu_seqlens", "chunk_indices")},
+                  "q": output_call["q"], "scale": output_call["scale"], "launch": None}  # fmt: skip
+    assert sequence == [*fla_sequence[:-2], ("chunk_fwd_o_triton", fused_call)]
+    fused = "chunk_fwd_o_triton#0"
+    outputs = named(ours[: spec.shared], names)
+    expected = named(theirs[: spec.shared], fla_names)
+    o_index, state_index = (1, 3) if rule == "gated" else (0, 2)
+    has_state = theirs[state_index] is not None
+    assert expected[o_index] == f"{output}#0[0]"
+    assert expected[state_index] == (f"{fwd_h}#0[2]" if has_state else None)
+    expected[o_index], expected[state_index] = f"{fused}[0]", f"{fused}[1]" if has_state else None
+    assert outputs == expected
+    assert ours[-2:] == (None, None)
 
 
 @pytest.mark.parametrize(("rule", "case"), RULE_CASES, ids=[f"{rule}-{case}" for rule, case in RULE_CASES])

@@ -29,6 +29,7 @@ from flame.ops.gated_delta_rule.chunk_recurrence import (
     key_block,
     pruner,
     state_tile,
+    takes,
 )
 from flame.ops.gated_delta_rule.dqkwg_triton import dot_precision
 
@@ -123,6 +124,13 @@ _fwd_o_kernel_tuned = triton.autotune(
     key=["H", "HV", "K", "V", "BT", "USE_G", "STATE_V_FIRST", "PRECISION"],
     prune_configs_by={"early_config_prune": pruner(fitting_configs, "k")},
 )(_fwd_o_kernel)
+
+
+def serves(k: torch.Tensor, chunk_size: int, state_v_first: bool) -> bool:
+    """Whether a training forward that keeps no chunk states runs this kernel instead of the state recurrence and
+    FLA's output kernel (chunk_recurrence.takes: bf16, value-first states, a setting that fits), for keys wider
+    than 128."""
+    return k.shape[-1] > 128 and takes(k, chunk_size, state_v_first, fitting_configs)
 
 
 def chunk_fwd_o_triton(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flame.ops.gated_delta_rule.fwd_o_reference import chunk_fwd_ho_torch
-from flame.ops.gated_delta_rule.fwd_o_triton import chunk_fwd_o_triton, fitting_configs
+from flame.ops.gated_delta_rule.fwd_o_triton import chunk_fwd_o_triton, fitting_configs, serves
 from tests.ops.chunk_helpers import as_float64, chunk_local_decay
 
 LAUNCH = {"BV": 16, "num_warps": 4, "num_stages": 1}
@@ -75,3 +75,8 @@ def test_tuning_leaves_out_settings_whose_tiles_do_not_fit():
     assert settings(fitting_configs(256, 64, 2, True, h100)) == [(64, 8, 1)]
     assert settings(fitting_configs(128, 64, 2, True, h100)) == [(64, 8, 1), (64, 8, 2), (32, 4, 2)]
     assert fitting_configs(256, 64, 4, True, h100) == []
+
+
+def test_training_runs_it_only_on_cuda_bf16_inputs():
+    assert not serves(torch.zeros(1, 64, 1, 256, dtype=torch.bfloat16), 64, True)
+    assert not serves(torch.zeros(1, 64, 1, 256, dtype=torch.float16), 64, True)
