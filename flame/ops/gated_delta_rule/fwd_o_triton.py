@@ -93,12 +93,11 @@ def _fwd_o_kernel(
         tl.store(ht + i_nh * K * V + p_kv, b_h, mask=m_kv)
 
 
-# Launch settings tried once per shape on the GPU (each compiles: keep the list short).
-TUNING_CONFIGS = [
-    triton.Config({"BV": 64}, num_warps=8, num_stages=1),
-    triton.Config({"BV": 64}, num_warps=8, num_stages=2),
-    triton.Config({"BV": 32}, num_warps=4, num_stages=2),
-]
+# The one launch setting: on an H100 (2026-12-06, bench/recurrences.py --recurrences fwd_o, 8 x 2048 tokens, bf16,
+# value-first states) BV 32 with 4 warps and 2 stages beat BV 64 with 8 warps and 1 or 2 stages at K 96 and K 128
+# (0.314 and 0.216 ms against 0.428 and 0.285 at best). At K 256 it does not fit, and the settings that do (one
+# stage) took 0.79-1.02 ms, slower than FLA's two kernels (0.654 ms), so calls with K 256 stay with those.
+TUNING_CONFIGS = [triton.Config({"BV": 32}, num_warps=4, num_stages=2)]
 
 
 def shared_memory_bytes(
@@ -128,9 +127,9 @@ _fwd_o_kernel_tuned = triton.autotune(
 
 def serves(k: torch.Tensor, chunk_size: int, state_v_first: bool) -> bool:
     """Whether a training forward that keeps no chunk states runs this kernel instead of the state recurrence and
-    FLA's output kernel (chunk_recurrence.takes: bf16, value-first states, a setting that fits), for keys wider
-    than 128."""
-    return k.shape[-1] > 128 and takes(k, chunk_size, state_v_first, fitting_configs)
+    FLA's output kernel (chunk_recurrence.takes: bf16, value-first states, a setting that fits, which is keys up to
+    128 wide): bench/recurrences.py measured it 1.20x their speed at 16x96x192 and 1.35x at 16x128x128 on an H100."""
+    return takes(k, chunk_size, state_v_first, fitting_configs)
 
 
 def chunk_fwd_o_triton(
