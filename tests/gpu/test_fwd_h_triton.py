@@ -21,20 +21,11 @@ from flame.ops.gated_delta_rule.fwd_h_triton import (
     fitting_configs,
     serves,
 )
-from tests.ops.chunk_helpers import as_float64, chunk_local_decay, rms_ratio
+from tests.ops.chunk_helpers import GPU_CASES, GPU_LIMITS, as_float64, chunk_local_decay, rms_ratio
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.usefixtures("exact_float32"),
-]
-LIMITS = {torch.float32: 1e-5, torch.bfloat16: 0.01}
-CASES = [
-    # K, V, heads, value heads, lengths (several = varlen), state_v_first, gated, states
-    (64, 64, 4, 4, (2, 300), False, True, False),
-    (128, 128, 2, 4, (2, 257), True, True, True),
-    (256, 512, 6, 6, (2, 200), False, True, False),
-    (256, 512, 2, 2, (1, 63, 200, 37), True, True, True),
-    (96, 192, 4, 4, (2, 130), False, False, True),
 ]
 PINNED = {"BV": 64, "num_warps": 8, "num_stages": 2}  # the setting that fits every case
 
@@ -72,7 +63,7 @@ def check(case, dtype, launch):
             assert got is None, name
             continue
         assert got.shape == want.shape, name
-        assert rms_ratio(want, got) < LIMITS[dtype], f"{name}: {rms_ratio(want, got):.2e}"
+        assert rms_ratio(want, got) < GPU_LIMITS[dtype], f"{name}: {rms_ratio(want, got):.2e}"
     return tensors, args, result
 
 
@@ -85,7 +76,7 @@ def fits(case, dtype, config) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", GPU_CASES)
 def test_kernel_matches_pytorch(case, dtype):
     """Autotuned over the settings that fit; where none does (float32 at K 256), the kernel refuses the call."""
     if not any(fits(case, dtype, config) for config in TUNING_CONFIGS):
@@ -96,7 +87,9 @@ def test_kernel_matches_pytorch(case, dtype):
     check(case, dtype, None)
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=["K128", "K256", "K256-value-first"])
+@pytest.mark.parametrize(
+    "case", [GPU_CASES[1], GPU_CASES[2], GPU_CASES[3]], ids=["K128", "K256", "K256-value-first"]
+)
 @pytest.mark.parametrize("config", TUNING_CONFIGS, ids=[f"config{i}" for i in range(len(TUNING_CONFIGS))])
 def test_every_launch_setting(case, config):
     """Each tuning setting in bf16 at K 128 and at the 340M model's K 256 with both state layouts: a setting Triton
@@ -109,7 +102,7 @@ def test_every_launch_setting(case, config):
             check(case, torch.bfloat16, launch)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", GPU_CASES)
 def test_equals_flas_function(case):
     """The same call to FLA's chunk_gated_delta_rule_fwd_h gives the same results within bf16 rounding."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
@@ -121,7 +114,7 @@ def test_equals_flas_function(case):
         if want is None:
             assert got is None, name
             continue
-        assert rms_ratio(want, got) < LIMITS[torch.bfloat16], f"{name}: {rms_ratio(want, got):.2e}"
+        assert rms_ratio(want, got) < GPU_LIMITS[torch.bfloat16], f"{name}: {rms_ratio(want, got):.2e}"
 
 
 def test_training_runs_it_for_keys_wider_than_128():

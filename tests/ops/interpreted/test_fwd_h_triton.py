@@ -12,20 +12,12 @@ import torch
 
 from flame.ops.gated_delta_rule.fwd_h_reference import chunk_fwd_h_torch
 from flame.ops.gated_delta_rule.fwd_h_triton import chunk_fwd_h_triton, fitting_configs, serves
-from tests.ops.chunk_helpers import as_float64, chunk_local_decay
+from tests.ops.chunk_helpers import INTERPRETED_ARGUMENTS, INTERPRETED_CASES, as_float64, chunk_local_decay
 
 LAUNCH = {"BV": 16, "num_warps": 4, "num_stages": 1}
 
 
-@pytest.mark.parametrize(
-    ("lengths", "num_heads", "num_v_heads", "key_dim", "value_dim", "state_v_first", "gated", "states"),
-    [
-        ((37, 37), 2, 2, 20, 24, False, True, True),
-        ((45,), 1, 3, 32, 17, True, True, False),
-        ((19, 40, 5), 2, 4, 40, 33, True, True, True),
-        ((29, 29), 1, 1, 16, 40, False, False, True),
-    ],
-)
+@pytest.mark.parametrize(INTERPRETED_ARGUMENTS, INTERPRETED_CASES)
 def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, state_v_first, gated, states):
     torch.manual_seed(0)
     chunk_size = 16
