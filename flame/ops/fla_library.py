@@ -9,8 +9,7 @@ arguments of FLA's `chunk_gated_delta_rule_fwd` / `_bwd` and `chunk_delta_rule_f
 (tests/ops/test_fla_library.py compares them call by call), except the sequential recurrences where flame's
 kernels take the call (bf16, value-first states): the state recurrence (gated_delta_rule/fwd_h_triton.py), in a
 forward that keeps no chunk states the state recurrence and the output in one pass (fwd_o_triton.py), and the dh
-recurrence (dhu_triton.py). (The short
-convolution is flame's own custom op: short_conv/triton_kernel.py.)
+recurrence (dhu_triton.py). (The short convolution is flame's own custom op: short_conv/triton_kernel.py.)
 
 Composing the kernels gives one choice FLA does not offer (`set_chunk_states`): the forward can keep what its state
 recurrence made, the chunk states h (one [K, V] state per 64 tokens and value head), the WY keys w and the new
@@ -251,20 +250,9 @@ def _gdn_forward(q, k, v, g, beta, scale, initial_state, output_final_state, sta
         k=k, v=v, g=g, beta=beta, chunk_size=chunk_size, **indices
     )
     o, final_state, h, v_new = _recurrence_forward(
-        fla_gdn,
-        q,
-        k,
-        w,
-        u,
-        g,
-        scale,
-        initial_state,
-        output_final_state,
-        state_v_first,
-        chunk_size,
-        indices,
-        keep,
-    )
+        fla_gdn, q, k, w, u, g, scale,
+        initial_state, output_final_state, state_v_first, chunk_size, indices, keep,
+    )  # fmt: skip
     return g, o, A, final_state, w, h, v_new
 
 
@@ -595,20 +583,9 @@ def _delta_forward(
     indices = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     w, u, A = fla_delta.prepare_wy_repr_fwd(k=k, v=v, beta=beta, chunk_size=chunk_size, **indices)
     o, final_state, h, v_new = _recurrence_forward(
-        fla_delta,
-        q,
-        k,
-        w,
-        u,
-        None,
-        scale,
-        initial_state,
-        output_final_state,
-        False,
-        chunk_size,
-        indices,
-        keep,
-    )
+        fla_delta, q, k, w, u, None, scale,
+        initial_state, output_final_state, False, chunk_size, indices, keep,
+    )  # fmt: skip
     return o, A, final_state, w, h, v_new
 
 
