@@ -52,14 +52,14 @@ ANCHOR = "FLA Triton"
 class Recurrence:
     title: str  # the doc section's
     tensors: tuple[str, ...]  # the call's tensor arguments, in order
-    fla_function: str  # in fla.ops.common.chunk_delta_h (fwd_o: its state recurrence, then chunk_fwd_o)
-    module: (
-        str  # flame's kernel module in flame.ops.gated_delta_rule: its function, autotuned kernel, reference
-    )
+    fla_function: str  # in fla.ops.common.chunk_delta_h
+    # flame's kernel module in flame.ops.gated_delta_rule: its function, autotuned kernel, reference
+    module: str
     function: str
     kernel: str
     reference: str
     extra: dict  # keyword arguments besides the gate, the layout and the chunk size
+    then_output: bool = False  # the call replaces fla_function followed by FLA's chunk_fwd_o (fwd_o)
 
 
 RECURRENCES = {
@@ -71,7 +71,7 @@ RECURRENCES = {
     "fwd_o": Recurrence(
         "flame's state recurrence with the output per launch setting", ("q", "k", "w", "u"),
         "chunk_gated_delta_rule_fwd_h", "fwd_o_triton", "chunk_fwd_o_triton", "_fwd_o_kernel_tuned",
-        "fwd_o_reference.chunk_fwd_ho_torch", {"output_final_state": False},
+        "fwd_o_reference.chunk_fwd_ho_torch", {"output_final_state": False}, then_output=True,
     ),
     "dhu": Recurrence(
         "flame's dh recurrence per launch setting", ("q", "k", "w", "do", "dv"), "chunk_gated_delta_rule_bwd_dhu",
@@ -128,20 +128,16 @@ def flame_module(recurrence: Recurrence):
 
 
 def implementations(recurrence: Recurrence, key_dim: int) -> dict:
-    """Row name -> call: FLA's kernel, flame's autotuned, then flame's pinned to each setting that fits."""
+    """Row name -> call: FLA's kernel (fwd_o: FLA's state recurrence and output kernel, then flame's state recurrence
+    and FLA's output kernel), flame's autotuned, then flame's pinned to each setting that fits."""
     from fla.ops.common import chunk_delta_h
 
     from flame.ops.gated_delta_rule.chunk_recurrence import key_block, shared_memory_limit
 
     fla_function = getattr(chunk_delta_h, recurrence.fla_function)
-
-    def fla_call(*tensors, **kwargs):
-        return fla_function(**dict(zip(recurrence.tensors, tensors)), **kwargs)
-
     module = flame_module(recurrence)
     flame_function = getattr(module, recurrence.function)
-    rows = {ANCHOR: fla_call, "flame Triton, autotuned": flame_function}
-    if recurrence.module == "fwd_o_triton":
+    if recurrence.then_output:
         from flame.ops.gated_delta_rule.fwd_h_triton import chunk_fwd_h_triton
 
         rows = {
@@ -149,8 +145,14 @@ def implementations(recurrence: Recurrence, key_dim: int) -> dict:
             "flame's state recurrence, then FLA's output": functools.partial(
                 state_recurrence_then_output, chunk_fwd_h_triton
             ),
-            "flame Triton, autotuned": flame_function,
         }
+    else:
+
+        def fla_call(*tensors, **kwargs):
+            return fla_function(**dict(zip(recurrence.tensors, tensors)), **kwargs)
+
+        rows = {ANCHOR: fla_call}
+    rows["flame Triton, autotuned"] = flame_function
     limit = shared_memory_limit(torch.cuda.current_device())
     for config in module.fitting_configs(key_block(key_dim), CHUNK, 2, True, limit):
         launch = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}

@@ -13,10 +13,17 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from flame.ops.gated_delta_rule.chunk_recurrence import key_block, shared_memory_limit
 from flame.ops.gated_delta_rule.dhu_reference import chunk_bwd_dhu_torch
 from flame.ops.gated_delta_rule.dhu_triton import TUNING_CONFIGS, chunk_bwd_dhu_triton, fitting_configs
-from tests.ops.chunk_helpers import GPU_CASES, GPU_LIMITS, as_float64, chunk_local_decay, rms_ratio
+from tests.ops.chunk_helpers import (
+    GPU_CASES,
+    GPU_LIMITS,
+    as_float64,
+    assert_close,
+    chunk_local_decay,
+    fits,
+    gpu_layout,
+)
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -27,12 +34,7 @@ PINNED = {"BV": 32, "num_warps": 4, "num_stages": 2}
 
 def inputs(key_dim, value_dim, heads, v_heads, shape, v_first, gated, states, dtype):
     torch.manual_seed(0)
-    varlen = len(shape) > 2
-    batch, seq_len = (1, sum(shape[1:])) if varlen else shape
-    cu_seqlens = (
-        torch.tensor([0, *torch.tensor(shape[1:]).cumsum(0).tolist()], device="cuda") if varlen else None
-    )
-    sequences = len(shape) - 1 if varlen else batch
+    batch, seq_len, cu_seqlens, sequences = gpu_layout(shape)
     device = torch.device("cuda")
     q = torch.nn.functional.normalize(torch.randn(batch, seq_len, heads, key_dim, device=device), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(batch, seq_len, heads, key_dim, device=device), dim=-1)
@@ -56,28 +58,15 @@ def check(case, dtype, launch):
     result = chunk_bwd_dhu_triton(*tensors, **args, launch=launch)
     expected = chunk_bwd_dhu_torch(*(x.double() for x in tensors),
                                    **as_float64(args))  # fmt: skip
-    for name, got, want in zip(("dh", "dh0", "dv2"), result, expected):
-        if want is None:
-            assert got is None, name
-            continue
-        assert got.shape == want.shape, name
-        assert rms_ratio(want, got) < GPU_LIMITS[dtype], f"{name}: {rms_ratio(want, got):.2e}"
+    assert_close(("dh", "dh0", "dv2"), result, expected, GPU_LIMITS[dtype])
     return tensors, args, result
-
-
-def fits(case, dtype, config) -> bool:
-    key_dim, state_v_first = case[0], case[5]
-    element_size = torch.tensor([], dtype=dtype).element_size()
-    return config in fitting_configs(
-        key_block(key_dim), 64, element_size, state_v_first, shared_memory_limit(0)
-    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_kernel_matches_pytorch(case, dtype):
     """Autotuned over the settings that fit; where none does (float32 at K 256), the kernel refuses the call."""
-    if not any(fits(case, dtype, config) for config in TUNING_CONFIGS):
+    if not any(fits(fitting_configs, case, dtype, config) for config in TUNING_CONFIGS):
         tensors, args = inputs(*case, dtype)
         with pytest.raises(ValueError, match="shared memory: use FLA's"):
             chunk_bwd_dhu_triton(*tensors, **args)
@@ -93,7 +82,7 @@ def test_every_launch_setting(case, config):
     """Each tuning setting in bf16 at K 128 and at the 340M model's K 256 with both state layouts: a setting Triton
     miscompiles fails here, and a setting that the shared-memory bound leaves out of tuning does not compile."""
     launch = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
-    if fits(case, torch.bfloat16, config):
+    if fits(fitting_configs, case, torch.bfloat16, config):
         check(case, torch.bfloat16, launch)
     else:
         with pytest.raises(OutOfResources):
@@ -108,8 +97,4 @@ def test_equals_flas_function(case):
     tensors, args, result = check(case, torch.bfloat16, PINNED)
     q, k, w, do, dv = tensors
     theirs = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, do=do, dv=dv, **args)
-    for name, got, want in zip(("dh", "dh0", "dv2"), result, theirs):
-        if want is None:
-            assert got is None, name
-            continue
-        assert rms_ratio(want, got) < GPU_LIMITS[torch.bfloat16], f"{name}: {rms_ratio(want, got):.2e}"
+    assert_close(("dh", "dh0", "dv2"), result, theirs, GPU_LIMITS[torch.bfloat16])

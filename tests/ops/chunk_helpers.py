@@ -1,11 +1,12 @@
 """What the tests of flame's sequential chunk recurrences share (fwd_h, fwd_o and dhu; under Triton's interpreter
 and on the GPU): their cases and limits, a token-local cumulative log2-decay, float64 copies of a call's arguments,
-the relative RMS error."""
+the relative RMS error, a case's sequences, whether a launch setting fits it, and the comparisons of results."""
 
 import math
 
 import torch
 
+from flame.ops.gated_delta_rule.chunk_recurrence import key_block, shared_memory_limit
 from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds
 
 # Under Triton's interpreter: float32 inputs, chunks of 16, odd lengths (two equal ones: a batch; otherwise packed),
@@ -53,3 +54,62 @@ def rms_ratio(ref: torch.Tensor, out: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| over all elements, in float64."""
     ref, out = ref.double(), out.double()
     return ((ref - out).square().mean().sqrt() / (ref.square().mean().sqrt() + 1e-30)).item()
+
+
+def gpu_layout(lengths: tuple) -> tuple[int, int, torch.Tensor | None, int]:
+    """(batch, seq_len, cu_seqlens on the GPU or None, sequences) of a GPU case's lengths: (batch, seq_len), or
+    (1, length, length, ...) for packed documents."""
+    if len(lengths) == 2:
+        return *lengths, None, lengths[0]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths[1:]).cumsum(0).tolist()], device="cuda")
+    return 1, sum(lengths[1:]), cu_seqlens, len(lengths) - 1
+
+
+def fits(fitting_configs, case, dtype, config) -> bool:
+    """Whether a kernel's launch setting fits a GPU case (its K and state layout) in this GPU's shared memory, by
+    the kernel's bound (``fitting_configs``)."""
+    key_dim, state_v_first = case[0], case[5]
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    return config in fitting_configs(
+        key_block(key_dim), 64, element_size, state_v_first, shared_memory_limit(0)
+    )
+
+
+def assert_close(names, results, expected, limit: float) -> None:
+    """Each result absent where the expected one is, else of its shape and within ``limit`` of it (rms_ratio)."""
+    for name, got, want in zip(names, results, expected, strict=True):
+        if want is None:
+            assert got is None, name
+            continue
+        assert got.shape == want.shape, name
+        assert rms_ratio(want, got) < limit, f"{name}: {rms_ratio(want, got):.2e}"
+
+
+def interpreted_layout(lengths: tuple) -> tuple[int, int, torch.Tensor | None, int]:
+    """(batch, seq_len, cu_seqlens or None, sequences) of an interpreted case's lengths: two equal ones are a batch
+    of two rows, any other tuple packed documents."""
+    if len(lengths) == 2:
+        return 2, lengths[0], None, 2
+    return 1, sum(lengths), torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]), len(lengths)
+
+
+def packed_chunk_indices(lengths: tuple, chunk_size: int) -> torch.Tensor:
+    """FLA's chunk_indices of packed documents: (sequence, chunk within it) per chunk, as its functions pass them."""
+    return torch.tensor([(n, c) for n, length in enumerate(lengths) for c in range(-(-length // chunk_size))])
+
+
+def settings(configs: list) -> list[tuple[int, int, int]]:
+    """(BV, warps, stages) of each launch setting."""
+    return [(c.kwargs["BV"], c.num_warps, c.num_stages) for c in configs]
+
+
+def assert_float32_close(names, results, expected, limit: float = 1e-5) -> None:
+    """Each result absent where the expected one is, else float32, of its shape and within ``limit`` of its largest
+    value at every element."""
+    for name, got, want in zip(names, results, expected, strict=True):
+        if want is None:
+            assert got is None, name
+            continue
+        assert got.shape == want.shape and got.dtype == torch.float32, name
+        err = (got.double() - want).abs().max().item() / want.abs().max().item()
+        assert err < limit, f"{name}: max error {err:.2e} of the largest value"

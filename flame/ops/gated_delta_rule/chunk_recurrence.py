@@ -1,9 +1,10 @@
-"""What flame's two sequential chunk recurrences (fwd_h_triton.py, the state recurrence; dhu_triton.py, its
-backward) share: in Triton, a program's sequence bounds and its [K, BV] tile of a state; on the host, the chunk
-layout of a call, the key block, the GPU's shared memory and the test of whether a kernel takes a call.
+"""What flame's sequential chunk recurrences (fwd_h_triton.py, the state recurrence; fwd_o_triton.py, the state
+recurrence with the output; dhu_triton.py, the state recurrence's backward) share: in Triton, a program's sequence
+bounds and its [K, BV] tile of a state; on the host, the chunk layout of a call, the key block, the GPU's shared
+memory, the test of whether a kernel takes a call, and how a kernel is tuned and launched.
 
-Both carry one [K, BV] slice of a state per program through a sequence's chunks, so that a program needs the whole
-key width in one tile: K up to 256, the largest FLA's kernels take.
+Each carries one [K, BV] slice of a state per program through a sequence's chunks, so that a program needs the
+whole key width in one tile: K up to 256, the largest FLA's kernels take.
 """
 
 import functools
@@ -121,3 +122,24 @@ def pruner(fitting_configs, tensor: str):
         return fitting_configs(meta["BK"], meta["BT"], x.element_size(), meta["STATE_V_FIRST"], limit)
 
     return prune
+
+
+# What a recurrence's tuning result depends on (the shipped bundle stores results under this key).
+TUNING_KEY = ["H", "HV", "K", "V", "BT", "USE_G", "STATE_V_FIRST", "PRECISION"]
+
+
+def autotuned(kernel, configs: list[triton.Config], fitting_configs, tensor: str):
+    """``kernel`` tuned over ``configs``, those that do not fit (``fitting_configs``, for the kernel's argument
+    ``tensor``) pruned before compiling."""
+    return triton.autotune(
+        configs, key=TUNING_KEY, prune_configs_by={"early_config_prune": pruner(fitting_configs, tensor)}
+    )(kernel)
+
+
+def launch_recurrence(kernel, tuned, launch: dict | None, value_dim: int, programs: int, args, meta) -> None:
+    """One program per value block (BV wide) and each of ``programs`` (sequence x value head): ``tuned`` chooses
+    the setting, or ``kernel`` runs the one ``launch`` fixes."""
+    if launch is None:
+        tuned[lambda chosen: (triton.cdiv(value_dim, chosen["BV"]), programs)](*args, **meta)
+    else:
+        kernel[(triton.cdiv(value_dim, launch["BV"]), programs)](*args, **meta, **launch)

@@ -16,11 +16,12 @@ import triton
 import triton.language as tl
 
 from flame.ops.gated_delta_rule.chunk_recurrence import (
+    autotuned,
     check_call,
     chunk_layout,
     fitting,
     key_block,
-    pruner,
+    launch_recurrence,
     sequence_bounds,
     state_tile,
     takes,
@@ -106,11 +107,7 @@ def shared_memory_bytes(
 fitting_configs = functools.partial(fitting, TUNING_CONFIGS, shared_memory_bytes)
 
 
-_dhu_kernel_tuned = triton.autotune(
-    TUNING_CONFIGS,
-    key=["H", "HV", "K", "V", "BT", "USE_G", "STATE_V_FIRST", "PRECISION"],
-    prune_configs_by={"early_config_prune": pruner(fitting_configs, "q")},
-)(_dhu_kernel)
+_dhu_kernel_tuned = autotuned(_dhu_kernel, TUNING_CONFIGS, fitting_configs, "q")
 
 
 def serves(q: torch.Tensor, chunk_size: int, state_v_first: bool) -> bool:
@@ -171,12 +168,5 @@ def chunk_bwd_dhu_triton(
         USE_FINAL_STATE_GRADIENT=dht is not None, STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
         PRECISION=dot_precision(),
     )  # fmt: skip
-
-    def grid(launch_meta):
-        return (triton.cdiv(value_dim, launch_meta["BV"]), sequences * num_v_heads)
-
-    if launch is None:
-        _dhu_kernel_tuned[grid](*args, **meta)
-    else:
-        _dhu_kernel[grid(launch)](*args, **meta, **launch)
+    launch_recurrence(_dhu_kernel, _dhu_kernel_tuned, launch, value_dim, sequences * num_v_heads, args, meta)
     return dh, dh0, dv2

@@ -16,11 +16,12 @@ import triton
 import triton.language as tl
 
 from flame.ops.gated_delta_rule.chunk_recurrence import (
+    autotuned,
     check_call,
     chunk_layout,
     fitting,
     key_block,
-    pruner,
+    launch_recurrence,
     sequence_bounds,
     state_tile,
     takes,
@@ -96,11 +97,7 @@ def shared_memory_bytes(
 fitting_configs = functools.partial(fitting, TUNING_CONFIGS, shared_memory_bytes)
 
 
-_fwd_h_kernel_tuned = triton.autotune(
-    TUNING_CONFIGS,
-    key=["H", "HV", "K", "V", "BT", "USE_G", "STATE_V_FIRST", "PRECISION"],
-    prune_configs_by={"early_config_prune": pruner(fitting_configs, "k")},
-)(_fwd_h_kernel)
+_fwd_h_kernel_tuned = autotuned(_fwd_h_kernel, TUNING_CONFIGS, fitting_configs, "k")
 
 
 def serves(k: torch.Tensor, chunk_size: int, state_v_first: bool) -> bool:
@@ -158,12 +155,7 @@ def chunk_fwd_h_triton(
         USE_G=g is not None, USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
         STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None, PRECISION=dot_precision(),
     )  # fmt: skip
-
-    def grid(launch_meta):
-        return (triton.cdiv(value_dim, launch_meta["BV"]), sequences * num_v_heads)
-
-    if launch is None:
-        _fwd_h_kernel_tuned[grid](*args, **meta)
-    else:
-        _fwd_h_kernel[grid(launch)](*args, **meta, **launch)
+    launch_recurrence(
+        _fwd_h_kernel, _fwd_h_kernel_tuned, launch, value_dim, sequences * num_v_heads, args, meta
+    )
     return h, v_new, final_state

@@ -13,7 +13,15 @@ import torch
 
 from flame.ops.gated_delta_rule.fwd_o_reference import chunk_fwd_ho_torch
 from flame.ops.gated_delta_rule.fwd_o_triton import chunk_fwd_o_triton, fitting_configs, serves
-from tests.ops.chunk_helpers import INTERPRETED_ARGUMENTS, INTERPRETED_CASES, as_float64, chunk_local_decay
+from tests.ops.chunk_helpers import (
+    INTERPRETED_ARGUMENTS,
+    INTERPRETED_CASES,
+    as_float64,
+    assert_float32_close,
+    chunk_local_decay,
+    interpreted_layout,
+    settings,
+)
 
 LAUNCH = {"BV": 16, "num_warps": 4, "num_stages": 1}
 
@@ -22,10 +30,7 @@ LAUNCH = {"BV": 16, "num_warps": 4, "num_stages": 1}
 def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, state_v_first, gated, states):
     torch.manual_seed(0)
     chunk_size = 16
-    varlen = len(lengths) != 2
-    batch, seq_len = (1, sum(lengths)) if varlen else (len(lengths), lengths[0])
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]) if varlen else None
-    sequences = len(lengths)
+    batch, seq_len, cu_seqlens, sequences = interpreted_layout(lengths)
     q = torch.randn(batch, seq_len, num_heads, key_dim) / math.sqrt(key_dim)
     k = torch.randn(batch, seq_len, num_heads, key_dim) / math.sqrt(key_dim)
     w = torch.randn(batch, seq_len, num_v_heads, key_dim) / math.sqrt(key_dim)
@@ -41,23 +46,13 @@ def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, st
     expected = chunk_fwd_ho_torch(*(x.double() for x in (q, k, w, u)),
                                   **as_float64(args))  # fmt: skip
     result = chunk_fwd_o_triton(q, k, w, u, **args, launch=LAUNCH)
-    for name, got, want in zip(("o", "final state"), result, expected):
-        if want is None:
-            assert got is None, name
-            continue
-        assert got.shape == want.shape and got.dtype == torch.float32, name
-        err = (got.double() - want).abs().max().item() / want.abs().max().item()
-        assert err < 1e-5, f"{name}: max error {err:.2e} of the largest value"
+    assert_float32_close(("o", "final state"), result, expected)
 
 
 def test_refuses_keys_wider_than_its_tile():
     x = torch.zeros(1, 16, 1, 272)
     with pytest.raises(ValueError, match="K = 272 is over 256"):
         chunk_fwd_o_triton(x, x, x, torch.zeros(1, 16, 1, 8), launch=LAUNCH)
-
-
-def settings(configs) -> list[tuple[int, int, int]]:
-    return [(c.kwargs["BV"], c.num_warps, c.num_stages) for c in configs]
 
 
 def test_tuning_leaves_out_settings_whose_tiles_do_not_fit():
