@@ -133,32 +133,12 @@ def _recurrence_forward(fla, q, k, w, u, g, scale, initial_state, output_final_s
     v_new), h and v_new None where not stored."""
     from flame.ops.gated_delta_rule import fwd_o_triton
 
+    recurrence = dict(k=k, w=w, u=u, g=g, initial_state=initial_state, output_final_state=output_final_state,
+                      state_v_first=state_v_first, chunk_size=chunk_size, **indices)  # fmt: skip
     if not keep and fwd_o_triton.serves(k, chunk_size, state_v_first):
-        o, final_state = fwd_o_triton.chunk_fwd_o_triton(
-            q=q,
-            k=k,
-            w=w,
-            u=u,
-            g=g,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            state_v_first=state_v_first,
-            chunk_size=chunk_size,
-            **indices,
-        )
+        o, final_state = fwd_o_triton.chunk_fwd_o_triton(q=q, scale=scale, **recurrence)
         return o, final_state, None, None
-    h, v_new, final_state = _state_recurrence(fla, k, state_v_first, chunk_size)(
-        k=k,
-        w=w,
-        u=u,
-        g=g,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        state_v_first=state_v_first,
-        chunk_size=chunk_size,
-        **indices,
-    )
+    h, v_new, final_state = _state_recurrence(fla, k, state_v_first, chunk_size)(**recurrence)
     o = fla.chunk_fwd_o(
         q=q,
         k=k,

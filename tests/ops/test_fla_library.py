@@ -521,18 +521,25 @@ RULES = {
 RULE_CASES = [(rule, case) for rule, spec in RULES.items() for case in spec.cases]
 
 
+def run_fla(rule: str, case: str, direction: str, fla_calls):
+    """FLA's forward or backward (``direction``) of the rule on the case's inputs, its calls then cleared: (spec,
+    inputs, the call's arguments, FLA's results, its calls and the names of their outputs, as ``symbolic`` gives)."""
+    spec = RULES[rule]
+    inputs = spec.inputs(case)
+    arguments = {name: inputs[name] for name in getattr(spec, f"{direction}_arguments")}
+    theirs = getattr(spec.fla, getattr(spec, direction))(**arguments)
+    fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
+    fla_calls[SEQUENCE].clear()
+    return spec, inputs, arguments, theirs, fla_sequence, fla_names
+
+
 @pytest.mark.parametrize(("rule", "case"), RULE_CASES, ids=[f"{rule}-{case}" for rule, case in RULE_CASES])
 def test_forward_runs_fla_kernels_as_fla_does(rule, case, fla_calls):
     """flame's forward of each rule calls FLA's kernels as FLA's forward (chunk_gated_delta_rule_fwd,
     chunk_delta_rule_fwd) does, and returns what they made, w, h and v_new (the state recurrence's results)
     included."""
-    spec = RULES[rule]
-    inputs = spec.inputs(case)
-    arguments = {name: inputs[name] for name in spec.forward_arguments}
-    # gated: (g, o, A, final state, initial state, g_input); plain: (o, A, final state)
-    theirs = getattr(spec.fla, spec.forward)(**arguments)
-    fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
-    fla_calls[SEQUENCE].clear()
+    # theirs, gated: (g, o, A, final state, initial state, g_input); plain: (o, A, final state)
+    spec, inputs, arguments, theirs, fla_sequence, fla_names = run_fla(rule, case, "forward", fla_calls)
     ours = getattr(fla_library, spec.ours_forward)(**arguments, keep=True)
     sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
     assert [name for name, _ in sequence] == [name for name, _ in fla_sequence]
@@ -549,12 +556,7 @@ def test_forward_that_keeps_no_states_runs_the_state_recurrence_with_the_output(
     """Where flame's kernel of the state recurrence and the output in one pass serves the call (fwd_o_triton.py,
     made to serve here) and the forward keeps no chunk states, it takes the place of FLA's two kernels with their
     arguments, and its o and final state take the place of theirs; h and v_new are not stored."""
-    spec = RULES[rule]
-    inputs = spec.inputs(case)
-    arguments = {name: inputs[name] for name in spec.forward_arguments}
-    theirs = getattr(spec.fla, spec.forward)(**arguments)
-    fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
-    fla_calls[SEQUENCE].clear()
+    spec, inputs, arguments, theirs, fla_sequence, fla_names = run_fla(rule, case, "forward", fla_calls)
 
     def fused_result(a):
         states = a["k"].shape[0] if a["cu_seqlens"] is None else len(a["cu_seqlens"]) - 1
@@ -589,17 +591,12 @@ def test_forward_that_keeps_no_states_runs_the_state_recurrence_with_the_output(
 def test_backward_runs_fla_kernels_as_fla_does(rule, case, fla_calls):
     """flame's backward of each rule calls FLA's kernels as FLA's backward does; given the forward's w, h and v_new
     it leaves out the two kernels that recompute them and reads them where FLA reads its recomputed ones."""
-    spec = RULES[rule]
-    inputs = spec.inputs(case)
-    arguments = {name: inputs[name] for name in spec.backward_arguments}
-    theirs = getattr(spec.fla, spec.backward)(**arguments)
-    fla_sequence, fla_names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
+    spec, inputs, arguments, theirs, fla_sequence, fla_names = run_fla(rule, case, "backward", fla_calls)
     recomputing = [f"{spec.prefix}recompute_w_u_fwd", f"{spec.prefix}chunk_gated_delta_rule_fwd_h"]
     assert [name for name, _ in fla_sequence[:2]] == recomputing
     assert recomputing[1] not in [name for name, _ in fla_sequence[2:]]
     ours_backward = getattr(fla_library, spec.ours_backward)
 
-    fla_calls[SEQUENCE].clear()
     ours = ours_backward(**arguments, w=None, h=None, v_new=None)
     sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
     assert sequence == fla_sequence
