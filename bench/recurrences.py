@@ -1,16 +1,19 @@
 """flame's sequential recurrences of the gated delta rule per launch setting, beside FLA's: the state recurrence
 (chunk_gated_delta_rule_fwd_h, run by the forward and again by the backward's recompute), the forward's state
 recurrence and output in one pass (fwd_o: in place of chunk_gated_delta_rule_fwd_h and chunk_fwd_o in a forward
-that keeps no chunk states) and the dh recurrence (chunk_gated_delta_rule_bwd_dhu, the backward's).
+that keeps no chunk states), the dh recurrence (chunk_gated_delta_rule_bwd_dhu, the backward's) given dv, and the
+dh recurrence forming the intra-chunk dv itself (dhu_dv: in place of chunk_bwd_dv_local and the dh recurrence).
 
-    python bench/recurrences.py                          # all three, the three head shapes below, 8 x 2048 tokens
+    python bench/recurrences.py                          # all four, the three head shapes below, 8 x 2048 tokens
     python bench/recurrences.py --recurrences fwd_h --shapes 6x256x512 --no_write
 
 Shapes are heads x K x V of a Gated DeltaNet layer: 6x256x512 (configs/gated_deltanet_340M.json), 16x96x192
 (configs/olmo_1b_*.json) and 16x128x128 (Qwen3-Next-like heads). Each call is the one training makes: bf16 tensors
 (q and k with unit rows), float32 log2-decay cumulated within 64-token chunks, the states stored [V, K] as FLA's
 layer asks, no initial or final state. Rows: FLA 0.6.0's Triton kernels (the anchor: what FLA runs; for fwd_o its
-state recurrence and then its output kernel, and beside it flame's state recurrence and then FLA's output kernel),
+state recurrence and then its output kernel, and beside it flame's state recurrence and then FLA's output kernel;
+for dhu_dv its chunk_bwd_dv_local and then its dh recurrence, and beside it FLA's chunk_bwd_dv_local and then
+flame's dh recurrence given dv),
 flame's Triton kernel as training runs it (autotuned; the row names the setting it chose), then each of its launch
 settings that fits the GPU's shared memory, pinned. Times are medians of triton.testing.do_bench_cudagraph (GPU
 time) after one untimed call. The error is the largest relative RMS error ||x - ref|| / ||ref|| over the results
@@ -60,6 +63,7 @@ class Recurrence:
     reference: str
     extra: dict  # keyword arguments besides the gate, the layout and the chunk size
     then_output: bool = False  # the call replaces fla_function followed by FLA's chunk_fwd_o (fwd_o)
+    local_dv: bool = False  # the call replaces FLA's chunk_bwd_dv_local followed by fla_function (dhu_dv)
 
 
 RECURRENCES = {
@@ -76,6 +80,11 @@ RECURRENCES = {
     "dhu": Recurrence(
         "flame's dh recurrence per launch setting", ("q", "k", "w", "do", "dv"), "chunk_gated_delta_rule_bwd_dhu",
         "dhu_triton", "chunk_bwd_dhu_triton", "_dhu_kernel_tuned", "dhu_reference.chunk_bwd_dhu_torch", {},
+    ),
+    "dhu_dv": Recurrence(
+        "flame's dh recurrence with the intra-chunk dv per launch setting", ("q", "k", "w", "do"),
+        "chunk_gated_delta_rule_bwd_dhu", "dhu_triton", "chunk_bwd_dhu_triton", "_dhu_kernel_tuned",
+        "dhu_reference.chunk_bwd_dhu_torch", {"dv": None}, local_dv=True,
     ),
 }  # fmt: skip
 
@@ -95,7 +104,7 @@ def inputs(recurrence: Recurrence, shape: str, batch: int, seq_len: int) -> tupl
         tensors.append(x.to(torch.bfloat16))
     decay = -torch.rand(batch, seq_len // CHUNK, CHUNK, heads, device="cuda") * 0.1
     kwargs = dict(g=decay.cumsum(2).view(*tokens), state_v_first=True, chunk_size=CHUNK, **recurrence.extra)
-    if "q" in recurrence.tensors:  # fwd_o, dhu
+    if "q" in recurrence.tensors:  # fwd_o, dhu, dhu_dv
         kwargs["scale"] = key_dim**-0.5
     return tuple(tensors), kwargs
 
@@ -119,6 +128,15 @@ def state_recurrence_then_output(state_recurrence, q, k, w, u, scale, **kwargs):
     return o, final_state
 
 
+def dv_local_then_dh_recurrence(dh_recurrence, q, k, w, do, dv, scale, **kwargs):
+    """(dh, dh0, dv2) of FLA's chunk_bwd_dv_local and then ``dh_recurrence`` (FLA's or flame's, given that dv): the
+    backward's two kernels that flame's dh recurrence without dv replaces (``dv`` is that call's None)."""
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+
+    dv = chunk_bwd_dv_local(q=q, k=k, do=do, g=kwargs["g"], scale=scale, chunk_size=kwargs["chunk_size"])
+    return dh_recurrence(q=q, k=k, w=w, do=do, dv=dv, scale=scale, **kwargs)
+
+
 def launch_text(launch: dict) -> str:
     return "BV {BV}, {num_warps} warps, {num_stages} stages".format(**launch)
 
@@ -129,7 +147,8 @@ def flame_module(recurrence: Recurrence):
 
 def implementations(recurrence: Recurrence, key_dim: int) -> dict:
     """Row name -> call: FLA's kernel (fwd_o: FLA's state recurrence and output kernel, then flame's state recurrence
-    and FLA's output kernel), flame's autotuned, then flame's pinned to each setting that fits."""
+    and FLA's output kernel; dhu_dv: FLA's chunk_bwd_dv_local and dh recurrence, then FLA's chunk_bwd_dv_local and
+    flame's dh recurrence), flame's autotuned, then flame's pinned to each setting that fits."""
     from fla.ops.common import chunk_delta_h
 
     from flame.ops.gated_delta_rule.chunk_recurrence import key_block, shared_memory_limit
@@ -144,6 +163,13 @@ def implementations(recurrence: Recurrence, key_dim: int) -> dict:
             ANCHOR: functools.partial(state_recurrence_then_output, fla_function),
             "flame's state recurrence, then FLA's output": functools.partial(
                 state_recurrence_then_output, chunk_fwd_h_triton
+            ),
+        }
+    elif recurrence.local_dv:
+        rows = {
+            ANCHOR: functools.partial(dv_local_then_dh_recurrence, fla_function),
+            "FLA's dv_local, then flame's dh recurrence": functools.partial(
+                dv_local_then_dh_recurrence, flame_function
             ),
         }
     else:

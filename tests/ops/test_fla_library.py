@@ -23,7 +23,7 @@ import torch
 
 import flame.ops.gated_delta_rule.dqkwg_reference
 from flame.ops import fla_library
-from flame.ops.gated_delta_rule import fwd_o_triton
+from flame.ops.gated_delta_rule import dhu_triton, fwd_o_triton
 
 B, T, H, HV, K, V, CHUNK = 2, 8, 2, 4, 4, 3, 32  # K != V: a transposed state layout shows in the shapes
 # torch's CustomOpDef keeps the decorated function as _init_fn and the register_fake one as _abstract_fn.
@@ -613,6 +613,46 @@ def test_backward_runs_fla_kernels_as_fla_does(rule, case, fla_calls):
     sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs) | states)
     assert sequence == fla_sequence[2:]
     assert named(ours, names) == named(theirs, fla_names)
+
+
+@pytest.mark.parametrize(("rule", "case"), RULE_CASES, ids=[f"{rule}-{case}" for rule, case in RULE_CASES])
+def test_backward_where_flames_dh_recurrence_serves_forms_dv_in_it(rule, case, fla_calls, monkeypatch):
+    """Where flame's dh recurrence serves the call (dhu_triton.py, made to serve here) it takes the place of FLA's
+    chunk_bwd_dv_local and dh recurrence: called with their arguments and no dv, its results take the place of the
+    dh recurrence's in the gradients of q, k and w and in the op's results."""
+    spec, inputs, arguments, theirs, fla_sequence, fla_names = run_fla(rule, case, "backward", fla_calls)
+
+    flames = inspect.signature(dhu_triton.chunk_bwd_dhu_triton).parameters
+    monkeypatch.setattr(dhu_triton, "serves", lambda q, chunk_size, state_v_first: True)
+
+    def dhu_result(a):  # (dh, dh0, dv2), dv2 like do
+        return GDN_KERNELS["chunk_gated_delta_rule_bwd_dhu"]({**a, "dv": a["do"]})
+
+    patch_with_recorders(monkeypatch, {(dhu_triton, "chunk_bwd_dhu_triton"): dhu_result}, fla_calls)
+    ours = getattr(fla_library, spec.ours_backward)(**arguments, w=None, h=None, v_new=None)
+    sequence, names = symbolic(fla_calls[SEQUENCE], input_names(inputs))
+
+    dv_local, dhu = f"{spec.prefix}chunk_bwd_dv_local", f"{spec.prefix}chunk_gated_delta_rule_bwd_dhu"
+    at = [name for name, _ in fla_sequence].index(dv_local)
+    assert [name for name, _ in fla_sequence[at : at + 2]] == [dv_local, dhu]
+    fla_dhu_call = fla_sequence[at + 1][1]
+    # FLA's other arguments, left at their defaults: no per-key gates, no CUDA-graph chunk offsets
+    assert {key: value for key, value in fla_dhu_call.items() if key not in flames} == dict(
+        gk=None, chunk_offsets=None, use_graph=False
+    )
+    dhu_call = {key: fla_dhu_call.get(key) for key in flames}
+    assert dhu_call.pop("dv") == f"{dv_local}#0[0]"
+    dhu_call = {**dhu_call, "dv": None}
+    flame_dhu = "chunk_bwd_dhu_triton#0"
+
+    def renamed(value):  # FLA's dh recurrence's outputs are flame's kernel's in flame's backward
+        return value.replace(f"{dhu}#0", flame_dhu) if isinstance(value, str) else value
+
+    rest = [
+        (name, {key: renamed(value) for key, value in call.items()}) for name, call in fla_sequence[at + 2 :]
+    ]
+    assert sequence == [*fla_sequence[:at], ("chunk_bwd_dhu_triton", dhu_call), *rest]
+    assert named(ours, names) == [renamed(value) for value in named(theirs, fla_names)]
 
 
 def delta_forward_result(a):  # _delta_forward's (o, A, final state, w, h, v_new)

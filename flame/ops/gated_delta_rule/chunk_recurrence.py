@@ -128,11 +128,15 @@ def pruner(fitting_configs, tensor: str):
 TUNING_KEY = ["H", "HV", "K", "V", "BT", "USE_G", "STATE_V_FIRST", "PRECISION"]
 
 
-def autotuned(kernel, configs: list[triton.Config], fitting_configs, tensor: str):
+def autotuned(
+    kernel, configs: list[triton.Config], fitting_configs, tensor: str, more_key: tuple[str, ...] = ()
+):
     """``kernel`` tuned over ``configs``, those that do not fit (``fitting_configs``, for the kernel's argument
-    ``tensor``) pruned before compiling."""
+    ``tensor``) pruned before compiling; ``more_key``: the kernel's own arguments its result also depends on."""
     return triton.autotune(
-        configs, key=TUNING_KEY, prune_configs_by={"early_config_prune": pruner(fitting_configs, tensor)}
+        configs,
+        key=[*TUNING_KEY, *more_key],
+        prune_configs_by={"early_config_prune": pruner(fitting_configs, tensor)},
     )(kernel)
 
 

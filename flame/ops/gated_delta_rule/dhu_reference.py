@@ -9,7 +9,10 @@ final state's gradient dht, or zero, before the last chunk):
     dv2_c = 2^(g_last - g) * (k_c dh) + dv_c           (dv the intra-chunk part, chunk_bwd_dv_local's)
     dh = 2^g_last * dh + scale * (2^g * q_c)^T do_c - w_c^T dv2_c
 
-and dh0 = dh after the first chunk. States are [K, V], or [V, K] with ``state_v_first``.
+and dh0 = dh after the first chunk. States are [K, V], or [V, K] with ``state_v_first``. The intra-chunk part,
+FLA's ``chunk_bwd_dv_local``, of token i of a chunk over its tokens j >= i:
+
+    dv_i = sum_j scale * (k_i . q_j) * 2^(g_j - g_i) * do_j
 """
 
 import torch
@@ -17,12 +20,41 @@ import torch
 from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds
 
 
+def chunk_bwd_dv_local_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    do: torch.Tensor,
+    g: torch.Tensor | None = None,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """FLA's ``chunk_bwd_dv_local``: dv like do, the arithmetic in q's dtype."""
+    batch, seq_len, num_heads, key_dim = q.shape
+    num_v_heads = do.shape[2]
+    group = num_v_heads // num_heads
+    scale = key_dim**-0.5 if scale is None else scale
+    starts, ends = chunk_bounds(batch, seq_len, chunk_size, cu_seqlens, q.device)
+    q_flat, k_flat, do_flat = (x.flatten(0, 1) for x in (q, k, do))
+    dv = torch.zeros_like(do_flat)
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        upper = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu()  # key i, query j >= i
+        for head in range(num_v_heads):
+            i_h = head // group
+            scores = scale * k_flat[s:e, i_h] @ q_flat[s:e, i_h].T
+            if g is not None:
+                g_c = g.flatten(0, 1)[s:e, head].to(q.dtype)
+                scores = scores * torch.exp2(torch.where(upper, g_c[None, :] - g_c[:, None], 0.0))
+            dv[s:e, head] = torch.where(upper, scores, 0.0) @ do_flat[s:e, head]
+    return dv.view_as(do)
+
+
 def chunk_bwd_dhu_torch(
     q: torch.Tensor,
     k: torch.Tensor,
     w: torch.Tensor,
     do: torch.Tensor,
-    dv: torch.Tensor,
+    dv: torch.Tensor | None,
     g: torch.Tensor | None = None,
     h0: torch.Tensor | None = None,
     dht: torch.Tensor | None = None,
@@ -31,8 +63,11 @@ def chunk_bwd_dhu_torch(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(dh [B, chunks, HV, K, V] in q's dtype, dh0 in float32 where h0 is given, dv2 like dv), as FLA's function;
-    the arithmetic in q's dtype (float64 for a float64 reference)."""
+    """(dh [B, chunks, HV, K, V] in q's dtype, dh0 in float32 where h0 is given, dv2 like do), as FLA's function;
+    the arithmetic in q's dtype (float64 for a float64 reference). dv None: the intra-chunk part computed here
+    (chunk_bwd_dv_local_torch), as flame's kernel computes it without dv."""
+    if dv is None:
+        dv = chunk_bwd_dv_local_torch(q, k, do, g, scale, cu_seqlens, chunk_size)
     batch, seq_len, num_heads, key_dim = q.shape
     num_v_heads, value_dim = do.shape[2], do.shape[3]
     group = num_v_heads // num_heads

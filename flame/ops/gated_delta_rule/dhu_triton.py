@@ -6,7 +6,9 @@ One program per (value block, sequence x value head), a head's value blocks next
 that they read the head's k, q and w from L2. The program carries its [K, BV] slice of the state gradient through
 the sequence's chunks from the last to the first as one float32 tile (K padded to a power of two), where FLA's
 kernel holds it as up to four 64-wide tiles: per chunk one product k dh for dv2, and q^T do - w^T dv2 for the
-update, each over the whole K at once.
+update, each over the whole K at once. Called without dv, it also forms the intra-chunk part of dv2 (FLA's
+``chunk_bwd_dv_local``: the chunk's scale k q^T, decayed and masked to queries at or after each key, times do)
+from the k, q and do tiles it loads anyway, so that part is neither a kernel of its own nor written and read back.
 """
 
 import functools
@@ -35,7 +37,7 @@ def _dhu_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, LOCAL_DV: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -66,6 +68,9 @@ def _dhu_kernel(
         b_qt = tl.load(q + p_kt, mask=m_kt, other=0.0)
         b_wt = tl.load(w + p_wt, mask=m_kt, other=0.0)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
+        if LOCAL_DV:  # scale k_i . q_j for key i and query j >= i, before q takes its decay
+            b_A = tl.dot(b_k, b_qt, input_precision=PRECISION) * scale
+            m_A = (o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :]
         if USE_G:
             last = tl.minimum((i_t + 1) * BT, T) - 1
             b_g_last = tl.load(g + (bos + last) * HV + i_hv).to(tl.float32)
@@ -73,7 +78,13 @@ def _dhu_kernel(
             b_dv *= tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
             b_dh *= tl.exp2(b_g_last)
             b_qt = (b_qt.to(tl.float32) * tl.exp2(b_g)[None, :]).to(b_k.dtype)
-        b_dv += tl.load(dv + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+            if LOCAL_DV:  # 2^(g_j - g_i) <= 1 where j >= i; the other entries are masked before the exponent
+                b_A *= tl.exp2(tl.where(m_A, b_g[None, :] - b_g[:, None], 0.0))
+        if LOCAL_DV:
+            b_A = tl.where(m_A, b_A, 0.0).to(b_do.dtype)
+            b_dv += tl.dot(b_A, b_do, input_precision=PRECISION)
+        else:
+            b_dv += tl.load(dv + p_tv, mask=m_tv, other=0.0).to(tl.float32)
         tl.store(dv2 + p_tv, b_dv.to(dv2.dtype.element_ty), mask=m_tv)
         b_dh += scale * tl.dot(b_qt, b_do.to(b_qt.dtype), input_precision=PRECISION)
         b_dh -= tl.dot(b_wt, b_dv.to(b_wt.dtype), input_precision=PRECISION)
@@ -96,7 +107,8 @@ def shared_memory_bytes(
 ) -> int:
     """An upper bound on the shared memory a setting needs: each pipeline stage holds a chunk's k, q and w
     ([BT, BK]) and its do and dv ([BT, BV]); key-first states also pass the [BK, BV] tile through shared memory
-    on their way out. Triton's compiler asked for less than this with float32 inputs and within 5% of it with
+    on their way out. Formed in the kernel, the intra-chunk dv replaces the stages' dv tiles with one [BT, BT]
+    tile, no larger for these settings (BV x stages >= BT). Triton's compiler asked for less than this with float32 inputs and within 5% of it with
     bf16 ones (H100, Triton 3.6: 229,376 bytes estimated, up to 232,448 compiled, value-first at K 256 with BV 64
     and 2 stages; 238,084 asked key-first)."""
     chunk_tiles = config.num_stages * chunk_size * (3 * key_block + 2 * config.kwargs["BV"]) * element_size
@@ -107,7 +119,7 @@ def shared_memory_bytes(
 fitting_configs = functools.partial(fitting, TUNING_CONFIGS, shared_memory_bytes)
 
 
-_dhu_kernel_tuned = autotuned(_dhu_kernel, TUNING_CONFIGS, fitting_configs, "q")
+_dhu_kernel_tuned = autotuned(_dhu_kernel, TUNING_CONFIGS, fitting_configs, "q", more_key=("LOCAL_DV",))
 
 
 def serves(q: torch.Tensor, chunk_size: int, state_v_first: bool) -> bool:
@@ -121,7 +133,7 @@ def chunk_bwd_dhu_triton(
     k: torch.Tensor,
     w: torch.Tensor,
     do: torch.Tensor,
-    dv: torch.Tensor,
+    dv: torch.Tensor | None,
     g: torch.Tensor | None = None,
     h0: torch.Tensor | None = None,
     dht: torch.Tensor | None = None,
@@ -133,7 +145,8 @@ def chunk_bwd_dhu_triton(
     launch: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Same arguments and results as FLA's ``chunk_gated_delta_rule_bwd_dhu`` without per-key gates: (dh, dh0,
-    dv2). ``launch`` fixes BV, num_warps and num_stages (needed under Triton's CPU interpreter); by default they are
+    dv2). dv None: the kernel forms the intra-chunk part itself, as FLA's ``chunk_bwd_dv_local`` with the same q,
+    k, g, do, scale and chunks would. ``launch`` fixes BV, num_warps and num_stages (needed under Triton's CPU interpreter); by default they are
     autotuned. chunk_indices (FLA's [chunks, 2], passed inside its backward) give the chunk count under varlen
     without a host sync."""
     batch, seq_len, num_heads, key_dim = q.shape
@@ -156,17 +169,17 @@ def chunk_bwd_dhu_triton(
     state_shape = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
     dh = q.new_empty(rows, chunks, num_v_heads, *state_shape)
     dh0 = torch.empty(h0.shape, dtype=torch.float32, device=q.device) if h0 is not None else None
-    dv2 = torch.empty_like(dv)
+    dv2 = torch.empty_like(do)
     inputs = [x.contiguous() for x in (q, k, w)]
     args = (*inputs, g.contiguous() if g is not None else q, dht.contiguous() if dht is not None else q,
-            dh0 if dh0 is not None else dv2, do.contiguous(), dh, dv.contiguous(), dv2,
+            dh0 if dh0 is not None else dv2, do.contiguous(), dh, dv.contiguous() if dv is not None else do, dv2,
             cu_seqlens if cu_seqlens is not None else q, chunk_offsets if chunk_offsets is not None else q,
             scale, seq_len)  # fmt: skip
     meta = dict(
         H=num_heads, HV=num_v_heads, K=key_dim, V=value_dim, BT=chunk_size,
         BK=key_block(key_dim), USE_G=g is not None, USE_INITIAL_STATE=h0 is not None,
         USE_FINAL_STATE_GRADIENT=dht is not None, STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
-        PRECISION=dot_precision(),
+        PRECISION=dot_precision(), LOCAL_DV=dv is None,
     )  # fmt: skip
     launch_recurrence(_dhu_kernel, _dhu_kernel_tuned, launch, value_dim, sequences * num_v_heads, args, meta)
     return dh, dh0, dv2

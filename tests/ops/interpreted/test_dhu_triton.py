@@ -2,7 +2,8 @@
 
 Inputs are float32 with odd lengths, partial chunks, grouped value heads, varlen, both state layouts, with and
 without the gate, the final state's gradient and the initial state; small value blocks, so that several programs
-share a head. Limit: 1e-5 relative to the largest value of each result (float32 products in another order).
+share a head; dv given, or formed in the kernel (its intra-chunk part, FLA's chunk_bwd_dv_local). Limit: 1e-5
+relative to the largest value of each result (float32 products in another order).
 """
 
 import math
@@ -26,8 +27,11 @@ from tests.ops.chunk_helpers import (
 LAUNCH = {"BV": 16, "num_warps": 4, "num_stages": 1}
 
 
+@pytest.mark.parametrize("local_dv", [False, True], ids=["dv", "local-dv"])
 @pytest.mark.parametrize(INTERPRETED_ARGUMENTS, INTERPRETED_CASES)
-def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, state_v_first, gated, states):
+def test_matches_pytorch(
+    lengths, num_heads, num_v_heads, key_dim, value_dim, state_v_first, gated, states, local_dv
+):
     torch.manual_seed(0)
     chunk_size, scale = 16, 0.37
     batch, seq_len, cu_seqlens, sequences = interpreted_layout(lengths)
@@ -35,7 +39,7 @@ def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, st
     k = torch.randn(batch, seq_len, num_heads, key_dim) / math.sqrt(key_dim)
     w = torch.randn(batch, seq_len, num_v_heads, key_dim) / math.sqrt(key_dim)
     do = torch.randn(batch, seq_len, num_v_heads, value_dim)
-    dv = torch.randn_like(do)
+    dv = None if local_dv else torch.randn_like(do)
     g = None
     if gated:
         g = chunk_local_decay(batch, seq_len, num_v_heads, chunk_size, cu_seqlens, "cpu")
@@ -45,7 +49,7 @@ def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, st
     args = dict(g=g, h0=h0, dht=dht, scale=scale, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
                 chunk_size=chunk_size)  # fmt: skip
 
-    expected = chunk_bwd_dhu_torch(*(x.double() for x in (q, k, w, do, dv)),
+    expected = chunk_bwd_dhu_torch(*(x.double() for x in (q, k, w, do)), None if dv is None else dv.double(),
                                    **as_float64(args))  # fmt: skip
     result = chunk_bwd_dhu_triton(q, k, w, do, dv, **args, launch=LAUNCH)
     if cu_seqlens is not None:  # with FLA's chunk_indices, as its backward passes them: the same results
