@@ -9,8 +9,8 @@ arguments of FLA's `chunk_gated_delta_rule_fwd` / `_bwd` and `chunk_delta_rule_f
 (tests/ops/test_fla_library.py compares them call by call), except the sequential recurrences where flame's
 kernels take the call (bf16, value-first states): the state recurrence (gated_delta_rule/fwd_h_triton.py), in a
 forward that keeps no chunk states the state recurrence and the output in one pass (fwd_o_triton.py), and the dh
-recurrence with the intra-chunk part of dv (dhu_triton.py, in place of chunk_bwd_dv_local and FLA's dh
-recurrence). (The short convolution is flame's own custom op: short_conv/triton_kernel.py.)
+recurrence (dhu_triton.py; for small heads with the intra-chunk part of dv, in place of chunk_bwd_dv_local
+too). (The short convolution is flame's own custom op: short_conv/triton_kernel.py.)
 
 Composing the kernels gives one choice FLA does not offer (`set_chunk_states`): the forward can keep what its state
 recurrence made, the chunk states h (one [K, V] state per 64 tokens and value head), the WY keys w and the new
@@ -160,7 +160,7 @@ def _recurrence_backward(fla, q, k, v, g, beta, A, scale, initial_state, do, dht
     namespace ``fla``: w, h and v_new recomputed unless the forward kept them, then the state recurrence's backward
     and the gradients of q, k and w: (dq, dk, dw, dg (None for the plain rule), dv, dh0). The state recurrence and
     its backward are flame's kernels (fwd_h_triton.py, dhu_triton.py) where they serve the call, FLA's elsewhere;
-    flame's dh recurrence also forms the intra-chunk dv that FLA's chunk_bwd_dv_local computes for FLA's."""
+    flame's dh recurrence also forms the intra-chunk dv (FLA's chunk_bwd_dv_local) where that is faster."""
     from flame.ops.gated_delta_rule import dhu_triton
 
     if h is None:
@@ -177,11 +177,11 @@ def _recurrence_backward(fla, q, k, v, g, beta, A, scale, initial_state, do, dht
             chunk_size=chunk_size,
             **indices,
         )
-    if dhu_triton.serves(q, chunk_size, state_v_first):
-        dh_recurrence = dhu_triton.chunk_bwd_dhu_triton
+    flames_dhu = dhu_triton.serves(q, chunk_size, state_v_first)
+    dh_recurrence = dhu_triton.chunk_bwd_dhu_triton if flames_dhu else fla.chunk_gated_delta_rule_bwd_dhu
+    if flames_dhu and dhu_triton.forms_local_dv(q, do):
         dv = None  # its intra-chunk part formed in flame's kernel
     else:
-        dh_recurrence = fla.chunk_gated_delta_rule_bwd_dhu
         dv = fla.chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=scale, chunk_size=chunk_size, **indices)
     dh, dh0, dv = dh_recurrence(
         q=q,

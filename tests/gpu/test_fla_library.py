@@ -4,8 +4,9 @@
   registration, and tracing by AOTAutograd with dynamic shapes.
 - The custom ops give the outputs and gradients of FLA's own autograd Functions: with FLA's recurrences the same
   Triton kernels run on the same inputs (relative RMS difference <= 1e-3, see SAME_KERNELS_LIMIT); with flame's
-  state recurrence, its pass with the output and the dh recurrence with the intra-chunk dv (fwd_h_triton.py, fwd_o_triton.py,
-  dhu_triton.py: what training runs for value-first states) within bf16 rounding (FLAME_RECURRENCES_LIMIT).
+  state recurrence, its pass with the output and the dh recurrence, with the intra-chunk dv where it forms it
+  (fwd_h_triton.py, fwd_o_triton.py, dhu_triton.py: what training runs for value-first states) within bf16
+  rounding (FLAME_RECURRENCES_LIMIT).
 - A compiled Gated DeltaNet or DeltaNet layer is one graph (fullgraph=True compiles) and matches the eager layer.
 Eager training keeps FLA's own Functions (tested against the PyTorch reference in test_linear_attention_ops.py
 and test_model_parity.py); the custom ops serve torch.compile, whose layer the last test compares with eager.

@@ -1,11 +1,12 @@
 """The sequential recurrences' shared-memory bounds (fwd_h, fwd_o and dhu's ``shared_memory_bytes``, by which
 chunk_recurrence.fitting keeps a launch setting out of tuning) against Triton's own compiler: each kernel compiled
-on the CPU for an H100 (sm_90, no GPU needed) in each form (dhu with dv given and with it formed in the kernel) at
-each of its tuning settings, K 128 and the 340M model's K 256, bf16 and float32 inputs, both state layouts. A setting the bound admits within the H100's shared memory compiles
-within it, so tuning and the GPU tests launch only settings the GPU can run; with bf16 inputs (training's) the
-compiled kernel takes no more than the bound. (With float32 inputs and value-first states the compiler asks up to
-4.6% more than the bound, in settings over the H100's shared memory either way but fwd_h's BV 64, 2 stages at K
-128: 196,868 bytes against the bound's 196,608, Triton 3.6 and 3.7.)"""
+on the CPU for an H100 (sm_90, no GPU needed) in each form (dhu with dv given and with it formed in the kernel)
+at each of its tuning settings, K 128 and the 340M model's K 256, bf16 and float32 inputs, both state layouts. A
+setting the bound admits within the H100's shared memory compiles within it, so tuning and the GPU tests launch
+only settings the GPU can run; with bf16 inputs (training's) the compiled kernel takes no more than the bound.
+(With float32 inputs and value-first states the compiler asks up to 4.6% more than the bound, in settings over
+the H100's shared memory either way but fwd_h's BV 64, 2 stages at K 128: 196,868 bytes against the bound's
+196,608, Triton 3.6 and 3.7.)"""
 
 import importlib
 

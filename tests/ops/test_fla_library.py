@@ -615,15 +615,18 @@ def test_backward_runs_fla_kernels_as_fla_does(rule, case, fla_calls):
     assert named(ours, names) == named(theirs, fla_names)
 
 
+@pytest.mark.parametrize("forms_dv", [True, False], ids=["forms-dv", "takes-dv"])
 @pytest.mark.parametrize(("rule", "case"), RULE_CASES, ids=[f"{rule}-{case}" for rule, case in RULE_CASES])
-def test_backward_where_flames_dh_recurrence_serves_forms_dv_in_it(rule, case, fla_calls, monkeypatch):
-    """Where flame's dh recurrence serves the call (dhu_triton.py, made to serve here) it takes the place of FLA's
-    chunk_bwd_dv_local and dh recurrence: called with their arguments and no dv, its results take the place of the
-    dh recurrence's in the gradients of q, k and w and in the op's results."""
+def test_backward_where_flames_dh_recurrence_serves(rule, case, forms_dv, fla_calls, monkeypatch):
+    """Where flame's dh recurrence serves the call (dhu_triton.py, made to serve here) it takes the place of FLA's:
+    called with its arguments, its results take the place of FLA's in the gradients of q, k and w and in the op's
+    results. Where it forms the intra-chunk dv (forms_local_dv) it also takes the place of FLA's chunk_bwd_dv_local
+    and is called without dv; elsewhere it takes chunk_bwd_dv_local's result."""
     spec, inputs, arguments, theirs, fla_sequence, fla_names = run_fla(rule, case, "backward", fla_calls)
 
     flames = inspect.signature(dhu_triton.chunk_bwd_dhu_triton).parameters
     monkeypatch.setattr(dhu_triton, "serves", lambda q, chunk_size, state_v_first: True)
+    monkeypatch.setattr(dhu_triton, "forms_local_dv", lambda q, do: forms_dv)
 
     def dhu_result(a):  # (dh, dh0, dv2), dv2 like do
         return GDN_KERNELS["chunk_gated_delta_rule_bwd_dhu"]({**a, "dv": a["do"]})
@@ -641,8 +644,7 @@ def test_backward_where_flames_dh_recurrence_serves_forms_dv_in_it(rule, case, f
         gk=None, chunk_offsets=None, use_graph=False
     )
     dhu_call = {key: fla_dhu_call.get(key) for key in flames}
-    assert dhu_call.pop("dv") == f"{dv_local}#0[0]"
-    dhu_call = {**dhu_call, "dv": None}
+    assert dhu_call["dv"] == f"{dv_local}#0[0]"
     flame_dhu = "chunk_bwd_dhu_triton#0"
 
     def renamed(value):  # FLA's dh recurrence's outputs are flame's kernel's in flame's backward
@@ -651,8 +653,18 @@ def test_backward_where_flames_dh_recurrence_serves_forms_dv_in_it(rule, case, f
     rest = [
         (name, {key: renamed(value) for key, value in call.items()}) for name, call in fla_sequence[at + 2 :]
     ]
-    assert sequence == [*fla_sequence[:at], ("chunk_bwd_dhu_triton", dhu_call), *rest]
+    before = fla_sequence[:at] if forms_dv else fla_sequence[: at + 1]
+    dhu_call = {**dhu_call, "dv": None} if forms_dv else dhu_call
+    assert sequence == [*before, ("chunk_bwd_dhu_triton", dhu_call), *rest]
     assert named(ours, names) == [renamed(value) for value in named(theirs, fla_names)]
+
+
+def test_flames_dh_recurrence_forms_dv_for_the_heads_where_that_was_faster():
+    """forms_local_dv follows its H100 measurements: formed at K 128 x V 128 (and smaller heads), not at 16x96x192
+    or the 340M model's 256 x 512."""
+    heads = [(64, 64), (128, 128), (96, 192), (256, 512)]
+    formed = [dhu_triton.forms_local_dv(torch.empty(1, 1, 1, k), torch.empty(1, 1, 1, v)) for k, v in heads]
+    assert formed == [True, True, False, False]
 
 
 def delta_forward_result(a):  # _delta_forward's (o, A, final state, w, h, v_new)

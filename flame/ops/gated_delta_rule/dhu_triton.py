@@ -108,9 +108,9 @@ def shared_memory_bytes(
     """An upper bound on the shared memory a setting needs: each pipeline stage holds a chunk's k, q and w
     ([BT, BK]) and its do and dv ([BT, BV]); key-first states also pass the [BK, BV] tile through shared memory
     on their way out. Formed in the kernel, the intra-chunk dv replaces the stages' dv tiles with one [BT, BT]
-    tile, no larger for these settings (BV x stages >= BT). Triton's compiler asked for less than this with float32 inputs and within 5% of it with
-    bf16 ones (H100, Triton 3.6: 229,376 bytes estimated, up to 232,448 compiled, value-first at K 256 with BV 64
-    and 2 stages; 238,084 asked key-first)."""
+    tile, no larger for these settings (BV x stages >= BT). Triton's compiler asked for less than this with
+    float32 inputs and within 5% of it with bf16 ones (H100, Triton 3.6: 229,376 bytes estimated, up to 232,448
+    compiled, value-first at K 256 with BV 64 and 2 stages; 238,084 asked key-first)."""
     chunk_tiles = config.num_stages * chunk_size * (3 * key_block + 2 * config.kwargs["BV"]) * element_size
     return chunk_tiles + (0 if state_v_first else key_block * config.kwargs["BV"] * element_size)
 
@@ -126,6 +126,15 @@ def serves(q: torch.Tensor, chunk_size: int, state_v_first: bool) -> bool:
     """Whether training runs flame's kernel for this call (chunk_recurrence.takes). Key-first states stay on FLA's
     kernel: at K 256 only BV 32 fits them, the setting that is slower than FLA's kernel value-first."""
     return takes(q, chunk_size, state_v_first, fitting_configs)
+
+
+def forms_local_dv(q: torch.Tensor, do: torch.Tensor) -> bool:
+    """Whether training, where the kernel serves, lets it form the intra-chunk dv rather than run FLA's
+    chunk_bwd_dv_local first. Every value block recomputes the chunk's [BT, BT] scores k q^T, so the extra work grows
+    with K x V. On an H100 (2026-12-07, 8 x 2048 tokens, bf16) forming it won at 16x128x128 (0.256 ms against 0.279
+    for chunk_bwd_dv_local then this kernel) and lost at 16x96x192 (0.376 against 0.352) and 6x256x512 (0.992
+    against 0.747)."""
+    return q.shape[-1] * do.shape[-1] <= 128 * 128
 
 
 def chunk_bwd_dhu_triton(
@@ -146,9 +155,9 @@ def chunk_bwd_dhu_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Same arguments and results as FLA's ``chunk_gated_delta_rule_bwd_dhu`` without per-key gates: (dh, dh0,
     dv2). dv None: the kernel forms the intra-chunk part itself, as FLA's ``chunk_bwd_dv_local`` with the same q,
-    k, g, do, scale and chunks would. ``launch`` fixes BV, num_warps and num_stages (needed under Triton's CPU interpreter); by default they are
-    autotuned. chunk_indices (FLA's [chunks, 2], passed inside its backward) give the chunk count under varlen
-    without a host sync."""
+    k, g, do, scale and chunks would. ``launch`` fixes BV, num_warps and num_stages (needed under Triton's CPU
+    interpreter); by default they are autotuned. chunk_indices (FLA's [chunks, 2], passed inside its backward) give
+    the chunk count under varlen without a host sync."""
     batch, seq_len, num_heads, key_dim = q.shape
     num_v_heads, value_dim = do.shape[2], do.shape[3]
     check_call(
