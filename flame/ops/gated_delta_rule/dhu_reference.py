@@ -35,17 +35,17 @@ def chunk_bwd_dv_local_torch(
     group = num_v_heads // num_heads
     scale = key_dim**-0.5 if scale is None else scale
     starts, ends = chunk_bounds(batch, seq_len, chunk_size, cu_seqlens, q.device)
-    q_flat, k_flat, do_flat = (x.flatten(0, 1) for x in (q, k, do))
+    q_flat, k_flat = (x.flatten(0, 1).repeat_interleave(group, dim=1) for x in (q, k))  # per value head
+    do_flat = do.flatten(0, 1)
+    g_flat = g.flatten(0, 1).to(q.dtype) if g is not None else None
     dv = torch.zeros_like(do_flat)
     for s, e in zip(starts.tolist(), ends.tolist()):
         upper = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu()  # key i, query j >= i
-        for head in range(num_v_heads):
-            i_h = head // group
-            scores = scale * k_flat[s:e, i_h] @ q_flat[s:e, i_h].T
-            if g is not None:
-                g_c = g.flatten(0, 1)[s:e, head].to(q.dtype)
-                scores = scores * torch.exp2(torch.where(upper, g_c[None, :] - g_c[:, None], 0.0))
-            dv[s:e, head] = torch.where(upper, scores, 0.0) @ do_flat[s:e, head]
+        scores = scale * torch.einsum("ihk,jhk->hij", k_flat[s:e], q_flat[s:e])
+        if g_flat is not None:
+            g_c = g_flat[s:e].T  # [HV, tokens]
+            scores = scores * torch.exp2(torch.where(upper, g_c[:, None, :] - g_c[:, :, None], 0.0))
+        dv[s:e] = torch.einsum("hij,jhv->ihv", torch.where(upper, scores, 0.0), do_flat[s:e])
     return dv.view_as(do)
 
 
