@@ -58,6 +58,7 @@ PHASES = (
     ("step 1", FIRST_STEP),  # compilation, Triton's compiling and autotuning, CUDA graph capture, the step
 )
 SHIPPED = re.compile(r"wrote (\d+) of flame's tuning results")
+TUNED = re.compile(r"tuned Triton kernel \S+ over \d+ settings in ([\d.]+) s")  # flame.ops.autotune, per rank
 CASES = ("fresh", "fresh, shipped tuning, no prewarm", "fresh, shipped tuning", "warm")
 CASE_NAMES = dict(zip(("fresh", "noprewarm", "shipped", "warm"), CASES))  # --cases' names
 SHIPPED_VOCAB = 4096  # the default job's tokenizer (flame/assets/tokenizer)
@@ -90,8 +91,9 @@ def time_to_first_step(
     command: list[str], env: dict[str, str], log: Path, timeout_s: float
 ) -> tuple[float, str, dict[str, float]]:
     """(seconds from the launch to the first step's log line, or NaN; what the row needs from the launch: the
-    shipped results written, or why no step came; the seconds of each of ``PHASES`` the launch finished). The
-    launch runs to its end; at ``timeout_s`` its whole process group is killed."""
+    shipped results written and the kernels the ranks tuned (flame.ops.autotune logs each), or why no step came;
+    the seconds of each of ``PHASES`` the launch finished). The launch runs to its end; at ``timeout_s`` its whole
+    process group is killed."""
     started = time.perf_counter()
     first = float("nan")
     ends: dict[str, float] = {}
@@ -117,8 +119,12 @@ def time_to_first_step(
     timed_out = time.perf_counter() - started >= timeout_s
     log.write_text("".join(lines))
     shipped = [int(m[1]) for line in lines if (m := SHIPPED.search(line))]
+    tuned = [float(m[1]) for line in lines if (m := TUNED.search(line))]
     if first == first:
-        note = f"shipped results written: {shipped[0]}" if shipped else ""
+        notes = [f"shipped results written: {shipped[0]}"] if shipped else []
+        if tuned:
+            notes.append(f"kernels tuned by the ranks: {len(tuned)} ({sum(tuned):.1f} s)")
+        note = "; ".join(notes)
     elif timed_out:
         note = f"no step within {timeout_s:.0f} s"
     else:

@@ -155,10 +155,22 @@ def locked(check_disk_cache: Callable, directory: Path) -> Callable:
             return check_disk_cache(tuner, tuning_key, configs, bench_fn)
         identity = "-".join([kernel_identity(tuner), str(tuning_key), *map(str, configs)])
         with host_lock(directory / (hashlib.sha256(identity.encode()).hexdigest() + ".lock")):
-            return check_disk_cache(tuner, tuning_key, configs, bench_fn)
+            began = time.monotonic()
+            found = check_disk_cache(tuner, tuning_key, configs, bench_fn)
+        if not found:
+            logger.info(
+                f"tuned Triton kernel {kernel_name(tuner)} over {len(configs)} settings in "
+                f"{time.monotonic() - began:.1f} s: neither Triton's cache nor flame's shipped tuning held a "
+                f"result for this GPU, kernel source and key {tuning_key}"
+            )
+        return found
 
     wrapper.flame_locked = True
     return wrapper
+
+
+def kernel_name(tuner) -> str:
+    return getattr(getattr(tuner, "base_fn", None), "__name__", "(unnamed)")
 
 
 def kernel_identity(tuner) -> str:

@@ -23,8 +23,10 @@ BENCH_S = 0.3
 
 
 def tuner(name: str = "kernel-a"):
-    # A JIT function (it has the cache key) inside a heuristics wrapper, as FLA's kernels are.
-    return SimpleNamespace(fn=SimpleNamespace(fn=SimpleNamespace(cache_key=name)))
+    # A JIT function (it has the cache key) inside a heuristics wrapper, as FLA's kernels are; base_fn names it.
+    return SimpleNamespace(
+        fn=SimpleNamespace(fn=SimpleNamespace(cache_key=name)), base_fn=SimpleNamespace(__name__=name)
+    )
 
 
 CONFIGS = [SimpleNamespace(pre_hook=None, block=16), SimpleNamespace(pre_hook=None, block=32)]
@@ -129,6 +131,25 @@ def test_a_wait_past_the_limit_tunes_here_with_one_warning(tmp_path, monkeypatch
         holder.join(30)
     assert 0.3 <= waited < 30  # given up at WAIT_S, not when the holder let go (30 s)
     assert [r.getMessage() for r in caplog.records if "tuning it here too" in r.getMessage()] != []
+
+
+def test_a_kernel_tuned_here_is_logged_once_and_one_read_from_the_cache_is_not(tmp_path, caplog):
+    record = []
+    check = autotune.locked(make_check_disk_cache(tmp_path, record), tmp_path / "locks")
+
+    def bench(choice):
+        time.sleep(0.2)
+        record.append(("benchmarked", choice))
+
+    with caplog.at_level(logging.INFO, logger=autotune.__name__):
+        check(tuner(), (2048, 128), CONFIGS, lambda: bench(7))
+        check(tuner(), (2048, 128), CONFIGS, lambda: bench(8))
+    assert record == [("benchmarked", 7), ("read", 7)]
+    lines = [r.getMessage() for r in caplog.records if "tuned Triton kernel" in r.getMessage()]
+    assert len(lines) == 1
+    assert re.match(
+        r"tuned Triton kernel kernel-a over 2 settings in 0\.[2-9] s: .* key \(2048, 128\)$", lines[0]
+    )
 
 
 def test_configurations_with_pre_hooks_are_not_locked(tmp_path):
@@ -375,7 +396,7 @@ def test_the_bundle_script_reads_a_cache_archive(tmp_path, capsys):
         script.main([str(cache / ("A" * 52)), *h100])
 
 
-CONFIGS = [triton.Config({"BLOCK": block}) for block in (16, 32, 64)]
+TRITON_CONFIGS = [triton.Config({"BLOCK": block}) for block in (16, 32, 64)]
 
 
 def autotuned_kernel_of(module: str):
@@ -383,7 +404,7 @@ def autotuned_kernel_of(module: str):
         pass
 
     kernel.__module__ = module
-    return triton.autotune(configs=CONFIGS, key=[])(triton.jit(kernel))
+    return triton.autotune(configs=TRITON_CONFIGS, key=[])(triton.jit(kernel))
 
 
 def benchmarked_configs(kernel, runs) -> tuple[list[int], triton.Config]:
@@ -410,15 +431,15 @@ def benchmarked_configs(kernel, runs) -> tuple[list[int], triton.Config]:
 
 def test_fla_kernels_run_their_first_config_that_runs_and_others_tune():
     fla_kernel = autotuned_kernel_of("fla.ops.gated_delta_rule.chunk")
-    assert benchmarked_configs(fla_kernel, lambda block: True) == ([16], CONFIGS[0])
+    assert benchmarked_configs(fla_kernel, lambda block: True) == ([16], TRITON_CONFIGS[0])
     # The first config does not fit the GPU (Triton's benchmark reports it as not run): the next one serves.
-    assert benchmarked_configs(fla_kernel, lambda block: block > 16) == ([16, 32], CONFIGS[1])
+    assert benchmarked_configs(fla_kernel, lambda block: block > 16) == ([16, 32], TRITON_CONFIGS[1])
     # A new round (another key) starts again from the first config.
-    assert benchmarked_configs(fla_kernel, lambda block: True) == ([16], CONFIGS[0])
+    assert benchmarked_configs(fla_kernel, lambda block: True) == ([16], TRITON_CONFIGS[0])
     for module in ("flame.ops.short_conv.triton_kernel", "flash_qla.ops"):
         assert benchmarked_configs(autotuned_kernel_of(module), lambda block: True) == (
             [16, 32, 64],
-            CONFIGS[2],
+            TRITON_CONFIGS[2],
         )
 
 
@@ -430,11 +451,11 @@ def test_a_kernels_own_pruning_comes_first():
         pass
 
     kernel.__module__ = "fla.ops.y"
-    tuned = triton.autotune(configs=CONFIGS, key=[], prune_configs_by={"early_config_prune": keep_large})(
-        triton.jit(kernel)
-    )
+    tuned = triton.autotune(
+        configs=TRITON_CONFIGS, key=[], prune_configs_by={"early_config_prune": keep_large}
+    )(triton.jit(kernel))
     tuned.nargs = {"x": None}
-    assert benchmarked_configs(tuned, lambda block: True) == ([32], CONFIGS[1])
+    assert benchmarked_configs(tuned, lambda block: True) == ([32], TRITON_CONFIGS[1])
 
 
 def test_fla_kernels_first_configs_stay_out_of_tritons_cache_and_the_autotuner_is_restored():
@@ -451,7 +472,7 @@ def test_fla_kernels_first_configs_stay_out_of_tritons_cache_and_the_autotuner_i
             for module in ("fla.ops.x", "flame.ops.y"):
                 kernel = autotuned_kernel_of(module)
                 assert kernel.check_disk_cache(
-                    ("key",), CONFIGS, lambda module=module: benched.append(module)
+                    ("key",), TRITON_CONFIGS, lambda module=module: benched.append(module)
                 ) == (module == "flame.ops.y")
         assert benched == ["fla.ops.x"] and seen == ["flame.ops.y"]  # FLA's: benchmarked, never cached
     finally:

@@ -2,9 +2,12 @@
 output as it comes, the shipped tuning results it reports, a launch past its time limit killed with its children,
 and each case's caches: fresh and fresh-with-shipped-tuning empty and apart, warm the second one's again."""
 
+import logging
+import re
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -38,6 +41,30 @@ def test_the_first_step_line_is_timed_as_it_comes(tmp_path):
     # step's 0.5 s sleep reads as at least 0.4 s on a loaded machine (0.498 s seen in CI).
     assert phases["start"] >= 0.3 and phases["setup"] < 0.25 and phases["step 1"] >= 0.4
     assert "step  1/1" in (tmp_path / "a.log").read_text()
+
+
+def test_the_kernels_the_ranks_tuned_are_counted(tmp_path, caplog):
+    """The rank's lines as flame.ops.autotune writes them, for one kernel tuned at two keys, 0.2 s and 0.3 s."""
+    from flame.ops import autotune
+
+    def benchmark_and_write(
+        tuner, key, configs, bench
+    ):  # Triton's check_disk_cache where the cache holds none
+        bench()
+        return False
+
+    check = autotune.locked(benchmark_and_write, tmp_path / "locks")
+    kernel = SimpleNamespace(
+        base_fn=SimpleNamespace(__name__="_dhu_kernel"), fn=SimpleNamespace(cache_key="k")
+    )
+    configs = [SimpleNamespace(pre_hook=None, block=block) for block in (16, 32)]
+    with caplog.at_level(logging.INFO, logger=autotune.__name__):
+        check(kernel, (6, 256), configs, lambda: time.sleep(0.2))
+        check(kernel, (16, 96), configs, lambda: time.sleep(0.3))
+    prints = "".join(f"print({f'[rank0]: {r.getMessage()}'!r}, flush=True)\n" for r in caplog.records)
+    launch = python(f"{prints}print('[rank0]:[titan] step  1/1  loss 8.3606', flush=True)\n")
+    seconds, note, _ = first_step.time_to_first_step(launch, {}, tmp_path / "t.log", 30)
+    assert seconds == seconds and re.fullmatch(r"kernels tuned by the ranks: 2 \(0\.[5-9] s\)", note)
 
 
 def test_a_launch_without_a_step_says_why(tmp_path):
