@@ -25,8 +25,10 @@ default), ``--compile.enable`` on a GPU, no checkpoint, the shipped corpus; the 
 ``step 1/1`` log line (the process's start, imports, model build, compilation, tuning and the step itself), and a
 launch gets ``--timeout_s``. The table splits each launch's time at the first line of each phase (``PHASES``): start
 (to the rank's first log line: the pre-flight, the launcher, imports), setup (to "Training starts": model build,
-parallelize, data) and step 1 (compilation, Triton's compiling and tuning, the step). Prints the table and, on a GPU, writes it into docs/performance.md between
-``<!-- bench_first_step -->`` markers with the command, device and date.
+parallelize, data) and step 1 (compilation, Triton's compiling and tuning, the step). A launch's notes count the
+kernels its rank and its prewarm tuned, and their seconds (flame.ops.autotune's log lines): none where the shipped
+tuning holds every kernel, shape and kernel source the model calls. Prints the table and, on a GPU, writes it into
+docs/performance.md between ``<!-- bench_first_step -->`` markers with the command, device and date.
 """
 
 import argparse
@@ -58,7 +60,9 @@ PHASES = (
     ("step 1", FIRST_STEP),  # compilation, Triton's compiling and autotuning, CUDA graph capture, the step
 )
 SHIPPED = re.compile(r"wrote (\d+) of flame's tuning results")
-TUNED = re.compile(r"tuned Triton kernel \S+ over \d+ settings in ([\d.]+) s")  # flame.ops.autotune, per rank
+TUNED = re.compile(
+    r"tuned Triton kernel \S+ over \d+ settings in ([\d.]+) s"
+)  # flame.ops.autotune, per process
 CASES = ("fresh", "fresh, shipped tuning, no prewarm", "fresh, shipped tuning", "warm")
 CASE_NAMES = dict(zip(("fresh", "noprewarm", "shipped", "warm"), CASES))  # --cases' names
 SHIPPED_VOCAB = 4096  # the default job's tokenizer (flame/assets/tokenizer)
@@ -154,13 +158,25 @@ def measure_model(name: str, args, work: Path) -> dict:
         (CASES[3], shipped, True, True),
     )
     for case, caches, shipped_tuning, prewarm in (launch for launch in launches if launch[0] in args.cases):
-        command = launch_command(config, folder / f"dump-{len(row['seconds'])}", args)
+        dump = folder / f"dump-{len(row['seconds'])}"
         seconds, note, phases = time_to_first_step(
-            command, case_env(caches, shipped_tuning, prewarm), folder / f"{case}.log", args.timeout_s
+            launch_command(config, dump, args),
+            case_env(caches, shipped_tuning, prewarm),
+            folder / f"{case}.log",
+            args.timeout_s,
         )
+        note = "; ".join(filter(None, [note, prewarm_tuning(dump)]))
         row["seconds"][case], row["notes"][case], row["phases"][case] = seconds, note, phases
         print(f"{name}, {case}: {seconds:.1f} s ({phase_text(phases)}) {note}".rstrip(), flush=True)
     return row
+
+
+def prewarm_tuning(dump: Path) -> str:
+    """The kernels the launch's prewarm tuned, from its log (train.sh's <dump_folder>/logs/prewarm.log)."""
+    log = dump / "logs" / "prewarm.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    tuned = [float(m[1]) for line in lines if (m := TUNED.search(line))]
+    return f"kernels tuned by the prewarm: {len(tuned)} ({sum(tuned):.1f} s)" if tuned else ""
 
 
 def phase_text(phases: dict[str, float]) -> str:

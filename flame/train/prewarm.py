@@ -12,11 +12,13 @@ Triton cache while the ranks import, build their model and compile, and the rank
 
 The ranks do not depend on it: it uses at most a tenth of the GPU's memory, leaves out jobs whose ranks reshape the
 blocks (tensor, context or pipeline parallelism) and models other than flame's own decoder families (transformers'
-and FLA's classes), and a failure ends it with one line in <dump_folder>/logs/prewarm.log. ``FLAME_PREWARM=0``
+and FLA's classes), and a failure ends it with one line in <dump_folder>/logs/prewarm.log. That log also has
+flame.ops.autotune's lines: the shipped tuning results written and each kernel the prewarm tuned. ``FLAME_PREWARM=0``
 turns it off.
 """
 
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -31,6 +33,8 @@ from flame.models.common.decoder import DecoderLM
 from flame.models.custom import import_custom_modules
 
 MEMORY_FRACTION = 0.1
+# flame.ops.autotune's lines (the shipped tuning results written, each kernel tuned here), into the prewarm's log.
+TUNING_LOG = logging.getLogger("flame.ops.autotune")
 # dynamo's graph run by PyTorch: the custom ops the compiled blocks call, without AOTAutograd's tracing or inductor's
 # compiling (tests/gpu/test_prewarm.py: the rank then finds every FLA and flame kernel it calls compiled).
 BACKEND = "eager"
@@ -152,12 +156,18 @@ def prewarm(job_config, device: torch.device, world_size: int = 1) -> str:
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     world_size = int(os.environ.get("NGPU", "1")) * int(os.environ.get("NNODE", "1"))
+    tuning_lines = logging.StreamHandler(sys.stdout)
+    tuning_lines.setFormatter(logging.Formatter("prewarm: %(message)s"))
+    TUNING_LOG.addHandler(tuning_lines)
+    TUNING_LOG.setLevel(logging.INFO)
     try:
         job_config = parse_args(sys.argv[1:] if argv is None else argv)
         summary = prewarm(job_config, torch.device("cuda", 0), world_size)  # the first visible GPU
     except Exception as e:  # the ranks compile what is missing themselves
         print(f"prewarm: stopped: {first_line(e)}", flush=True)
         return 1
+    finally:
+        TUNING_LOG.removeHandler(tuning_lines)
     print(f"prewarm: {summary} in {time.perf_counter() - started:.1f} s", flush=True)
     return 0
 

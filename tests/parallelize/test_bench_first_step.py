@@ -43,8 +43,8 @@ def test_the_first_step_line_is_timed_as_it_comes(tmp_path):
     assert "step  1/1" in (tmp_path / "a.log").read_text()
 
 
-def test_the_kernels_the_ranks_tuned_are_counted(tmp_path, caplog):
-    """The rank's lines as flame.ops.autotune writes them, for one kernel tuned at two keys, 0.2 s and 0.3 s."""
+def tuning_lines(tmp_path, caplog, seconds: list[float]) -> list[str]:
+    """flame.ops.autotune's lines for one kernel tuned at a key per entry of ``seconds``, each taking that long."""
     from flame.ops import autotune
 
     def benchmark_and_write(
@@ -59,12 +59,29 @@ def test_the_kernels_the_ranks_tuned_are_counted(tmp_path, caplog):
     )
     configs = [SimpleNamespace(pre_hook=None, block=block) for block in (16, 32)]
     with caplog.at_level(logging.INFO, logger=autotune.__name__):
-        check(kernel, (6, 256), configs, lambda: time.sleep(0.2))
-        check(kernel, (16, 96), configs, lambda: time.sleep(0.3))
-    prints = "".join(f"print({f'[rank0]: {r.getMessage()}'!r}, flush=True)\n" for r in caplog.records)
+        for key, wait in enumerate(seconds):
+            check(kernel, (key, 256), configs, lambda wait=wait: time.sleep(wait))
+    return [r.getMessage() for r in caplog.records if "tuned Triton kernel" in r.getMessage()]
+
+
+def test_the_kernels_the_ranks_tuned_are_counted(tmp_path, caplog):
+    prints = "".join(
+        f"print({f'[rank0]: {line}'!r}, flush=True)\n" for line in tuning_lines(tmp_path, caplog, [0.2, 0.3])
+    )
     launch = python(f"{prints}print('[rank0]:[titan] step  1/1  loss 8.3606', flush=True)\n")
     seconds, note, _ = first_step.time_to_first_step(launch, {}, tmp_path / "t.log", 30)
     assert seconds == seconds and re.fullmatch(r"kernels tuned by the ranks: 2 \(0\.[5-9] s\)", note)
+
+
+def test_the_kernels_the_prewarm_tuned_are_counted_from_its_log(tmp_path, caplog):
+    dump = tmp_path / "dump"
+    assert first_step.prewarm_tuning(dump) == ""  # no prewarm (a CPU launch, or FLAME_PREWARM=0)
+    (dump / "logs").mkdir(parents=True)
+    lines = [f"prewarm: {line}" for line in tuning_lines(tmp_path, caplog, [0.2])]
+    (dump / "logs" / "prewarm.log").write_text(
+        "\n".join([*lines, "prewarm: gated_deltanet: layers 0 in 9.0 s"])
+    )
+    assert re.fullmatch(r"kernels tuned by the prewarm: 1 \(0\.[2-9] s\)", first_step.prewarm_tuning(dump))
 
 
 def test_a_launch_without_a_step_says_why(tmp_path):

@@ -110,6 +110,25 @@ def test_a_failure_is_one_line_and_exit_status_1(tmp_path, capsys):
     assert len(out) == 1 and out[0].startswith("prewarm: stopped: ") and "missing.json" in out[0]
 
 
+def test_its_log_has_the_kernels_it_tuned(monkeypatch, capsys):
+    """flame.ops.autotune's lines, as the prewarm's Triton calls write them on a GPU, come before its summary."""
+    import logging
+
+    def prewarm_that_tunes(job_config, device, world_size):
+        logging.getLogger("flame.ops.autotune").info(
+            "tuned Triton kernel _dhu_kernel over 2 settings in 1.5 s"
+        )
+        return "gated_deltanet: layers 0 (GatedDeltaNet) forward and backward at 8 x 2048, eager"
+
+    monkeypatch.setattr(prewarm, "prewarm", prewarm_that_tunes)
+    handlers = list(prewarm.TUNING_LOG.handlers)
+    assert prewarm.main(["--model.config", str(REPO / "configs/gated_deltanet_340M.json")]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0] == "prewarm: tuned Triton kernel _dhu_kernel over 2 settings in 1.5 s"
+    assert len(out) == 2 and out[1].startswith("prewarm: gated_deltanet: layers 0")
+    assert prewarm.TUNING_LOG.handlers == handlers  # the log's handler goes with the call
+
+
 @pytest.mark.parametrize("prewarm_flag", ["1", "0"])
 def test_train_sh_starts_it_where_a_gpu_is_listed_and_trains_whatever_it_does(tmp_path, prewarm_flag):
     """train.sh on a machine whose nvidia-smi lists a GPU (a stand-in here, with no CUDA behind it) starts the
