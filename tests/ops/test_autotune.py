@@ -340,6 +340,56 @@ def test_the_shipped_bundles_are_tritons_cache_entries():
                 assert Config(**config).num_warps >= 1 and timings, name
 
 
+def flames_tuning_keys() -> dict[str, list[list[str]]]:
+    """The tuning key of each of flame's autotuned Triton kernels, by kernel name (two kernels share a name)."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.autotuner import Autotuner
+
+    import flame.ops
+
+    keys = {}
+    for module in pkgutil.walk_packages(flame.ops.__path__, "flame.ops."):
+        for value in vars(importlib.import_module(module.name)).values():
+            if isinstance(value, Autotuner):
+                keys.setdefault(value.base_fn.__name__, []).append(list(value.keys))
+    return keys
+
+
+def test_the_shipped_entries_of_flames_kernels_have_the_keys_their_autotuners_make():
+    """Triton files a result under the key's values, then its tensors' dtypes: an entry whose values are not the
+    autotuner's key as the kernel is now (a key argument added or removed) is one no call makes, and the kernel
+    tunes on a fresh machine. A kernel whose key changes has its entries dropped until a GPU tunes them again."""
+
+    def is_dtype(value) -> bool:
+        return isinstance(value, str) and value.startswith("torch.")
+
+    def made_by(key: list, names: list[str]) -> bool:
+        values, dtypes = key[: len(names)], key[len(names) :]
+        return (
+            len(values) == len(names)
+            and not any(map(is_dtype, values))
+            and dtypes
+            and all(map(is_dtype, dtypes))
+        )
+
+    keys = flames_tuning_keys()
+    assert {"_dhu_kernel", "_fwd_h_kernel", "_dqkwg_kernel"} <= set(keys)
+    checked = []
+    for path in sorted(autotune.SHIPPED_DIR.glob("*.json")):
+        for name, result in json.loads(path.read_text())["results"].items():
+            kernel = name.split("/")[1].removesuffix(".autotune.json")
+            if kernel in keys:
+                assert any(made_by(result["key"], names) for names in keys[kernel]), (path.name, name)
+                checked.append(kernel)
+    assert "_dqkwg_kernel" in checked  # the bundles hold flame's kernels: the check ran
+    # A key one argument short, as the dh recurrence's entries were before LOCAL_DV joined its key, is caught.
+    dhu = keys["_dhu_kernel"][0]
+    assert not made_by([6, 6, 256, 512, 64, True, True, "tf32", "torch.bfloat16", "torch.float32"], dhu)
+    assert made_by([6, 6, 256, 512, 64, True, True, "tf32", False, "torch.bfloat16", "torch.float32"], dhu)
+
+
 def test_the_bundle_script_reads_a_cache_archive(tmp_path, capsys):
     """scripts/autotune_bundle.py on a .tar.gz of a cache (what a GPU call brings back) and on a folder."""
     import importlib.util
