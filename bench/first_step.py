@@ -60,9 +60,8 @@ PHASES = (
     ("step 1", FIRST_STEP),  # compilation, Triton's compiling and autotuning, CUDA graph capture, the step
 )
 SHIPPED = re.compile(r"wrote (\d+) of flame's tuning results")
-TUNED = re.compile(
-    r"tuned Triton kernel \S+ over \d+ settings in ([\d.]+) s"
-)  # flame.ops.autotune, per process
+# flame.ops.autotune's line for each kernel a process tuned
+TUNED = re.compile(r"tuned Triton kernel \S+ over \d+ settings in ([\d.]+) s")
 CASES = ("fresh", "fresh, shipped tuning, no prewarm", "fresh, shipped tuning", "warm")
 CASE_NAMES = dict(zip(("fresh", "noprewarm", "shipped", "warm"), CASES))  # --cases' names
 SHIPPED_VOCAB = 4096  # the default job's tokenizer (flame/assets/tokenizer)
@@ -123,12 +122,9 @@ def time_to_first_step(
     timed_out = time.perf_counter() - started >= timeout_s
     log.write_text("".join(lines))
     shipped = [int(m[1]) for line in lines if (m := SHIPPED.search(line))]
-    tuned = [float(m[1]) for line in lines if (m := TUNED.search(line))]
     if first == first:
-        notes = [f"shipped results written: {shipped[0]}"] if shipped else []
-        if tuned:
-            notes.append(f"kernels tuned by the ranks: {len(tuned)} ({sum(tuned):.1f} s)")
-        note = "; ".join(notes)
+        shipped_note = f"shipped results written: {shipped[0]}" if shipped else ""
+        note = "; ".join(filter(None, [shipped_note, tuning_note(lines, "the ranks")]))
     elif timed_out:
         note = f"no step within {timeout_s:.0f} s"
     else:
@@ -171,12 +167,16 @@ def measure_model(name: str, args, work: Path) -> dict:
     return row
 
 
+def tuning_note(lines: list[str], tuner: str) -> str:
+    """'kernels tuned by <tuner>: N (S s)' from flame.ops.autotune's lines among ``lines``; '' where none."""
+    tuned = [float(m[1]) for line in lines if (m := TUNED.search(line))]
+    return f"kernels tuned by {tuner}: {len(tuned)} ({sum(tuned):.1f} s)" if tuned else ""
+
+
 def prewarm_tuning(dump: Path) -> str:
     """The kernels the launch's prewarm tuned, from its log (train.sh's <dump_folder>/logs/prewarm.log)."""
     log = dump / "logs" / "prewarm.log"
-    lines = log.read_text().splitlines() if log.exists() else []
-    tuned = [float(m[1]) for line in lines if (m := TUNED.search(line))]
-    return f"kernels tuned by the prewarm: {len(tuned)} ({sum(tuned):.1f} s)" if tuned else ""
+    return tuning_note(log.read_text().splitlines() if log.exists() else [], "the prewarm")
 
 
 def phase_text(phases: dict[str, float]) -> str:

@@ -31,10 +31,11 @@ from flame.errors import first_line
 from flame.models import build_model, load_model_args, model_spec
 from flame.models.common.decoder import DecoderLM
 from flame.models.custom import import_custom_modules
+from flame.ops import autotune
 
 MEMORY_FRACTION = 0.1
 # flame.ops.autotune's lines (the shipped tuning results written, each kernel tuned here), into the prewarm's log.
-TUNING_LOG = logging.getLogger("flame.ops.autotune")
+TUNING_LOG = autotune.logger
 # dynamo's graph run by PyTorch: the custom ops the compiled blocks call, without AOTAutograd's tracing or inductor's
 # compiling (tests/gpu/test_prewarm.py: the rank then finds every FLA and flame kernel it calls compiled).
 BACKEND = "eager"
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("NGPU", "1")) * int(os.environ.get("NNODE", "1"))
     tuning_lines = logging.StreamHandler(sys.stdout)
     tuning_lines.setFormatter(logging.Formatter("prewarm: %(message)s"))
+    level = TUNING_LOG.level
     TUNING_LOG.addHandler(tuning_lines)
     TUNING_LOG.setLevel(logging.INFO)
     try:
@@ -168,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         TUNING_LOG.removeHandler(tuning_lines)
+        TUNING_LOG.setLevel(level)
     print(f"prewarm: {summary} in {time.perf_counter() - started:.1f} s", flush=True)
     return 0
 

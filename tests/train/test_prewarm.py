@@ -121,12 +121,13 @@ def test_its_log_has_the_kernels_it_tuned(monkeypatch, capsys):
         return "gated_deltanet: layers 0 (GatedDeltaNet) forward and backward at 8 x 2048, eager"
 
     monkeypatch.setattr(prewarm, "prewarm", prewarm_that_tunes)
-    handlers = list(prewarm.TUNING_LOG.handlers)
+    handlers, level = list(prewarm.TUNING_LOG.handlers), prewarm.TUNING_LOG.level
     assert prewarm.main(["--model.config", str(REPO / "configs/gated_deltanet_340M.json")]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0] == "prewarm: tuned Triton kernel _dhu_kernel over 2 settings in 1.5 s"
     assert len(out) == 2 and out[1].startswith("prewarm: gated_deltanet: layers 0")
-    assert prewarm.TUNING_LOG.handlers == handlers  # the log's handler goes with the call
+    assert prewarm.TUNING_LOG.handlers == handlers  # the log's handler and level go with the call
+    assert prewarm.TUNING_LOG.level == level
 
 
 @pytest.mark.parametrize("prewarm_flag", ["1", "0"])
