@@ -22,6 +22,14 @@ the compiler target, the kernel's source, the tuning key and the configurations;
 them match, so a different FLA, Triton or kernel tunes as before. ``scripts/autotune_bundle.py`` makes a bundle
 from a tuned cache. ``FLAME_SHIPPED_TUNING=0`` turns the seeding off.
 
+Triton's hash of a kernel's source includes the line where the kernel starts, so an edit above a kernel in its
+file (a docstring, an import) files its results under a new key, and the shipped ones are no longer found. For
+flame's own kernels each result is also kept under a key made from the kernel's code without positions
+(``code_of``), the compiler target, Triton's version and cache-invalidating environment, the tuning key and the
+configurations (``source_record``; folders ``flame-<hash>`` beside Triton's, shipped in the bundles like its
+entries). Where Triton finds no result, that record's choice runs instead of a benchmark, and Triton files it
+under its new key.
+
 No deadlock: a tuner's benchmark synchronizes its GPU and so waits for the collectives its rank issued before the
 kernel. Every rank that waits for the same lock has reached the same kernel and issued them; a rank that waits for
 an earlier kernel's lock waits for that kernel's tuner, which holds no other lock. As a last resort a wait longer
@@ -33,10 +41,12 @@ import fcntl
 import functools
 import hashlib
 import inspect
+import io
 import json
 import logging
 import os
 import time
+import tokenize
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -154,10 +164,25 @@ def locked(check_disk_cache: Callable, directory: Path) -> Callable:
         if not tuning_key or any(config.pre_hook for config in configs):  # Triton caches nothing for these
             return check_disk_cache(tuner, tuning_key, configs, bench_fn)
         identity = "-".join([kernel_identity(tuner), str(tuning_key), *map(str, configs)])
+        record = source_record(tuner, tuning_key, configs)
+        replayed = []
+
+        def bench_or_replay():
+            if record is not None and replay(tuner, tuning_key, record):
+                replayed.append(record)
+            else:
+                bench_fn()
+
         with host_lock(directory / (hashlib.sha256(identity.encode()).hexdigest() + ".lock")):
             began = time.monotonic()
-            found = check_disk_cache(tuner, tuning_key, configs, bench_fn)
-        if not found:
+            found = check_disk_cache(tuner, tuning_key, configs, bench_or_replay)
+            if record is not None and not record.exists():
+                write_record(record, tuning_key, getattr(tuner, "configs_timings", None))
+        if replayed:
+            logger.debug(
+                f"ran the tuning result of {kernel_name(tuner)} kept for its code ({record.parent.name})"
+            )
+        elif not found:
             logger.info(
                 f"tuned Triton kernel {kernel_name(tuner)} over {len(configs)} settings in "
                 f"{time.monotonic() - began:.1f} s: neither Triton's cache nor flame's shipped tuning held a "
@@ -173,11 +198,113 @@ def kernel_name(tuner) -> str:
     return getattr(getattr(tuner, "base_fn", None), "__name__", "(unnamed)")
 
 
-def kernel_identity(tuner) -> str:
+def jit_function(tuner):
     fn = tuner.fn
     while not hasattr(fn, "cache_key"):  # heuristics and other wrappers hold the JIT function as .fn
         fn = fn.fn
-    return fn.cache_key
+    return fn
+
+
+def kernel_identity(tuner) -> str:
+    return jit_function(tuner).cache_key
+
+
+RECORD_PREFIX = "flame-"
+
+
+def triton_cache_dir() -> Path:
+    from triton import knobs
+
+    return Path(os.environ.get("TRITON_CACHE_DIR") or knobs.cache.dir)
+
+
+def source_record(tuner, tuning_key, configs) -> Path | None:
+    """Where the tuning result of one of flame's kernels is kept by its code (``code_of``) rather than Triton's
+    hash of its source and position: its target, Triton, environment, key and configurations as in Triton's key.
+    None for other kernels (FLA's are pinned: their positions do not move)."""
+    if not getattr(getattr(tuner, "base_fn", None), "__module__", "").startswith("flame."):
+        return None
+    import triton
+    from triton.runtime import autotuner
+
+    fn = jit_function(tuner)
+    try:
+        code = code_of(fn, set())
+    except (
+        AttributeError,
+        SyntaxError,
+        tokenize.TokenError,
+    ):  # a Triton whose JIT functions differ: none kept
+        return None
+    environment = getattr(autotuner, "get_cache_invalidating_env_vars", dict)()
+    parts = [
+        triton.__version__,
+        str(autotuner.driver.active.get_current_target()),
+        str(sorted(environment.items())),
+        *code,
+        str(tuning_key),
+        *map(str, configs),
+    ]
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:48]
+    return triton_cache_dir() / f"{RECORD_PREFIX}{digest}" / f"{fn.__name__[:150]}.autotune.json"
+
+
+def code_of(fn, seen: set) -> list[str]:
+    """A JIT function's code without its position in its file: its tokens less comments and blank lines, then the
+    same for each JIT function it names, and the values of the constants it reads (as Triton's own hash does,
+    less the line numbers)."""
+    from triton import language
+
+    seen.add(fn)
+    tokens = [
+        token
+        for token in tokenize.generate_tokens(io.StringIO(fn.src).readline)
+        if token.type not in (tokenize.COMMENT, tokenize.NL)
+    ]
+    parts = [f"{fn.__module__}.{fn.__name__}", " ".join(token.string for token in tokens)]
+    for name in sorted({token.string for token in tokens if token.type == tokenize.NAME}):
+        value = fn.__globals__.get(name)
+        if hasattr(value, "cache_key") and hasattr(value, "src"):
+            if value not in seen:
+                parts += code_of(value, seen)
+        elif isinstance(value, bool | int | float | str | language.constexpr):
+            parts.append(f"{name}={value!r}")
+    return parts
+
+
+def replay(tuner, tuning_key, record: Path) -> bool:
+    """Takes the choice kept in ``record`` as Triton takes a cached one (False where there is none)."""
+    from triton.runtime.autotuner import Config
+
+    try:
+        timings = json.loads(record.read_text())["configs_timings"]
+    except (OSError, ValueError, KeyError):
+        return False
+    timings = {Config(**config): timing for config, timing in timings}
+    tuner.cache[tuning_key] = min(timings, key=timings.get)
+    tuner.configs_timings = timings
+    tuner.bench_time = 0.0
+    return True
+
+
+def write_record(record: Path, tuning_key, configs_timings) -> None:
+    if not configs_timings:
+        return
+    result = {
+        "key": list(tuning_key),
+        "configs_timings": [(config.__dict__, timing) for config, timing in configs_timings.items()],
+    }
+    with contextlib.suppress(OSError):  # an unwritable cache: Triton's own entry still serves this machine
+        write_whole(record, json.dumps(result))
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Writes ``path`` through a file of this process renamed into place: processes writing it at once leave one
+    whole file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staged.write_text(text)
+    os.replace(staged, path)
 
 
 @contextlib.contextmanager
@@ -300,12 +427,7 @@ def _seed_bundle(path: Path, device_name: str, triton_version: str, cache_dir: P
         target = cache_dir / folder / file_name
         if target.exists():
             continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staged = target.with_name(
-            f".{file_name}.{os.getpid()}.tmp"
-        )  # ranks seeding at once: whole files only
-        staged.write_text(json.dumps(result))
-        os.replace(staged, target)
+        write_whole(target, json.dumps(result))  # ranks seeding at once
         written += 1
     return written
 
@@ -323,12 +445,11 @@ def use_shipped_results(device_name: str) -> int:
     (tuning_cache_is_read) and FLAME_SHIPPED_TUNING is not 0; logs what it wrote."""
     try:
         import triton
-        from triton import knobs
     except ImportError:
         return 0
     if os.environ.get("FLAME_SHIPPED_TUNING", "1") == "0" or not tuning_cache_is_read():
         return 0
-    cache_dir = Path(os.environ.get("TRITON_CACHE_DIR") or knobs.cache.dir)
+    cache_dir = triton_cache_dir()
     try:
         written = seed_shipped_results(device_name, triton.__version__, cache_dir, SHIPPED_DIR)
     except OSError as e:  # an unwritable cache: the kernels tune as without the bundle

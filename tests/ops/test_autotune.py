@@ -205,7 +205,8 @@ def test_a_chosen_cache_folder_is_kept(monkeypatch, tmp_path):
     assert autotune.lock_dir() == tmp_path / "mine" / autotune.LOCK_DIR
 
 
-SHIPPED_NAME = re.compile(r"^[A-Z2-7]{52}/\w+\.autotune\.json$")  # Triton's base32 key folder / kernel file
+# Triton's base32 key folder, or flame's record of one of its kernels by its code / the kernel's file
+SHIPPED_NAME = re.compile(r"^([A-Z2-7]{52}|flame-[0-9a-f]{48})/\w+\.autotune\.json$")
 
 
 @pytest.fixture
@@ -266,6 +267,109 @@ def test_a_bundle_made_from_a_tuned_cache_is_what_a_fresh_cache_runs(fake_gpu, m
     assert tuner.cache[(1024,)].kwargs == {"BLOCK": 32} and tuner.cache[(1024,)].num_warps == 8
     # Another shape is not in the bundle: it tunes as before.
     assert tuner.check_disk_cache((4096,), configs, bench) is False
+
+
+KERNEL_FILE = """
+import triton
+import triton.language as tl
+
+SCALE = tl.constexpr({scale})
+{blank_lines}
+
+@triton.jit
+def helper(x):
+    return x * SCALE{helper_change}
+
+
+@triton.jit
+def scale(x, n, BLOCK: tl.constexpr):
+    # a comment{comment}
+    helper(x)
+"""
+
+
+def flame_kernel(tmp_path: Path, name: str, blank_lines=0, helper_change="", scale=2, comment=""):
+    """One of flame's autotuned kernels loaded from a file of its own: the same code can sit at other lines."""
+    import importlib.util
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(
+        KERNEL_FILE.format(
+            blank_lines="\n" * blank_lines, helper_change=helper_change, scale=scale, comment=comment
+        )
+    )
+    spec = importlib.util.spec_from_file_location("flame.ops.moving_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    configs = [triton.Config({"BLOCK": 16}, num_warps=4), triton.Config({"BLOCK": 32}, num_warps=8)]
+    return triton.autotune(configs=configs, key=["n"], cache_results=True)(module.scale), configs
+
+
+def test_a_flame_kernel_that_moved_in_its_file_runs_its_shipped_choice(fake_gpu, monkeypatch, tmp_path):
+    """Triton's key of a kernel holds the line it starts on: moved by an edit above it, the kernel misses its
+    shipped result. flame's record by its code serves it without a benchmark, and Triton files it anew."""
+    from triton.runtime.autotuner import Autotuner
+
+    wrapped = autotune.locked(Autotuner.check_disk_cache, tmp_path / "locks")
+    tuned, configs = flame_kernel(tmp_path, "v1")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "a"))
+
+    def bench(tuner):
+        def run():
+            tuner.configs_timings = {configs[0]: [2.0], configs[1]: [1.0]}
+
+        return run
+
+    assert wrapped(tuned, (1024,), configs, bench(tuned)) is False
+    results = autotune.collect_results(tmp_path / "a")
+    folders = sorted(name.split("/")[0] for name in results)
+    assert len(folders) == 2 and [folder.startswith("flame-") for folder in folders] == [False, True]
+    assert all(map(SHIPPED_NAME.match, results))  # Triton's entry and flame's record
+    bundle = autotune.bundle_path("GPU", tmp_path / "assets")
+    autotune.write_bundle(bundle, "GPU", triton.__version__, results)
+
+    def fresh_machine(name: str) -> None:
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / name))
+        assert (
+            autotune.seed_shipped_results("GPU", triton.__version__, tmp_path / name, tmp_path / "assets")
+            == 2
+        )
+
+    moved, configs = flame_kernel(tmp_path, "v2", blank_lines=5, comment=" that changed")
+    assert autotune.kernel_identity(moved) != autotune.kernel_identity(tuned)
+    fresh_machine("b")
+    assert Autotuner.check_disk_cache(moved, (1024,), configs, bench(moved)) is False  # Triton alone: tunes
+    fresh_machine("c")
+    no_bench = lambda: pytest.fail("benchmarked")  # noqa: E731
+    assert wrapped(moved, (1024,), configs, no_bench) is False
+    assert moved.cache[(1024,)].kwargs == {"BLOCK": 32} and moved.cache[(1024,)].num_warps == 8
+    moved.cache.clear()
+    assert wrapped(moved, (1024,), configs, no_bench) is True  # Triton filed it under the kernel's new key
+    assert moved.cache[(1024,)].kwargs == {"BLOCK": 32}
+
+    # Code that changed (the kernel's helper, a constant it reads) tunes again; so does another shape.
+    for name, change in (("v3", {"helper_change": " + 1"}), ("v4", {"scale": 3})):
+        changed, configs = flame_kernel(tmp_path, name, **change)
+        fresh_machine(f"fresh-{name}")
+        benched = []
+
+        def counted(run=bench(changed), benched=benched):  # noqa: B008 (bound per loop turn)
+            benched.append(1)
+            run()
+
+        assert wrapped(changed, (1024,), configs, counted) is False
+        assert benched == [1], name
+    assert wrapped(moved, (4096,), configs, bench(moved)) is False
+
+
+def test_a_record_is_kept_only_for_flames_own_kernels(fake_gpu, monkeypatch, tmp_path):
+    tuned, configs = a_tuned_kernel()  # a kernel of this test module, not flame's
+    assert autotune.source_record(tuned, (1024,), configs) is None
+    flame_tuned, configs = flame_kernel(tmp_path, "v1")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    record = autotune.source_record(flame_tuned, (1024,), configs)
+    assert record.parent.parent == tmp_path / "cache" and record.name == "scale.autotune.json"
+    assert autotune.source_record(flame_tuned, (2048,), configs) != record
 
 
 def test_a_gpu_without_its_own_result_takes_its_chips_sibling(tmp_path):
