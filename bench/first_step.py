@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -61,7 +62,7 @@ PHASES = (
 )
 SHIPPED = re.compile(r"wrote (\d+) of flame's tuning results")
 # flame.ops.autotune's line for each kernel a process tuned
-TUNED = re.compile(r"tuned Triton kernel \S+ over \d+ settings in ([\d.]+) s")
+TUNED = re.compile(r"tuned Triton kernel (\S+) over \d+ settings in ([\d.]+) s")
 CASES = ("fresh", "fresh, shipped tuning, no prewarm", "fresh, shipped tuning", "warm")
 CASE_NAMES = dict(zip(("fresh", "noprewarm", "shipped", "warm"), CASES))  # --cases' names
 SHIPPED_VOCAB = 4096  # the default job's tokenizer (flame/assets/tokenizer)
@@ -168,9 +169,14 @@ def measure_model(name: str, args, work: Path) -> dict:
 
 
 def tuning_note(lines: list[str], tuner: str) -> str:
-    """'kernels tuned by <tuner>: N (S s)' from flame.ops.autotune's lines among ``lines``; '' where none."""
-    tuned = [float(m[1]) for line in lines if (m := TUNED.search(line))]
-    return f"kernels tuned by {tuner}: {len(tuned)} ({sum(tuned):.1f} s)" if tuned else ""
+    """'kernels tuned by <tuner>: N (S s: name, name x2)' from flame.ops.autotune's lines among ``lines`` (a kernel
+    tuned at several keys counted once per key); '' where none."""
+    tuned = [(m[1], float(m[2])) for line in lines if (m := TUNED.search(line))]
+    if not tuned:
+        return ""
+    counts = Counter(name for name, _ in tuned)
+    names = ", ".join(name if count == 1 else f"{name} x{count}" for name, count in sorted(counts.items()))
+    return f"kernels tuned by {tuner}: {len(tuned)} ({sum(seconds for _, seconds in tuned):.1f} s: {names})"
 
 
 def prewarm_tuning(dump: Path) -> str:

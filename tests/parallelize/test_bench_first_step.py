@@ -70,7 +70,9 @@ def test_the_kernels_the_ranks_tuned_are_counted(tmp_path, caplog):
     )
     launch = python(f"{prints}print('[rank0]:[titan] step  1/1  loss 8.3606', flush=True)\n")
     seconds, note, _ = first_step.time_to_first_step(launch, {}, tmp_path / "t.log", 30)
-    assert seconds == seconds and re.fullmatch(r"kernels tuned by the ranks: 2 \(0\.[5-9] s\)", note)
+    assert seconds == seconds and re.fullmatch(
+        r"kernels tuned by the ranks: 2 \(0\.[5-9] s: _dhu_kernel x2\)", note
+    )
 
 
 def test_the_kernels_the_prewarm_tuned_are_counted_from_its_log(tmp_path, caplog):
@@ -81,7 +83,9 @@ def test_the_kernels_the_prewarm_tuned_are_counted_from_its_log(tmp_path, caplog
     (dump / "logs" / "prewarm.log").write_text(
         "\n".join([*lines, "prewarm: gated_deltanet: layers 0 in 9.0 s"])
     )
-    assert re.fullmatch(r"kernels tuned by the prewarm: 1 \(0\.[2-9] s\)", first_step.prewarm_tuning(dump))
+    assert re.fullmatch(
+        r"kernels tuned by the prewarm: 1 \(0\.[2-9] s: _dhu_kernel\)", first_step.prewarm_tuning(dump)
+    )
 
 
 def test_a_launch_without_a_step_says_why(tmp_path):
