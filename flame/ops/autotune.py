@@ -182,7 +182,7 @@ def locked(check_disk_cache: Callable, directory: Path) -> Callable:
             logger.debug(
                 f"ran the tuning result of {kernel_name(tuner)} kept for its code ({record.parent.name})"
             )
-        elif not found:
+        elif not found and len(configs) > 1:  # one setting (the others pruned for the shape) is no choice
             logger.info(
                 f"tuned Triton kernel {kernel_name(tuner)} over {len(configs)} settings in "
                 f"{time.monotonic() - began:.1f} s: neither Triton's cache nor flame's shipped tuning held a "

@@ -144,7 +144,10 @@ def test_a_kernel_tuned_here_is_logged_once_and_one_read_from_the_cache_is_not(t
     with caplog.at_level(logging.INFO, logger=autotune.__name__):
         check(tuner(), (2048, 128), CONFIGS, lambda: bench(7))
         check(tuner(), (2048, 128), CONFIGS, lambda: bench(8))
-    assert record == [("benchmarked", 7), ("read", 7)]
+        check(
+            tuner(), (4096, 128), CONFIGS[:1], lambda: bench(9)
+        )  # one setting: compiled and timed, no choice
+    assert record == [("benchmarked", 7), ("read", 7), ("benchmarked", 9)]
     lines = [r.getMessage() for r in caplog.records if "tuned Triton kernel" in r.getMessage()]
     assert len(lines) == 1
     assert re.match(
