@@ -228,13 +228,10 @@ def source_record(tuner, tuning_key, configs) -> Path | None:
     from triton.runtime import autotuner
 
     fn = jit_function(tuner)
+    # A Triton whose JIT functions hold their source otherwise keeps no record.
     try:
         code = code_of(fn, set())
-    except (
-        AttributeError,
-        SyntaxError,
-        tokenize.TokenError,
-    ):  # a Triton whose JIT functions differ: none kept
+    except (AttributeError, SyntaxError, tokenize.TokenError):
         return None
     environment = getattr(autotuner, "get_cache_invalidating_env_vars", dict)()
     parts = [
