@@ -85,8 +85,12 @@ def tune_once_per_host() -> bool:
     return True
 
 
+def kernel_module(autotuner) -> str:
+    return getattr(getattr(autotuner, "base_fn", None), "__module__", "")
+
+
 def is_fla_kernel(autotuner) -> bool:
-    return getattr(autotuner.base_fn, "__module__", "").startswith("fla.")
+    return kernel_module(autotuner).startswith("fla.")
 
 
 NOT_RUN = [float("inf")] * 3  # Triton's timing of a config that did not run (its _bench's quantiles)
@@ -222,7 +226,7 @@ def source_record(tuner, tuning_key, configs) -> Path | None:
     """Where the tuning result of one of flame's kernels is kept by its code (``code_of``) rather than Triton's
     hash of its source and position: its target, Triton, environment, key and configurations as in Triton's key.
     None for other kernels (FLA's are pinned: their positions do not move)."""
-    if not getattr(getattr(tuner, "base_fn", None), "__module__", "").startswith("flame."):
+    if not kernel_module(tuner).startswith("flame."):
         return None
     import triton
     from triton.runtime import autotuner
