@@ -6,6 +6,7 @@ dh recurrence forming the intra-chunk dv itself (dhu_dv: in place of chunk_bwd_d
 
     python bench/recurrences.py                          # all four, the three head shapes below, 8 x 2048 tokens
     python bench/recurrences.py --recurrences fwd_h --shapes 6x256x512 --no_write
+    python bench/recurrences.py --recurrences dhu --settings 64/8/2,64/8/1,128/8/1 --no_write   # settings of choice
 
 Shapes are heads x K x V of a Gated DeltaNet layer: 6x256x512 (configs/gated_deltanet_340M.json), 16x96x192
 (configs/olmo_1b_*.json) and 16x128x128 (Qwen3-Next-like heads). Each call is the one training makes: bf16 tensors
@@ -15,11 +16,12 @@ state recurrence and then its output kernel, and beside it flame's state recurre
 for dhu_dv its chunk_bwd_dv_local and then its dh recurrence, and beside it FLA's chunk_bwd_dv_local and then
 flame's dh recurrence given dv),
 flame's Triton kernel as training runs it (autotuned; the row names the setting it chose), then each of its launch
-settings that fits the GPU's shared memory, pinned. Times are medians of triton.testing.do_bench_cudagraph (GPU
-time) after one untimed call. The error is the largest relative RMS error ||x - ref|| / ||ref|| over the results
-against flame's PyTorch reference in float64 on the same inputs. Each recurrence's table goes into
-docs/performance.md between ``<!-- bench_<recurrence>_<device> -->`` markers; the tuning results stay in Triton's
-cache, where scripts/autotune_bundle.py finds them for the shipped bundle.
+settings that fits the GPU's shared memory, pinned, or the settings ``--settings BV/warps/stages`` names (a setting
+that does not compile gets a row with the compiler's reason). Times are medians of
+triton.testing.do_bench_cudagraph (GPU time) after one untimed call. The error is the largest relative RMS error
+||x - ref|| / ||ref|| over the results against flame's PyTorch reference in float64 on the same inputs. Each
+recurrence's table goes into docs/performance.md between ``<!-- bench_<recurrence>_<device> -->`` markers; the
+tuning results stay in Triton's cache, where scripts/autotune_bundle.py finds them for the shipped bundle.
 """
 
 import argparse
@@ -145,13 +147,33 @@ def flame_module(recurrence: Recurrence):
     return importlib.import_module(f"flame.ops.gated_delta_rule.{recurrence.module}")
 
 
-def implementations(recurrence: Recurrence, key_dim: int) -> dict:
+def parse_settings(text: str | None) -> list[dict] | None:
+    """``--settings`` (BV/warps/stages, comma separated) as launch settings; None: the kernel's tuning settings that
+    fit the GPU."""
+    if text is None:
+        return None
+    settings = []
+    for item in text.split(","):
+        bv, warps, stages = (int(n) for n in item.split("/"))
+        settings.append({"BV": bv, "num_warps": warps, "num_stages": stages})
+    return settings
+
+
+def fitting_settings(recurrence: Recurrence, key_dim: int) -> list[dict]:
+    """The launch settings of flame's kernel whose tiles fit this GPU's shared memory at bf16 value-first calls."""
+    from flame.ops.gated_delta_rule.chunk_recurrence import key_block, shared_memory_limit
+
+    limit = shared_memory_limit(torch.cuda.current_device())
+    configs = flame_module(recurrence).fitting_configs(key_block(key_dim), CHUNK, 2, True, limit)
+    return [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in configs]
+
+
+def implementations(recurrence: Recurrence, key_dim: int, settings: list[dict] | None = None) -> dict:
     """Row name -> call: FLA's kernel (fwd_o: FLA's state recurrence and output kernel, then flame's state recurrence
     and FLA's output kernel; dhu_dv: FLA's chunk_bwd_dv_local and dh recurrence, then FLA's chunk_bwd_dv_local and
-    flame's dh recurrence), flame's autotuned, then flame's pinned to each setting that fits."""
+    flame's dh recurrence), flame's autotuned, then flame's pinned to each of ``settings`` (None: each tuning
+    setting that fits)."""
     from fla.ops.common import chunk_delta_h
-
-    from flame.ops.gated_delta_rule.chunk_recurrence import key_block, shared_memory_limit
 
     fla_function = getattr(chunk_delta_h, recurrence.fla_function)
     module = flame_module(recurrence)
@@ -179,9 +201,7 @@ def implementations(recurrence: Recurrence, key_dim: int) -> dict:
 
         rows = {ANCHOR: fla_call}
     rows["flame Triton, autotuned"] = flame_function
-    limit = shared_memory_limit(torch.cuda.current_device())
-    for config in module.fitting_configs(key_block(key_dim), CHUNK, 2, True, limit):
-        launch = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    for launch in settings if settings is not None else fitting_settings(recurrence, key_dim):
         rows[f"flame Triton, {launch_text(launch)}"] = functools.partial(flame_function, launch=launch)
     return rows
 
@@ -201,7 +221,7 @@ def measure(
         best = tuned.best_config
         return launch_text({**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages})
 
-    calls = implementations(recurrence, tensors[0].shape[-1])
+    calls = implementations(recurrence, tensors[0].shape[-1], parse_settings(args.settings))
     rows = time_rows(shape, calls, tensors, kwargs, want, chosen_setting, args.rep)
     del want
     torch.cuda.empty_cache()
@@ -219,10 +239,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=2048, help="a multiple of 64")
     parser.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph repetitions, ms")
+    parser.add_argument(
+        "--settings",
+        default=None,
+        help="BV/warps/stages, comma separated (default: every tuning setting that fits)",
+    )
     add_doc_options(parser)
     args = parser.parse_args(argv)
     if args.seq_len % CHUNK:
         parser.error(f"--seq_len must be a multiple of {CHUNK}")
+    try:
+        parse_settings(args.settings)
+    except ValueError:
+        parser.error(f"--settings takes BV/warps/stages items, comma separated; got {args.settings!r}")
     if unknown := set(args.recurrences.split(",")) - set(RECURRENCES):
         parser.error(f"unknown recurrences {sorted(unknown)}; choose from {', '.join(RECURRENCES)}")
     return args

@@ -53,3 +53,28 @@ def test_dqkwg_bench_settings_and_table():
     assert lines[0] == "| 6x256x512 | flame Triton, BK 128 | 0.500 | 1.20x | 2.0e-03 |"
     assert lines[1] == "| 6x256x512 | FLA TileLang | 0.600 | 1.00x | 3.0e-03 |"
     assert lines[2] == "| 6x256x512 | FLA Triton | RuntimeError: refused | | |"
+
+
+def test_recurrences_bench_settings():
+    """bench/recurrences.py: --settings parse into launch settings and give one pinned row each, after FLA's and the
+    autotuned row; a malformed item stops the parser with one line saying what it takes."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import recurrences
+
+    settings = recurrences.parse_settings("64/8/1,128/16/2")
+    assert settings == [
+        {"BV": 64, "num_warps": 8, "num_stages": 1},
+        {"BV": 128, "num_warps": 16, "num_stages": 2},
+    ]
+    assert recurrences.parse_settings(None) is None
+    rows = recurrences.implementations(recurrences.RECURRENCES["dhu"], 256, settings)
+    assert list(rows) == [
+        "FLA Triton",
+        "flame Triton, autotuned",
+        "flame Triton, BV 64, 8 warps, 1 stages",
+        "flame Triton, BV 128, 16 warps, 2 stages",
+    ]
+    assert rows["flame Triton, BV 128, 16 warps, 2 stages"].keywords == {"launch": settings[1]}
+    with pytest.raises(SystemExit) as stop:
+        recurrences.parse(["--settings", "64/8"])
+    assert stop.value.code == 2
