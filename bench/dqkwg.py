@@ -153,6 +153,26 @@ def table(results: dict, anchor_row: str = "FLA TileLang") -> str:
     return "\n".join(lines)
 
 
+def launch_settings(text: str, names: tuple[str, ...]) -> list[dict]:
+    """Launch settings from ``--settings`` text: comma-separated items of '/'-separated integers, one per name in
+    ``names`` (bench/recurrences.py's too); ValueError for an item of another form."""
+    settings = []
+    for item in text.split(","):
+        parts = item.split("/")
+        if len(parts) != len(names) or not all(part.isdigit() for part in parts):
+            raise ValueError(f"{item!r} is not {'/'.join(names)}")
+        settings.append(dict(zip(names, map(int, parts))))
+    return settings
+
+
+def settings_argument(parser: argparse.ArgumentParser, args: argparse.Namespace, parse) -> None:
+    """Replaces ``args.settings`` by ``parse(args.settings)``; a malformed value stops the parser with one line."""
+    try:
+        args.settings = parse(args.settings)
+    except ValueError as error:
+        parser.error(f"--settings: {error}")
+
+
 def parse_settings(text: str | None) -> list[dict]:
     if text is None:
         from flame.ops.gated_delta_rule.dqkwg_triton import BLOCK_K, TUNING_CONFIGS
@@ -161,11 +181,7 @@ def parse_settings(text: str | None) -> list[dict]:
             {"BK": BLOCK_K, **c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
             for c in TUNING_CONFIGS
         ]
-    settings = []
-    for item in text.split(","):
-        bk, bv, warps, stages = (int(n) for n in item.split("/"))
-        settings.append({"BK": bk, "BV": bv, "num_warps": warps, "num_stages": stages})
-    return settings
+    return launch_settings(text, ("BK", "BV", "num_warps", "num_stages"))
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -183,6 +199,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.seq_len % CHUNK:
         parser.error(f"--seq_len must be a multiple of {CHUNK}")
+    settings_argument(parser, args, parse_settings)
     return args
 
 
@@ -191,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if no_cuda_gpu("bench/dqkwg.py"):
         return 1
     started = time.perf_counter()
-    settings = parse_settings(args.settings)
-    results = {shape: measure(shape, args, settings) for shape in args.shapes.split(",")}
+    results = {shape: measure(shape, args, args.settings) for shape in args.shapes.split(",")}
     text = table(results)
     print("\n" + text)
     if not args.no_write:

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from dqkwg import table, time_rows  # noqa: E402
+from dqkwg import launch_settings, settings_argument, table, time_rows  # noqa: E402
 from train_throughput import (  # noqa: E402
     add_doc_options,
     command_line,
@@ -150,13 +150,7 @@ def flame_module(recurrence: Recurrence):
 def parse_settings(text: str | None) -> list[dict] | None:
     """``--settings`` (BV/warps/stages, comma separated) as launch settings; None: the kernel's tuning settings that
     fit the GPU."""
-    if text is None:
-        return None
-    settings = []
-    for item in text.split(","):
-        bv, warps, stages = (int(n) for n in item.split("/"))
-        settings.append({"BV": bv, "num_warps": warps, "num_stages": stages})
-    return settings
+    return None if text is None else launch_settings(text, ("BV", "num_warps", "num_stages"))
 
 
 def fitting_settings(recurrence: Recurrence, key_dim: int) -> list[dict]:
@@ -221,7 +215,7 @@ def measure(
         best = tuned.best_config
         return launch_text({**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages})
 
-    calls = implementations(recurrence, tensors[0].shape[-1], parse_settings(args.settings))
+    calls = implementations(recurrence, tensors[0].shape[-1], args.settings)
     rows = time_rows(shape, calls, tensors, kwargs, want, chosen_setting, args.rep)
     del want
     torch.cuda.empty_cache()
@@ -248,10 +242,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.seq_len % CHUNK:
         parser.error(f"--seq_len must be a multiple of {CHUNK}")
-    try:
-        parse_settings(args.settings)
-    except ValueError:
-        parser.error(f"--settings takes BV/warps/stages items, comma separated; got {args.settings!r}")
+    settings_argument(parser, args, parse_settings)
     if unknown := set(args.recurrences.split(",")) - set(RECURRENCES):
         parser.error(f"unknown recurrences {sorted(unknown)}; choose from {', '.join(RECURRENCES)}")
     return args

@@ -42,6 +42,13 @@ def test_dqkwg_bench_settings_and_table():
         {"BK": 128, "BV": 64, "num_warps": 8, "num_stages": 2},
     ]
     assert len(dqkwg.parse_settings(None)) == len(TUNING_CONFIGS)
+    assert dqkwg.parse(["--settings", "64/32/4/3"]).settings == [
+        {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 3}
+    ]
+    for malformed in ("64/32/4", "64/32/4/x"):
+        with pytest.raises(SystemExit) as stop:
+            dqkwg.parse(["--settings", malformed])
+        assert stop.value.code == 2
     rows = {
         "6x256x512": [
             ("flame Triton, BK 128", 0.5, 2e-3, ""),
@@ -75,6 +82,7 @@ def test_recurrences_bench_settings():
         "flame Triton, BV 128, 16 warps, 2 stages",
     ]
     assert rows["flame Triton, BV 128, 16 warps, 2 stages"].keywords == {"launch": settings[1]}
+    assert recurrences.parse(["--settings", "64/8/1"]).settings == settings[:1]
     with pytest.raises(SystemExit) as stop:
         recurrences.parse(["--settings", "64/8"])
     assert stop.value.code == 2
