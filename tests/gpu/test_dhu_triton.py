@@ -87,17 +87,14 @@ def test_kernel_matches_pytorch(case, dtype, local_dv):
 @pytest.mark.parametrize("local_dv", [False, True], ids=["dv", "local-dv"])
 def test_every_launch_setting(case, config, local_dv):
     """Each tuning setting in bf16 at K 128 and at the 340M model's K 256 with both state layouts: a setting Triton
-    miscompiles fails here, and a setting that the shared-memory bound leaves out of tuning does not compile with
-    dv given. Forming dv needs less (no dv tiles; BV 64 / 2 stages compiles key-first at K 256, H100, Triton 3.6):
-    a setting the bound leaves out may compile then, and its results must be right."""
+    miscompiles fails here. The shared-memory bound is an upper bound (tests/ops/test_chunk_recurrence.py), so a
+    setting it leaves out of tuning may still compile (BV 64 / 2 stages key-first at K 256: 229,892 bytes for sm_90
+    with Triton 3.7.1, the bound 262,144); where one does, its results must be right."""
     launch = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
     if fits(fitting_configs, case, torch.bfloat16, config):
         check(case, torch.bfloat16, launch, local_dv)
-    elif local_dv:
-        with contextlib.suppress(OutOfResources):
-            check(case, torch.bfloat16, launch, local_dv)
     else:
-        with pytest.raises(OutOfResources):
+        with contextlib.suppress(OutOfResources):
             check(case, torch.bfloat16, launch, local_dv)
 
 

@@ -86,8 +86,16 @@ def _dhu_kernel(
         else:
             b_dv += tl.load(dv + p_tv, mask=m_tv, other=0.0).to(tl.float32)
         tl.store(dv2 + p_tv, b_dv.to(dv2.dtype.element_ty), mask=m_tv)
-        b_dh += scale * tl.dot(b_qt, b_do.to(b_qt.dtype), input_precision=PRECISION)
-        b_dh -= tl.dot(b_wt, b_dv.to(b_wt.dtype), input_precision=PRECISION)
+        if BK > 128 and not LOCAL_DV:
+            # The products accumulate into b_dh itself: at K 256 their own float32 tiles spill registers (H100:
+            # 0.550 against 0.630 ms at 6x256x512). Narrower keys and the dv-forming form are faster as below.
+            b_dh = tl.dot(
+                b_qt, (b_do.to(tl.float32) * scale).to(b_qt.dtype), acc=b_dh, input_precision=PRECISION
+            )
+            b_dh = tl.dot(b_wt, (-b_dv).to(b_wt.dtype), acc=b_dh, input_precision=PRECISION)
+        else:
+            b_dh += scale * tl.dot(b_qt, b_do.to(b_qt.dtype), input_precision=PRECISION)
+            b_dh -= tl.dot(b_wt, b_dv.to(b_wt.dtype), input_precision=PRECISION)
 
     if USE_INITIAL_STATE:
         tl.store(dh0 + i_nh * K * V + p_kv, b_dh, mask=m_kv)
@@ -108,9 +116,9 @@ def shared_memory_bytes(
     """An upper bound on the shared memory a setting needs: each pipeline stage holds a chunk's k, q and w
     ([BT, BK]) and its do and dv ([BT, BV]); key-first states also pass the [BK, BV] tile through shared memory
     on their way out. Formed in the kernel, the intra-chunk dv replaces the stages' dv tiles with one [BT, BT]
-    tile, no larger for these settings (BV x stages >= BT). Triton's compiler asked for less than this with
-    float32 inputs and within 5% of it with bf16 ones (H100, Triton 3.6: 229,376 bytes estimated, up to 232,448
-    compiled, value-first at K 256 with BV 64 and 2 stages; 238,084 asked key-first)."""
+    tile, no larger for these settings (BV x stages >= BT). Triton's compiler asks for no more than this (sm_90,
+    bf16, K 256, BV 64, 2 stages: 229,376 bytes estimated, 217,604 compiled value-first with Triton 3.6 and 3.7.1;
+    262,144 estimated key-first, 229,892 compiled with Triton 3.7.1)."""
     chunk_tiles = config.num_stages * chunk_size * (3 * key_block + 2 * config.kwargs["BV"]) * element_size
     return chunk_tiles + (0 if state_v_first else key_block * config.kwargs["BV"] * element_size)
 
