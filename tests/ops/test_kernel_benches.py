@@ -86,3 +86,87 @@ def test_recurrences_bench_settings():
     with pytest.raises(SystemExit) as stop:
         recurrences.parse(["--settings", "64/8"])
     assert stop.value.code == 2
+
+
+def recurrences_bench():
+    sys.path.insert(0, str(REPO / "bench"))
+    import recurrences
+
+    return recurrences
+
+
+RUN_A = "- `python bench/recurrences.py --recurrences dhu` (shapes 6x256x512,16x96x192; 8 x 2048 tokens; 2026-12-06; a)"
+RUN_B = "- `python bench/recurrences.py --batch 4` (shapes 16x128x128; 4 x 2048 tokens; 2026-12-05; b)"
+OLD_SECTION = "\n".join(
+    [
+        "## flame's dh recurrence per launch setting, GPU",
+        RUN_A,
+        RUN_B,
+        "| heads x K x V | implementation | ms | FLA Triton's time / row's | rel. RMS error vs float64 |",
+        "|---|---|---:|---:|---:|",
+        "| 6x256x512 | FLA Triton | 0.900 | 1.00x | 2.4e-03 |",
+        "| 6x256x512 | flame Triton | 0.600 | 1.50x | 2.4e-03 |",
+        "| 16x96x192 | FLA Triton | 0.350 | 1.00x | 2.5e-03 |",
+        "| 16x96x192 | flame Triton | 0.250 | 1.40x | 2.5e-03 |",
+        "| 16x128x128 | FLA Triton | 0.230 | 1.00x | 2.5e-03 |",
+    ]
+)
+
+
+def test_recurrences_bench_merges_a_shapes_rows_into_the_section():
+    """A run's rows replace their shape's rows in place; the other shapes' rows stay with the run that measured
+    them, narrowed to those shapes; rows and runs at other tokens, and sections without run lines, are dropped."""
+    recurrences = recurrences_bench()
+    run = "- `python bench/recurrences.py --shapes 6x256x512,10x64x64` (shapes 6x256x512,10x64x64; 8 x 2048 tokens; c)"
+    new_rows = [
+        "| 6x256x512 | FLA Triton | 0.880 | 1.00x | 2.4e-03 |",
+        "| 6x256x512 | flame Triton | 0.550 | 1.60x | 2.4e-03 |",
+        "| 10x64x64 | FLA Triton | 0.100 | 1.00x | 2.0e-03 |",
+    ]
+    runs, rows = recurrences.merged_with_section(OLD_SECTION, run, new_rows)
+    assert runs == [
+        "- `python bench/recurrences.py --recurrences dhu` (shapes 16x96x192; 8 x 2048 tokens; 2026-12-06; a)",
+        run,
+    ]
+    assert rows == [*new_rows[:2], *OLD_SECTION.splitlines()[7:9], new_rows[2]]
+    assert recurrences.merged_with_section(
+        OLD_SECTION.replace(RUN_A, "").replace(RUN_B, ""), run, new_rows
+    ) == (
+        [run],
+        new_rows,
+    )
+
+
+def test_recurrences_bench_writes_each_shape_as_it_ends(tmp_path, monkeypatch):
+    """main() writes the section after each shape, so a run stopped part-way leaves the rows it made beside the
+    earlier run's rows of the shapes it did not reach, each named by its run."""
+    recurrences = recurrences_bench()
+    doc = tmp_path / "performance.md"
+    marker = "bench_dhu_fake_gpu"
+    doc.write_text(f"# Performance\n\n<!-- {marker} -->\n{OLD_SECTION}\n<!-- /{marker} -->\n")
+    monkeypatch.setattr(recurrences, "no_cuda_gpu", lambda script: False)
+    monkeypatch.setattr(recurrences, "device_name", lambda device: "Fake GPU")
+
+    def measure(recurrence, shape, args):
+        if shape == "16x96x192":
+            raise KeyboardInterrupt  # the device call's limit, before the second shape ends
+        return [("FLA Triton", 0.8, 2.4e-3, ""), ("flame Triton, autotuned (BV 64)", 0.5, 2.4e-3, "")]
+
+    monkeypatch.setattr(recurrences, "measure", measure)
+    with pytest.raises(KeyboardInterrupt):
+        recurrences.main(["--recurrences", "dhu", "--shapes", "6x256x512,16x96x192", "--doc", str(doc)])
+    section = recurrences.section_in(doc.read_text(), marker)
+    lines = section.splitlines()
+    assert lines[1] == "## flame's dh recurrence per launch setting, Fake GPU"
+    runs = [line for line in lines if line.startswith("- `")]
+    assert runs[0] == RUN_A.replace("6x256x512,16x96x192", "16x96x192")
+    assert runs[1].startswith(
+        "- `python bench/recurrences.py --recurrences dhu --shapes 6x256x512,16x96x192 --doc "
+    )
+    assert "(shapes 6x256x512; 8 x 2048 tokens; " in runs[1]
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| heads")]
+    assert rows == [
+        "| 6x256x512 | FLA Triton | 0.800 | 1.00x | 2.4e-03 |",
+        "| 6x256x512 | flame Triton, autotuned (BV 64) | 0.500 | 1.60x | 2.4e-03 |",
+        *OLD_SECTION.splitlines()[7:9],
+    ]
