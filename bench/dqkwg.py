@@ -13,12 +13,14 @@ serves this call with it on Hopper).
 Times are medians of triton.testing.do_bench_cudagraph (GPU time, the call's small allocations included) after one
 untimed call. The error is the largest relative RMS error ||x - ref|| / ||ref|| of dq, dk, dw and dg against
 flame's PyTorch reference in float64 on the same inputs. The table goes into docs/performance.md between
-``<!-- bench_dqkwg_<device> -->`` markers.
+``<!-- bench_dqkwg_<device> -->`` markers, written again after each shape and merged with the section there was
+(``measure_and_write``: a run stopped part-way leaves the rows it made, each shape's with the run that measured it).
 """
 
 import argparse
 import functools
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -35,10 +37,15 @@ from train_throughput import (  # noqa: E402
     device_name,
     device_slug,
     no_cuda_gpu,
+    section_in,
     write_section,
 )
 
 MARKER = "bench_dqkwg"
+ANCHOR = "FLA TileLang"  # the row each row's time is compared with
+# A run's line in a section ("- `command` (shapes A,B; 8 x 2048 tokens; date; torch; seconds)") and a table row's shape
+RUN_LINE = re.compile(r"^- (`.+`) \(shapes ([^;]+); (\d+ x \d+ tokens); (.+)\)$")
+ROW_SHAPE = re.compile(r"^\| (\d+x\d+x\d+) \|")
 CHUNK = 64
 
 
@@ -84,7 +91,7 @@ def implementations(settings: list[dict]) -> dict:
         return rows
     backend = CommonTileLangBackend()
     if backend.is_available():
-        rows["FLA TileLang"] = backend.chunk_bwd_dqkwg
+        rows[ANCHOR] = backend.chunk_bwd_dqkwg
     return rows
 
 
@@ -136,7 +143,7 @@ def time_rows(shape, calls: dict, tensors, kwargs, want, chosen, rep) -> list[tu
     return rows
 
 
-def table(results: dict, anchor_row: str = "FLA TileLang") -> str:
+def table(results: dict, anchor_row: str = ANCHOR) -> str:
     """Each shape's rows with the anchor row's time over theirs (bench/recurrences.py's table too)."""
     lines = [
         f"| heads x K x V | implementation | ms | {anchor_row}'s time / row's | rel. RMS error vs float64 |",
@@ -151,6 +158,68 @@ def table(results: dict, anchor_row: str = "FLA TileLang") -> str:
             ratio = f"{anchor / ms:.2f}x" if not math.isnan(anchor) else ""
             lines.append(f"| {shape} | {name} | {ms:.3f} | {ratio} | {error:.1e} |")
     return "\n".join(lines)
+
+
+def merged_with_section(old_section: str, run: str, new_rows: list[str]) -> tuple[list[str], list[str]]:
+    """A section's run lines and table rows after ``run`` (its line) measured the shapes of ``new_rows``: those
+    rows replace the shapes' earlier ones, and the earlier section's rows of other shapes stay, with the runs that
+    measured them, where those runs had the same tokens. A section without run lines is replaced whole. Shapes
+    keep their places in the earlier section's table, the ones new to it after them."""
+    new_shapes = list(dict.fromkeys(ROW_SHAPE.match(row)[1] for row in new_rows))
+    tokens = RUN_LINE.match(run)[3]
+    old_runs = [
+        match for line in old_section.splitlines() if (match := RUN_LINE.match(line)) and match[3] == tokens
+    ]
+    measured_before = {shape for match in old_runs for shape in match[2].split(",")}
+    old_rows = [line for line in old_section.splitlines()
+                if (match := ROW_SHAPE.match(line)) and match[1] in measured_before and match[1] not in new_shapes]  # fmt: skip
+    kept = {ROW_SHAPE.match(row)[1] for row in old_rows}
+    runs = []
+    for match in old_runs:
+        if shapes := [shape for shape in match[2].split(",") if shape in kept]:
+            runs.append(f"- {match[1]} (shapes {','.join(shapes)}; {match[3]}; {match[4]})")
+    old_order = [match[1] for line in old_section.splitlines() if (match := ROW_SHAPE.match(line))]
+    order = {shape: index for index, shape in enumerate(dict.fromkeys(old_order + new_shapes))}
+    # sorted() is stable: a shape's rows keep their order
+    rows = sorted(old_rows + new_rows, key=lambda row: order[ROW_SHAPE.match(row)[1]])
+    return runs + [run], rows
+
+
+def section_text(old_section: str, run: str, table_text: str) -> tuple[str, str]:
+    """(description, table) of a kernel bench's section after ``run`` made ``table_text``'s rows, merged with the
+    section there was (merged_with_section)."""
+    header, new_rows = table_text.splitlines()[:2], table_text.splitlines()[2:]
+    runs, rows = merged_with_section(old_section, run, new_rows)
+    description = "\n".join(
+        [
+            "Measured by these runs (the shapes of their rows; tokens; date; torch; seconds):",
+            "",
+            *runs,
+            "",
+            "bf16, the states stored [V, K]. Medians of triton.testing.do_bench_cudagraph (GPU time).",
+        ]
+    )
+    return description, "\n".join(header + rows)
+
+
+def measure_and_write(
+    shapes: list[str], measure_shape, args, command: str, marker: str, title: str, anchor: str
+) -> dict:
+    """Each shape's rows (``measure_shape(shape)``), and unless ``--no_write`` the doc's section written again after
+    each shape, merged with the section there was (section_text), so that a run stopped part-way leaves the rows it
+    made (bench/recurrences.py's too). The results, shape -> rows."""
+    started = time.perf_counter()
+    old_section = section_in(args.doc.read_text(), marker) if args.doc.exists() else ""
+    results = {}
+    for shape in shapes:
+        results[shape] = measure_shape(shape)
+        if args.no_write:
+            continue
+        run = (f"- `{command}` (shapes {','.join(results)}; {args.batch} x {args.seq_len} tokens; "
+               f"{time.strftime('%Y-%m-%d')}; torch {torch.__version__}; {time.perf_counter() - started:.0f} s)")  # fmt: skip
+        description, text = section_text(old_section, run, table(results, anchor))
+        write_section(args.doc, marker, title, description, text)
+    return results
 
 
 def launch_settings(text: str, names: tuple[str, ...]) -> list[dict]:
@@ -207,22 +276,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if no_cuda_gpu("bench/dqkwg.py"):
         return 1
-    started = time.perf_counter()
-    results = {shape: measure(shape, args, args.settings) for shape in args.shapes.split(",")}
-    text = table(results)
-    print("\n" + text)
-    if not args.no_write:
-        device = device_name(torch.device("cuda"))
-        write_section(
-            args.doc,
-            f"{MARKER}_{device_slug(device)}",
-            f"flame's dq/dk/dw/dg kernel per launch setting, {device}",
-            f"Command: `{command_line('bench/dqkwg.py', argv)}` on {device}, torch {torch.__version__} "
-            f"({time.strftime('%Y-%m-%d')}); {args.batch} x {args.seq_len} tokens, bf16, the states stored [V, K]. "
-            "Medians of triton.testing.do_bench_cudagraph (GPU time). "
-            f"Total run time {time.perf_counter() - started:.0f} s.",
-            text,
-        )
+    device = device_name(torch.device("cuda"))
+    results = measure_and_write(
+        args.shapes.split(","),
+        lambda shape: measure(shape, args, args.settings),
+        args,
+        command_line("bench/dqkwg.py", argv),
+        f"{MARKER}_{device_slug(device)}",
+        f"flame's dq/dk/dw/dg kernel per launch setting, {device}",
+        ANCHOR,
+    )
+    print("\n" + table(results, ANCHOR))
     return 0
 
 

@@ -31,9 +31,7 @@ import argparse
 import functools
 import importlib
 import os
-import re
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,22 +41,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from dqkwg import launch_settings, settings_argument, table, time_rows  # noqa: E402
+from dqkwg import launch_settings, measure_and_write, settings_argument, table, time_rows  # noqa: E402
 from train_throughput import (  # noqa: E402
     add_doc_options,
     command_line,
     device_name,
     device_slug,
     no_cuda_gpu,
-    section_in,
-    write_section,
 )
 
 CHUNK = 64
 ANCHOR = "FLA Triton"
-# A run's line in a section ("- `command` (shapes A,B; 8 x 2048 tokens; date; torch; seconds)") and a table row's shape
-RUN_LINE = re.compile(r"^- (`.+`) \(shapes ([^;]+); (\d+ x \d+ tokens); (.+)\)$")
-ROW_SHAPE = re.compile(r"^\| (\d+x\d+x\d+) \|")
 
 
 @dataclass(frozen=True)
@@ -230,48 +223,6 @@ def measure(
     return rows
 
 
-def merged_with_section(old_section: str, run: str, new_rows: list[str]) -> tuple[list[str], list[str]]:
-    """A section's run lines and table rows after ``run`` (its line) measured the shapes of ``new_rows``: those
-    rows replace the shapes' earlier ones, and the earlier section's rows of other shapes stay, with the runs that
-    measured them, where those runs had the same tokens. A section without run lines is replaced whole. Shapes
-    keep their places in the earlier section's table, the ones new to it after them."""
-    new_shapes = list(dict.fromkeys(ROW_SHAPE.match(row)[1] for row in new_rows))
-    tokens = RUN_LINE.match(run)[3]
-    old_runs = [
-        match for line in old_section.splitlines() if (match := RUN_LINE.match(line)) and match[3] == tokens
-    ]
-    measured_before = {shape for match in old_runs for shape in match[2].split(",")}
-    old_rows = [line for line in old_section.splitlines()
-                if (match := ROW_SHAPE.match(line)) and match[1] in measured_before and match[1] not in new_shapes]  # fmt: skip
-    kept = {ROW_SHAPE.match(row)[1] for row in old_rows}
-    runs = []
-    for match in old_runs:
-        if shapes := [shape for shape in match[2].split(",") if shape in kept]:
-            runs.append(f"- {match[1]} (shapes {','.join(shapes)}; {match[3]}; {match[4]})")
-    old_order = [match[1] for line in old_section.splitlines() if (match := ROW_SHAPE.match(line))]
-    order = {shape: index for index, shape in enumerate(dict.fromkeys(old_order + new_shapes))}
-    # sorted() is stable: a shape's rows keep their order
-    rows = sorted(old_rows + new_rows, key=lambda row: order[ROW_SHAPE.match(row)[1]])
-    return runs + [run], rows
-
-
-def section_text(old_section: str, run: str, table_text: str) -> tuple[str, str]:
-    """(description, table) of a recurrence's section after ``run`` made ``table_text``'s rows, merged with the
-    section there was (merged_with_section)."""
-    header, new_rows = table_text.splitlines()[:2], table_text.splitlines()[2:]
-    runs, rows = merged_with_section(old_section, run, new_rows)
-    description = "\n".join(
-        [
-            "Measured by these runs (the shapes of their rows; tokens; date; torch; seconds):",
-            "",
-            *runs,
-            "",
-            "bf16, the states stored [V, K]. Medians of triton.testing.do_bench_cudagraph (GPU time).",
-        ]
-    )
-    return description, "\n".join(header + rows)
-
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -308,20 +259,18 @@ def main(argv: list[str] | None = None) -> int:
     device = device_name(torch.device("cuda"))
     command = command_line("bench/recurrences.py", argv)
     for name in args.recurrences.split(","):
-        started = time.perf_counter()
         recurrence = RECURRENCES[name]
         marker = f"bench_{name}_{device_slug(device)}"
-        # The section as it was before this run: each shape's rows are merged into it as they come.
-        old_section = section_in(args.doc.read_text(), marker) if args.doc.exists() else ""
-        results = {}
-        for shape in args.shapes.split(","):
-            results[shape] = measure(recurrence, shape, args)
-            if args.no_write:
-                continue
-            run = (f"- `{command}` (shapes {','.join(results)}; {args.batch} x {args.seq_len} tokens; "
-                   f"{time.strftime('%Y-%m-%d')}; torch {torch.__version__}; {time.perf_counter() - started:.0f} s)")  # fmt: skip
-            description, text = section_text(old_section, run, table(results, ANCHOR))
-            write_section(args.doc, marker, f"{recurrence.title}, {device}", description, text)
+        title = f"{recurrence.title}, {device}"
+        results = measure_and_write(
+            args.shapes.split(","),
+            lambda shape, recurrence=recurrence: measure(recurrence, shape, args),
+            args,
+            command,
+            marker,
+            title,
+            ANCHOR,
+        )
         print(f"\n{recurrence.title}\n\n{table(results, ANCHOR)}", flush=True)
     return 0
 

@@ -1,5 +1,6 @@
 """The kernel benches (bench/*.py that time Triton kernels) on a machine without a GPU: one line saying so, exit 1."""
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -88,11 +89,9 @@ def test_recurrences_bench_settings():
     assert stop.value.code == 2
 
 
-def recurrences_bench():
+def bench_module(name: str):
     sys.path.insert(0, str(REPO / "bench"))
-    import recurrences
-
-    return recurrences
+    return importlib.import_module(name)
 
 
 RUN_A = "- `python bench/recurrences.py --recurrences dhu` (shapes 6x256x512,16x96x192; 8 x 2048 tokens; 2026-12-06; a)"
@@ -113,60 +112,67 @@ OLD_SECTION = "\n".join(
 )
 
 
-def test_recurrences_bench_merges_a_shapes_rows_into_the_section():
-    """A run's rows replace their shape's rows in place; the other shapes' rows stay with the run that measured
-    them, narrowed to those shapes; rows and runs at other tokens, and sections without run lines, are dropped."""
-    recurrences = recurrences_bench()
+def test_kernel_bench_merges_a_shapes_rows_into_the_section():
+    """bench/dqkwg.py's merge (bench/recurrences.py's too): a run's rows replace their shape's rows in place; the
+    other shapes' rows stay with the run that measured them, narrowed to those shapes; rows and runs at other
+    tokens, and sections without run lines, are dropped."""
+    dqkwg = bench_module("dqkwg")
     run = "- `python bench/recurrences.py --shapes 6x256x512,10x64x64` (shapes 6x256x512,10x64x64; 8 x 2048 tokens; c)"
     new_rows = [
         "| 6x256x512 | FLA Triton | 0.880 | 1.00x | 2.4e-03 |",
         "| 6x256x512 | flame Triton | 0.550 | 1.60x | 2.4e-03 |",
         "| 10x64x64 | FLA Triton | 0.100 | 1.00x | 2.0e-03 |",
     ]
-    runs, rows = recurrences.merged_with_section(OLD_SECTION, run, new_rows)
+    runs, rows = dqkwg.merged_with_section(OLD_SECTION, run, new_rows)
     assert runs == [
         "- `python bench/recurrences.py --recurrences dhu` (shapes 16x96x192; 8 x 2048 tokens; 2026-12-06; a)",
         run,
     ]
     assert rows == [*new_rows[:2], *OLD_SECTION.splitlines()[7:9], new_rows[2]]
-    assert recurrences.merged_with_section(
-        OLD_SECTION.replace(RUN_A, "").replace(RUN_B, ""), run, new_rows
-    ) == (
+    assert dqkwg.merged_with_section(OLD_SECTION.replace(RUN_A, "").replace(RUN_B, ""), run, new_rows) == (
         [run],
         new_rows,
     )
 
 
-def test_recurrences_bench_writes_each_shape_as_it_ends(tmp_path, monkeypatch):
-    """main() writes the section after each shape, so a run stopped part-way leaves the rows it made beside the
+@pytest.mark.parametrize(
+    ("script", "marker", "title", "arguments", "anchor"),
+    [
+        ("recurrences", "bench_dhu_fake_gpu", "flame's dh recurrence per launch setting", ["--recurrences", "dhu"],
+         "FLA Triton"),
+        ("dqkwg", "bench_dqkwg_fake_gpu", "flame's dq/dk/dw/dg kernel per launch setting", [], "FLA TileLang"),
+    ],
+)  # fmt: skip
+def test_kernel_bench_writes_each_shape_as_it_ends(
+    tmp_path, monkeypatch, script, marker, title, arguments, anchor
+):
+    """main() writes its section after each shape, so a run stopped part-way leaves the rows it made beside the
     earlier run's rows of the shapes it did not reach, each named by its run."""
-    recurrences = recurrences_bench()
+    bench = bench_module(script)
     doc = tmp_path / "performance.md"
-    marker = "bench_dhu_fake_gpu"
     doc.write_text(f"# Performance\n\n<!-- {marker} -->\n{OLD_SECTION}\n<!-- /{marker} -->\n")
-    monkeypatch.setattr(recurrences, "no_cuda_gpu", lambda script: False)
-    monkeypatch.setattr(recurrences, "device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(bench, "no_cuda_gpu", lambda script: False)
+    monkeypatch.setattr(bench, "device_name", lambda device: "Fake GPU")
 
-    def measure(recurrence, shape, args):
-        if shape == "16x96x192":
+    def measure(*arguments):
+        if "16x96x192" in arguments:
             raise KeyboardInterrupt  # the device call's limit, before the second shape ends
-        return [("FLA Triton", 0.8, 2.4e-3, ""), ("flame Triton, autotuned (BV 64)", 0.5, 2.4e-3, "")]
+        return [(anchor, 0.8, 2.4e-3, ""), ("flame Triton, autotuned (BV 64)", 0.5, 2.4e-3, "")]
 
-    monkeypatch.setattr(recurrences, "measure", measure)
+    monkeypatch.setattr(bench, "measure", measure)
+    command = [*arguments, "--shapes", "6x256x512,16x96x192", "--doc", str(doc)]
     with pytest.raises(KeyboardInterrupt):
-        recurrences.main(["--recurrences", "dhu", "--shapes", "6x256x512,16x96x192", "--doc", str(doc)])
-    section = recurrences.section_in(doc.read_text(), marker)
-    lines = section.splitlines()
-    assert lines[1] == "## flame's dh recurrence per launch setting, Fake GPU"
+        bench.main(command)
+    lines = bench_module("train_throughput").section_in(doc.read_text(), marker).splitlines()
+    assert lines[1] == f"## {title}, Fake GPU"
     runs = [line for line in lines if line.startswith("- `")]
     assert runs[0] == RUN_A.replace("6x256x512,16x96x192", "16x96x192")
     assert runs[1].startswith(
-        "- `python bench/recurrences.py --recurrences dhu --shapes 6x256x512,16x96x192 --doc "
+        f"- `python bench/{script}.py {' '.join(command)}` (shapes 6x256x512; 8 x 2048 tokens; "
     )
-    assert "(shapes 6x256x512; 8 x 2048 tokens; " in runs[1]
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| heads")]
     assert rows == [
-        "| 6x256x512 | FLA Triton | 0.800 | 1.00x | 2.4e-03 |",
+        f"| 6x256x512 | {anchor} | 0.800 | 1.00x | 2.4e-03 |",
         "| 6x256x512 | flame Triton, autotuned (BV 64) | 0.500 | 1.60x | 2.4e-03 |",
         *OLD_SECTION.splitlines()[7:9],
     ]
