@@ -28,6 +28,18 @@ import triton.language as tl
 from flame import compat
 
 
+def chunk_indices_of(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """FLA's chunk_indices of packed sequences: [N, 2] (sequence, chunk within it) in FLA's chunk order, int64, on
+    cu_seqlens' device."""
+    cu_seqlens = cu_seqlens.to(dtype=torch.long)
+    chunks = (cu_seqlens.diff() + chunk_size - 1) // chunk_size
+    sequence = torch.repeat_interleave(torch.arange(len(chunks), device=cu_seqlens.device), chunks)
+    chunk_in_sequence = (
+        torch.arange(len(sequence), device=cu_seqlens.device) - (torch.cumsum(chunks, 0) - chunks)[sequence]
+    )
+    return torch.stack([sequence, chunk_in_sequence], 1)
+
+
 def chunk_bounds(
     batch: int,
     seq_len: int,
@@ -36,10 +48,10 @@ def chunk_bounds(
     device: torch.device,
     chunk_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """First and one-past-last flat token index of every chunk, in FLA's chunk order (int64, [N] each).
+    """First and one-past-last flat token index of every chunk, in FLA's chunk order (int64, [N] each): what the
+    kernel computes for each program, for the PyTorch references.
 
-    Computed on the device without a host sync when FLA's chunk_indices ([N, 2]: sequence, chunk within it) come
-    with cu_seqlens, as they do inside FLA's backward."""
+    Computed on the device without a host sync when FLA's chunk_indices come with cu_seqlens."""
     if cu_seqlens is None:
         chunks_per_row = (seq_len + chunk_size - 1) // chunk_size
         chunk = torch.arange(batch * chunks_per_row, device=device)
@@ -48,14 +60,8 @@ def chunk_bounds(
         return chunk_start, torch.minimum(chunk_start + chunk_size, row_start + seq_len)
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
     if chunk_indices is None:
-        lengths = cu_seqlens.diff()
-        chunks = (lengths + chunk_size - 1) // chunk_size
-        sequence = torch.repeat_interleave(torch.arange(len(lengths), device=device), chunks)
-        chunk_in_sequence = (
-            torch.arange(len(sequence), device=device) - (torch.cumsum(chunks, 0) - chunks)[sequence]
-        )
-    else:
-        sequence, chunk_in_sequence = chunk_indices.to(device=device, dtype=torch.long).unbind(-1)
+        chunk_indices = chunk_indices_of(cu_seqlens, chunk_size)
+    sequence, chunk_in_sequence = chunk_indices.to(device=device, dtype=torch.long).unbind(-1)
     chunk_start = cu_seqlens[sequence] + chunk_in_sequence * chunk_size
     return chunk_start, torch.minimum(chunk_start + chunk_size, cu_seqlens[sequence + 1])
 
@@ -63,10 +69,10 @@ def chunk_bounds(
 @triton.jit
 def _dqkwg_kernel(
     q, k, v, g, h, do, dh, dv, dq, dk, dw, dg,
-    chunk_start, chunk_end, scale, num_tokens,
+    cu_seqlens, chunk_indices, T, scale, num_tokens,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr, USE_DW: tl.constexpr, PRECISION: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, USE_DW: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # (chunk, key block) on grid axis 0, whose size limit (2^31 - 1) long packed batches cannot reach; axis 1 stops
     # at 65535. Programs run in axis-0 order, so a chunk's key blocks run together.
@@ -74,8 +80,20 @@ def _dqkwg_kernel(
     i_nk, i_hv = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_n, i_k = i_nk // KEY_BLOCKS, i_nk % KEY_BLOCKS
     i_h = i_hv // (HV // H)  # the query/key head this value head reads
-    start = tl.load(chunk_start + i_n)
-    end = tl.load(chunk_end + i_n)
+    # The chunk's tokens, from FLA's chunk_indices (sequence, chunk within it) with packed sequences, else from
+    # the row length T; computed here, so that a call launches no index kernels of its own.
+    if IS_VARLEN:
+        i_seq = tl.load(chunk_indices + 2 * i_n).to(tl.int64)
+        i_c = tl.load(chunk_indices + 2 * i_n + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_seq).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_seq + 1).to(tl.int64)
+    else:
+        chunks_per_row = tl.cdiv(T, BT)
+        bos = (i_n // chunks_per_row) * T
+        eos = bos + T
+        i_c = i_n % chunks_per_row
+    start = bos + i_c * BT
+    end = tl.minimum(start + BT, eos)
 
     o_t = start + tl.arange(0, BT)
     m_t = o_t < end
@@ -149,7 +167,8 @@ def _dqkwg_kernel(
 # Launch settings tried once per shape on the GPU (each compiles: keep the list short). BK is not tuned: it sets how
 # many partial dg sums the kernel writes, and a tuning run must not leave stale ones for another setting. 128-wide
 # key blocks (8 warps) ran no faster than 64-wide ones at K = 96, 128 and 256 on an H100 (docs/performance.md,
-# "flame's dq/dk/dw/dg kernel").
+# "flame's dq/dk/dw/dg kernel"). Packed sequences change only how a program finds its chunk, so IS_VARLEN is not in
+# the key: packed and unpacked calls of one shape share a choice.
 TUNING_CONFIGS = [
     triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
     for bv, warps, stages in [(64, 4, 2), (64, 8, 2), (64, 4, 3), (32, 4, 2)]
@@ -198,8 +217,16 @@ def chunk_bwd_dqkwg_triton(
     batch, seq_len, num_heads, key_dim = q.shape
     num_v_heads, value_dim = v.shape[2], v.shape[3]
     group = num_v_heads // num_heads
-    chunk_start, chunk_end = chunk_bounds(batch, seq_len, chunk_size, cu_seqlens, q.device, chunk_indices)
-    num_chunks = chunk_start.numel()
+    varlen = cu_seqlens is not None
+    if varlen:
+        cu_seqlens = cu_seqlens.to(q.device).contiguous()
+        if chunk_indices is None:
+            chunk_indices = chunk_indices_of(cu_seqlens, chunk_size)
+        chunk_indices = chunk_indices.to(q.device).contiguous()
+        num_chunks = chunk_indices.shape[0]
+    else:
+        num_chunks = batch * triton.cdiv(seq_len, chunk_size)
+        cu_seqlens = chunk_indices = q  # not read
     if h.numel() != num_chunks * num_v_heads * key_dim * value_dim:
         raise ValueError(
             f"h holds {h.numel()} values, expected {num_chunks} chunks x {num_v_heads} heads x K x V"
@@ -220,10 +247,10 @@ def chunk_bwd_dqkwg_triton(
     )  # per key block
     inputs = [x.contiguous() for x in (q, k, v, g, h, do, dh)]
     args = (*inputs, dv.contiguous() if w is not None else do, dq, dk, dw if w is not None else dq, dg,
-            chunk_start, chunk_end, scale, num_tokens)  # fmt: skip
+            cu_seqlens, chunk_indices, seq_len, scale, num_tokens)  # fmt: skip
     meta = dict(
         H=num_heads, HV=num_v_heads, K=key_dim, V=value_dim, BT=chunk_size, STATE_V_FIRST=state_v_first,
-        USE_DW=w is not None, PRECISION=dot_precision(),
+        USE_DW=w is not None, IS_VARLEN=varlen, PRECISION=dot_precision(),
     )  # fmt: skip
     grid = (num_chunks * key_blocks, num_v_heads)
     if launch is None:

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from flame.ops.gated_delta_rule.dqkwg_reference import chunk_bwd_dqkwg_torch
-from flame.ops.gated_delta_rule.dqkwg_triton import chunk_bounds, chunk_bwd_dqkwg_triton, dot_precision
+from flame.ops.gated_delta_rule.dqkwg_triton import (
+    chunk_bounds,
+    chunk_bwd_dqkwg_triton,
+    chunk_indices_of,
+    dot_precision,
+)
 
 # Small blocks: several key and value blocks per chunk (a chunk's key blocks adjacent in the launch), and the
 # partial dg sums over key blocks.
@@ -32,16 +37,29 @@ def test_chunk_bounds_follow_fla_chunk_order():
     assert with_indices[0].tolist() == starts.tolist() and with_indices[1].tolist() == ends.tolist()
 
 
+def test_chunk_indices_match_flas():
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    cu_seqlens = torch.tensor([0, 19, 40, 45, 109, 110])
+    for chunk_size in (16, 64):
+        expected = prepare_chunk_indices(cu_seqlens, chunk_size)
+        assert chunk_indices_of(cu_seqlens, chunk_size).tolist() == expected.tolist()
+
+
 @pytest.mark.parametrize("launch", [LAUNCH, WIDE_KEYS], ids=["BK16", "BK32"])
 @pytest.mark.parametrize(
-    ("lengths", "num_heads", "num_v_heads", "key_dim", "value_dim", "state_v_first", "with_w"),
+    ("lengths", "num_heads", "num_v_heads", "key_dim", "value_dim", "state_v_first", "with_w", "fla_indices"),
     [
-        ((37, 37), 2, 2, 20, 24, False, True),
-        ((45,), 1, 3, 32, 17, True, True),
-        ((19, 40, 5), 2, 4, 40, 33, True, False),
+        ((37, 37), 2, 2, 20, 24, False, True, False),
+        ((45,), 1, 3, 32, 17, True, True, False),
+        ((19, 40, 5), 2, 4, 40, 33, True, False, False),
+        ((19, 40, 5), 1, 2, 24, 20, False, True, True),
     ],
 )
-def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, state_v_first, with_w, launch):
+def test_matches_pytorch(
+    lengths, num_heads, num_v_heads, key_dim, value_dim, state_v_first, with_w, fla_indices, launch
+):
+    """fla_indices: the chunk_indices passed as FLA's backward passes them (int32, beside int32 cu_seqlens)."""
     torch.manual_seed(0)
     chunk_size, scale = 16, 0.37
     varlen = len(lengths) != 2
@@ -64,11 +82,16 @@ def test_matches_pytorch(lengths, num_heads, num_v_heads, key_dim, value_dim, st
     dv = torch.randn_like(v) if with_w else None
     args = dict(w=w, g=g, dv=dv, scale=scale, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
                 chunk_size=chunk_size)  # fmt: skip
+    indices = {}
+    if fla_indices:
+        indices = dict(
+            cu_seqlens=cu_seqlens.int(), chunk_indices=chunk_indices_of(cu_seqlens, chunk_size).int()
+        )
 
     expected = chunk_bwd_dqkwg_torch(*(x.double() for x in (q, k, v, do, h, dh)),
                                      **{n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x
                                         for n, x in args.items()})  # fmt: skip
-    result = chunk_bwd_dqkwg_triton(q, k, v, do, h, dh, **args, launch=launch)
+    result = chunk_bwd_dqkwg_triton(q, k, v, do, h, dh, **{**args, **indices}, launch=launch)
     for name, got, want in zip(("dq", "dk", "dw", "dg"), result, expected):
         if want is None:
             assert got is None
