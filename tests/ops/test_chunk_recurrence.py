@@ -28,6 +28,19 @@ FLOAT32_POINTERS = {"g", "h0", "ht", "dht", "dh0"}  # the gate and the initial a
 INDEX_POINTERS = {"cu_seqlens", "chunk_offsets"}
 
 
+def compile_for_h100(kernel, signature: dict, constexprs: dict, aligned: list, config: triton.Config):
+    """``kernel`` compiled for sm_90 with Triton's compiler (no GPU needed), the pointers and integers at the
+    positions ``aligned`` specialized as multiples of 16, as Triton specializes training's calls."""
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs=constexprs,
+        attrs={index: [["tt.divisibility", 16]] for index in aligned},
+    )
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return triton.compile(source, target=H100, options=options)
+
+
 def compiled_shared_memory(
     kernel, key_dim: int, value_dim: int, dtype: str, state_v_first: bool, config, flags: dict
 ) -> int:
@@ -52,14 +65,7 @@ def compiled_shared_memory(
             )
         if name != "scale":
             aligned.append((index,))
-    source = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs=constexprs,
-        attrs={index: [["tt.divisibility", 16]] for index in aligned},
-    )
-    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    return triton.compile(source, target=H100, options=options).metadata.shared
+    return compile_for_h100(kernel, signature, constexprs, aligned, config).metadata.shared
 
 
 CASES = [
