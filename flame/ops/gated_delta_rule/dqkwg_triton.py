@@ -26,18 +26,7 @@ import triton
 import triton.language as tl
 
 from flame import compat
-
-
-def chunk_indices_of(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """FLA's chunk_indices of packed sequences: [N, 2] (sequence, chunk within it) in FLA's chunk order, int64, on
-    cu_seqlens' device."""
-    cu_seqlens = cu_seqlens.to(dtype=torch.long)
-    chunks = (cu_seqlens.diff() + chunk_size - 1) // chunk_size
-    sequence = torch.repeat_interleave(torch.arange(len(chunks), device=cu_seqlens.device), chunks)
-    chunk_in_sequence = (
-        torch.arange(len(sequence), device=cu_seqlens.device) - (torch.cumsum(chunks, 0) - chunks)[sequence]
-    )
-    return torch.stack([sequence, chunk_in_sequence], 1)
+from flame.ops.gated_delta_rule.chunk_recurrence import sequence_bounds
 
 
 def chunk_bounds(
@@ -60,7 +49,9 @@ def chunk_bounds(
         return chunk_start, torch.minimum(chunk_start + chunk_size, row_start + seq_len)
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
     if chunk_indices is None:
-        chunk_indices = chunk_indices_of(cu_seqlens, chunk_size)
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
     sequence, chunk_in_sequence = chunk_indices.to(device=device, dtype=torch.long).unbind(-1)
     chunk_start = cu_seqlens[sequence] + chunk_in_sequence * chunk_size
     return chunk_start, torch.minimum(chunk_start + chunk_size, cu_seqlens[sequence + 1])
@@ -85,15 +76,12 @@ def _dqkwg_kernel(
     if IS_VARLEN:
         i_seq = tl.load(chunk_indices + 2 * i_n).to(tl.int64)
         i_c = tl.load(chunk_indices + 2 * i_n + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_seq).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_seq + 1).to(tl.int64)
     else:
-        chunks_per_row = tl.cdiv(T, BT)
-        bos = (i_n // chunks_per_row) * T
-        eos = bos + T
-        i_c = i_n % chunks_per_row
+        i_seq, i_c = i_n // tl.cdiv(T, BT), i_n % tl.cdiv(T, BT)
+    # sequence_bounds' third result (the sequence's first chunk) is unused: chunk_indices fills its chunk_offsets
+    bos, length, _ = sequence_bounds(cu_seqlens, chunk_indices, i_seq, T, BT, IS_VARLEN)
     start = bos + i_c * BT
-    end = tl.minimum(start + BT, eos)
+    end = tl.minimum(start + BT, bos + length)
 
     o_t = start + tl.arange(0, BT)
     m_t = o_t < end
@@ -221,7 +209,9 @@ def chunk_bwd_dqkwg_triton(
     if varlen:
         cu_seqlens = cu_seqlens.to(q.device).contiguous()
         if chunk_indices is None:
-            chunk_indices = chunk_indices_of(cu_seqlens, chunk_size)
+            from fla.ops.utils.index import prepare_chunk_indices
+
+            chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
         chunk_indices = chunk_indices.to(q.device).contiguous()
         num_chunks = chunk_indices.shape[0]
     else:

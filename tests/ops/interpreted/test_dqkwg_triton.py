@@ -10,12 +10,12 @@ import math
 
 import pytest
 import torch
+from fla.ops.utils.index import prepare_chunk_indices
 
 from flame.ops.gated_delta_rule.dqkwg_reference import chunk_bwd_dqkwg_torch
 from flame.ops.gated_delta_rule.dqkwg_triton import (
     chunk_bounds,
     chunk_bwd_dqkwg_triton,
-    chunk_indices_of,
     dot_precision,
 )
 
@@ -35,15 +35,6 @@ def test_chunk_bounds_follow_fla_chunk_order():
     fla_chunk_indices = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1], [2, 0]])
     with_indices = chunk_bounds(1, 45, 16, cu_seqlens, torch.device("cpu"), fla_chunk_indices)
     assert with_indices[0].tolist() == starts.tolist() and with_indices[1].tolist() == ends.tolist()
-
-
-def test_chunk_indices_match_flas():
-    from fla.ops.utils.index import prepare_chunk_indices
-
-    cu_seqlens = torch.tensor([0, 19, 40, 45, 109, 110])
-    for chunk_size in (16, 64):
-        expected = prepare_chunk_indices(cu_seqlens, chunk_size)
-        assert chunk_indices_of(cu_seqlens, chunk_size).tolist() == expected.tolist()
 
 
 @pytest.mark.parametrize("launch", [LAUNCH, WIDE_KEYS], ids=["BK16", "BK32"])
@@ -85,7 +76,7 @@ def test_matches_pytorch(
     indices = {}
     if fla_indices:
         indices = dict(
-            cu_seqlens=cu_seqlens.int(), chunk_indices=chunk_indices_of(cu_seqlens, chunk_size).int()
+            cu_seqlens=cu_seqlens.int(), chunk_indices=prepare_chunk_indices(cu_seqlens, chunk_size).int()
         )
 
     expected = chunk_bwd_dqkwg_torch(*(x.double() for x in (q, k, v, do, h, dh)),
