@@ -35,10 +35,12 @@ def prepare_gpu_kernels(device: torch.device) -> None:
     compiles (flame.compat), the others going to FLA's Triton kernel."""
     if device.type != "cuda":
         return
-    from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses  # imports Triton
-
+    # Before any of flame's kernel modules is imported: an autotuner reads TRITON_CACHE_AUTOTUNING, which
+    # tune_once_per_host sets, when it is made, and one made without it never reads or keeps a tuning result.
     tune_once_per_host()
     use_shipped_results(torch.cuda.get_device_name(device))
+    from flame.ops.gated_delta_rule.dqkwg_triton import serve_where_fla_refuses  # imports Triton
+
     serve_where_fla_refuses()
     fla_tilelang_attention_takes_what_it_compiles()
 
