@@ -30,7 +30,6 @@ scripts/autotune_bundle.py finds them for the shipped bundle.
 import argparse
 import functools
 import importlib
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,9 +252,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if no_cuda_gpu("bench/recurrences.py"):
         return 1
-    os.environ.setdefault(
-        "TRITON_CACHE_AUTOTUNING", "1"
-    )  # tuning results into Triton's cache, for the bundle
     device = device_name(torch.device("cuda"))
     command = command_line("bench/recurrences.py", argv)
     for name in args.recurrences.split(","):

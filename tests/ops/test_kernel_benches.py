@@ -1,6 +1,7 @@
 """The kernel benches (bench/*.py that time Triton kernels) on a machine without a GPU: one line saying so, exit 1."""
 
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -176,3 +177,22 @@ def test_kernel_bench_writes_each_shape_as_it_ends(
         "| 6x256x512 | flame Triton, autotuned (BV 64) | 0.500 | 1.60x | 2.4e-03 |",
         *OLD_SECTION.splitlines()[7:9],
     ]
+
+
+@pytest.mark.parametrize(("script", "arguments"), [("recurrences", ["--recurrences", "dhu"]), ("dqkwg", [])])
+def test_kernel_bench_keeps_its_tuning_results_for_the_bundle(tmp_path, monkeypatch, script, arguments):
+    """The autotuned rows' results land in Triton's cache (scripts/autotune_bundle.py bundles them) only if
+    TRITON_CACHE_AUTOTUNING is set before the kernel's module makes its autotuner, that is before the first shape."""
+    bench = bench_module(script)
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    monkeypatch.setattr(bench, "no_cuda_gpu", lambda script: False)
+    monkeypatch.setattr(bench, "device_name", lambda device: "Fake GPU")
+    seen = []
+
+    def measure(*arguments):
+        seen.append(os.environ.get("TRITON_CACHE_AUTOTUNING"))
+        return [("flame Triton, autotuned (BV 64)", 0.5, 2.4e-3, "")]
+
+    monkeypatch.setattr(bench, "measure", measure)
+    bench.main([*arguments, "--shapes", "6x256x512", "--doc", str(tmp_path / "performance.md")])
+    assert seen == ["1"]
