@@ -20,7 +20,6 @@ flame's PyTorch reference in float64 on the same inputs. The table goes into doc
 import argparse
 import functools
 import math
-import os
 import re
 import sys
 import time
@@ -208,10 +207,12 @@ def measure_and_write(
 ) -> dict:
     """Each shape's rows (``measure_shape(shape)``), and unless ``--no_write`` the doc's section written again after
     each shape, merged with the section there was (section_text), so that a run stopped part-way leaves the rows it
-    made (bench/recurrences.py's too). The results, shape -> rows. Triton's cache keeps the autotuned rows'
-    results, as train.sh has it keep them (TRITON_CACHE_AUTOTUNING, which an autotuner reads when its kernel's
-    module is imported: before the first shape), for ``scripts/autotune_bundle.py``."""
-    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    made (bench/recurrences.py's too). The results, shape -> rows. The autotuned rows tune as a training job does
+    (tune_once_per_host, before the first shape imports a kernel), so their results stay in Triton's cache for
+    ``scripts/autotune_bundle.py``."""
+    from flame.ops.autotune import tune_once_per_host
+
+    tune_once_per_host()
     started = time.perf_counter()
     old_section = section_in(args.doc.read_text(), marker) if args.doc.exists() else ""
     results = {}

@@ -12,6 +12,17 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def tuning_as_before(monkeypatch, tmp_path):
+    """A bench's main() tunes as a training job does (flame.ops.autotune.tune_once_per_host: Triton's cache folder
+    and caching in the environment, its Autotuner wrapped): all of it undone after each test."""
+    from triton.runtime.autotuner import Autotuner
+
+    monkeypatch.setattr(Autotuner, "check_disk_cache", Autotuner.check_disk_cache)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 @pytest.mark.parametrize(
     "script",
@@ -182,9 +193,9 @@ def test_kernel_bench_writes_each_shape_as_it_ends(
 @pytest.mark.parametrize(("script", "arguments"), [("recurrences", ["--recurrences", "dhu"]), ("dqkwg", [])])
 def test_kernel_bench_keeps_its_tuning_results_for_the_bundle(tmp_path, monkeypatch, script, arguments):
     """The autotuned rows' results land in Triton's cache (scripts/autotune_bundle.py bundles them) only if
-    TRITON_CACHE_AUTOTUNING is set before the kernel's module makes its autotuner, that is before the first shape."""
+    TRITON_CACHE_AUTOTUNING (unset here, by the fixture) is set before the kernel's module makes its autotuner,
+    that is before the first shape."""
     bench = bench_module(script)
-    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
     monkeypatch.setattr(bench, "no_cuda_gpu", lambda script: False)
     monkeypatch.setattr(bench, "device_name", lambda device: "Fake GPU")
     seen = []
