@@ -461,9 +461,14 @@ def test_under_torchrun_a_rank_refusal_is_the_last_line_without_launcher_traceba
         env={"NGPU": "2", "FLAME_EXPORT_HF": "0", "FLAME_TORCHRUN": "1"}, timeout=300,
     )  # fmt: skip
     assert result.returncode != 0
-    assert re.match(
-        r"\[rank0\]:error: cannot read data file '.*part.parquet'", result.stderr.splitlines()[-1]
+    # Both ranks refuse the same file; whichever wrote its line last ends the output.
+    refusal = re.match(
+        r"\[rank[01]\]:(error: cannot read data file '.*part.parquet'.*)", result.stderr.splitlines()[-1]
     )
+    assert refusal, result.stderr
+    for rank in (0, 1):
+        (stderr_log,) = (dump / "logs").glob(f"*/attempt_0/{rank}/stderr.log")
+        assert stderr_log.read_text().splitlines()[-1] == refusal.group(1)
     assert "Traceback" not in result.stderr + result.stdout and "ChildFailedError" not in result.stderr
     assert "ChildFailedError" in (dump / "logs" / "launcher.log").read_text()
 
