@@ -182,13 +182,19 @@ def test_cuda_short_conv_runs_flames_triton_kernel(compiling, monkeypatch):
 
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     weight = torch.randn(6, 1, 4)
-    call = (tensor(1, 8, 6), weight, None, "silu", cu_seqlens)
+    x = tensor(1, 8, 6)
     check_call_reaches(
         triton_kernel,
-        "short_conv_triton",
-        SENTINEL,
-        lambda: short_conv(*call[:2], activation="silu", cu_seqlens=cu_seqlens),
-        dict(zip(("x", "weight", "bias", "activation", "cu_seqlens"), call, strict=True)),
+        "short_conv_group_triton",
+        [SENTINEL],
+        lambda: short_conv(x, weight, activation="silu", cu_seqlens=cu_seqlens),
+        dict(
+            members=lambda members: (
+                len(members) == 1 and all(a is b for a, b in zip(members[0], (x, weight, None)))
+            ),
+            activation="silu",
+            cu_seqlens=cu_seqlens,
+        ),
         monkeypatch,
     )
 

@@ -8,6 +8,7 @@ import flame.ops.ssd  # noqa: F401 (registers its op)
 from flame.errors import ConfigError
 from flame.ops import attention, dispatch, gated_rms_norm, rms_norm, short_conv
 from flame.ops.norm import rms_norm_torch
+from flame.ops.short_conv import short_conv_group
 
 OPS = ("attention", "chunk_gated_delta_rule", "chunk_delta_rule", "fused_recurrent_delta_rule", "rms_norm",
        "gated_rms_norm", "short_conv", "selective_scan", "ssd")  # fmt: skip
@@ -207,12 +208,17 @@ def test_short_convolutions_wider_than_the_kernel_run_the_pytorch_code(monkeypat
     from flame.ops.short_conv import triton_kernel
 
     monkeypatch.setattr(
-        triton_kernel, "short_conv_triton", lambda *a, **k: pytest.fail("the kernel must not run")
+        triton_kernel, "short_conv_group_triton", lambda *a, **k: pytest.fail("the kernel must not run")
     )
     x, weight = torch.randn(2, 11, 6), torch.randn(6, triton_kernel.MAX_WIDTH + 1)
     actual = short_conv(x.as_subclass(PretendCuda), weight, activation="silu")
     torch.testing.assert_close(
         actual.as_subclass(torch.Tensor), short_conv(x, weight, activation="silu"), rtol=0, atol=0
+    )
+    together = short_conv_group([(x.as_subclass(PretendCuda), weight, None)] * 2, "silu")
+    expected = short_conv(x, weight, activation="silu")
+    torch.testing.assert_close(
+        [y.as_subclass(torch.Tensor) for y in together], [expected] * 2, rtol=0, atol=0
     )
 
 

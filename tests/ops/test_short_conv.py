@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from fla.modules import ShortConvolution
 
-from flame.ops.short_conv import short_conv, short_conv_torch
+from flame.ops import dispatch
+from flame.ops.short_conv import MAX_GROUP, short_conv, short_conv_group, short_conv_torch
 
 FLOAT64_TOL = {"rtol": 1e-12, "atol": 1e-12}
 
@@ -100,3 +101,32 @@ def test_rejects_bad_arguments():
         short_conv(x, random(4, 2, 3, seed=12))
     with pytest.raises(ValueError, match="batch size 1"):
         short_conv(x.expand(2, -1, -1), random(4, 3, seed=13), cu_seqlens=torch.tensor([0, 5]))
+
+
+def test_a_group_equals_each_convolution_alone_and_calls_once_per_shared_shape(monkeypatch):
+    """short_conv_group: each member's output as short_conv gives it, in order; members of one shape, dtype, width
+    and bias presence go to one call of the op, at most MAX_GROUP of them."""
+    calls = []
+    entry = dispatch._TABLE["short_conv"]
+    torch_impl = entry.torch_impl
+
+    def counted(x, weight, bias, activation, cu_seqlens, more=()):
+        calls.append(1 + len(more))
+        return torch_impl(x, weight, bias, activation, cu_seqlens, more)
+
+    monkeypatch.setattr(entry, "torch_impl", counted)
+    x, wide, short = random(2, 37, 24, seed=1), random(2, 37, 40, seed=2), random(2, 30, 24, seed=3)
+    members = [
+        (x, random(24, 4, seed=4), random(24, seed=5)),
+        (short, random(24, 4, seed=6), random(24, seed=7)),  # another length
+        (wide, random(40, 1, 4, seed=8), random(40, seed=9)),  # more channels: runs with the first
+        (x, random(24, 3, seed=10), random(24, seed=11)),  # another width
+        (x, random(24, 4, seed=12), None),  # no bias
+        *[(x, random(24, 4, seed=13 + i), random(24, seed=20 + i)) for i in range(MAX_GROUP)],
+    ]
+    outputs = short_conv_group(members, "silu")
+    # The first, the wider one and the last three: MAX_GROUP (3) and 2; the length, width and bias odd ones alone.
+    assert sorted(calls) == [1, 1, 1, 2, MAX_GROUP]
+    assert [y.shape for y in outputs] == [member[0].shape for member in members]
+    for y, member in zip(outputs, members, strict=True):
+        torch.testing.assert_close(y, short_conv(*member, "silu"), rtol=0, atol=0)

@@ -22,7 +22,7 @@ from torch import nn
 
 from flame.models.layers.decoding import MixerCache, convolve, current_token_mask, zero_padded
 from flame.models.layers.gated_deltanet import output_norm
-from flame.models.layers.short_conv import ShortConvolution
+from flame.models.layers.short_conv import ShortConvolution, convolve_together
 from flame.ops.context_parallel import relay_state
 from flame.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
 
@@ -100,7 +100,9 @@ class DeltaNet(nn.Module):
                 convolve(self.v_conv1d, v, cache, "v"),
             )
         if self.use_short_conv:
-            return self.q_conv1d(q, cu_seqlens), self.k_conv1d(k, cu_seqlens), self.v_conv1d(v, cu_seqlens)
+            return tuple(
+                convolve_together(((self.q_conv1d, q), (self.k_conv1d, k), (self.v_conv1d, v)), cu_seqlens)
+            )
         if self.qk_activation == "silu":
             q, k = F.silu(q), F.silu(k)
         return q, k, F.silu(v)

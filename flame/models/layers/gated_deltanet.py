@@ -23,7 +23,7 @@ from torch import nn
 from flame.models.layers.decoding import MixerCache, convolve, current_token_mask, zero_padded
 from flame.models.layers.norm import GatedRMSNorm, RMSNorm
 from flame.models.layers.sharding import local_param
-from flame.models.layers.short_conv import ShortConvolution
+from flame.models.layers.short_conv import ShortConvolution, convolve_together
 from flame.ops.context_parallel import relay_state
 from flame.ops.gated_delta_rule import chunk_gated_delta_rule, gdn_gate
 
@@ -105,7 +105,9 @@ class GatedDeltaNet(nn.Module):
         batch, seq_len, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_short_conv:
-            q, k, v = self.q_conv1d(q, cu_seqlens), self.k_conv1d(k, cu_seqlens), self.v_conv1d(v, cu_seqlens)
+            q, k, v = convolve_together(
+                ((self.q_conv1d, q), (self.k_conv1d, k), (self.v_conv1d, v)), cu_seqlens
+            )
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         v = v.view(batch, seq_len, -1, self.head_v_dim)

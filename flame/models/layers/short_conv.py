@@ -3,15 +3,18 @@
 An ``nn.Conv1d`` subclass, as FLA's ``ShortConvolution`` is: the weight is [D, 1, W] under the name ``weight``, so
 state dicts map 1:1, and the generic initialisation (normal for ``nn.Conv1d``) covers it. The forward takes
 [B, T, D] and runs ``flame.ops.short_conv.short_conv`` (flame's Triton kernel on CUDA, PyTorch elsewhere), which keeps
-packed documents (``cu_seqlens``) from seeing each other.
+packed documents (``cu_seqlens``) from seeing each other. ``convolve_together`` runs a layer's convolutions (DeltaNet's
+q, k and v) as one call of the op where it can.
 """
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from flame.models.layers.sharding import local_param
-from flame.ops.context_parallel import previous_tokens, window_cu_seqlens
-from flame.ops.short_conv import short_conv
+from flame.ops.context_parallel import active_group, previous_tokens, window_cu_seqlens
+from flame.ops.short_conv import short_conv, short_conv_group
 
 
 class ShortConvolution(nn.Conv1d):
@@ -50,3 +53,23 @@ class ShortConvolution(nn.Conv1d):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation}"
+
+
+def convolve_together(
+    convs_and_inputs: Sequence[tuple[ShortConvolution, torch.Tensor]], cu_seqlens: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """``conv(x, cu_seqlens)`` for each (conv, x), in order. Without context parallelism (nothing comes before the
+    tokens) the convolutions of one activation go to one call of ``short_conv_group``: on a GPU one launch of each
+    of flame's kernels for DeltaNet's q, k and v instead of three, the same results bit for bit."""
+    if active_group() is not None:
+        return [conv(x, cu_seqlens) for conv, x in convs_and_inputs]
+    outputs: list[torch.Tensor | None] = [None] * len(convs_and_inputs)
+    for activation in dict.fromkeys(conv.activation for conv, _ in convs_and_inputs):
+        indices = [i for i, (conv, _) in enumerate(convs_and_inputs) if conv.activation == activation]
+        members = [
+            (x, local_param(conv, "weight"), local_param(conv, "bias"))
+            for conv, x in (convs_and_inputs[i] for i in indices)
+        ]
+        for index, y in zip(indices, short_conv_group(members, activation, cu_seqlens)):
+            outputs[index] = y
+    return outputs

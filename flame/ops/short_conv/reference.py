@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from flame.ops.varlen import position_ids_from_cu_seqlens
 
 ACTIVATIONS = (None, "silu", "swish")
+# The convolutions one call of the op takes together (flame.ops.short_conv.short_conv_group): DeltaNet's q, k, v.
+MAX_GROUP = 3
 
 
 def as_depthwise_taps(weight: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
     short_conv_triton(x, weight, bias, activation, cu_seqlens) -> y
     y[b, t, d] = act( bias[d] + sum_{i=0}^{W-1} weight[d, W-1-i] * x[b, t-i, d] )
+    short_conv_group_triton([(x, weight, bias), ...], activation, cu_seqlens) -> [y, ...]
 
 Same contract as `short_conv_torch` in reference.py, which the tests compare against: x [B, T, D] (float16 /
 bfloat16 / float32 / float64; a last dim with stride != 1 is copied), weight [D, W] or [D, 1, W] with
@@ -10,6 +11,12 @@ documents, and a tap reaching i tokens back is dropped where the token is fewer 
 (at the row start in a batch). cu_seqlens[-1] must equal T; it is not checked (that would need a host sync). Sums
 run in float32 (float64 for float64 inputs); y and dx are in x's dtype, dweight and dbias in the dtypes and shapes
 of weight and bias.
+
+A group is up to MAX_GROUP convolutions of one B, T, dtype, width and bias presence, each with its own channel
+count (a DeltaNet layer's q, k and v): each kernel runs once for all, grid axis 1 walking through the first
+member's channel blocks, then the second's and the third's; a program picks its member's pointers and strides.
+A member's results are its own call's bit for bit in one launch setting (a group tunes apart from its members).
+The group saves the host 2 of 3 op calls and launches, which bound a compiled GatedDeltaNet step without graphs.
 
 Why: FLA 0.6.0's `causal_conv1d` runs at about 4x the memory-bandwidth floor of this op. The op is memory-bound
 only if each element costs a few tens of instructions, so the kernels read each x (and dy) element once into
@@ -32,13 +39,14 @@ cu_seqlens (on the device, no host sync); a batch row needs none (position = t, 
 the row start).
 
 Under torch.compile the kernels run as the torch custom ops `torch.ops.flame.short_conv_fwd` / `_bwd` (one node
-each, autograd registered on the forward); eager calls run the same code as an autograd.Function
+each for a whole group, autograd registered on the forward); eager calls run the same code as an autograd.Function
 (flame.ops.custom_ops), which costs the host less than the op's dispatch. With TRITON_INTERPRET=1 set before this
 module is imported, the kernels run in Triton's CPU interpreter with one small block configuration (the CPU tests
 do that).
 """
 
 import os
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -46,7 +54,7 @@ import triton.language as tl
 from torch import Tensor
 
 from flame.ops.custom_ops import differentiable_op
-from flame.ops.short_conv.reference import ACTIVATIONS, as_depthwise_taps
+from flame.ops.short_conv.reference import ACTIVATIONS, MAX_GROUP, as_depthwise_taps
 
 MAX_WIDTH = 8
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -86,7 +94,7 @@ MIN_CHUNK = min(c.kwargs["ROWS"] * c.kwargs["SPAN"] for c in BWD_CONFIGS)
 # The autotuner adds the tensors' dtypes. The best chunk length depends on how many programs there are, so the key
 # holds the token count B x T rounded up to a power of two (`_tokens_bucket`): T itself would tune again for every
 # new length, e.g. at each step of text sampling, where the sequence grows by one token per forward.
-TUNING_KEY = ["TOKENS_BUCKET", "D", "W", "HAS_BIAS", "SILU", "IS_VARLEN"]
+TUNING_KEY = ["TOKENS_BUCKET", "D0", "D1", "D2", "W", "NUM", "HAS_BIAS", "SILU", "IS_VARLEN"]
 
 
 @triton.jit
@@ -170,23 +178,67 @@ def _preactivation(
     return z
 
 
+@triton.jit
+def _member(D0, D1, NUM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(is member 1, is member 2, channel block inside the member) of this program: grid axis 1 counts member 0's
+    channel blocks, then member 1's, then member 2's."""
+    block = tl.program_id(1)
+    in_1 = block < 0
+    in_2 = block < 0
+    if NUM >= 2:
+        first_1 = tl.cdiv(D0, BLOCK_D)
+        in_1 = block >= first_1
+        if NUM == 3:
+            first_2 = first_1 + tl.cdiv(D1, BLOCK_D)
+            in_2 = block >= first_2
+            block -= tl.where(in_2, first_2, tl.where(in_1, first_1, 0))
+        else:
+            block -= tl.where(in_1, first_1, 0)
+    return in_1, in_2, block
+
+
+@triton.jit
+def _pick(in_1, in_2, value0, value1, value2, NUM: tl.constexpr):
+    """The program's member's value (pointer, size or stride): value0, value1 or value2."""
+    if NUM == 1:
+        return value0
+    elif NUM == 2:
+        return tl.where(in_1, value1, value0)
+    else:
+        return tl.where(in_2, value2, tl.where(in_1, value1, value0))
+
+
 @triton.autotune(configs=FWD_CONFIGS, key=TUNING_KEY)
 @triton.jit(do_not_specialize=["TOKENS_BUCKET"])
 def _fwd_kernel(
-    X, WEIGHT, BIAS, POS, Y, T, D, TOKENS_BUCKET, stride_xb, stride_xt, stride_yb, stride_yt, stride_wd, stride_ww,
-    W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IS_VARLEN: tl.constexpr,
+    X0, X1, X2, WEIGHT0, WEIGHT1, WEIGHT2, BIAS0, BIAS1, BIAS2, POS, Y0, Y1, Y2, T, D0, D1, D2, TOKENS_BUCKET,
+    stride_x0b, stride_x0t, stride_x1b, stride_x1t, stride_x2b, stride_x2t,
+    stride_y0b, stride_y0t, stride_y1b, stride_y1t, stride_y2b, stride_y2t,
+    W: tl.constexpr, NUM: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IS_VARLEN: tl.constexpr,
     ROWS: tl.constexpr, SPAN: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    ACC: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    ACC: tl.constexpr = tl.float64 if X0.dtype.element_ty == tl.float64 else tl.float32
+    in_1, in_2, block = _member(D0, D1, NUM, BLOCK_D)
+    X = _pick(in_1, in_2, X0, X1, X2, NUM)
+    Y = _pick(in_1, in_2, Y0, Y1, Y2, NUM)
+    WEIGHT = _pick(in_1, in_2, WEIGHT0, WEIGHT1, WEIGHT2, NUM)
+    D = _pick(in_1, in_2, D0, D1, D2, NUM)
+    stride_xt = _pick(in_1, in_2, stride_x0t, stride_x1t, stride_x2t, NUM)
+    stride_yt = _pick(in_1, in_2, stride_y0t, stride_y1t, stride_y2t, NUM)
     start = tl.program_id(0) * (ROWS * SPAN)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cols = block * BLOCK_D + tl.arange(0, BLOCK_D)
     b = tl.program_id(2).to(tl.int64)
     col_ok = cols < D
     # Token offsets inside the program stay small; its base is computed in int64.
-    x_base = X + b * stride_xb + start.to(tl.int64) * stride_xt
-    y_base = Y + b * stride_yb + start.to(tl.int64) * stride_yt
+    x_base = (
+        X + b * _pick(in_1, in_2, stride_x0b, stride_x1b, stride_x2b, NUM) + start.to(tl.int64) * stride_xt
+    )
+    y_base = (
+        Y + b * _pick(in_1, in_2, stride_y0b, stride_y1b, stride_y2b, NUM) + start.to(tl.int64) * stride_yt
+    )
     span_first = tl.arange(0, ROWS) * SPAN
-    taps = _taps(WEIGHT, cols, col_ok, stride_wd, stride_ww, W, ACC)
+    taps = _taps(WEIGHT, cols, col_ok, W, 1, W, ACC)
+    BIAS = _pick(in_1, in_2, BIAS0, BIAS1, BIAS2, NUM) if HAS_BIAS else None
     bias = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(ACC)[None, :] if HAS_BIAS else 0.0
     x_history = ()  # x at the W-1 tokens before the current one, newest first
     for i in tl.static_range(1, W):
@@ -235,21 +287,38 @@ def _dx(dz, pos, dz_history, pos_history, taps, W: tl.constexpr, IS_VARLEN: tl.c
 @triton.autotune(configs=BWD_CONFIGS, key=TUNING_KEY)
 @triton.jit(do_not_specialize=["TOKENS_BUCKET"])
 def _bwd_kernel(
-    X, DY, WEIGHT, BIAS, POS, DX, DW_PARTIAL, DB_PARTIAL, T, D, TOKENS_BUCKET,
-    stride_xb, stride_xt, stride_dyb, stride_dyt, stride_dxb, stride_dxt, stride_wd, stride_ww,
-    W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IS_VARLEN: tl.constexpr,
+    X0, X1, X2, DY0, DY1, DY2, WEIGHT0, WEIGHT1, WEIGHT2, BIAS0, BIAS1, BIAS2, POS, DX0, DX1, DX2,
+    DW_PARTIAL, DB_PARTIAL, T, D0, D1, D2, TOKENS_BUCKET,
+    stride_x0b, stride_x0t, stride_x1b, stride_x1t, stride_x2b, stride_x2t,
+    stride_dy0b, stride_dy0t, stride_dy1b, stride_dy1t, stride_dy2b, stride_dy2t,
+    stride_dx0b, stride_dx0t, stride_dx1b, stride_dx1t, stride_dx2b, stride_dx2t,
+    W: tl.constexpr, NUM: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IS_VARLEN: tl.constexpr,
     ROWS: tl.constexpr, SPAN: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    ACC: tl.constexpr = tl.float64 if X.dtype.element_ty == tl.float64 else tl.float32
+    ACC: tl.constexpr = tl.float64 if X0.dtype.element_ty == tl.float64 else tl.float32
+    in_1, in_2, block = _member(D0, D1, NUM, BLOCK_D)
+    X = _pick(in_1, in_2, X0, X1, X2, NUM)
+    DY = _pick(in_1, in_2, DY0, DY1, DY2, NUM)
+    DX = _pick(in_1, in_2, DX0, DX1, DX2, NUM)
+    WEIGHT = _pick(in_1, in_2, WEIGHT0, WEIGHT1, WEIGHT2, NUM)
+    D = _pick(in_1, in_2, D0, D1, D2, NUM)
+    stride_xt = _pick(in_1, in_2, stride_x0t, stride_x1t, stride_x2t, NUM)
+    stride_dyt = _pick(in_1, in_2, stride_dy0t, stride_dy1t, stride_dy2t, NUM)
+    stride_dxt = _pick(in_1, in_2, stride_dx0t, stride_dx1t, stride_dx2t, NUM)
     start = tl.program_id(0) * (ROWS * SPAN)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cols = block * BLOCK_D + tl.arange(0, BLOCK_D)
     b = tl.program_id(2).to(tl.int64)
     col_ok = cols < D
-    x_base = X + b * stride_xb + start.to(tl.int64) * stride_xt
-    dy_base = DY + b * stride_dyb + start.to(tl.int64) * stride_dyt
-    dx_base = DX + b * stride_dxb + start.to(tl.int64) * stride_dxt
+    start64 = start.to(tl.int64)
+    x_base = X + b * _pick(in_1, in_2, stride_x0b, stride_x1b, stride_x2b, NUM) + start64 * stride_xt
+    dy_base = DY + b * _pick(in_1, in_2, stride_dy0b, stride_dy1b, stride_dy2b, NUM) + start64 * stride_dyt
+    dx_base = DX + b * _pick(in_1, in_2, stride_dx0b, stride_dx1b, stride_dx2b, NUM) + start64 * stride_dxt
+    # The partial rows hold the members' channels one after the other.
+    partial_cols = _pick(in_1, in_2, 0, D0, D0 + D1, NUM) + cols
+    D_ALL = D0 + D1 + D2
     span_first = tl.arange(0, ROWS) * SPAN
-    taps = _taps(WEIGHT, cols, col_ok, stride_wd, stride_ww, W, ACC)
+    taps = _taps(WEIGHT, cols, col_ok, W, 1, W, ACC)
+    BIAS = _pick(in_1, in_2, BIAS0, BIAS1, BIAS2, NUM) if HAS_BIAS else None
     bias = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(ACC)[None, :] if HAS_BIAS else 0.0
     # Histories of the last W-1 tokens, newest first. dz (and its positions) before the span reach no stored dx.
     zeros = tl.zeros([ROWS, BLOCK_D], dtype=ACC)
@@ -307,9 +376,9 @@ def _bwd_kernel(
         pos_history = _push(pos_history, pos)
     partial = b * tl.num_programs(0) + tl.program_id(0)
     for j in tl.static_range(W):
-        tl.store(DW_PARTIAL + (partial * W + j) * D + cols, tl.sum(dw[j], 0), mask=col_ok)
+        tl.store(DW_PARTIAL + (partial * W + j) * D_ALL + partial_cols, tl.sum(dw[j], 0), mask=col_ok)
     if HAS_BIAS:
-        tl.store(DB_PARTIAL + partial * D + cols, tl.sum(db, 0), mask=col_ok)
+        tl.store(DB_PARTIAL + partial * D_ALL + partial_cols, tl.sum(db, 0), mask=col_ok)
 
 
 @triton.jit
@@ -370,114 +439,218 @@ def _tokens_bucket(batch: int, seq_len: int) -> int:
     return triton.next_power_of_2(batch * seq_len)
 
 
-def _flags(weight: Tensor, bias: Tensor | None, activation: str | None, cu_seqlens: Tensor | None) -> dict:
+def _members(
+    x0, weight0, bias0, x1, weight1, bias1, x2, weight2, bias2
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """The present members' (x with a unit last stride, taps [D, W] contiguous, bias)."""
+    return [
+        (_last_dim_contiguous(x), as_depthwise_taps(weight).contiguous(), bias)
+        for x, weight, bias in ((x0, weight0, bias0), (x1, weight1, bias1), (x2, weight2, bias2))
+        if x is not None
+    ]
+
+
+def _padded(values: list, fill=None) -> list:
+    """``values`` filled up to MAX_GROUP entries: the kernels' argument slots of absent members."""
+    return [*values, *[fill] * (MAX_GROUP - len(values))]
+
+
+def _absent(like: Tensor, present: int) -> list[Tensor]:
+    """The empty outputs of the absent members (a custom op returns tensors, each its own)."""
+    return [like.new_empty(0) for _ in range(MAX_GROUP - present)]
+
+
+def _strides(tensors: list[Tensor]) -> list[int]:
+    """Each member's batch and token strides, 0 for absent members."""
+    return [stride for t in tensors for stride in t.stride()[:2]] + [0, 0] * (MAX_GROUP - len(tensors))
+
+
+def _flags(members: list, activation: str | None, cu_seqlens: Tensor | None) -> dict:
     return dict(
-        W=weight.shape[-1],
-        HAS_BIAS=bias is not None,
+        W=members[0][1].shape[1],
+        NUM=len(members),
+        HAS_BIAS=members[0][2] is not None,
         SILU=activation is not None,
         IS_VARLEN=cu_seqlens is not None,
     )
 
 
-def _forward(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    activation: str | None,
-    cu_seqlens: Tensor | None,
-) -> Tensor:
-    """y [B, T, D] in x's dtype; arguments as checked by `short_conv_triton`."""
-    x = _last_dim_contiguous(x)
-    taps = as_depthwise_taps(weight)
-    batch, seq_len, dim = x.shape
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    positions = _positions_in_documents(cu_seqlens, seq_len, x.device)
+def _grid(members: list, batch: int, seq_len: int):
+    """Token chunks x the members' channel blocks one after the other x batch rows."""
+    dims = [x.shape[2] for x, _, _ in members]
 
     def grid(meta):
-        return (triton.cdiv(seq_len, meta["ROWS"] * meta["SPAN"]), triton.cdiv(dim, meta["BLOCK_D"]), batch)
+        blocks = sum(triton.cdiv(dim, meta["BLOCK_D"]) for dim in dims)
+        return (triton.cdiv(seq_len, meta["ROWS"] * meta["SPAN"]), blocks, batch)
 
-    _fwd_kernel[grid](
-        x, taps, bias, positions, y, seq_len, dim, _tokens_bucket(batch, seq_len),
-        *x.stride()[:2], *y.stride()[:2], *taps.stride(),
-        **_flags(weight, bias, activation, cu_seqlens),
+    return grid
+
+
+def _forward(
+    x0: Tensor,
+    weight0: Tensor,
+    bias0: Tensor | None,
+    x1: Tensor | None,
+    weight1: Tensor | None,
+    bias1: Tensor | None,
+    x2: Tensor | None,
+    weight2: Tensor | None,
+    bias2: Tensor | None,
+    activation: str | None,
+    cu_seqlens: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(y0, y1, y2), each [B, T, D_i] in x's dtype, empty for an absent member; arguments as checked by
+    `short_conv_group_triton`."""
+    members = _members(x0, weight0, bias0, x1, weight1, bias1, x2, weight2, bias2)
+    xs, taps, biases = (list(column) for column in zip(*members))
+    batch, seq_len = x0.shape[:2]
+    ys = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+    positions = _positions_in_documents(cu_seqlens, seq_len, x0.device)
+    _fwd_kernel[_grid(members, batch, seq_len)](
+        *_padded(xs), *_padded(taps), *_padded(biases), positions, *_padded(ys),
+        seq_len, *_padded([x.shape[2] for x in xs], 0), _tokens_bucket(batch, seq_len),
+        *_strides(xs), *_strides(ys),
+        **_flags(members, activation, cu_seqlens),
     )  # fmt: skip
-    return y
+    return (*ys, *_absent(x0, len(ys)))
 
 
 short_conv_fwd = torch.library.custom_op("flame::short_conv_fwd", _forward, mutates_args=())
 
 
 @short_conv_fwd.register_fake
-def _(x, weight, bias, activation, cu_seqlens):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+def _(x0, weight0, bias0, x1, weight1, bias1, x2, weight2, bias2, activation, cu_seqlens):
+    xs = [x for x in (x0, x1, x2) if x is not None]
+    return (*[torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs], *_absent(x0, len(xs)))
 
 
 @torch.library.custom_op("flame::short_conv_bwd", mutates_args=())
 def short_conv_bwd(
-    dy: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
+    dy0: Tensor,
+    dy1: Tensor | None,
+    dy2: Tensor | None,
+    x0: Tensor,
+    weight0: Tensor,
+    bias0: Tensor | None,
+    x1: Tensor | None,
+    weight1: Tensor | None,
+    bias1: Tensor | None,
+    x2: Tensor | None,
+    weight2: Tensor | None,
+    bias2: Tensor | None,
     activation: str | None,
     cu_seqlens: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dweight, dbias) in the dtypes and shapes of x, weight and bias; dbias is empty when bias is None (a
-    custom op returns tensors)."""
-    dy, x = _last_dim_contiguous(dy), _last_dim_contiguous(x)
-    taps = as_depthwise_taps(weight)
-    batch, seq_len, dim = x.shape
-    width = taps.shape[1]
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    partial_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx0, dx1, dx2, dweight, dbias): each member's dx in the dtype and shape of its x (empty for an absent
+    member); dweight [D0 + D1 + D2, W] in the weights' dtype and dbias [D0 + D1 + D2] in the biases' (empty
+    without biases), the members' channels one after the other (a custom op returns tensors, none a view of
+    another)."""
+    members = _members(x0, weight0, bias0, x1, weight1, bias1, x2, weight2, bias2)
+    xs, taps, biases = (list(column) for column in zip(*members))
+    dys = [_last_dim_contiguous(dy) for dy in (dy0, dy1, dy2)[: len(members)]]
+    batch, seq_len = x0.shape[:2]
+    width = taps[0].shape[1]
+    dims = [x.shape[2] for x in xs]
+    dxs = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+    partial_dtype = torch.float64 if x0.dtype == torch.float64 else torch.float32
     max_partials = batch * triton.cdiv(seq_len, MIN_CHUNK)
-    dw_partial = x.new_empty(max_partials, width, dim, dtype=partial_dtype)
-    db_partial = x.new_empty(max_partials, dim, dtype=partial_dtype) if bias is not None else None
-    positions = _positions_in_documents(cu_seqlens, seq_len, x.device)
-
-    def grid(meta):
-        return (triton.cdiv(seq_len, meta["ROWS"] * meta["SPAN"]), triton.cdiv(dim, meta["BLOCK_D"]), batch)
-
-    _bwd_kernel[grid](
-        x, dy, taps, bias, positions, dx, dw_partial, db_partial, seq_len, dim, _tokens_bucket(batch, seq_len),
-        *x.stride()[:2], *dy.stride()[:2], *dx.stride()[:2], *taps.stride(),
-        **_flags(weight, bias, activation, cu_seqlens),
+    dw_partial = x0.new_empty(max_partials, width, sum(dims), dtype=partial_dtype)
+    db_partial = x0.new_empty(max_partials, sum(dims), dtype=partial_dtype) if bias0 is not None else None
+    positions = _positions_in_documents(cu_seqlens, seq_len, x0.device)
+    _bwd_kernel[_grid(members, batch, seq_len)](
+        *_padded(xs), *_padded(dys), *_padded(taps), *_padded(biases), positions, *_padded(dxs),
+        dw_partial, db_partial, seq_len, *_padded(dims, 0), _tokens_bucket(batch, seq_len),
+        *_strides(xs), *_strides(dys), *_strides(dxs),
+        **_flags(members, activation, cu_seqlens),
     )  # fmt: skip
-    dweight = torch.empty_like(weight, memory_format=torch.contiguous_format)
-    dbias = x.new_empty(0) if bias is None else torch.empty_like(bias, memory_format=torch.contiguous_format)
-    dtaps = as_depthwise_taps(dweight)
+    dweight = x0.new_empty(sum(dims), width, dtype=weight0.dtype)
+    dbias = x0.new_empty(0) if bias0 is None else x0.new_empty(sum(dims), dtype=bias0.dtype)
     # The config the autotuner ran (just now), hence the number of partial rows written.
     chosen = _bwd_kernel.best_config.kwargs
     num_partials = batch * triton.cdiv(seq_len, chosen["ROWS"] * chosen["SPAN"])
     block_d = 64 if INTERPRETED else 256
-    _sum_partials_kernel[(triton.cdiv(dim, block_d),)](
-        dw_partial, db_partial, dtaps, dbias, num_partials, dim, *dtaps.stride(),
-        W=width, W_PAD=triton.next_power_of_2(width), HAS_BIAS=bias is not None, BLOCK_D=block_d,
+    _sum_partials_kernel[(triton.cdiv(sum(dims), block_d),)](
+        dw_partial, db_partial, dweight, dbias, num_partials, sum(dims), *dweight.stride(),
+        W=width, W_PAD=triton.next_power_of_2(width), HAS_BIAS=bias0 is not None, BLOCK_D=block_d,
     )  # fmt: skip
-    return dx, dweight, dbias
+    return (*dxs, *_absent(x0, len(dxs)), dweight, dbias)
 
 
 @short_conv_bwd.register_fake
-def _(dy, x, weight, bias, activation, cu_seqlens):
-    def like(t: Tensor) -> Tensor:
-        return torch.empty_like(t, memory_format=torch.contiguous_format)
-
-    return like(x), like(weight), x.new_empty(0) if bias is None else like(bias)
+def _(dy0, dy1, dy2, x0, weight0, bias0, x1, weight1, bias1, x2, weight2, bias2, activation, cu_seqlens):
+    xs = [x for x in (x0, x1, x2) if x is not None]
+    channels = sum(x.shape[2] for x in xs)
+    return (
+        *[torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs],
+        *_absent(x0, len(xs)),
+        x0.new_empty(channels, weight0.shape[-1], dtype=weight0.dtype),
+        x0.new_empty(0) if bias0 is None else x0.new_empty(channels, dtype=bias0.dtype),
+    )
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, activation, cu_seqlens = inputs
-    ctx.save_for_backward(x, weight, bias, cu_seqlens)
+    *members, activation, cu_seqlens = inputs
+    ctx.save_for_backward(*members, cu_seqlens)
     ctx.activation = activation
 
 
-def _backward(ctx, dy):
-    x, weight, bias, cu_seqlens = ctx.saved_tensors
-    dx, dweight, dbias = short_conv_bwd(dy, x, weight, bias, ctx.activation, cu_seqlens)
-    return dx, dweight, None if bias is None else dbias, None, None
+def _backward(ctx, *dys):
+    *members, cu_seqlens = ctx.saved_tensors
+    xs = members[0::3]
+    # An output the loss does not use may come without a gradient.
+    dys = [None if x is None else torch.zeros_like(x) if dy is None else dy for x, dy in zip(xs, dys)]
+    *dxs, dweight, dbias = short_conv_bwd(*dys, *members, ctx.activation, cu_seqlens)
+    grads, first = [], 0
+    for x, weight, bias, dx in zip(xs, members[1::3], members[2::3], dxs):
+        if x is None:
+            grads += [None, None, None]
+            continue
+        channels = slice(first, first + x.shape[2])
+        grads += [dx, dweight[channels].view(weight.shape), None if bias is None else dbias[channels]]
+        first += x.shape[2]
+    return (*grads, None, None)
 
 
 # Eager calls run the kernels through an autograd.Function, compiled graphs through the ops.
 _short_conv = differentiable_op(short_conv_fwd, _forward, _setup_context, _backward)
+
+
+def short_conv_group_triton(
+    members: Sequence[tuple[Tensor, Tensor, Tensor | None]],
+    activation: str | None,
+    cu_seqlens: Tensor | None,
+) -> list[Tensor]:
+    """Each member's causal depthwise conv (x [B, T, D_i], weight, bias; the module docstring) in one launch of
+    each kernel: up to MAX_GROUP members of one batch size, length, dtype, width and bias presence; differentiable
+    in every x, weight and bias."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not 1 <= len(members) <= MAX_GROUP:
+        raise ValueError(
+            f"the short-conv kernel takes 1 to {MAX_GROUP} convolutions at once, got {len(members)}"
+        )
+    x0, weight0, bias0 = members[0]
+    for x, weight, bias in members:
+        taps = as_depthwise_taps(weight)
+        if x.ndim != 3 or taps.shape[0] != x.shape[2]:
+            raise ValueError(
+                f"expected x [B, T, D] and weight [D, W], got {tuple(x.shape)}, {tuple(weight.shape)}"
+            )
+        if not 1 <= taps.shape[1] <= MAX_WIDTH:
+            raise ValueError(f"the short-conv kernel supports widths 1 to {MAX_WIDTH}, got {taps.shape[1]}")
+        if bias is not None and bias.shape != (x.shape[2],):
+            raise ValueError(f"bias must be [D] = [{x.shape[2]}], got {tuple(bias.shape)}")
+        if (x.shape[:2], x.dtype, weight.dtype, taps.shape[1], bias is None) != (
+            x0.shape[:2], x0.dtype, weight0.dtype, as_depthwise_taps(weight0).shape[1], bias0 is None
+        ) or (bias is not None and bias.dtype != bias0.dtype):  # fmt: skip
+            raise ValueError(
+                "convolutions run together must share batch size, length, dtypes, width and bias presence"
+            )
+    if cu_seqlens is not None and x0.shape[0] != 1:
+        raise ValueError(f"a packed batch (cu_seqlens given) must have batch size 1, got {x0.shape[0]}")
+    absent = [None, None, None] * (MAX_GROUP - len(members))
+    outputs = _short_conv(*[t for member in members for t in member], *absent, activation, cu_seqlens)
+    return list(outputs[: len(members)])
 
 
 def short_conv_triton(
@@ -488,17 +661,4 @@ def short_conv_triton(
     cu_seqlens: Tensor | None,
 ) -> Tensor:
     """Causal depthwise conv [B, T, D] -> [B, T, D] (module docstring); differentiable in x, weight and bias."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    taps = as_depthwise_taps(weight)
-    if x.ndim != 3 or taps.shape[0] != x.shape[2]:
-        raise ValueError(
-            f"expected x [B, T, D] and weight [D, W], got {tuple(x.shape)}, {tuple(weight.shape)}"
-        )
-    if not 1 <= taps.shape[1] <= MAX_WIDTH:
-        raise ValueError(f"the short-conv kernel supports widths 1 to {MAX_WIDTH}, got {taps.shape[1]}")
-    if bias is not None and bias.shape != (x.shape[2],):
-        raise ValueError(f"bias must be [D] = [{x.shape[2]}], got {tuple(bias.shape)}")
-    if cu_seqlens is not None and x.shape[0] != 1:
-        raise ValueError(f"a packed batch (cu_seqlens given) must have batch size 1, got {x.shape[0]}")
-    return _short_conv(x, weight, bias, activation, cu_seqlens)
+    return short_conv_group_triton([(x, weight, bias)], activation, cu_seqlens)[0]

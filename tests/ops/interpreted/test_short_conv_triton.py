@@ -21,7 +21,12 @@ import torch
 
 from flame.ops.short_conv import short_conv_torch
 from flame.ops.short_conv import triton_kernel as kernels
-from flame.ops.short_conv.triton_kernel import short_conv_bwd, short_conv_fwd, short_conv_triton
+from flame.ops.short_conv.triton_kernel import (
+    short_conv_bwd,
+    short_conv_fwd,
+    short_conv_group_triton,
+    short_conv_triton,
+)
 
 # dtype: (rtol, atol relative to the largest |reference value|)
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12), torch.bfloat16: (2**-7, 1e-2)}
@@ -40,14 +45,14 @@ CASES = {
 }
 
 
-def make_inputs(width, with_bias, conv1d_weight, varlen, dtype, seed=0):
+def make_inputs(width, with_bias, conv1d_weight, varlen, dtype, seed=0, dim=DIM):
     """(x, weight, bias, cu_seqlens): x, weight, bias as leaves of `dtype` that require grad, cu_seqlens int32."""
     generator = torch.Generator().manual_seed(seed)
     batch, seq_len = (1, sum(LENGTHS)) if varlen else (3, 45)
-    x = torch.randn(batch, seq_len, DIM, generator=generator)
-    weight = torch.randn(DIM, 1, width, generator=generator) / width**0.5
+    x = torch.randn(batch, seq_len, dim, generator=generator)
+    weight = torch.randn(dim, 1, width, generator=generator) / width**0.5
     weight = weight if conv1d_weight else weight[:, 0].contiguous()
-    bias = torch.randn(DIM, generator=generator) if with_bias else None
+    bias = torch.randn(dim, generator=generator) if with_bias else None
     cu_seqlens = (
         torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32) if varlen else None
     )
@@ -176,18 +181,84 @@ def test_backward_is_deterministic():
 @pytest.mark.parametrize("conv1d_weight", [True, False], ids=["weight_d1w", "weight_dw"])
 def test_custom_op_registration(conv1d_weight):
     """Schema, fake (meta) implementations (shapes, dtypes and strides of the real outputs) and the autograd
-    registration of the forward op, and the fake implementation of the backward op, as torch.library checks them."""
+    registration of the forward op, and the fake implementation of the backward op, as torch.library checks them,
+    for one convolution and for three run together."""
     x, weight, bias, cu_seqlens = make_inputs(3, True, conv1d_weight, True, torch.float32)
     checks = ("test_schema", "test_faketensor")
-    torch.library.opcheck(
-        short_conv_fwd,
-        (x, weight, bias, "silu", cu_seqlens),
-        test_utils=(*checks, "test_autograd_registration"),
+    one = (x, weight, bias, None, None, None, None, None, None)
+    wide = make_inputs(3, True, conv1d_weight, True, torch.float32, seed=1, dim=2 * DIM + 3)
+    three = (
+        x,
+        weight,
+        bias,
+        *wide[:3],
+        *make_inputs(3, True, conv1d_weight, True, torch.float32, seed=2)[:3],
     )
-    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
-    args = (dy, x.detach(), weight.detach(), bias.detach(), "silu", cu_seqlens)
-    torch.library.opcheck(short_conv_bwd, args, test_utils=checks)
-    torch.library.opcheck(short_conv_bwd, (*args[:3], None, None, None), test_utils=checks)
+    for members in (one, three):
+        torch.library.opcheck(
+            short_conv_fwd, (*members, "silu", cu_seqlens), test_utils=(*checks, "test_autograd_registration")
+        )
+        detached = [t.detach() if t is not None else None for t in members]
+        dys = [torch.randn(t.shape) if t is not None else None for t in detached[0::3]]
+        torch.library.opcheck(short_conv_bwd, (*dys, *detached, "silu", cu_seqlens), test_utils=checks)
+    without_bias = [None if i % 3 == 2 else t for i, t in enumerate(detached)]
+    torch.library.opcheck(short_conv_bwd, (*dys, *without_bias, None, None), test_utils=checks)
+
+
+# name: (the members' channel counts, width, with bias, activation, packed documents)
+GROUPS = {
+    "three-odd-widths-bias-silu": ((DIM, DIM, 2 * DIM + 3), 4, True, "silu", False),
+    "two-plain": ((DIM, 70), 3, False, None, False),
+    "varlen-three-bias-silu": ((33, 65, 17), 4, True, "silu", True),
+    "varlen-two-w2": ((DIM, 5), 2, False, "silu", True),
+}
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_convolutions_run_together_match_the_reference_and_each_alone(group, dtype):
+    """One launch of each kernel over several inputs (grid axis 1 runs through the members' channel blocks, which
+    end at different places) gives each member's y, dx, dweight and dbias as its own call does, bit for bit, and
+    as the float64 reference does within the dtype's tolerance."""
+    dims, width, with_bias, activation, varlen = GROUPS[group]
+    members = [
+        make_inputs(width, with_bias, i % 2 == 0, varlen, dtype, seed=i, dim=dim)[:3]
+        for i, dim in enumerate(dims)
+    ]
+    cu_seqlens = make_inputs(width, with_bias, False, varlen, dtype)[3]
+    dys = [torch.randn(x.shape, generator=torch.Generator().manual_seed(9 + i)).to(dtype)
+           for i, (x, _, _) in enumerate(members)]  # fmt: skip
+    leaves = [t for member in members for t in member if t is not None]
+    together = short_conv_group_triton(members, activation, cu_seqlens)
+    results = [*together, *torch.autograd.grad(together, leaves, dys)]
+    alone = [short_conv_triton(*member, activation, cu_seqlens) for member in members]
+    torch.testing.assert_close(results, [*alone, *torch.autograd.grad(alone, leaves, dys)], rtol=0, atol=0)
+    reference_members = [[t.detach().double().requires_grad_() if t is not None else None for t in member]
+                         for member in members]  # fmt: skip
+    expected = [short_conv_torch(*member, activation, cu_seqlens) for member in reference_members]
+    reference_leaves = [t for member in reference_members for t in member if t is not None]
+    expected += torch.autograd.grad(expected, reference_leaves, [dy.double() for dy in dys])
+    rtol, atol = TOLERANCES[dtype]
+    for result, reference in zip(results, expected, strict=True):
+        torch.testing.assert_close(
+            result.double(), reference, rtol=rtol, atol=atol * reference.abs().max().item()
+        )
+
+
+def test_convolutions_run_together_must_agree():
+    x, weight, bias, _ = make_inputs(4, True, False, False, torch.float32)
+    short = make_inputs(4, True, False, False, torch.float32)[0][:, :40]
+    narrow = make_inputs(3, True, False, False, torch.float32)[1]
+    for members in (
+        [(x, weight, bias), (short, weight, bias)],
+        [(x, weight, bias), (x, narrow, bias)],
+        [(x, weight, bias), (x, weight, None)],
+        [(x, weight, bias), (x.double(), weight, bias)],
+    ):
+        with pytest.raises(ValueError, match="run together must share"):
+            short_conv_group_triton(members, "silu", None)
+    with pytest.raises(ValueError, match="1 to 3 convolutions"):
+        short_conv_group_triton([(x, weight, bias)] * 4, "silu", None)
 
 
 def test_compiled_graph_equals_eager():
