@@ -17,7 +17,12 @@ import torch
 
 from flame.ops.short_conv import short_conv_torch
 from flame.ops.short_conv import triton_kernel as kernels
-from flame.ops.short_conv.triton_kernel import short_conv_bwd, short_conv_fwd, short_conv_triton
+from flame.ops.short_conv.triton_kernel import (
+    short_conv_bwd,
+    short_conv_fwd,
+    short_conv_group_triton,
+    short_conv_triton,
+)
 
 DEVICE = "cuda"
 # dtype: (rtol, atol relative to the largest |reference value|)
@@ -138,13 +143,53 @@ def test_backward_is_deterministic():
 @pytest.mark.parametrize("case", ["batch-w4-bias-silu", "varlen-w2-silu"])
 def test_ops_pass_opcheck(case):
     """Schema, fake implementations against the real outputs, autograd registration and AOT dispatch (dynamic
-    shapes) of the forward op (the backward op runs inside the autograd checks), and the backward op's own. The
-    kernels are deterministic; float32 inputs."""
+    shapes) of the forward op (the backward op runs inside the autograd checks), and the backward op's own, for one
+    convolution and for three run together. The kernels are deterministic; float32 inputs."""
     x, weight, bias, cu_seqlens, dy = make_inputs(case, torch.float32)
     activation = CASES[case][5]
-    torch.library.opcheck(short_conv_fwd, (x, weight, bias, activation, cu_seqlens), rtol=1e-5, atol=1e-5)
-    detached = [t.detach() if t is not None else None for t in (x, weight, bias)]
-    torch.library.opcheck(short_conv_bwd, (dy, *detached, activation, cu_seqlens), rtol=1e-5, atol=1e-5)
+    second, third = (make_inputs(case, torch.float32, seed=seed)[:3] for seed in (1, 2))
+    for members in (
+        (x, weight, bias, None, None, None, None, None, None),
+        (x, weight, bias, *second, *third),
+    ):
+        torch.library.opcheck(short_conv_fwd, (*members, activation, cu_seqlens), rtol=1e-5, atol=1e-5)
+        detached = [t.detach() if t is not None else None for t in members]
+        dys = [torch.randn_like(t) if t is not None else None for t in detached[0::3]]
+        torch.library.opcheck(short_conv_bwd, (*dys, *detached, activation, cu_seqlens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+def test_gated_deltanets_q_k_v_together_equal_each_alone(monkeypatch, varlen):
+    """gated_deltanet_340M's q, k and v convolutions (1536, 1536 and 3072 channels, W = 4, SiLU, no bias, bf16) in
+    one launch of each kernel: y, dx and dweight bit for bit as three calls with the same launch setting give them
+    (the autotuner keys the group apart from its members, and another chunk length sums dweight in another
+    order), and within the bf16 tolerance of the float64 reference."""
+    pin_configs(monkeypatch)
+    generator = torch.Generator(DEVICE).manual_seed(5)
+    batch, seq_len = (1, 4096) if varlen else (2, 2048)
+    cu_seqlens = torch.tensor([0, 1, 1000, 1003, 4096], device=DEVICE, dtype=torch.int32) if varlen else None
+    members = [
+        (
+            torch.randn(batch, seq_len, dim, device=DEVICE, generator=generator).bfloat16().requires_grad_(),
+            (torch.randn(dim, 1, 4, device=DEVICE, generator=generator) / 2).bfloat16().requires_grad_(),
+            None,
+        )
+        for dim in (1536, 1536, 3072)
+    ]
+    dys = [torch.randn(x.shape, device=DEVICE, generator=generator).bfloat16() for x, _, _ in members]
+    leaves = [t for x, weight, _ in members for t in (x, weight)]
+    together = short_conv_group_triton(members, "silu", cu_seqlens)
+    alone = [short_conv_triton(*member, "silu", cu_seqlens) for member in members]
+    results = [*together, *torch.autograd.grad(together, leaves, dys)]
+    torch.testing.assert_close(results, [*alone, *torch.autograd.grad(alone, leaves, dys)], rtol=0, atol=0)
+    reference = [[t.detach().double().requires_grad_() for t in (x, weight)] for x, weight, _ in members]
+    expected = [short_conv_torch(x, weight, None, "silu", cu_seqlens) for x, weight in reference]
+    expected += torch.autograd.grad(
+        expected, [t for pair in reference for t in pair], [dy.double() for dy in dys]
+    )
+    rtol, atol = TOLERANCES[torch.bfloat16]
+    for result, value in zip(results, expected, strict=True):
+        torch.testing.assert_close(result.double(), value, rtol=rtol, atol=atol * value.abs().max().item())
 
 
 def test_compiled_graph_equals_eager():
