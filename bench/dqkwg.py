@@ -77,11 +77,17 @@ def relative_error(got: tuple, want: tuple) -> float:
     return max(ratios)
 
 
-def implementations(settings: list[dict]) -> dict:
-    """Row name -> call: flame's kernel autotuned, then pinned to each setting, then FLA's TileLang kernel."""
+def implementations(settings: list[dict] | None) -> dict:
+    """Row name -> call: flame's kernel autotuned, then pinned to each setting (None: each setting it tunes over),
+    then FLA's TileLang kernel."""
     from flame.ops.gated_delta_rule import dqkwg_triton
 
     rows = {"flame Triton, autotuned": dqkwg_triton.chunk_bwd_dqkwg_triton}
+    if settings is None:
+        settings = [
+            {"BK": dqkwg_triton.BLOCK_K, **c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+            for c in dqkwg_triton.TUNING_CONFIGS
+        ]
     for launch in settings:
         text = "BK {BK}, BV {BV}, {num_warps} warps, {num_stages} stages".format(**launch)
         rows[f"flame Triton, {text}"] = functools.partial(dqkwg_triton.chunk_bwd_dqkwg_triton, launch=launch)
@@ -106,7 +112,7 @@ def chosen_setting() -> str:
 
 
 def measure(
-    shape: str, args: argparse.Namespace, settings: list[dict]
+    shape: str, args: argparse.Namespace, settings: list[dict] | None
 ) -> list[tuple[str, float, float, str]]:
     """[(row name, ms, error, why the call was refused or '')] for one shape."""
     from flame.ops.gated_delta_rule.dqkwg_reference import chunk_bwd_dqkwg_torch
@@ -247,15 +253,11 @@ def settings_argument(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"--settings: {error}")
 
 
-def parse_settings(text: str | None) -> list[dict]:
-    if text is None:
-        from flame.ops.gated_delta_rule.dqkwg_triton import BLOCK_K, TUNING_CONFIGS
-
-        return [
-            {"BK": BLOCK_K, **c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
-            for c in TUNING_CONFIGS
-        ]
-    return launch_settings(text, ("BK", "BV", "num_warps", "num_stages"))
+def parse_settings(text: str | None) -> list[dict] | None:
+    """``--settings`` as launch settings; None stands for the kernel's tuning settings, read where the rows are made:
+    importing the kernel's module here would make its autotuner before measure_and_write has tuning results kept
+    (TRITON_CACHE_AUTOTUNING), and scripts/autotune_bundle.py would find none of the run's."""
+    return None if text is None else launch_settings(text, ("BK", "BV", "num_warps", "num_stages"))
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -43,7 +43,8 @@ def test_a_kernel_bench_says_it_needs_a_gpu(script):
 
 
 def test_dqkwg_bench_settings_and_table():
-    """bench/dqkwg.py: --settings parse into launch settings, the default is every tuning setting, and each row's
+    """bench/dqkwg.py: --settings parse into launch settings, the default (None) is a row for every tuning setting,
+    and each row's
     ratio is FLA TileLang's time over the row's; a refused call's row carries its reason instead of numbers."""
     sys.path.insert(0, str(REPO / "bench"))
     import dqkwg
@@ -54,7 +55,9 @@ def test_dqkwg_bench_settings_and_table():
         {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 3},
         {"BK": 128, "BV": 64, "num_warps": 8, "num_stages": 2},
     ]
-    assert len(dqkwg.parse_settings(None)) == len(TUNING_CONFIGS)
+    assert dqkwg.parse_settings(None) is None
+    pinned = [name for name in dqkwg.implementations(None) if name.startswith("flame Triton, BK")]
+    assert len(pinned) == len(TUNING_CONFIGS)
     assert dqkwg.parse(["--settings", "64/32/4/3"]).settings == [
         {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 3}
     ]
@@ -207,3 +210,23 @@ def test_kernel_bench_keeps_its_tuning_results_for_the_bundle(tmp_path, monkeypa
     monkeypatch.setattr(bench, "measure", measure)
     bench.main([*arguments, "--shapes", "6x256x512", "--doc", str(tmp_path / "performance.md")])
     assert seen == ["1"]
+
+
+def test_dqkwg_bench_makes_the_kernels_autotuner_after_tuning_results_are_kept(monkeypatch, tmp_path):
+    """bench/dqkwg.py with its default settings: the kernel's module, imported first by the bench (it is dropped
+    from sys.modules here), makes an autotuner that keeps its results (TRITON_CACHE_AUTOTUNING read when the
+    autotuner is made). Reading the default settings while parsing the arguments made it before; an H100 run
+    (2026-12-07) tuned three shapes and left scripts/autotune_bundle.py nothing to bundle."""
+    import flame.ops.gated_delta_rule as package
+
+    module = "flame.ops.gated_delta_rule.dqkwg_triton"
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.delattr(package, "dqkwg_triton", raising=False)
+    bench = bench_module("dqkwg")
+    monkeypatch.setattr(bench, "no_cuda_gpu", lambda script: False)
+    monkeypatch.setattr(bench, "device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(
+        bench, "measure", lambda shape, args, settings: bench.implementations(settings) and []
+    )
+    bench.main(["--shapes", "6x256x512", "--no_write"])
+    assert sys.modules[module]._dqkwg_kernel_tuned.cache_results
