@@ -27,7 +27,8 @@ launch gets ``--timeout_s``. The table splits each launch's time at the first li
 (to the rank's first log line: the pre-flight, the launcher, imports), setup (to "Training starts": model build,
 parallelize, data) and step 1 (compilation, Triton's compiling and tuning, the step). A launch's notes count the
 kernels its rank and its prewarm tuned, and their seconds (flame.ops.autotune's log lines): none where the shipped
-tuning holds every kernel, shape and kernel source the model calls. Prints the table and, on a GPU, writes it into
+tuning holds every kernel, shape and kernel source the model calls; below each launch's line the bench prints those
+log lines whole, with the key each kernel tuned at. Prints the table and, on a GPU, writes it into
 docs/performance.md between ``<!-- bench_first_step -->`` markers with the command, device and date.
 """
 
@@ -165,6 +166,9 @@ def measure_model(name: str, args, work: Path) -> dict:
         note = "; ".join(filter(None, [note, prewarm_tuning(dump)]))
         row["seconds"][case], row["notes"][case], row["phases"][case] = seconds, note, phases
         print(f"{name}, {case}: {seconds:.1f} s ({phase_text(phases)}) {note}".rstrip(), flush=True)
+        log = folder / f"{case}.log"
+        for line in tuning_lines(log.read_text().splitlines() if log.exists() else [], prewarm_lines(dump)):
+            print(f"  {line}", flush=True)
     return row
 
 
@@ -179,10 +183,21 @@ def tuning_note(lines: list[str], tuner: str) -> str:
     return f"kernels tuned by {tuner}: {len(tuned)} ({sum(seconds for _, seconds in tuned):.1f} s: {names})"
 
 
-def prewarm_tuning(dump: Path) -> str:
-    """The kernels the launch's prewarm tuned, from its log (train.sh's <dump_folder>/logs/prewarm.log)."""
+def prewarm_lines(dump: Path) -> list[str]:
+    """The launch's prewarm log (train.sh's <dump_folder>/logs/prewarm.log), [] where it ran none."""
     log = dump / "logs" / "prewarm.log"
-    return tuning_note(log.read_text().splitlines() if log.exists() else [], "the prewarm")
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def prewarm_tuning(dump: Path) -> str:
+    """The kernels the launch's prewarm tuned, from its log."""
+    return tuning_note(prewarm_lines(dump), "the prewarm")
+
+
+def tuning_lines(*logs: list[str]) -> list[str]:
+    """flame.ops.autotune's line for each kernel the logs' processes tuned, whole: it names the tuning key, which
+    says why a shipped result did not serve the call (the table's notes count the kernels only)."""
+    return [line.strip() for lines in logs for line in lines if TUNED.search(line)]
 
 
 def phase_text(phases: dict[str, float]) -> str:

@@ -86,6 +86,12 @@ def test_the_kernels_the_prewarm_tuned_are_counted_from_its_log(tmp_path, caplog
     assert re.fullmatch(
         r"kernels tuned by the prewarm: 1 \(0\.[2-9] s: _dhu_kernel\)", first_step.prewarm_tuning(dump)
     )
+    # The lines themselves, with the key each kernel tuned at, for the bench's output.
+    caplog.clear()
+    ranks = ["[rank0]: step 1/1", *[f"[rank0]: {line}" for line in tuning_lines(tmp_path, caplog, [0.1])]]
+    whole = first_step.tuning_lines(ranks, first_step.prewarm_lines(dump))
+    assert len(whole) == 2 and all("tuned Triton kernel _dhu_kernel" in line for line in whole)
+    assert all("key (" in line for line in whole), whole
 
 
 def test_a_launch_without_a_step_says_why(tmp_path):
