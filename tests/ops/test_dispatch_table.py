@@ -215,7 +215,7 @@ def test_short_convolutions_wider_than_the_kernel_run_the_pytorch_code(monkeypat
     torch.testing.assert_close(
         actual.as_subclass(torch.Tensor), short_conv(x, weight, activation="silu"), rtol=0, atol=0
     )
-    together = short_conv_group([(x.as_subclass(PretendCuda), weight, None)] * 2, "silu")
+    together = short_conv_group([(x.as_subclass(PretendCuda), weight, None, "silu")] * 2)
     expected = short_conv(x, weight, activation="silu")
     torch.testing.assert_close(
         [y.as_subclass(torch.Tensor) for y in together], [expected] * 2, rtol=0, atol=0

@@ -104,29 +104,33 @@ def test_rejects_bad_arguments():
 
 
 def test_a_group_equals_each_convolution_alone_and_calls_once_per_shared_shape(monkeypatch):
-    """short_conv_group: each member's output as short_conv gives it, in order; members of one shape, dtype, width
-    and bias presence go to one call of the op, at most MAX_GROUP of them."""
+    """short_conv_group: each member's output as short_conv gives it, in order; members of one shape, dtype, width,
+    bias presence and activation go to one call of the op, at most MAX_GROUP of them."""
     calls = []
     entry = dispatch._TABLE["short_conv"]
     torch_impl = entry.torch_impl
 
     def counted(x, weight, bias, activation, cu_seqlens, more=()):
-        calls.append(1 + len(more))
+        calls.append((1 + len(more), activation))
         return torch_impl(x, weight, bias, activation, cu_seqlens, more)
 
     monkeypatch.setattr(entry, "torch_impl", counted)
     x, wide, short = random(2, 37, 24, seed=1), random(2, 37, 40, seed=2), random(2, 30, 24, seed=3)
     members = [
-        (x, random(24, 4, seed=4), random(24, seed=5)),
-        (short, random(24, 4, seed=6), random(24, seed=7)),  # another length
-        (wide, random(40, 1, 4, seed=8), random(40, seed=9)),  # more channels: runs with the first
-        (x, random(24, 3, seed=10), random(24, seed=11)),  # another width
-        (x, random(24, 4, seed=12), None),  # no bias
-        *[(x, random(24, 4, seed=13 + i), random(24, seed=20 + i)) for i in range(MAX_GROUP)],
+        (x, random(24, 4, seed=4), random(24, seed=5), "silu"),
+        (short, random(24, 4, seed=6), random(24, seed=7), "silu"),  # another length
+        (wide, random(40, 1, 4, seed=8), random(40, seed=9), "silu"),  # more channels: runs with the first
+        (x, random(24, 3, seed=10), random(24, seed=11), "silu"),  # another width
+        (x, random(24, 4, seed=12), None, "silu"),  # no bias
+        (x, random(24, 4, seed=30), random(24, seed=31), None),  # another activation
+        *[(x, random(24, 4, seed=13 + i), random(24, seed=20 + i), "silu") for i in range(MAX_GROUP)],
     ]
-    outputs = short_conv_group(members, "silu")
-    # The first, the wider one and the last three: MAX_GROUP (3) and 2; the length, width and bias odd ones alone.
-    assert sorted(calls) == [1, 1, 1, 2, MAX_GROUP]
+    outputs = short_conv_group(members)
+    # The first, the wider one and the last three: MAX_GROUP (3) and 2; the length, width, bias and activation odd
+    # ones alone.
+    assert sorted(calls, key=str) == sorted(
+        [(1, "silu"), (1, "silu"), (1, "silu"), (1, None), (2, "silu"), (MAX_GROUP, "silu")], key=str
+    )
     assert [y.shape for y in outputs] == [member[0].shape for member in members]
     for y, member in zip(outputs, members, strict=True):
-        torch.testing.assert_close(y, short_conv(*member, "silu"), rtol=0, atol=0)
+        torch.testing.assert_close(y, short_conv(*member), rtol=0, atol=0)

@@ -59,17 +59,12 @@ def convolve_together(
     convs_and_inputs: Sequence[tuple[ShortConvolution, torch.Tensor]], cu_seqlens: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
     """``conv(x, cu_seqlens)`` for each (conv, x), in order. Without context parallelism (nothing comes before the
-    tokens) the convolutions of one activation go to one call of ``short_conv_group``: on a GPU one launch of each
-    of flame's kernels for DeltaNet's q, k and v instead of three, the same results bit for bit."""
+    tokens) they go to ``short_conv_group``: on a GPU one launch of each of flame's kernels for DeltaNet's q, k and v
+    instead of three (those that share an activation), the same results bit for bit in one launch setting."""
     if active_group() is not None:
         return [conv(x, cu_seqlens) for conv, x in convs_and_inputs]
-    outputs: list[torch.Tensor | None] = [None] * len(convs_and_inputs)
-    for activation in dict.fromkeys(conv.activation for conv, _ in convs_and_inputs):
-        indices = [i for i, (conv, _) in enumerate(convs_and_inputs) if conv.activation == activation]
-        members = [
-            (x, local_param(conv, "weight"), local_param(conv, "bias"))
-            for conv, x in (convs_and_inputs[i] for i in indices)
-        ]
-        for index, y in zip(indices, short_conv_group(members, activation, cu_seqlens)):
-            outputs[index] = y
-    return outputs
+    members = [
+        (x, local_param(conv, "weight"), local_param(conv, "bias"), conv.activation)
+        for conv, x in convs_and_inputs
+    ]
+    return short_conv_group(members, cu_seqlens)

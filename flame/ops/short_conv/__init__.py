@@ -3,9 +3,9 @@
 `short_conv` runs flame's Triton kernels (triton_kernel.py: forward and backward as torch.library custom ops, so a
 compiled block stays one graph) on CUDA tensors and the PyTorch code (reference.py, which defines the semantics)
 elsewhere and for widths past the kernel's (flame/ops/dispatch.py). `short_conv_group` convolves several inputs
-with one activation and one cu_seqlens (a DeltaNet layer's q, k and v): on the kernels, up to MAX_GROUP of them in
-one launch of each kernel, which costs the host one op call and one launch where three would cost three (the
-host bounds a compiled GatedDeltaNet step without CUDA graphs: docs/performance.md). flame's kernels stand in for
+over one cu_seqlens (a DeltaNet layer's q, k and v): on the kernels, up to MAX_GROUP of them in one launch of each
+kernel, which costs the host one op call and one launch where three would cost three (the host bounds a compiled
+GatedDeltaNet step without CUDA graphs on some machines: docs/performance.md). flame's kernels stand in for
 FLA 0.6.0's `causal_conv1d`, whose backward runs at ~4.7x the memory-bandwidth floor (docs/performance.md, "Short
 convolution").
 """
@@ -69,9 +69,8 @@ def short_conv(
     return SHORT_CONV(x, weight, bias, activation, cu_seqlens)[0]
 
 
-def _runs_together(member: Member) -> tuple:
+def _runs_together(x, weight, bias, activation) -> tuple:
     """What convolutions of one call share (the kernels' condition; the PyTorch code takes any)."""
-    x, weight, bias = member
     return (
         x.shape[:2],
         x.dtype,
@@ -79,28 +78,29 @@ def _runs_together(member: Member) -> tuple:
         weight.dtype,
         weight.shape[-1],
         None if bias is None else bias.dtype,
+        activation,
     )
 
 
 def short_conv_group(
-    members: Sequence[Member],
-    activation: str | None = None,
+    members: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str | None]],
     cu_seqlens: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """`short_conv(x, weight, bias, activation, cu_seqlens)` for each member (x, weight, bias), in order; members
-    of one batch size, length, dtypes, device, width and bias presence go to one call, up to MAX_GROUP at a time."""
+    """`short_conv(x, weight, bias, activation, cu_seqlens)` for each member (x, weight, bias, activation), in
+    order; members of one batch size, length, dtypes, device, width, bias presence and activation go to one call,
+    up to MAX_GROUP at a time."""
     outputs: list[torch.Tensor | None] = [None] * len(members)
     calls: list[tuple[tuple, list[int]]] = []  # (what the members share, their indices)
     for index, member in enumerate(members):
-        shared = _runs_together(member)
+        shared = _runs_together(*member)
         call = next((c for c in calls if c[0] == shared and len(c[1]) < MAX_GROUP), None)
         if call is None:
             calls.append((shared, [index]))
         else:
             call[1].append(index)
-    for _, indices in calls:
-        first, *more = (members[i] for i in indices)
-        for index, y in zip(indices, SHORT_CONV(*first, activation, cu_seqlens, more)):
+    for shared, indices in calls:
+        first, *more = (members[i][:3] for i in indices)
+        for index, y in zip(indices, SHORT_CONV(*first, shared[-1], cu_seqlens, more)):
             outputs[index] = y
     return outputs
 

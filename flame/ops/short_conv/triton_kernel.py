@@ -16,7 +16,7 @@ A group is up to MAX_GROUP convolutions of one B, T, dtype, width and bias prese
 count (a DeltaNet layer's q, k and v): each kernel runs once for all, grid axis 1 walking through the first
 member's channel blocks, then the second's and the third's; a program picks its member's pointers and strides.
 A member's results are its own call's bit for bit in one launch setting (a group tunes apart from its members).
-The group saves the host 2 of 3 op calls and launches, which bound a compiled GatedDeltaNet step without graphs.
+The group saves the host 2 of 3 op calls and launches, which bound GatedDeltaNet's step on some hosts.
 
 Why: FLA 0.6.0's `causal_conv1d` runs at about 4x the memory-bandwidth floor of this op. The op is memory-bound
 only if each element costs a few tens of instructions, so the kernels read each x (and dy) element once into
