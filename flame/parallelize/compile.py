@@ -16,15 +16,30 @@ def compile_options(backend: str, mode: str = "default") -> dict:
     return {"backend": backend, **({"mode": mode} if mode != "default" else {})}
 
 
-def graphs_eager_blocks(job_config, world_size: int, on_gpu: bool) -> bool:
-    """Whether blocks that torch.compile leaves eager replay as CUDA graphs: on one GPU, where nothing runs between
-    the blocks (no data-parallel hooks or collectives, no activation checkpointing or offloading)."""
+def graphs_can_replay_blocks(job_config, world_size: int, on_gpu: bool) -> bool:
+    """Whether a run's blocks can replay as CUDA graphs: on one GPU, where nothing runs between the blocks (no
+    data-parallel hooks or collectives, no activation checkpointing or offloading)."""
     return (
-        job_config.compile.graph_eager_blocks
-        and on_gpu
+        on_gpu
         and world_size == 1
         and job_config.activation_checkpoint.mode == "none"
         and job_config.activation_offload.mode != "full"
+    )
+
+
+def graphs_eager_blocks(job_config, world_size: int, on_gpu: bool) -> bool:
+    """Whether blocks that torch.compile leaves eager replay as CUDA graphs."""
+    return job_config.compile.graph_eager_blocks and graphs_can_replay_blocks(job_config, world_size, on_gpu)
+
+
+def graphs_compiled_blocks(job_config, world_size: int, on_gpu: bool) -> bool:
+    """Whether compiled blocks replay as CUDA graphs: not where inductor's own graphs replay them (the CUDA graph
+    modes) nor with packed documents, whose every call the graphs would leave to the compiled blocks."""
+    return (
+        job_config.compile.graph_compiled_blocks
+        and job_config.compile.mode not in CUDA_GRAPH_MODES
+        and not job_config.training.varlen
+        and graphs_can_replay_blocks(job_config, world_size, on_gpu)
     )
 
 
@@ -34,6 +49,7 @@ def compile_blocks(
     mode: str = "default",
     graph_eager_blocks: bool = False,
     compile_graphed_blocks: bool = True,
+    graph_compiled_blocks: bool = False,
 ) -> None:
     """Compile each block separately: repeated structure compiles once, and FSDP hooks stay outside the graphs
     (pytorch#181924: FSDP2 hooks break fullgraph graphs). Under compile the gated and the plain chunk delta rule and
@@ -42,7 +58,9 @@ def compile_blocks(
     rule (DeltaNet's sequences of at most 64 tokens) and its context parallelism still break the graph. A family may
     leave its blocks eager where compiling them was measured to be slower (``ModelSpec.eager_blocks``): one log line
     says why; with ``graph_eager_blocks`` (one GPU, no activation checkpointing or offloading) they replay as CUDA
-    graphs instead (flame.parallelize.cuda_graphs), of the blocks compiled where ``compile_graphed_blocks``."""
+    graphs instead (flame.parallelize.cuda_graphs), of the blocks compiled where ``compile_graphed_blocks``. With
+    ``graph_compiled_blocks`` a family's compiled blocks replay as CUDA graphs too, where its spec says which calls
+    can (``ModelSpec.block_graph_call``); the calls the graphs do not serve run the compiled blocks."""
     spec = model_spec(model.args)
     reason = spec.eager_reason(model.args)
     stacks = spec.blocks(model)
@@ -63,6 +81,15 @@ def compile_blocks(
             )
         else:
             logger.info("torch.compile leaves the blocks eager: %s", reason)
+        return
+    if graph_compiled_blocks and spec.block_graph_call is not None:
+        graph_blocks(stacks, compile_options(backend, mode), spec.block_graph_call, compiled_unserved=True)
+        logger.info(
+            "Compiled each block with torch.compile (backend %s, mode %s); the compiled blocks replay as CUDA "
+            "graphs, captured beside the first training step",
+            backend,
+            mode,
+        )
         return
     for stack in stacks:
         for layer_id, block in stack.named_children():

@@ -28,6 +28,13 @@ more host time than inductor saved (docs/performance.md, "FLA classes, compiled 
 up and capturing. A block that fails compiled and runs eagerly is captured eagerly, with one log line. Calls the graphs do not
 serve run the block's own forward, uncompiled.
 
+flame's own families' compiled blocks replay the same way (``compiled_unserved``): their compiled GatedDeltaNet
+block's host work (FLA's op wrappers, Triton's launcher and autotuner dispatch for each of its kernels) took as long
+as its kernels on an H100's host (docs/performance.md, "Where a compiled GatedDeltaNet step's host time goes"). Their
+blocks take the positions as an integer tensor, read on the GPU only, which is a graph input like the hidden states
+(``integers_on_gpu`` says which calls' integer tensors are); the calls the graphs do not serve (packed documents,
+evaluation, later micro-batches) run the compiled blocks.
+
 One GPU only (a data-parallel or sharded step's hooks and collectives sit between the blocks), without activation
 checkpointing or offloading (they re-run or move what the forward graph keeps in its pool).
 """
@@ -35,6 +42,7 @@ checkpointing or offloading (they re-run or move what the forward graph keeps in
 import contextlib
 import copy
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -67,7 +75,13 @@ class BlockGraphs:
     call's, when no parameter holds a gradient yet (a step's first micro-batch) and the last replayed forward's
     backward has run. Every other call runs the block's own forward."""
 
-    def __init__(self, blocks: list[nn.Module], compile: dict | None = None):
+    def __init__(
+        self,
+        blocks: list[nn.Module],
+        compile: dict | None = None,
+        integers_on_gpu: Callable[[tuple, dict], bool] | None = None,
+        compiled_unserved: bool = False,
+    ):
         self.blocks = blocks
         self.eager_forwards = [block.forward for block in blocks]
         # What the graphs capture: the compiled forwards until one fails to compile, then the eager ones.
@@ -76,6 +90,11 @@ class BlockGraphs:
             if compile is not None
             else self.eager_forwards
         )
+        # Whether a call's integer tensors are graph inputs (read on the GPU only); None: no such call is served.
+        self.integers_on_gpu = integers_on_gpu
+        # Calls the graphs do not serve run the captured (compiled) forwards, not the eager ones.
+        self.compiled_unserved = compiled_unserved
+        self.unserved = "without CUDA graphs" if compiled_unserved else "eagerly"
         self.graphs: list[_BlockGraph] = []  # the captured prefix of the stack
         self.pool = None
         self.warmup_stream = None
@@ -94,7 +113,8 @@ class BlockGraphs:
 
     def call(self, index: int, *args, **kwargs):
         leaves, spec = tree_flatten((args, kwargs))  # once per call: the host's time is what the graphs save
-        signature = leaves_signature(self.blocks[index], args, leaves, spec)
+        integers = self.integers_on_gpu is not None and self.integers_on_gpu(args, kwargs)
+        signature = leaves_signature(self.blocks[index], args, leaves, spec, integers)
         if index == 0:
             self.replaying = self.serves(signature)
         if self.capturing:
@@ -113,7 +133,7 @@ class BlockGraphs:
                     self.finish_capture()
                 return graph.unflatten(outputs)
             self.finish_capture()
-            return self.eager_forwards[index](*args, **kwargs)
+            return self.own_forward(index)(*args, **kwargs)
         if self.replaying and index < len(self.graphs) and self.graphs[index].signature == signature:
             graph = self.graphs[index]
             if index == 0:
@@ -121,7 +141,12 @@ class BlockGraphs:
             tensors = [leaf for leaf in leaves if torch.is_tensor(leaf)]
             return graph.unflatten(_Replay.apply(self, graph, *tensors, *graph.params))
         self.replaying = False
-        return self.eager_forwards[index](*args, **kwargs)
+        return self.own_forward(index)(*args, **kwargs)
+
+    def own_forward(self, index: int):
+        """What runs a call the graphs do not serve: the block's eager forward, or with ``compiled_unserved`` the
+        compiled one."""
+        return (self.captured_forwards if self.compiled_unserved else self.eager_forwards)[index]
 
     def serves(self, signature: tuple | None) -> bool:
         """Whether a forward whose first block call has this signature replays the graphs; the first one that
@@ -138,7 +163,8 @@ class BlockGraphs:
                 self.warned_eager = True
                 logger.info(
                     "A forward before the last replayed one's backward, or a step's later micro-batch, runs its "
-                    "blocks eagerly (CUDA graphs replay a step's first micro-batch)"
+                    "blocks %s (CUDA graphs replay a step's first micro-batch)",
+                    self.unserved,
                 )
             return False
         if not self.graphs:
@@ -167,7 +193,11 @@ class BlockGraphs:
         self.failed, self.capturing, self.graphs, self.written = True, False, [], {}
         torch.cuda.synchronize()
         logger.warning(
-            "The blocks run eagerly: %s failed (%s: %s)", what, type(error).__name__, first_line(error)
+            "The blocks run %s: %s failed (%s: %s)",
+            self.unserved,
+            what,
+            type(error).__name__,
+            first_line(error),
         )
 
     def _capture_forward(self, index: int, args: tuple, kwargs: dict, signature: tuple) -> "_BlockGraph":
@@ -197,12 +227,14 @@ class BlockGraphs:
 
     def _warmed_up(self, index: int, run: "_Call", inputs: list[torch.Tensor], params) -> "_Call":
         """``run`` warmed up for its capture; where it is compiled and fails, and the block's eager forward does
-        not, that one warmed up instead (and every later block's: they share their code)."""
+        not, that one warmed up instead (and every later block's: they share their code). With
+        ``compiled_unserved`` the failure stands: the calls the graphs do not serve run the compiled blocks, which
+        then meet the error themselves."""
         try:
             self._warm_up_all(run, inputs, params)
             return run
         except Exception as error:
-            if self.captured_forwards is self.eager_forwards:
+            if self.captured_forwards is self.eager_forwards or self.compiled_unserved:
                 raise
             compiled_error = error
         run = run.with_forward(self.eager_forwards[index])
@@ -450,13 +482,18 @@ def output_key(tensor: torch.Tensor) -> tuple:
     return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
 
 
-def call_signature(block: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+def call_signature(
+    block: nn.Module, args: tuple, kwargs: dict, integers_on_gpu: bool = False
+) -> tuple | None:
     """What a graph replay must match, or None for a call the graphs do not serve."""
-    return leaves_signature(block, args, *tree_flatten((args, kwargs)))
+    return leaves_signature(block, args, *tree_flatten((args, kwargs)), integers_on_gpu)
 
 
-def leaves_signature(block: nn.Module, args: tuple, leaves: list, spec) -> tuple | None:
-    """call_signature of a call whose (args, kwargs) flatten to ``leaves`` and ``spec``."""
+def leaves_signature(
+    block: nn.Module, args: tuple, leaves: list, spec, integers_on_gpu: bool = False
+) -> tuple | None:
+    """call_signature of a call whose (args, kwargs) flatten to ``leaves`` and ``spec``; with ``integers_on_gpu``
+    its CUDA integer tensors are graph inputs too."""
     if not (
         args and torch.is_tensor(args[0]) and args[0].is_cuda and block.training and torch.is_grad_enabled()
     ):
@@ -465,16 +502,24 @@ def leaves_signature(block: nn.Module, args: tuple, leaves: list, spec) -> tuple
     for leaf in leaves:
         if not torch.is_tensor(leaf):
             described.append(leaf)
-        elif leaf.is_cuda and leaf.dtype.is_floating_point:
+        elif leaf.is_cuda and (leaf.dtype.is_floating_point or integers_on_gpu):
             described.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
         else:
-            # Integer tensors (packed documents' boundaries, a mask) steer kernels from the host: not graph inputs.
+            # Integer tensors (packed documents' boundaries, a mask) may steer kernels from the host: not graph
+            # inputs unless the caller says they are read on the GPU only.
             return None
     autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
     return (spec, tuple(described), autocast)
 
 
-def graph_blocks(stacks: list[nn.Module], compile: dict | None = None) -> list[BlockGraphs]:
+def graph_blocks(
+    stacks: list[nn.Module],
+    compile: dict | None = None,
+    integers_on_gpu: Callable[[tuple, dict], bool] | None = None,
+    compiled_unserved: bool = False,
+) -> list[BlockGraphs]:
     """Replay each stack's blocks as CUDA graphs (each block captured at its first training call, compiled with
-    torch.compile's options ``compile`` where given)."""
-    return [BlockGraphs(list(stack.children()), compile) for stack in stacks]
+    torch.compile's options ``compile`` where given); BlockGraphs says what the other arguments do."""
+    return [
+        BlockGraphs(list(stack.children()), compile, integers_on_gpu, compiled_unserved) for stack in stacks
+    ]

@@ -13,7 +13,7 @@ from flame.models import model_spec
 from flame.parallelize.activation_checkpoint import apply_activation_checkpointing
 from flame.parallelize.activation_offload import apply_activation_offload
 from flame.parallelize.checks import check_parallelism
-from flame.parallelize.compile import compile_blocks, graphs_eager_blocks
+from flame.parallelize.compile import compile_blocks, graphs_compiled_blocks, graphs_eager_blocks
 from flame.parallelize.float8 import apply_float8
 from flame.parallelize.fsdp import apply_ddp, apply_fsdp
 from flame.parallelize.generic_tensor_parallel import apply_generic_tp
@@ -69,6 +69,7 @@ def parallelize_model(
             job_config.compile.mode,
             graph_eager_blocks=graphs_eager_blocks(job_config, parallel_dims.world_size, on_gpu),
             compile_graphed_blocks=job_config.compile.compile_graphed_blocks,
+            graph_compiled_blocks=graphs_compiled_blocks(job_config, parallel_dims.world_size, on_gpu),
         )
     if job_config.activation_offload.mode == "full":
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

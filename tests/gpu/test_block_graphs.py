@@ -18,6 +18,7 @@ import torch
 
 from flame.loss import IGNORE_INDEX
 from flame.models import build_model, model_args_from_dict, model_spec
+from flame.parallelize.compile import compile_blocks
 from flame.parallelize.cuda_graphs import BlockGraphs
 from flame.train.kernels import prepare_gpu_kernels
 
@@ -204,44 +205,45 @@ def assert_every_block_replays_with_the_eager_gradients(config, built=None):
                 q.sub_(1e-2 * q.grad.sign())
 
 
-def test_the_trainer_step_with_graphed_blocks_trains_as_with_eager_blocks(make_trainer, tmp_path):
-    config = tmp_path / "gla.json"
-    config.write_text(json.dumps(CONFIG))
+def trainer_curve(make_trainer, config: dict, tmp_path, *flags) -> tuple[list[tuple[float, float]], bool]:
+    """Four trainer steps of two micro-batches each of ``config``'s model compiled, with ``flags``: each step's
+    loss and gradient norm, and whether the blocks' graphs were captured."""
+    path = tmp_path / f"{config['model_type']}.json"
+    path.write_text(json.dumps(config))
+    trainer = make_trainer(
+        "--model.config", str(path), "--compile.enable", "--training.gradient_accumulation_steps", "2", *flags
+    )
+    blocks = model_spec(trainer.model_args).blocks(trainer.model_parts[0])[0]
+    generator = torch.Generator("cuda").manual_seed(3)
+    micro = []
+    for _ in range(2):
+        tokens = torch.randint(0, config["vocab_size"], (2, 65), device="cuda", generator=generator)
+        labels = tokens[:, 1:].clone()
+        labels[0, :20] = IGNORE_INDEX
+        micro.append(({"input": tokens[:, :-1]}, labels))
+    values = []
+    for step in range(1, 5):
+        trainer.step = step
+        result = trainer.train_step_fn(micro)
+        values.append((trainer.train_step_fn.global_metrics(result)["loss"], float(result.grad_norm)))
+    owner = getattr(blocks[0].forward, "func", None)
+    return values, bool(owner and owner.__self__.graphs)
 
-    def curve(*flags):
-        trainer = make_trainer(
-            "--model.config",
-            str(config),
-            "--compile.enable",
-            "--training.gradient_accumulation_steps",
-            "2",
-            *flags,
-        )
-        blocks = model_spec(trainer.model_args).blocks(trainer.model_parts[0])[0]
-        generator = torch.Generator("cuda").manual_seed(3)
-        micro = []
-        for _ in range(2):
-            tokens = torch.randint(0, CONFIG["vocab_size"], (2, 65), device="cuda", generator=generator)
-            labels = tokens[:, 1:].clone()
-            labels[0, :20] = IGNORE_INDEX
-            micro.append(({"input": tokens[:, :-1]}, labels))
-        values = []
-        for step in range(1, 5):
-            trainer.step = step
-            result = trainer.train_step_fn(micro)
-            values.append((trainer.train_step_fn.global_metrics(result)["loss"], float(result.grad_norm)))
-        owner = getattr(blocks[0].forward, "func", None)
-        return values, bool(owner and owner.__self__.graphs)
 
-    eager, eager_graphed = curve("--compile.no-graph_eager_blocks")
-    graphs, graphed = curve()
-    assert (eager_graphed, graphed) == (False, True)
-    assert eager[-1][0] < eager[0][0], eager  # it trains
-    for (loss, norm), (graph_loss, graph_norm) in zip(eager, graphs, strict=True):
+def assert_same_curves(reference: list[tuple[float, float]], graphs: list[tuple[float, float]]) -> None:
+    assert reference[-1][0] < reference[0][0], reference  # it trains
+    for (loss, norm), (graph_loss, graph_norm) in zip(reference, graphs, strict=True):
         assert abs(graph_loss - loss) <= RTOL * abs(loss) and abs(graph_norm - norm) <= RTOL * norm, (
-            eager,
+            reference,
             graphs,
         )
+
+
+def test_the_trainer_step_with_graphed_blocks_trains_as_with_eager_blocks(make_trainer, tmp_path):
+    eager, eager_graphed = trainer_curve(make_trainer, CONFIG, tmp_path, "--compile.no-graph_eager_blocks")
+    graphs, graphed = trainer_curve(make_trainer, CONFIG, tmp_path)
+    assert (eager_graphed, graphed) == (False, True)
+    assert_same_curves(eager, graphs)
 
 
 class _AutocastProbe(torch.autograd.Function):
@@ -422,3 +424,92 @@ def test_the_capturing_step_holds_no_activations_beside_the_graphs():
         f"reserved over 3 steps: graphed {graphed_bytes / 2**20:.0f} MiB, eager {eager_bytes / 2**20:.0f} MiB"
     )
     assert graphed_bytes <= 1.3 * eager_bytes, (graphed_bytes, eager_bytes)
+
+
+# flame's own families: their compiled blocks replay as CUDA graphs (--compile.graph_compiled_blocks), the positions an
+# integer graph input; against the same blocks compiled without graphs.
+FLAME_GDN = {"model_type": "gated_deltanet", "vocab_size": 4096, "hidden_size": 128, "num_hidden_layers": 3,
+             "num_heads": 2, "head_dim": 64, "expand_v": 2}  # fmt: skip
+FLAME_FAMILIES = {
+    "gated_deltanet": FLAME_GDN,
+    "hybrid": {**FLAME_GDN, "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "qk_norm": True}},
+    "transformer": {"model_type": "transformer", "vocab_size": 4096, "hidden_size": 128, "num_hidden_layers": 3,
+                    "num_heads": 4, "num_kv_heads": 2},
+}  # fmt: skip
+
+
+def compiled_models(config):
+    """The model twice with its blocks compiled, the second one's replayed as CUDA graphs, and their owner."""
+    # Each test's compilations on their own: the blocks of every family share a code object, and past dynamo's
+    # recompile limit its frames would run eagerly, uncompiled.
+    torch._dynamo.reset()
+    prepare_gpu_kernels(torch.device("cuda"))
+    args, _ = model_args_from_dict(config)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        compiled = build_model(args)
+    compiled.init_weights()
+    graphed = copy.deepcopy(compiled)
+    compile_blocks(compiled, "inductor")
+    compile_blocks(graphed, "inductor", graph_compiled_blocks=True)
+    (stack,) = model_spec(args).blocks(graphed)
+    owner = next(iter(stack.children())).forward.func.__self__
+    assert owner.compiled_unserved and owner.integers_on_gpu is not None
+    return compiled, graphed, owner
+
+
+@pytest.mark.parametrize("name", FLAME_FAMILIES)
+def test_flames_compiled_blocks_replay_with_the_compiled_blocks_gradients(name):
+    """Captured compiled, the graphs replay the compiled blocks' kernels (flame's custom ops among them) on the same
+    inputs, the positions copied into their own graph input: losses and gradients within 1e-5 over three steps."""
+    config = FLAME_FAMILIES[name]
+    assert_every_block_replays_with_the_eager_gradients(config, compiled_models(config))
+
+
+def test_flames_packed_documents_and_evaluation_run_the_compiled_blocks():
+    """A call with packed documents' boundaries, whose launches the host sizes, and one without grad are not served:
+    they run the compiled blocks (no graph is captured for them), and a later plain batch is still captured."""
+    compiled, graphed, owner = compiled_models(FLAME_GDN)
+    tokens = torch.randint(0, FLAME_GDN["vocab_size"], (1, 331), device="cuda")
+    cu_seqlens = torch.tensor([0, 120, 331], dtype=torch.int32, device="cuda")
+    positions = torch.cat([torch.arange(120), torch.arange(211)]).to("cuda")[None]
+    for step in range(2):
+        for model in (compiled, graphed):
+            model.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(tokens, position_ids=positions, cu_seqlens=cu_seqlens)
+            model.loss = torch.nn.functional.cross_entropy(logits.float()[0], tokens.roll(-1, 1)[0])
+            model.loss.backward()
+        torch.testing.assert_close(graphed.loss, compiled.loss, rtol=RTOL, atol=0, msg=f"step {step}")
+        assert_same_gradients(compiled, graphed)
+    with torch.no_grad():
+        torch.testing.assert_close(loss_of(graphed, tokens), loss_of(compiled, tokens), rtol=RTOL, atol=0)
+    assert owner.graphs == [] and not owner.failed
+    assert_every_block_replays_with_the_eager_gradients(FLAME_GDN, (compiled, graphed, owner))
+
+
+def test_the_trainer_step_with_flames_graphed_blocks_trains_as_with_compiled_blocks(make_trainer, tmp_path):
+    """Through the trainer (two micro-batches a step: the second runs the compiled blocks): the same losses and
+    gradient norms as the compiled blocks without graphs."""
+    compiled, compiled_graphed = trainer_curve(make_trainer, FLAME_GDN, tmp_path)
+    graphs, graphed = trainer_curve(make_trainer, FLAME_GDN, tmp_path, "--compile.graph_compiled_blocks")
+    assert (compiled_graphed, graphed) == (False, True)
+    assert_same_curves(compiled, graphs)
+
+
+def test_flames_graphed_blocks_reserve_about_the_compiled_blocks_memory():
+    """The graphs' pool holds the activations the compiled blocks would: a graphed GatedDeltaNet reserves at most 1.3x
+    what the compiled one does over three steps (its first the capture)."""
+    config = {**FLAME_GDN, "hidden_size": 256, "num_hidden_layers": 6, "num_heads": 4}
+    compiled, graphed, owner = compiled_models(config)
+    (tokens,) = batches([4096])
+    torch.cuda.empty_cache()
+    compiled_bytes = reserved_by_steps(compiled, tokens)
+    del compiled
+    torch.cuda.empty_cache()
+    graphed_bytes = reserved_by_steps(graphed, tokens)
+    assert len(owner.graphs) == 6
+    print(
+        f"reserved over 3 steps: graphed {graphed_bytes / 2**20:.0f} MiB, compiled {compiled_bytes / 2**20:.0f} MiB"
+    )
+    assert graphed_bytes <= 1.3 * compiled_bytes, (graphed_bytes, compiled_bytes)

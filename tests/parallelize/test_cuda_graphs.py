@@ -336,3 +336,132 @@ def test_fla_classes_blocks_can_be_graphed_uncompiled():
     )
     (owner,) = {block.forward.func.__self__ for block in model.model.layers}
     assert owner.captured_forwards is owner.eager_forwards
+
+
+def test_integer_tensors_are_graph_inputs_where_the_caller_says_they_are_read_on_the_gpu(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    block = Block()
+    x = torch.randn(2, 5, 6, requires_grad=True)
+    positions = torch.arange(5).expand(2, -1)
+    assert call_signature(block, (x, positions), {}) is None
+    served = call_signature(block, (x, positions), {}, integers_on_gpu=True)
+    assert served is not None
+    assert call_signature(block, (x, torch.arange(5).expand(2, -1)), {}, integers_on_gpu=True) == served
+    assert call_signature(block, (x, torch.arange(7).expand(2, -1)), {}, integers_on_gpu=True) != served
+
+
+def test_flames_decoder_blocks_are_served_without_packed_documents():
+    from flame.models.common.spec import decoder_block_graph_call
+
+    h, positions = torch.randn(1, 4, 6), torch.arange(4)[None]
+    assert decoder_block_graph_call((h, positions, None), {})
+    assert decoder_block_graph_call((h, positions), {})
+    assert not decoder_block_graph_call((h, positions, torch.tensor([0, 2, 4])), {})
+    assert not decoder_block_graph_call((h,), {"cu_seqlens": torch.tensor([0, 4])})
+
+
+@pytest.mark.parametrize(
+    "flags, world_size, on_gpu, graphs",
+    [
+        ([], 1, True, True),
+        ([], 1, False, False),
+        ([], 2, True, False),
+        (["--compile.mode", "reduce-overhead"], 1, True, False),
+        (["--compile.mode", "max-autotune-no-cudagraphs"], 1, True, True),
+        (["--training.varlen"], 1, True, False),
+        (["--activation_checkpoint.mode", "selective"], 1, True, False),
+        (["--activation_offload.mode", "full"], 1, True, False),
+    ],
+)
+def test_runs_whose_compiled_blocks_replay_as_graphs(flags, world_size, on_gpu, graphs):
+    assert not compile_module.graphs_compiled_blocks(parse_args(["--compile.enable"]), 1, True)  # opt-in
+    job_config = parse_args(["--compile.enable", "--compile.graph_compiled_blocks", *flags])
+    assert compile_module.graphs_compiled_blocks(job_config, world_size, on_gpu) is graphs
+
+
+TINY_GDN = {"model_type": "gated_deltanet", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_heads": 2, "head_dim": 16, "expand_v": 1}  # fmt: skip
+
+
+def test_flames_compiled_blocks_are_wrapped_for_graphs_and_unserved_calls_run_them_compiled(caplog):
+    """On the CPU no call is served: each runs the compiled block (a counting backend sees it compiled once per
+    block code and guard set), with the unwrapped model's outputs, gradients and parameter names."""
+    from flame.models import build_model, model_args_from_dict, model_spec
+
+    compiled_graphs = []
+
+    def counting_backend(graph, inputs):
+        compiled_graphs.append(graph)
+        return graph.forward
+
+    args, _ = model_args_from_dict(TINY_GDN)
+    torch.manual_seed(0)
+    plain = build_model(args)
+    plain.init_weights()
+    wrapped = build_model(args)
+    wrapped.load_state_dict(plain.state_dict())
+    names = list(wrapped.state_dict())
+    with caplog.at_level("INFO"):
+        compile_module.compile_blocks(wrapped, backend=counting_backend, graph_compiled_blocks=True)
+    (owner,) = {block.forward.func.__self__ for block in model_spec(args).blocks(wrapped)[0].children()}
+    assert owner.compiled_unserved and owner.own_forward(0) is owner.captured_forwards[0]
+    assert list(wrapped.state_dict()) == names
+    assert any("compiled blocks replay as CUDA graphs" in r.message for r in caplog.records)
+    tokens = torch.randint(0, 64, (2, 9))
+    results = []
+    for model in (plain, wrapped):
+        logits = model(tokens)
+        logits.square().mean().backward()
+        results.append((logits, [p.grad for p in model.parameters()]))
+    assert compiled_graphs, "the unserved calls did not run the compiled blocks"
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-6)
+    for got, want in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert owner.graphs == []
+
+
+def test_the_generic_familys_compiled_blocks_are_not_graphed():
+    from flame.models import build_model, model_args_from_dict, model_spec
+
+    args, _ = model_args_from_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+        }  # fmt: skip
+    )
+    assert model_spec(args).block_graph_call is None
+    with torch.device("meta"):
+        model = build_model(args)
+    compile_module.compile_blocks(model, backend="eager", graph_compiled_blocks=True)
+    for stack in model_spec(args).blocks(model):
+        assert all(isinstance(block, torch._dynamo.eval_frame.OptimizedModule) for block in stack.children())
+
+
+@pytest.mark.parametrize("compiled_unserved", [False, True])
+def test_a_block_that_fails_compiled_is_captured_uncompiled_unless_the_compiled_blocks_serve_the_rest(
+    monkeypatch, compiled_unserved
+):
+    """FLA's classes' graphs fall back to capturing the eager block; flame's, whose unserved calls run the compiled
+    blocks, let the failure stand (the capture fails with its log line, and the compiled calls meet the error)."""
+    from flame.parallelize.cuda_graphs import _Call
+
+    owner = BlockGraphs([Block()], {"backend": "eager"}, compiled_unserved=compiled_unserved)
+
+    def warm_up_all(run, inputs, params):
+        if run.forward is not owner.eager_forwards[0]:
+            raise RuntimeError("the compiled block failed")
+
+    monkeypatch.setattr(owner, "_warm_up_all", warm_up_all)
+    x = torch.randn(2, 5, 6)
+    call = _Call(owner.captured_forwards[0], *tree_flatten(((x,), {})))
+    if compiled_unserved:
+        with pytest.raises(RuntimeError, match="the compiled block failed"):
+            owner._warmed_up(0, call, [x], ())
+        assert owner.captured_forwards is not owner.eager_forwards
+    else:
+        assert owner._warmed_up(0, call, [x], ()).forward is owner.eager_forwards[0]
+        assert owner.captured_forwards is owner.eager_forwards

@@ -16,6 +16,10 @@
   family: FLA's classes, whose layers run Triton kernels only); None where the model also trains on the CPU.
 - ``eager_blocks``: for models whose blocks ``--compile.enable`` leaves eager, why (measured slower compiled than
   eager: the generic family's FLA classes); None where the blocks are compiled.
+- ``block_graph_call``: for families whose compiled blocks replay as CUDA graphs (``--compile.graph_compiled_blocks``),
+  whether a block call's integer tensors are read on the GPU only, so that they are graph inputs like its other
+  tensors; None where compiled blocks do not replay (the generic family: its classes' masks steer kernels from the
+  host).
 """
 
 import importlib
@@ -53,6 +57,13 @@ def decoder_blocks(model: "nn.Module") -> list["nn.Module"]:
     return [model.layers]
 
 
+def decoder_block_graph_call(args: tuple, kwargs: dict) -> bool:
+    """flame's DecoderLM calls a block as ``block(h, position_ids, cu_seqlens)``: the positions are read on the GPU
+    only, while packed documents' boundaries size kernel launches on the host (a replay would keep the first batch's)."""
+    cu_seqlens = args[2] if len(args) > 2 else kwargs.get("cu_seqlens")
+    return cu_seqlens is None
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     args_cls: type[ModelArgs]
@@ -62,6 +73,7 @@ class ModelSpec:
     config_parallelisms: Callable[[ModelArgs], frozenset[str]] | None = None
     needs_cuda: Callable[[ModelArgs], str | None] | None = None
     eager_blocks: Callable[[ModelArgs], str | None] | None = None
+    block_graph_call: Callable[[tuple, dict], bool] | None = decoder_block_graph_call
 
     def cuda_reason(self, args: ModelArgs) -> str | None:
         """Why a model of these args needs a CUDA GPU, or None when it also runs on the CPU."""

@@ -21,4 +21,5 @@ SPEC = ModelSpec(
     config_parallelisms=config_parallelisms,
     needs_cuda=fla_kernels_need_cuda,
     eager_blocks=fla_blocks_run_eagerly,
+    block_graph_call=None,
 )
