@@ -19,6 +19,8 @@ Parts (``--parts``), each a run of another bench script or of train.sh, in this 
   largest), from its TensorBoard events.
 - ``train_sh_graphs``: the same launches with ``--compile.mode reduce-overhead`` (the compiled blocks replayed as
   CUDA graphs; a CUDA GPU only), beside the default mode's for items 3 and 4.
+- ``train_sh_block_graphs``: the same launches with ``--compile.graph_compiled_blocks`` (the compiled blocks replayed
+  as CUDA graphs by flame, in the default mode; a CUDA GPU only), beside the default mode's for items 3 and 4.
 - ``torchtitan``: torchtitan's own trainer on a Llama3 of the transformer's shape (bench/torchtitan_anchor.py), the
   transformer's second anchor.
 - ``first_step``: bench/first_step.py's four launches (fresh; fresh with flame's shipped tuning, without and with
@@ -42,7 +44,7 @@ a GPU (or with ``--write_doc``), written into docs/performance.md between ``<!--
 the rows of the items it measured; the section keeps the other items' rows and the runs that measured them, so parts
 measured on one device in runs of different days (a GPU lent for less time than every part takes) make one table.
 
-The first_step, train_sh, train_sh_graphs, long_context and tokens_to_loss parts are saved as each of their launches
+The first_step, train_sh, the two graph parts, long_context and tokens_to_loss parts are saved as each of their launches
 ends; with ``--resume`` such a part run again keeps the launches its earlier runs finished (a model's every
 first-step case or its train.sh run at the same shape, a model's every long-context case, an optimizer's run) and
 runs the others: a part longer than one sitting on a GPU, or stopped by the sitting's end, is measured in two.
@@ -95,6 +97,7 @@ PARTS = (
     "throughput",
     "train_sh",
     "train_sh_graphs",
+    "train_sh_block_graphs",
     "torchtitan",
     "first_step",
     "long_context",
@@ -257,12 +260,22 @@ def part_train_sh(args, work: Path, earlier: dict | None = None, progress=None) 
     return train_sh_launches(args, work / "train_sh", [], earlier, progress)
 
 
-def part_train_sh_graphs(args, work: Path, earlier: dict | None = None, progress=None) -> dict:
-    if args.device != "cuda":
-        return {"error": "CUDA graphs need a CUDA GPU"}
-    return train_sh_launches(
-        args, work / "train_sh_graphs", ["--compile.mode", "reduce-overhead"], earlier, progress
-    )
+# The parts whose train.sh launches replay the compiled blocks as CUDA graphs, and the flags that make them do so.
+GRAPH_PARTS = {
+    "train_sh_graphs": ["--compile.mode", "reduce-overhead"],
+    "train_sh_block_graphs": ["--compile.graph_compiled_blocks"],
+}
+
+
+def graph_part(name: str):
+    """The runner of one of GRAPH_PARTS: train_sh's launches with its flags."""
+
+    def run(args, work: Path, earlier: dict | None = None, progress=None) -> dict:
+        if args.device != "cuda":
+            return {"error": "CUDA graphs need a CUDA GPU"}
+        return train_sh_launches(args, work / name, GRAPH_PARTS[name], earlier, progress)
+
+    return run
 
 
 def train_sh_launches(args, work: Path, extra: list[str], earlier: dict | None, progress) -> dict:
@@ -368,7 +381,7 @@ def part_tokens_to_loss(args, work: Path, earlier: dict | None = None, progress=
 
 # Seconds each part took on one H200 with 16 cores (2026-11-28; first_step then launched two models of its three,
 # train_sh_graphs is train_sh's launches): how --gpus spreads the parts.
-PART_SECONDS = {"throughput": 148, "train_sh": 175, "train_sh_graphs": 175, "torchtitan": 33, "first_step": 574 * 3 // 2,
+PART_SECONDS = {"throughput": 148, "train_sh": 175, "train_sh_graphs": 175, "train_sh_block_graphs": 175, "torchtitan": 33, "first_step": 574 * 3 // 2,
                 "long_context": 515, "tokens_to_loss": 567}  # fmt: skip
 # The options a --gpus run passes on to the process of each GPU.
 PASSED_ON = ("device", "seq_len", "batch_size", "steps", "skip_steps", "log_freq", "warmup", "bench_steps",
@@ -460,10 +473,11 @@ RESUMABLE = (
     "first_step",
     "train_sh",
     "train_sh_graphs",
+    "train_sh_block_graphs",
     "long_context",
     "tokens_to_loss",
 )  # the parts whose launches --resume keeps
-RUNNERS = {"throughput": part_throughput, "train_sh": part_train_sh, "train_sh_graphs": part_train_sh_graphs,
+RUNNERS = {"throughput": part_throughput, "train_sh": part_train_sh, **{name: graph_part(name) for name in GRAPH_PARTS},
            "torchtitan": part_torchtitan,
            "first_step": part_first_step, "long_context": part_long_context, "tokens_to_loss": part_tokens_to_loss}  # fmt: skip
 
@@ -555,12 +569,13 @@ def case_seconds(row: dict, case: str) -> str:
     return number(value, ".1f") if value == value else row.get("notes", {}).get(case) or "n/a"
 
 
-def graphs_rows(parts: dict) -> list[list[str]]:
-    """Items 3 and 4 with the blocks replayed as CUDA graphs: each model's train.sh launch with ``--compile.mode
-    reduce-overhead`` beside its default-mode launch (tokens/s, and peak memory: the graphs keep their own pool)."""
-    graphs = parts["train_sh_graphs"]
+def graphs_rows(parts: dict, part: str = "train_sh_graphs") -> list[list[str]]:
+    """Items 3 and 4 with the blocks replayed as CUDA graphs: each model's train.sh launch with the flags of
+    ``part`` (one of GRAPH_PARTS) beside its default-mode launch (tokens/s, and peak memory: the graphs keep their
+    own pool)."""
+    graphs, flags = parts[part], " ".join(GRAPH_PARTS[part])
     if "error" in graphs:
-        return [["3", "train.sh with --compile.mode reduce-overhead", graphs["error"], "", "", "", "no"]]
+        return [["3", f"train.sh with {flags}", graphs["error"], "", "", "", "no"]]
     default = parts.get("train_sh", {}).get("models", {})
 
     def cell(run: dict, mfu: bool) -> str:
@@ -589,7 +604,7 @@ def graphs_rows(parts: dict) -> list[list[str]]:
             label, target_text = "tokens/s, peak memory", f">= {TARGET_TOKENS_PER_S[model]:,}"
         out.append([
             "4" if transformer else "3",
-            f"{model}: train.sh with --compile.mode reduce-overhead {label}, {graphs['shape']}",
+            f"{model}: train.sh with {flags} {label}, {graphs['shape']}",
             cell(run, transformer), anchor, ratio, target_text, how_far(measured, target),
         ])  # fmt: skip
     return out
@@ -794,8 +809,9 @@ def rows(parts: dict) -> list[list[str]]:
         out += first_step_rows(parts)
     if "train_sh" in parts or "throughput" in parts:
         out += throughput_rows(parts)
-    if "train_sh_graphs" in parts:
-        out += graphs_rows(parts)
+    for part in GRAPH_PARTS:
+        if part in parts:
+            out += graphs_rows(parts, part)
     if "long_context" in parts:
         out += long_context_rows(parts)
     if "tokens_to_loss" in parts:
@@ -816,7 +832,7 @@ def table(lines: list[str]) -> str:
 
 
 # Which of the issue's items a part's results give rows to (item 1 needs train_sh and throughput both).
-PART_ITEMS = {"throughput": {1, 3, 4}, "train_sh": {1, 3, 4}, "train_sh_graphs": {3, 4}, "torchtitan": {4}, "first_step": {2},
+PART_ITEMS = {"throughput": {1, 3, 4}, "train_sh": {1, 3, 4}, "train_sh_graphs": {3, 4}, "train_sh_block_graphs": {3, 4}, "torchtitan": {4}, "first_step": {2},
               "long_context": {5}, "tokens_to_loss": {6}}  # fmt: skip
 ROW_ITEM = re.compile(r"^\| (\d+) \|")
 RUN_LINE = re.compile(r"^- (`.*`) \(items? ([\d, ]+); (.*)\)$")
@@ -903,14 +919,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep what --json's earlier runs finished: first_step, train_sh, train_sh_graphs, long_context, "
+        help="keep what --json's earlier runs finished: first_step, train_sh, train_sh_graphs, "
+        "train_sh_block_graphs, long_context, "
         "tokens_to_loss run only the launches (a model's, an optimizer's) not finished; the other parts, saved whole, "
         "are not run again where saved without an error",
     )
     parser.add_argument(
         "--rerun",
         default="",
-        help="comma separated models (first_step, train_sh, train_sh_graphs, long_context) or optimizers "
+        help="comma separated models (first_step, train_sh, the graph parts, long_context) or optimizers "
         "(tokens_to_loss): --resume, launching these again though an earlier run finished them",
     )
     add_doc_options(parser)

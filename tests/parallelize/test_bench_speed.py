@@ -575,8 +575,8 @@ def test_parts_spread_over_gpus_longest_first():
     assert speed.spread(list(speed.PARTS), 4) == [
         ["first_step"],
         ["tokens_to_loss"],
-        ["long_context"],
-        ["throughput", "train_sh", "train_sh_graphs", "torchtitan"],
+        ["throughput", "long_context"],
+        ["train_sh", "train_sh_graphs", "train_sh_block_graphs", "torchtitan"],
     ]
     assert speed.spread(["torchtitan", "throughput"], 4) == [["throughput"], ["torchtitan"]]
 
@@ -613,7 +613,7 @@ def test_the_transformer_at_twice_the_batch_is_a_row_beside_the_usual_one():
     assert [row for row in speed.rows(PARTS) if row[0] == "4"] == rows[:1]  # no larger-batch result: no row
 
 
-def test_cuda_graph_rows_stand_beside_the_default_modes_launch(tmp_path, monkeypatch):
+def test_cuda_graph_rows_stand_beside_the_default_modes_launch():
     graphs = {"shape": "8 x 2048", "models": {
         "gated_deltanet": {"tokens_per_s": 91_000.0, "mfu": 30.0, "peak_gib": 43.9, "data_share": 0.0},
         "hybrid": {"error": "exit status 1: CUDA out of memory"},
@@ -639,8 +639,27 @@ def test_cuda_graph_rows_stand_beside_the_default_modes_launch(tmp_path, monkeyp
     assert speed.graphs_rows({"train_sh_graphs": {"error": "CUDA graphs need a CUDA GPU"}})[0][2] == (
         "CUDA graphs need a CUDA GPU"
     )
+    # flame's graphed compiled blocks: the same rows, named by their flag.
+    block_rows = speed.graphs_rows(
+        {"train_sh_block_graphs": graphs, "train_sh": train_sh}, "train_sh_block_graphs"
+    )
+    assert block_rows[0][1] == (
+        "gated_deltanet: train.sh with --compile.graph_compiled_blocks tokens/s, peak memory, 8 x 2048"
+    )
+    assert [row[2:] for row in block_rows] == [row[2:] for row in rows.values()]
+    assert speed.rows({"train_sh_block_graphs": graphs, "train_sh": train_sh})[-1][1].startswith(
+        "transformer: train.sh with --compile.graph_compiled_blocks"
+    )
+
+
+@pytest.mark.parametrize(
+    "part, flags",
+    [("train_sh_graphs", ["--compile.mode", "reduce-overhead"]),
+     ("train_sh_block_graphs", ["--compile.graph_compiled_blocks"])],
+)  # fmt: skip
+def test_the_graph_parts_launch_train_sh_with_their_flags_on_a_cuda_gpu(tmp_path, monkeypatch, part, flags):
     args = speed.parse(["--json", str(tmp_path / "s.json"), "--device", "cpu", "--tiny"])
-    assert speed.part_train_sh_graphs(args, tmp_path) == {"error": "CUDA graphs need a CUDA GPU"}
+    assert speed.RUNNERS[part](args, tmp_path) == {"error": "CUDA graphs need a CUDA GPU"}
     launched = []
 
     def run_logged(command, log, timeout_s, env):
@@ -650,11 +669,9 @@ def test_cuda_graph_rows_stand_beside_the_default_modes_launch(tmp_path, monkeyp
 
     monkeypatch.setattr(speed, "run_logged", run_logged)
     args.device = "cuda"
-    part = speed.part_train_sh_graphs(args, tmp_path)
-    assert [command[-2:] for command in launched] == [["--compile.mode", "reduce-overhead"]] * len(
-        speed.MODELS
-    )
-    assert part["models"] == dict.fromkeys(speed.MODELS, {"error": "exit status 1: error: no GPU here"})
+    result = speed.RUNNERS[part](args, tmp_path)
+    assert [command[-len(flags) :] for command in launched] == [flags] * len(speed.MODELS)
+    assert result["models"] == dict.fromkeys(speed.MODELS, {"error": "exit status 1: error: no GPU here"})
 
 
 def test_train_sh_resume_keeps_the_models_run_to_the_end_at_the_same_shape(tmp_path, monkeypatch):
