@@ -461,14 +461,14 @@ def test_under_torchrun_a_rank_refusal_is_the_last_line_without_launcher_traceba
         env={"NGPU": "2", "FLAME_EXPORT_HF": "0", "FLAME_TORCHRUN": "1"}, timeout=300,
     )  # fmt: skip
     assert result.returncode != 0
-    # Both ranks refuse the same file; whichever wrote its line last ends the output.
+    # Both ranks refuse the same file; whichever wrote its line last ends the output, and its log ends with it (the
+    # first rank to fail stops the other, which may not have reached its refusal).
     refusal = re.match(
-        r"\[rank[01]\]:(error: cannot read data file '.*part.parquet'.*)", result.stderr.splitlines()[-1]
+        r"\[rank([01])\]:(error: cannot read data file '.*part.parquet'.*)", result.stderr.splitlines()[-1]
     )
     assert refusal, result.stderr
-    for rank in (0, 1):
-        (stderr_log,) = (dump / "logs").glob(f"*/attempt_0/{rank}/stderr.log")
-        assert stderr_log.read_text().splitlines()[-1] == refusal.group(1)
+    (stderr_log,) = (dump / "logs").glob(f"*/attempt_0/{refusal.group(1)}/stderr.log")
+    assert stderr_log.read_text().splitlines()[-1] == refusal.group(2)
     assert "Traceback" not in result.stderr + result.stdout and "ChildFailedError" not in result.stderr
     assert "ChildFailedError" in (dump / "logs" / "launcher.log").read_text()
 
@@ -491,12 +491,12 @@ def test_one_nodes_ranks_start_without_torchrun_and_a_rank_refusal_is_the_last_l
     result = train_sh("--training.dataset", str(data), "--job.dump_folder", str(dump), env=env, timeout=300)
     assert not mark.exists()
     assert result.returncode == 1
-    # Both ranks refuse the same file; whichever wrote its line last ends the output.
+    # Both ranks refuse the same file; whichever wrote its line last ends the output, and its log ends with it (the
+    # first rank to fail stops the other, which may not have reached its refusal).
     refusal = re.match(
-        r"\[rank[01]\]:(error: cannot read data file '.*part.parquet'.*)", result.stderr.splitlines()[-1]
+        r"\[rank([01])\]:(error: cannot read data file '.*part.parquet'.*)", result.stderr.splitlines()[-1]
     )
     assert refusal, result.stderr
     assert "exitcode : 2;" in (dump / "logs" / "launcher.log").read_text()
-    for rank in (0, 1):
-        (stderr_log,) = (dump / "logs").glob(f"none_*/attempt_0/{rank}/stderr.log")
-        assert stderr_log.read_text().splitlines()[-1] == refusal.group(1)
+    (stderr_log,) = (dump / "logs").glob(f"none_*/attempt_0/{refusal.group(1)}/stderr.log")
+    assert stderr_log.read_text().splitlines()[-1] == refusal.group(2)
