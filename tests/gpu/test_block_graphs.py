@@ -28,16 +28,21 @@ CONFIG = {"model_type": "gla", "vocab_size": 4096, "hidden_size": 128, "num_hidd
 RTOL = 1e-5
 
 
-def models(config=CONFIG, compile=None):
-    """The model twice, the second one's blocks graphed (captured compiled with torch.compile's options
-    ``compile`` where given, and then the first one's blocks compiled the same way)."""
+def twins(config):
+    """The model of ``config`` on the GPU, initialised, and a copy of it; and its args."""
     prepare_gpu_kernels(torch.device("cuda"))
     args, _ = model_args_from_dict(config)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        eager = build_model(args)
-    eager.init_weights()
-    graphed = copy.deepcopy(eager)
+        model = build_model(args)
+    model.init_weights()
+    return model, copy.deepcopy(model), args
+
+
+def models(config=CONFIG, compile=None):
+    """The model twice, the second one's blocks graphed (captured compiled with torch.compile's options
+    ``compile`` where given, and then the first one's blocks compiled the same way)."""
+    eager, graphed, args = twins(config)
     (stack,) = model_spec(args).blocks(graphed)
     owner = BlockGraphs(list(stack.children()), compile)
     if compile is not None:
@@ -443,13 +448,7 @@ def compiled_models(config):
     # Each test's compilations on their own: the blocks of every family share a code object, and past dynamo's
     # recompile limit its frames would run eagerly, uncompiled.
     torch._dynamo.reset()
-    prepare_gpu_kernels(torch.device("cuda"))
-    args, _ = model_args_from_dict(config)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        compiled = build_model(args)
-    compiled.init_weights()
-    graphed = copy.deepcopy(compiled)
+    compiled, graphed, args = twins(config)
     compile_blocks(compiled, "inductor")
     compile_blocks(graphed, "inductor", graph_compiled_blocks=True)
     (stack,) = model_spec(args).blocks(graphed)
