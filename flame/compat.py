@@ -473,6 +473,41 @@ def _use_cpu_when_no_accelerator() -> None:
             module.device_module = cpu_module
 
 
+def end_failed_capture(pool: tuple[int, int]) -> None:
+    """Put torch's CUDA state back as it was before a CUDA graph capture into ``pool`` that failed. torch 2.11's
+    ``CUDAGraph.capture_end`` raises at ``cudaStreamEndCapture`` before it ends the capture's state: the device's
+    default random generator stays capturing (every later random draw on the GPU raises "Offset increment outside
+    graph capture encountered unexpectedly") and the caching allocator keeps the pool on its list of captures
+    underway. The generator gets a copy of its state (its seed and offset, not capturing) and the pool's allocation
+    ends."""
+    import torch
+
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    generator.graphsafe_set_state(generator.clone_state())
+    try:
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+    except RuntimeError as error:  # a release that ends the allocation itself when the capture fails
+        if "not currently recording" not in str(error):
+            raise
+
+
+def _failed_capture_leaves_generator_capturing() -> bool:
+    import torch
+
+    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            torch.cuda.current_stream().query()  # refused in a capture
+    except RuntimeError:
+        pass
+    try:
+        torch.rand(1, device="cuda")
+    except RuntimeError as error:
+        end_failed_capture(pool)
+        return "outside graph capture" in str(error)
+    return False
+
+
 def _always() -> bool:
     return True
 
@@ -481,6 +516,12 @@ def _without_accelerator() -> bool:
     import torch
 
     return not torch.accelerator.is_available()
+
+
+def _with_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _without_gpu() -> bool:
@@ -1397,5 +1438,15 @@ SHIMS = (
         fixed_in=None,
         workaround="contiguous_gradient",
         reproduces=_softplus_backward_meta_strides_differ,
+    ),
+    # Last: its probe makes a capture fail (and then puts the CUDA state back).
+    Shim(
+        name="failed_capture_generator",
+        applies=_with_cuda,
+        upstream="pytorch/pytorch#172390 (a CUDA graph capture's random-generator state is per generator, not per "
+        "capture; pytorch/pytorch#176752 makes it per capture and ends it when the capture fails)",
+        fixed_in=None,
+        workaround="end_failed_capture",
+        reproduces=_failed_capture_leaves_generator_capturing,
     ),
 )

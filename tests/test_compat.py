@@ -33,7 +33,8 @@ def reproduced() -> dict[str, bool]:
 def test_upstream_still_behaves_as_the_shim_assumes(shim, reproduced):
     if shim.name not in reproduced:
         pytest.skip(
-            f"{shim.workaround} does not act on this machine (a GPU is visible, or a fixed release is installed)"
+            f"{shim.workaround} does not act on this machine (it acts only with a GPU or only without one, or a fixed "
+            "release is installed)"
         )
     assert reproduced[shim.name], (
         f"{shim.upstream} no longer reproduces with the installed packages (fixed in {shim.fixed_in or '?'}): "

@@ -49,6 +49,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchtitan.tools.logging import logger
 
+from flame.compat import end_failed_capture
 from flame.errors import first_line
 
 # Triton's compilation and autotuning, cuBLAS's workspaces, and torch.compile's compilation: all before the capture.
@@ -66,9 +67,9 @@ class BlockGraphs:
     failed capture, forward or backward, is one log line, and every later forward runs eagerly; the blocks the
     capturing forward replayed get their gradients by running each block's forward again eagerly on the inputs its
     graph kept (the values it replayed on). A host sync in a block (``.item()``, a copy to or from the host) is
-    found in the last warm-up, under torch's sync debug mode, before any capture: a capture that fails leaves
-    torch's CUDA state half-captured (the graphs' memory pool still recording and the random generator still
-    capturing, so a later ``torch.randn`` on the GPU raises; torch 2.11, H200).
+    found in the last warm-up, under torch's sync debug mode, before any capture; after a capture that fails,
+    torch's CUDA state is put back as it was before it (torch 2.11 leaves the random generator capturing, so that
+    a later ``torch.randn`` on the GPU would raise: flame.compat.end_failed_capture).
 
     A call is served when it is a training call (module in training mode, grad enabled) on CUDA whose structure,
     constants, tensors' shapes, dtypes, strides and ``requires_grad``, and autocast state equal the captured
@@ -220,10 +221,21 @@ class BlockGraphs:
         graph = _BlockGraph(index, tuple(inputs), params, signature, run)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph.forward, pool=self.pool, capture_error_mode="thread_local"):
+        with self.capturing_into(graph.forward):
             structure = run(inputs)
         graph.set_outputs(structure)
         return graph
+
+    @contextlib.contextmanager
+    def capturing_into(self, graph: torch.cuda.CUDAGraph):
+        """Capture into ``graph`` in the graphs' pool; a capture that fails leaves torch's CUDA state as it was
+        before it (flame.compat.end_failed_capture), so that the blocks go on training without graphs."""
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                yield
+        except Exception:
+            end_failed_capture(self.pool)
+            raise
 
     def _warmed_up(self, index: int, run: "_Call", inputs: list[torch.Tensor], params) -> "_Call":
         """``run`` warmed up for its capture; where it is compiled and fails, and the block's eager forward does
@@ -293,7 +305,7 @@ class BlockGraphs:
             later = None
             for graph in reversed(self.graphs):
                 chained = later is not None and output_key(later.inputs[0]) == output_key(graph.outputs[0])
-                with torch.cuda.graph(graph.backward, pool=self.pool, capture_error_mode="thread_local"):
+                with self.capturing_into(graph.backward):
                     graph.capture_backward(later.input_grads[0] if chained else None)
                 later = graph
         torch.cuda.synchronize()

@@ -2,6 +2,8 @@
 changes neither a call the graphs do not serve nor the parameters' names. Capture and replay against the eager
 blocks are tests/gpu/test_block_graphs.py's."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -256,6 +258,22 @@ def test_a_failed_capture_leaves_later_forwards_eager(monkeypatch, caplog, fail_
     events.clear()
     torch.testing.assert_close(run_stack(owner.blocks, x, lowers), want, rtol=0, atol=0)
     assert events == []
+
+
+def test_a_capture_that_raises_puts_torchs_cuda_state_back(monkeypatch):
+    """A capture that raises ends with flame.compat.end_failed_capture on the graphs' pool before the error goes on;
+    one that does not leaves the state alone."""
+    ended = []
+    monkeypatch.setattr(cuda_graphs, "end_failed_capture", ended.append)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool, capture_error_mode: contextlib.nullcontext())
+    owner = BlockGraphs([LayerBlock()])
+    owner.pool = (0, 7)
+    with owner.capturing_into(object()):
+        pass
+    assert ended == []
+    with pytest.raises(RuntimeError, match="refused"), owner.capturing_into(object()):
+        raise RuntimeError("refused")
+    assert ended == [(0, 7)]
 
 
 def test_recomputed_gradients_are_the_blocks_own():
