@@ -19,8 +19,9 @@ Parts (``--parts``), each a run of another bench script or of train.sh, in this 
   largest), from its TensorBoard events.
 - ``train_sh_graphs``: the same launches with ``--compile.mode reduce-overhead`` (the compiled blocks replayed as
   CUDA graphs; a CUDA GPU only), beside the default mode's for items 3 and 4.
-- ``train_sh_block_graphs``: the same launches with ``--compile.graph_compiled_blocks`` (the compiled blocks replayed
-  as CUDA graphs by flame, in the default mode; a CUDA GPU only), beside the default mode's for items 3 and 4.
+- ``train_sh_no_block_graphs``: the same launches with ``--compile.no-graph_compiled_blocks`` (the compiled blocks
+  run without the CUDA graphs that replay them by default; a CUDA GPU only), beside the default mode's for items 3
+  and 4.
 - ``torchtitan``: torchtitan's own trainer on a Llama3 of the transformer's shape (bench/torchtitan_anchor.py), the
   transformer's second anchor.
 - ``first_step``: bench/first_step.py's four launches (fresh; fresh with flame's shipped tuning, without and with
@@ -97,7 +98,7 @@ PARTS = (
     "throughput",
     "train_sh",
     "train_sh_graphs",
-    "train_sh_block_graphs",
+    "train_sh_no_block_graphs",
     "torchtitan",
     "first_step",
     "long_context",
@@ -260,20 +261,21 @@ def part_train_sh(args, work: Path, earlier: dict | None = None, progress=None) 
     return train_sh_launches(args, work / "train_sh", [], earlier, progress)
 
 
-# The parts whose train.sh launches replay the compiled blocks as CUDA graphs, and the flags that make them do so.
-GRAPH_PARTS = {
+# The parts whose train.sh launches run the compiled blocks under other CUDA graphs than the default's (inductor's, or
+# none), and their flags.
+FLAG_PARTS = {
     "train_sh_graphs": ["--compile.mode", "reduce-overhead"],
-    "train_sh_block_graphs": ["--compile.graph_compiled_blocks"],
+    "train_sh_no_block_graphs": ["--compile.no-graph_compiled_blocks"],
 }
 
 
-def graph_part(name: str):
-    """The runner of one of GRAPH_PARTS: train_sh's launches with its flags."""
+def flag_part(name: str):
+    """The runner of one of FLAG_PARTS: train_sh's launches with its flags."""
 
     def run(args, work: Path, earlier: dict | None = None, progress=None) -> dict:
         if args.device != "cuda":
             return {"error": "CUDA graphs need a CUDA GPU"}
-        return train_sh_launches(args, work / name, GRAPH_PARTS[name], earlier, progress)
+        return train_sh_launches(args, work / name, FLAG_PARTS[name], earlier, progress)
 
     return run
 
@@ -381,7 +383,7 @@ def part_tokens_to_loss(args, work: Path, earlier: dict | None = None, progress=
 
 # Seconds each part took on one H200 with 16 cores (2026-11-28; first_step then launched two models of its three,
 # train_sh_graphs is train_sh's launches): how --gpus spreads the parts.
-PART_SECONDS = {"throughput": 148, "train_sh": 175, "train_sh_graphs": 175, "train_sh_block_graphs": 175, "torchtitan": 33, "first_step": 574 * 3 // 2,
+PART_SECONDS = {"throughput": 148, "train_sh": 175, "train_sh_graphs": 175, "train_sh_no_block_graphs": 175, "torchtitan": 33, "first_step": 574 * 3 // 2,
                 "long_context": 515, "tokens_to_loss": 567}  # fmt: skip
 # The options a --gpus run passes on to the process of each GPU.
 PASSED_ON = ("device", "seq_len", "batch_size", "steps", "skip_steps", "log_freq", "warmup", "bench_steps",
@@ -473,11 +475,11 @@ RESUMABLE = (
     "first_step",
     "train_sh",
     "train_sh_graphs",
-    "train_sh_block_graphs",
+    "train_sh_no_block_graphs",
     "long_context",
     "tokens_to_loss",
 )  # the parts whose launches --resume keeps
-RUNNERS = {"throughput": part_throughput, "train_sh": part_train_sh, **{name: graph_part(name) for name in GRAPH_PARTS},
+RUNNERS = {"throughput": part_throughput, "train_sh": part_train_sh, **{name: flag_part(name) for name in FLAG_PARTS},
            "torchtitan": part_torchtitan,
            "first_step": part_first_step, "long_context": part_long_context, "tokens_to_loss": part_tokens_to_loss}  # fmt: skip
 
@@ -569,11 +571,10 @@ def case_seconds(row: dict, case: str) -> str:
     return number(value, ".1f") if value == value else row.get("notes", {}).get(case) or "n/a"
 
 
-def graphs_rows(parts: dict, part: str = "train_sh_graphs") -> list[list[str]]:
-    """Items 3 and 4 with the blocks replayed as CUDA graphs: each model's train.sh launch with the flags of
-    ``part`` (one of GRAPH_PARTS) beside its default-mode launch (tokens/s, and peak memory: the graphs keep their
-    own pool)."""
-    graphs, flags = parts[part], " ".join(GRAPH_PARTS[part])
+def flag_rows(parts: dict, part: str = "train_sh_graphs") -> list[list[str]]:
+    """Items 3 and 4 under other CUDA graphs: each model's train.sh launch with the flags of ``part`` (one of
+    FLAG_PARTS) beside its default-mode launch (tokens/s, and peak memory: graphs keep their own pool)."""
+    graphs, flags = parts[part], " ".join(FLAG_PARTS[part])
     if "error" in graphs:
         return [["3", f"train.sh with {flags}", graphs["error"], "", "", "", "no"]]
     default = parts.get("train_sh", {}).get("models", {})
@@ -809,9 +810,9 @@ def rows(parts: dict) -> list[list[str]]:
         out += first_step_rows(parts)
     if "train_sh" in parts or "throughput" in parts:
         out += throughput_rows(parts)
-    for part in GRAPH_PARTS:
+    for part in FLAG_PARTS:
         if part in parts:
-            out += graphs_rows(parts, part)
+            out += flag_rows(parts, part)
     if "long_context" in parts:
         out += long_context_rows(parts)
     if "tokens_to_loss" in parts:
@@ -832,7 +833,7 @@ def table(lines: list[str]) -> str:
 
 
 # Which of the issue's items a part's results give rows to (item 1 needs train_sh and throughput both).
-PART_ITEMS = {"throughput": {1, 3, 4}, "train_sh": {1, 3, 4}, "train_sh_graphs": {3, 4}, "train_sh_block_graphs": {3, 4}, "torchtitan": {4}, "first_step": {2},
+PART_ITEMS = {"throughput": {1, 3, 4}, "train_sh": {1, 3, 4}, "train_sh_graphs": {3, 4}, "train_sh_no_block_graphs": {3, 4}, "torchtitan": {4}, "first_step": {2},
               "long_context": {5}, "tokens_to_loss": {6}}  # fmt: skip
 ROW_ITEM = re.compile(r"^\| (\d+) \|")
 RUN_LINE = re.compile(r"^- (`.*`) \(items? ([\d, ]+); (.*)\)$")
@@ -920,7 +921,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--resume",
         action="store_true",
         help="keep what --json's earlier runs finished: first_step, train_sh, train_sh_graphs, "
-        "train_sh_block_graphs, long_context, "
+        "train_sh_no_block_graphs, long_context, "
         "tokens_to_loss run only the launches (a model's, an optimizer's) not finished; the other parts, saved whole, "
         "are not run again where saved without an error",
     )

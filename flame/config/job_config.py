@@ -358,13 +358,13 @@ class Compile:
     around FLA's kernels, and the compiled regions' guards, which made compiled FLA blocks slower than eager ones,
     run only while capturing (a block that fails compiled is captured uncompiled, with one log line)"""
 
-    graph_compiled_blocks: bool = False
+    graph_compiled_blocks: bool = True
     """flame's families' compiled blocks replay as CUDA graphs too, captured beside the first training forward, so
     that the host issues each block's forward and backward as one launch instead of the compiled block's kernels and
     its custom ops' Python (FLA's op wrappers): one GPU, compile.mode default or max-autotune-no-cudagraphs, no packed
     documents, activation checkpointing or offloading; a step's first micro-batch replays, other calls (later
-    micro-batches, evaluation, another shape) run the compiled blocks; opt-in until its GPU tests have all run
-    (docs/performance.md, "CUDA graphs")"""
+    micro-batches, evaluation, another shape) run the compiled blocks, and a capture that fails leaves them running
+    without graphs, with one log line (docs/performance.md, "CUDA graphs")"""
 
 
 @dataclass

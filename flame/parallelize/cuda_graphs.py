@@ -69,7 +69,10 @@ class BlockGraphs:
     graph kept (the values it replayed on). A host sync in a block (``.item()``, a copy to or from the host) is
     found in the last warm-up, under torch's sync debug mode, before any capture; after a capture that fails,
     torch's CUDA state is put back as it was before it (torch 2.11 leaves the random generator capturing, so that
-    a later ``torch.randn`` on the GPU would raise: flame.compat.end_failed_capture).
+    a later ``torch.randn`` on the GPU would raise: flame.compat.end_failed_capture). The capture needs no earlier
+    autograd graph alive (a loss or logits kept with their ``grad_fn``): the parameters' gradient accumulators stay
+    bound to the stream that graph ran on, and capturing the backward then fails ("operation would make the legacy
+    stream depend on a capturing blocking stream"; torch 2.11, H100). The trainer keeps none between steps.
 
     A call is served when it is a training call (module in training mode, grad enabled) on CUDA whose structure,
     constants, tensors' shapes, dtypes, strides and ``requires_grad``, and autocast state equal the captured

@@ -576,7 +576,7 @@ def test_parts_spread_over_gpus_longest_first():
         ["first_step"],
         ["tokens_to_loss"],
         ["throughput", "long_context"],
-        ["train_sh", "train_sh_graphs", "train_sh_block_graphs", "torchtitan"],
+        ["train_sh", "train_sh_graphs", "train_sh_no_block_graphs", "torchtitan"],
     ]
     assert speed.spread(["torchtitan", "throughput"], 4) == [["throughput"], ["torchtitan"]]
 
@@ -621,7 +621,7 @@ def test_cuda_graph_rows_stand_beside_the_default_modes_launch():
     }}  # fmt: skip
     train_sh = json.loads(json.dumps(PARTS["train_sh"]))
     train_sh["models"]["gated_deltanet"]["peak_gib"] = 33.0
-    rows = {row[1].split(":")[0] + " " + row[0]: row for row in speed.graphs_rows({"train_sh_graphs": graphs,
+    rows = {row[1].split(":")[0] + " " + row[0]: row for row in speed.flag_rows({"train_sh_graphs": graphs,
                                                                                   "train_sh": train_sh})}  # fmt: skip
     assert rows["gated_deltanet 3"][1:] == [
         "gated_deltanet: train.sh with --compile.mode reduce-overhead tokens/s, peak memory, 8 x 2048",
@@ -636,26 +636,26 @@ def test_cuda_graph_rows_stand_beside_the_default_modes_launch():
         "48.3% (180,000), 30.2 GiB", "default mode: 43.5% (158,400), n/a GiB", "1.14x", ">= 50% MFU", "no: 97% of it",
     ]  # fmt: skip
     # The part's launches are train.sh's with the flag; without a CUDA GPU it says why it has none.
-    assert speed.graphs_rows({"train_sh_graphs": {"error": "CUDA graphs need a CUDA GPU"}})[0][2] == (
+    assert speed.flag_rows({"train_sh_graphs": {"error": "CUDA graphs need a CUDA GPU"}})[0][2] == (
         "CUDA graphs need a CUDA GPU"
     )
     # flame's graphed compiled blocks: the same rows, named by their flag.
-    block_rows = speed.graphs_rows(
-        {"train_sh_block_graphs": graphs, "train_sh": train_sh}, "train_sh_block_graphs"
+    block_rows = speed.flag_rows(
+        {"train_sh_no_block_graphs": graphs, "train_sh": train_sh}, "train_sh_no_block_graphs"
     )
     assert block_rows[0][1] == (
-        "gated_deltanet: train.sh with --compile.graph_compiled_blocks tokens/s, peak memory, 8 x 2048"
+        "gated_deltanet: train.sh with --compile.no-graph_compiled_blocks tokens/s, peak memory, 8 x 2048"
     )
     assert [row[2:] for row in block_rows] == [row[2:] for row in rows.values()]
-    assert speed.rows({"train_sh_block_graphs": graphs, "train_sh": train_sh})[-1][1].startswith(
-        "transformer: train.sh with --compile.graph_compiled_blocks"
+    assert speed.rows({"train_sh_no_block_graphs": graphs, "train_sh": train_sh})[-1][1].startswith(
+        "transformer: train.sh with --compile.no-graph_compiled_blocks"
     )
 
 
 @pytest.mark.parametrize(
     "part, flags",
     [("train_sh_graphs", ["--compile.mode", "reduce-overhead"]),
-     ("train_sh_block_graphs", ["--compile.graph_compiled_blocks"])],
+     ("train_sh_no_block_graphs", ["--compile.no-graph_compiled_blocks"])],
 )  # fmt: skip
 def test_the_graph_parts_launch_train_sh_with_their_flags_on_a_cuda_gpu(tmp_path, monkeypatch, part, flags):
     args = speed.parse(["--json", str(tmp_path / "s.json"), "--device", "cpu", "--tiny"])

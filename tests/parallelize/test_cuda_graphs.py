@@ -392,9 +392,10 @@ def test_flames_decoder_blocks_are_served_without_packed_documents():
     ],
 )
 def test_runs_whose_compiled_blocks_replay_as_graphs(flags, world_size, on_gpu, graphs):
-    assert not compile_module.graphs_compiled_blocks(parse_args(["--compile.enable"]), 1, True)  # opt-in
-    job_config = parse_args(["--compile.enable", "--compile.graph_compiled_blocks", *flags])
+    job_config = parse_args(["--compile.enable", *flags])
     assert compile_module.graphs_compiled_blocks(job_config, world_size, on_gpu) is graphs
+    off = parse_args(["--compile.enable", "--compile.no-graph_compiled_blocks", *flags])
+    assert not compile_module.graphs_compiled_blocks(off, world_size, on_gpu)
 
 
 TINY_GDN = {"model_type": "gated_deltanet", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
