@@ -433,3 +433,49 @@ def test_fla_kernels_import_without_fla_s_layers_and_models():
             "GLAConfig",
             "",
         ], case
+
+
+class _StandInGenerator:
+    """The calls end_failed_capture makes on a CUDA generator."""
+
+    def __init__(self):
+        self.state = "capturing"
+
+    def clone_state(self):
+        return "copy"
+
+    def graphsafe_set_state(self, state):
+        self.state = state
+
+
+@pytest.mark.parametrize(
+    "allocator_error, raised",
+    [
+        (None, None),
+        ("endAllocatePool: not currently recording to mempool_id", None),
+        ("device lost", "device lost"),
+    ],
+)
+def test_end_failed_capture_gives_the_generator_a_copy_and_ends_the_pools_allocation(
+    monkeypatch, allocator_error, raised
+):
+    """The device's default generator gets a copy of its state, and the pool's allocation ends; a release that has
+    ended it already ("not currently recording") is no error, any other allocator error is."""
+    import torch
+
+    generator, ended = _StandInGenerator(), []
+
+    def end_allocate_to_pool(device, pool):
+        ended.append((device, pool))
+        if allocator_error:
+            raise RuntimeError(allocator_error)
+
+    monkeypatch.setattr(torch.cuda, "default_generators", (None, generator), raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end_allocate_to_pool, raising=False)
+    if raised:
+        with pytest.raises(RuntimeError, match=raised):
+            compat.end_failed_capture((0, 3))
+    else:
+        compat.end_failed_capture((0, 3))
+    assert generator.state == "copy" and ended == [(1, (0, 3))]

@@ -196,12 +196,14 @@ class BlockGraphs:
     def fail(self, what: str, error: Exception) -> None:
         self.failed, self.capturing, self.graphs, self.written = True, False, [], {}
         torch.cuda.synchronize()
+        cause = capture_failure(error)
         logger.warning(
-            "The blocks run %s: %s failed (%s: %s)",
+            "The blocks run %s: %s failed (%s: %s)%s",
             self.unserved,
             what,
-            type(error).__name__,
-            first_line(error),
+            type(cause).__name__,
+            first_line(cause),
+            LIVE_GRAPH_HINT if LIVE_GRAPH_ERROR in str(cause) else "",
         )
 
     def _capture_forward(self, index: int, args: tuple, kwargs: dict, signature: tuple) -> "_BlockGraph":
@@ -315,6 +317,23 @@ class BlockGraphs:
         for graph in self.graphs:
             graph.backward_captured = True
             graph.release_autograd()
+
+
+# What CUDA says when a capture's backward meets a parameter whose gradient accumulator an earlier autograd graph
+# keeps bound to the legacy stream (the BlockGraphs docstring), and what the log line adds to it.
+LIVE_GRAPH_ERROR = "make the legacy stream depend on a capturing blocking stream"
+LIVE_GRAPH_HINT = (
+    "; an autograd graph from before the capture was still alive (a loss or logits kept with their grad_fn): "
+    "drop it before the first training forward"
+)
+
+
+def capture_failure(error: BaseException) -> BaseException:
+    """The error that made a capture fail: the one raised inside the capture, not the report of the capture's end
+    that an earlier error invalidated it (which torch raises from the first one's handling)."""
+    while "previous error during capture" in str(error) and error.__context__ is not None:
+        error = error.__context__
+    return error
 
 
 class _Call:

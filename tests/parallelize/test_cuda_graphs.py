@@ -276,6 +276,39 @@ def test_a_capture_that_raises_puts_torchs_cuda_state_back(monkeypatch):
     assert ended == [(0, 7)]
 
 
+def capture_error(inner: str) -> RuntimeError:
+    """The error torch raises where a call inside a capture failed: the capture's end reports the invalidated capture
+    while handling the first error."""
+    try:
+        try:
+            raise RuntimeError(f"CUDA error: {inner}")
+        finally:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    except RuntimeError as error:
+        return error
+
+
+@pytest.mark.parametrize(
+    "inner, hint",
+    [("operation not permitted when stream is capturing", False),
+     ("operation would make the legacy stream depend on a capturing blocking stream", True)],
+)  # fmt: skip
+def test_a_failed_capture_logs_the_error_raised_inside_it(monkeypatch, caplog, inner, hint):
+    """The log line names the call the capture refused, not the capture's end; where an autograd graph from before
+    the capture kept a parameter's gradient accumulator on the legacy stream, it says to drop that graph."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    owner = BlockGraphs([LayerBlock()])
+    with caplog.at_level("WARNING"):
+        owner.fail("capturing the blocks' backward as CUDA graphs", capture_error(inner))
+    (line,) = [r.message for r in caplog.records if r.levelname == "WARNING"]
+    assert line.startswith(
+        f"The blocks run eagerly: capturing the blocks' backward as CUDA graphs failed (RuntimeError: CUDA error: "
+        f"{inner})"
+    )
+    assert line.endswith("drop it before the first training forward") is hint
+    assert cuda_graphs.capture_failure(RuntimeError("out of memory")).args == ("out of memory",)
+
+
 def test_recomputed_gradients_are_the_blocks_own():
     """Where capturing the backward failed, the capturing forward's backward differentiates the block's forward run
     again on its graph's input buffers: the gradients of its inputs and parameters, in that order, as autograd gives
