@@ -64,9 +64,9 @@ class BlockGraphs:
     graphs. The first training forward that the graphs can serve captures each block at its call, with that call's
     tensors, and replays it at once; once the last block, or the first block the graphs cannot serve, is reached,
     the captured blocks' backward graphs are captured too (the captured blocks form a prefix of the stack). A
-    failed capture, forward or backward, is one log line, and every later forward runs eagerly; the blocks the
-    capturing forward replayed get their gradients by running each block's forward again eagerly on the inputs its
-    graph kept (the values it replayed on). A host sync in a block (``.item()``, a copy to or from the host) is
+    failed capture, forward or backward, is one log line, and every later forward runs the blocks' own forward (eager,
+    or compiled with ``compiled_unserved``); the blocks the capturing forward replayed get their gradients by running
+    each block's forward again eagerly on the inputs its graph kept (the values it replayed on). A host sync in a block (``.item()``, a copy to or from the host) is
     found in the last warm-up, under torch's sync debug mode, before any capture; after a capture that fails,
     torch's CUDA state is put back as it was before it (torch 2.11 leaves the random generator capturing, so that
     a later ``torch.randn`` on the GPU would raise: flame.compat.end_failed_capture). The capture needs no earlier
