@@ -22,6 +22,7 @@ from pathlib import Path
 
 from flame import __version__
 from flame.errors import FlameError
+from flame.models.common.config_json import dumps_config, loads_config
 
 STEP_DIR = re.compile(r"step-(\d+)")
 PARTIAL_DIR = re.compile(r"step-(\d+)\.partial")
@@ -158,7 +159,7 @@ def write_json(file: Path, data: dict) -> None:
     """Write a JSON file whole or not at all (a temporary name, flushed to disk, then renamed)."""
     tmp = file.with_name(file.name + ".tmp")
     with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=2) + "\n")
+        f.write(dumps_config(data, indent=2) + "\n")
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(file)
@@ -181,7 +182,7 @@ def read_sidecar(path: str | os.PathLike) -> dict | None:
     if not file.is_file():
         return None
     try:
-        return json.loads(file.read_text())
+        return loads_config(file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file} is not valid JSON ({e.msg}); remove it or pass --config") from e
 

@@ -12,7 +12,6 @@ with: ``--model.config``). An existing checkpoint is never overwritten.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from flame.hf.export import check_output_folder, check_tokenizer, load_tokenizer
 from flame.hf.formats import import_adapter
 from flame.hf.hub import resolve_model_folder
 from flame.hf.load import TOKENIZER_FILES, read_hf_config
+from flame.models.common.config_json import dumps_config
 from flame.models.common.state_dict_adapter import ExportError
 from flame.models.custom import import_target
 
@@ -84,7 +84,7 @@ def convert(argv: list[str]) -> int:
     state = {k: state[k].float() for k in expected}  # flame trains float32 master weights
     target.mkdir(parents=True, exist_ok=True)
     write_sidecar(target, args.to_dict(), str(model.resolve()) if has_tokenizer else None)
-    (target / "model_config.json").write_text(json.dumps(args.to_dict(), indent=2) + "\n")
+    (target / "model_config.json").write_text(dumps_config(args.to_dict(), indent=2) + "\n")
     save_model_tensors(target, state)  # .metadata last: the checkpoint is complete once it exists
     hint = f" --job.dump_folder {target.parent.parent}" if target.parent.name == "checkpoint" else ""
     print(f"Wrote {target} ({args.model_type}, {len(state)} tensors). Train on from it with:{hint} "

@@ -4,7 +4,6 @@ Every check (format, tokenizer vocabulary, output folder) runs before the first 
 leaves the output folder as it was.
 """
 
-import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from flame.hf.export_options import DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES
 from flame.hf.formats import export_adapter
 from flame.hf.safetensors_io import existing_export_files, parse_size, save_safetensors
 from flame.models.common.args import ModelArgs
+from flame.models.common.config_json import dumps_config
 from flame.models.common.state_dict_adapter import StateDictAdapter
 
 DTYPES = {name: getattr(torch, dtype) for name, dtype in EXPORT_DTYPES.items()}
@@ -101,7 +101,7 @@ def write_export(plan: ExportPlan, state_dict: dict[str, torch.Tensor], max_shar
     output.mkdir(parents=True, exist_ok=True)
     for old in existing_export_files(output):  # an earlier export may have had other shards
         old.unlink()
-    (output / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (output / "config.json").write_text(dumps_config(config, indent=2, sort_keys=True) + "\n")
     generation = GenerationConfig(
         bos_token_id=plan.adapter.args.bos_token_id,
         eos_token_id=plan.adapter.args.eos_token_id,

@@ -27,6 +27,7 @@ from flame.checkpoint.layout import (
 )
 from flame.errors import FlameError
 from flame.hf.export import check_tokenizer, load_tokenizer
+from flame.models.common.config_json import loads_config
 
 SOURCE_TREE = Path(__file__).resolve().parents[2]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -87,7 +88,7 @@ def read_hf_config(model: Path) -> dict:
     if not file.is_file():
         raise FlameError(f"{model} holds no config.json; pass an HF model folder")
     try:
-        return json.loads(file.read_text())
+        return loads_config(file.read_text())
     except json.JSONDecodeError as e:
         raise FlameError(f"{file} is not valid JSON ({e.msg} at line {e.lineno})") from e
 

@@ -9,7 +9,6 @@ alone: padded keys are hidden from attention and padded tokens leave recurrent s
 """
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from flame.hf.configuration import (
 )
 from flame.loss import labelled_tokens, loss_sums
 from flame.models import build_model
+from flame.models.common.config_json import loads_config
 from flame.models.layers.decoding import MixerCache
 
 # transformers renamed the output's cache field from past_key_values to cache (5.2x); write the one it has.
@@ -221,7 +221,7 @@ def from_export(
     from flame.hf.formats import import_adapter
     from flame.hf.safetensors_io import load_safetensors
 
-    adapter = import_adapter(json.loads((Path(path) / "config.json").read_text()))
+    adapter = import_adapter(loads_config((Path(path) / "config.json").read_text()))
     values = {k: v for k, v in adapter.args.to_dict().items() if k != "model_type"}
     config_class, model_class = next(
         (c, m) for c, m in zip(CONFIG_CLASSES, MODEL_CLASSES) if c.family == adapter.args.model_type

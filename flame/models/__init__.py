@@ -12,6 +12,7 @@ from pathlib import Path
 
 from flame.errors import ModelConfigError
 from flame.models.common.args import ModelArgs
+from flame.models.common.config_json import loads_config
 from flame.models.common.spec import ModelSpec
 
 # model_type -> module exposing the family's SPEC
@@ -57,7 +58,7 @@ def read_model_config(path: str | Path) -> dict:
             f"model config {path} does not exist; pass --model.config <file.json or HF model folder> (see configs/)"
         )
     try:
-        config = json.loads(path.read_text())
+        config = loads_config(path.read_text())
     except json.JSONDecodeError as e:
         raise ModelConfigError(
             f"model config {path} is not valid JSON ({e.msg} at line {e.lineno}); fix the file"
