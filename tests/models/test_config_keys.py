@@ -68,6 +68,8 @@ REFUSED = {
     "output-norm": ("delta_net", {"use_output_norm": False}, "use_output_norm false", False),
     "attention-bias": ("transformer", {"attention_bias": True}, "attention_bias true", False),
     "typo": ("gated_deltanet", {"num_head": 4}, "num_head is not a field of flame's gated_deltanet model (did you mean num_heads?)", False),
+    # transformers' name: difflib alone would point at num_kv_heads
+    "hf-name": ("transformer", {"num_attention_heads": 4}, "num_attention_heads is not a field of flame's transformer model (did you mean num_heads?)", False),
     "nope": ("transformer", {"rope_theta": None}, "rope_theta must be a positive number, got None", False),
 }  # fmt: skip
 

@@ -10,6 +10,7 @@ everything else, in one line naming the key and what to do.
 import dataclasses
 import difflib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -52,6 +53,26 @@ IRRELEVANT_KEYS = {
     "fuse_cross_entropy": "a kernel choice: FLA's fused and unfused cross-entropy compute the same loss "
     "(fuse_linear_cross_entropy, a field, selects flame's fused linear cross-entropy)",
 }
+
+
+# transformers' names of parameters that FLA's and flame's configs spell otherwise: difflib alone points
+# num_attention_heads at num_kv_heads.
+KEY_SYNONYMS = {
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "rms_norm_eps": "norm_eps",
+    "layer_norm_eps": "norm_eps",
+    "layer_norm_epsilon": "norm_eps",
+}
+
+
+def did_you_mean(key: str, names: Iterable[str]) -> str:
+    """`` (did you mean X?)`` with the name among ``names`` that ``key`` most likely meant, or ""."""
+    names = sorted(names)
+    near = (
+        [KEY_SYNONYMS[key]] if KEY_SYNONYMS.get(key) in names else difflib.get_close_matches(key, names, n=1)
+    )
+    return f" (did you mean {near[0]}?)" if near else ""
 
 
 @dataclass(frozen=True)
@@ -129,10 +150,9 @@ class ModelArgs:
                 if problem := RESTRICTED_KEYS[key].problem(key, value):
                     raise ModelConfigError(problem)
                 continue
-            near = difflib.get_close_matches(key, sorted(names), n=1)
-            hint = f" (did you mean {near[0]}?)" if near else ""
             raise ModelConfigError(
-                f"{key} is not a field of flame's {cls.model_type} model{hint}; remove it or correct its name "
+                f"{key} is not a field of flame's {cls.model_type} model{did_you_mean(key, names)}; remove it or "
+                "correct its name "
                 "(docs/models.md lists the keys flame reads and those it passes over)"
             )
         args = cls(**{k: v for k, v in config.items() if k in names})

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
 from flame.errors import ModelConfigError, first_line
@@ -181,6 +182,23 @@ def config_parallelisms(args: "GenericArgs") -> frozenset[str]:
     )
 
 
+def check_not_composite(hf_config) -> None:
+    """A multimodal config (Gemma 3's, Llama 4's, Qwen3.5's) holds its language model in a sub-config, and its own
+    vocab_size is none: name the sub-config to train instead of refusing the missing vocab_size."""
+    text = hf_config.get_text_config(decoder=True)
+    if text is hf_config or getattr(hf_config, "vocab_size", None) is not None:
+        return
+    raise ModelConfigError(
+        f"model_type '{hf_config.model_type}' is a composite (multimodal) config whose language model is its "
+        f"{sub_config_key(hf_config, text)} (model_type '{text.model_type}'); flame trains causal language models: "
+        f'pass that sub-config as the model config (its keys, with "model_type": "{text.model_type}")'
+    )
+
+
+def sub_config_key(hf_config, sub) -> str:
+    return next((key for key, value in vars(hf_config).items() if value is sub), "text_config")
+
+
 def builds_fla_class(args: "GenericArgs") -> bool:
     """Whether the model is FLA's class (rather than transformers' own or a user's)."""
     return is_fla_class(config_class(args.model_type, args.impl))
@@ -190,7 +208,9 @@ def fla_kernels_need_cuda(args: "GenericArgs") -> str | None:
     """FLA's classes run FLA's Triton kernels in every layer (norms, gated MLPs, mixers), with no CPU path: on a
     machine without a GPU Triton finds no driver in the first forward."""
     if builds_fla_class(args):
-        return f"model_type '{args.model_type}' is FLA's class, whose layers run Triton kernels only"
+        own = transformers_config_class(args.model_type) if args.impl == "auto" else None
+        other = f" (--model.impl hf builds transformers' own {args.model_type} model instead)" if own else ""
+        return f"model_type '{args.model_type}' is FLA's class{other}, whose layers run Triton kernels only"
     return None
 
 
@@ -285,12 +305,18 @@ class GenericArgs(ModelArgs):
         model_type = config["model_type"]
         config_cls = config_class(model_type, impl)
         values = {k: v for k, v in config.items() if k not in ("model_type", CUSTOM_IMPORTS_KEY, IMPL_KEY)}
-        values, notices = settle_keys(config_cls, model_type, values)
+        # Where impl auto chose FLA's class, transformers' own class of the same model_type is the other choice.
+        alternative = (
+            transformers_config_class(model_type) if impl == "auto" and is_fla_class(config_cls) else None
+        )
+        values, notices = settle_keys(config_cls, model_type, values, alternative)
         try:
             hf_config = config_cls(**values)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, StrictDataclassError) as e:
+            # transformers 5's config classes validate their fields' types (huggingface_hub's strict dataclasses)
             raise ModelConfigError(f"{config_cls.__name__} refuses this config: {first_line(e)}") from e
         check_kernel_shapes(model_type, hf_config)
+        check_not_composite(hf_config)
         args = cls(
             vocab_size=getattr(hf_config, "vocab_size", None),
             hidden_size=getattr(hf_config, "hidden_size", 0),

@@ -11,27 +11,34 @@ one line naming the key, the class and what to do (docs/models.md#config-keys). 
 own is passed every key: its model reads them as attributes.
 """
 
-import difflib
 import functools
 import inspect
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from flame.errors import ModelConfigError
-from flame.models.common.args import HF_BOOKKEEPING
+from flame.models.common.args import HF_BOOKKEEPING, did_you_mean
 
 # Popped from a config's kwargs by transformers' RoPE standardisation (RotaryEmbeddingConfigMixin
 # .convert_rope_params_to_dict, transformers/modeling_rope_utils.py) into rope_parameters, for classes that have
 # them: hub config.json files of Llama, Qwen3, OLMo2 and Mistral carry these keys.
 ROPE_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor")
 
-# The PR that renamed the Mamba families' time_step_* parameters to dt_* (fla/models/mamba/configuration_mamba.py,
-# fla/models/mamba2/configuration_mamba2.py; first released in FLA 0.5.0).
+# The PRs that renamed the Mamba families' layer_norm_epsilon to norm_eps (first released in FLA 0.2.2; transformers'
+# Mamba configs keep the old name) and their time_step_* parameters to dt_* (first released in FLA 0.5.0), in
+# fla/models/mamba/configuration_mamba.py and fla/models/mamba2/configuration_mamba2.py.
+MAMBA_NORM_EPS_RENAME = "FLA 0.2.2, PRs 375 and 376"
 MAMBA_DT_RENAME = "FLA 0.5.0, PR 782"
 # old name -> FLA 0.6.0's name, per model_type (FLA's classes only; transformers' own Mamba classes keep time_step_*).
 FLA_RENAMED_KEYS: dict[str, dict[str, tuple[str, str]]] = {
+    "gated_deltaproduct": {
+        # fla/models/gated_deltaproduct/configuration_gated_deltaproduct.py; the layer's switch was renamed with it
+        "use_gate": ("use_output_gate", "FLA 0.3.0, PR 513"),
+    },
     "mamba": {
+        "layer_norm_epsilon": ("norm_eps", MAMBA_NORM_EPS_RENAME),
         "time_step_rank": ("dt_rank", MAMBA_DT_RENAME),
         "time_step_scale": ("dt_scale", MAMBA_DT_RENAME),
         "time_step_min": ("dt_min", MAMBA_DT_RENAME),
@@ -40,6 +47,7 @@ FLA_RENAMED_KEYS: dict[str, dict[str, tuple[str, str]]] = {
         "time_step_floor": ("dt_init_floor", MAMBA_DT_RENAME),
     },
     "mamba2": {
+        "layer_norm_epsilon": ("norm_eps", MAMBA_NORM_EPS_RENAME),
         "time_step_min": ("dt_min", MAMBA_DT_RENAME),
         "time_step_max": ("dt_max", MAMBA_DT_RENAME),
         "time_step_floor": ("dt_init_floor", MAMBA_DT_RENAME),
@@ -81,6 +89,13 @@ FLA_SETTLED_KEYS: dict[str, dict[str, SettledKey]] = {
             (False,), "FLA's GSA has no rotary embedding (removed before 0.1.0, commit c03209a3)"
         ),
     },
+    "mamba": {
+        key: SettledKey(
+            None,
+            "transformers' MambaConfig picks the scan of its PyTorch path with it; FLA's Mamba runs its own kernels",
+        )
+        for key in ("use_mambapy", "use_associative_scan")
+    },
     "mamba2": {
         "rms_norm": SettledKey(
             (True,),
@@ -118,11 +133,40 @@ def accepted_keys(cls: type) -> set[str]:
 
 @functools.cache
 def generation_keys() -> frozenset[str]:
-    """Sampling settings older configs carry (max_length, temperature, ...): transformers 5 drops them from a model
-    config (PreTrainedConfig.__init__); they never change the model that trains."""
+    """Generation settings older configs carry (max_length, temperature, ...; transformers 5 drops these from a model
+    config, PreTrainedConfig.__init__) and those GenerationConfig.from_model_config takes from one (Gemma 3's
+    cache_implementation): they never change the model that trains."""
     from transformers import GenerationConfig
 
-    return frozenset(GenerationConfig._get_default_generation_params())
+    settings = {key for key in vars(GenerationConfig()) if not key.startswith("_")}
+    return frozenset(GenerationConfig._get_default_generation_params()) | settings
+
+
+@functools.cache
+def shared_config_bases() -> frozenset[type]:
+    """PreTrainedConfig and its mixins: every config class has them, whatever its model reads."""
+    from transformers import PretrainedConfig
+
+    return frozenset(PretrainedConfig.__mro__)
+
+
+@functools.cache
+def class_source(klass: type) -> str:
+    try:
+        return inspect.getsource(klass)
+    except (OSError, TypeError):  # defined in a REPL or a C extension: nothing to read
+        return ""
+
+
+def reads_from_kwargs(cls: type, key: str) -> bool:
+    """Whether the class's own code (not the bases every config shares) takes ``key`` out of its ``**kwargs``:
+    transformers 5's config classes read keys of older hub files there (Gemma 3's sliding_window_pattern and
+    rope_local_base_freq, in __post_init__ and its RoPE conversion)."""
+    quoted = rf"""["']{re.escape(key)}["']"""
+    pattern = re.compile(
+        rf"kwargs\s*(?:\.\s*(?:get|pop)\(\s*|\[\s*){quoted}|{quoted}\s+(?:not\s+)?in\s+kwargs\b"
+    )
+    return any(pattern.search(class_source(k)) for k in cls.__mro__ if k not in shared_config_bases())
 
 
 def declares_no_keys(cls: type) -> bool:
@@ -157,9 +201,12 @@ def default_of(cls: type, key: str) -> Any:
     return None
 
 
-def settle_keys(cls: type, model_type: str, values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def settle_keys(
+    cls: type, model_type: str, values: dict[str, Any], alternative: type | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """The config values for ``cls`` (older FLA names read as FLA 0.6.0's) and a notice per renamed key;
-    ModelConfigError for a key ``cls`` would drop."""
+    ModelConfigError for a key ``cls`` would drop, naming ``alternative`` (transformers' own class of the
+    model_type, which ``--model.impl hf`` builds) where that class takes the key."""
     taken = accepted_keys(cls)
     if declares_no_keys(cls):
         return dict(values), []
@@ -170,7 +217,13 @@ def settle_keys(cls: type, model_type: str, values: dict[str, Any]) -> tuple[dic
     rope = hasattr(cls, "rope_parameters")
     values, notices, derived = dict(values), [], []
     for key, value in list(values.items()):
-        if key in taken or key in HF_BOOKKEEPING or (rope and key in ROPE_KEYS) or key in generation_keys():
+        if (
+            key in taken
+            or key in HF_BOOKKEEPING
+            or (rope and key in ROPE_KEYS)
+            or key in generation_keys()
+            or reads_from_kwargs(cls, key)
+        ):
             continue
         if key in renamed:
             new, where = renamed[key]
@@ -210,11 +263,13 @@ def settle_keys(cls: type, model_type: str, values: dict[str, Any]) -> tuple[dic
     for name, known in (FLA_NESTED_KEYS.get(model_type, {}) if fla else {}).items():
         check_nested(cls, name, values.get(name), known, {}, model_type)
     if derived:
-        check_derived(cls, values, derived, taken)
+        check_derived(cls, values, derived, taken, alternative)
     return values, notices
 
 
-def check_derived(cls: type, values: dict[str, Any], keys: list[str], taken: set[str]) -> None:
+def check_derived(
+    cls: type, values: dict[str, Any], keys: list[str], taken: set[str], alternative: type | None = None
+) -> None:
     """Accept the keys the class derives itself (an attribute of the class built without them) when the config's
     value is the derived one."""
     try:
@@ -223,7 +278,7 @@ def check_derived(cls: type, values: dict[str, Any], keys: list[str], taken: set
         built = None  # the class refuses the rest of the config: nothing is derived, every key is unknown
     for key in keys:
         value = values[key]
-        if built is not None and key in vars(built) and not key.startswith("_"):
+        if built is not None and key in vars(built):  # a private one too (Gemma 3's _sliding_window_pattern)
             if same(vars(built)[key], value):
                 continue
             raise ModelConfigError(
@@ -231,11 +286,15 @@ def check_derived(cls: type, values: dict[str, Any], keys: list[str], taken: set
                 f"config's other keys and does not take {key}; remove it or set it to "
                 f"{json.dumps(vars(built)[key])}"
             )
-        near = difflib.get_close_matches(key, sorted(taken), n=1)
-        hint = f" (did you mean {near[0]}?)" if near else ""
+        hint = did_you_mean(key, taken)
+        other = (
+            f", or pass --model.impl hf to train {describe(alternative)}'s model, which takes it"
+            if alternative is not None and key in accepted_keys(alternative)
+            else ""
+        )
         raise ModelConfigError(
             f"{key} is not a key of {describe(cls)}{hint}: the class would ignore it; remove it or correct its "
-            "name (docs/models.md#config-keys)"
+            f"name{other} (docs/models.md#config-keys)"
         )
 
 
@@ -249,10 +308,8 @@ def check_nested(
             continue  # FLA's own check refuses it
         for key, item in spec.items():
             if key not in known:
-                near = difflib.get_close_matches(key, known, n=1)
-                hint = f" (did you mean {near[0]}?)" if near else ""
                 raise ModelConfigError(
-                    f"{name}.{key} is not a key of {describe(cls)}'s {name} spec{hint} (it reads "
+                    f"{name}.{key} is not a key of {describe(cls)}'s {name} spec{did_you_mean(key, known)} (it reads "
                     f"{', '.join(known)}); remove it or correct its name"
                 )
             if key in unread and not same(item, unread[key]):

@@ -100,6 +100,46 @@ def test_renamed_keys_are_noticed_and_recorded_under_fla_names():
     assert renotices == [] and exported.hf_config().dt_rank == 8
 
 
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2"])
+def test_configs_transformers_saves_read_as_fla_classes_with_their_values(tmp_path, model_type):
+    """A config transformers 5 saved for its own Mamba or Mamba2 (layer_norm_epsilon, time_step_*, Mamba2's
+    time_step_limit with its infinity tagged) builds FLA's class (auto, as upstream flame after ``import fla``)
+    with the same values under FLA's names; --model.impl hf builds transformers' own class from the same file."""
+    from flame.models import load_model_args
+    from flame.models.generic.args import transformers_config_class
+
+    shape = {"head_dim": 16, "num_heads": 8, "n_groups": 1} if model_type == "mamba2" else {}
+    own = transformers_config_class(model_type)(**SMALL, state_size=8, layer_norm_epsilon=1e-6, time_step_min=0.002,
+                                                use_cache=False, **shape)  # fmt: skip
+    own.save_pretrained(tmp_path)
+    if model_type == "mamba2":
+        assert '"__float__": "Infinity"' in (tmp_path / "config.json").read_text()
+    args, notices = load_model_args(tmp_path)
+    fla = args.hf_config()
+    assert type(fla).__module__.startswith("fla.") and fla.norm_eps == 1e-6 and fla.dt_min == 0.002
+    assert f"layer_norm_epsilon is read as norm_eps (FLA's {type(fla).__name__}'s name for it since FLA 0.2.2, PRs 375 and 376)" in notices  # fmt: skip
+    if model_type == "mamba2":
+        assert list(fla.dt_limit) == [0.0, float("inf")]
+    hf, renotices = load_model_args(tmp_path, impl="hf")
+    assert renotices == [] and type(hf.hf_config()) is type(own) and hf.hf_config().layer_norm_epsilon == 1e-6
+
+
+def test_gated_deltaproduct_use_gate_is_read_as_use_output_gate():
+    config = {"model_type": "gated_deltaproduct", **SMALL, "num_heads": 2, "head_dim": 16, "use_gate": False}
+    args, notices = model_args_from_dict(config)
+    assert args.hf_config().use_output_gate is False
+    assert notices == [
+        "use_gate is read as use_output_gate (FLA's GatedDeltaProductConfig's name for it since FLA 0.3.0, PR 513)"
+    ]
+    with torch.device("meta"):
+        from flame.models import build_model
+
+        gated = model_args_from_dict({**config, "use_gate": True})[0]
+        assert sum(p.numel() for p in build_model(args).parameters()) < sum(
+            p.numel() for p in build_model(gated).parameters()
+        )  # the output gate's projection
+
+
 def test_preflight_prints_each_rename_as_a_notice(tmp_path, capsys, monkeypatch):
     path = tmp_path / "mamba2.json"
     path.write_text(json.dumps({"model_type": "mamba2", **SMALL, "head_dim": 16, "time_step_min": 0.002}))
@@ -191,6 +231,71 @@ def test_hub_configs_keep_their_rope_keys(name):
     assert rope["rope_type"] == (config.get("rope_scaling") or {}).get("rope_type", "default")
 
 
+# google/gemma-3-1b-pt's config.json as published (shapes shrunk): keys transformers 5 reads in Gemma3TextConfig's
+# __post_init__ (sliding_window_pattern) and RoPE conversion (rope_local_base_freq), and a generation setting.
+GEMMA3_HUB = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+    "final_logit_softcapping": None, "head_dim": 8, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 32,
+    "initializer_range": 0.02, "intermediate_size": 64, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+    "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 1, "pad_token_id": 0,
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None,
+    "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 2, "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 4096,
+}  # fmt: skip
+
+
+def test_keys_a_transformers_class_reads_from_its_kwargs_are_read():
+    args, notices = model_args_from_dict(GEMMA3_HUB)
+    built = args.hf_config()
+    assert notices == [] and built.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert built.rope_parameters["sliding_attention"]["rope_theta"] == 10000
+    assert built.rope_parameters["full_attention"]["rope_theta"] == 1000000
+    # Saved by transformers (its private _sliding_window_pattern included), the config reads back the same.
+    again, notices = model_args_from_dict(built.to_dict())
+    assert notices == [] and again.hf_config().layer_types == built.layer_types
+
+
+def test_a_key_only_the_shared_bases_read_is_refused_for_other_classes():
+    """transformers' RoPE mixin, which every config class has, reads rope_local_base_freq only for Gemma 3's class."""
+    with pytest.raises(
+        ModelConfigError, match="rope_local_base_freq is not a key of transformers' LlamaConfig"
+    ):
+        model_args_from_dict({**HUB["llama"], "rope_local_base_freq": 10000})
+
+
+# Causal LMs whose config, as transformers saves it with its defaults, flame does not read back, and why.
+NOT_READ_BACK = {
+    "bailing_hybrid": "transformers' own class builds another linear_head_dim from the file than it saved",
+    "gemma4_assistant": "transformers cannot build its default config",
+    "gpt-sw3": "transformers cannot build its default config",
+}
+
+
+def test_configs_transformers_saves_for_its_causal_lms_read_back_or_name_their_language_model(tmp_path):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from flame.models import load_model_args
+    from flame.models.generic.args import transformers_config_class
+
+    read, composite = [], []
+    for model_type in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(NOT_READ_BACK)):
+        folder = tmp_path / model_type
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            transformers_config_class(model_type)().save_pretrained(folder)
+            try:
+                args, _ = load_model_args(folder, impl="hf")
+            except ModelConfigError as e:
+                assert "is a composite (multimodal) config whose language model is its" in str(e), str(e)
+                composite.append(model_type)
+                continue
+        assert args.model_type == model_type
+        read.append(model_type)
+    assert {"llama", "qwen3", "gemma3_text", "mamba2", "gpt2"} <= set(read) and len(read) > 150
+    assert {"gemma3", "llama4", "qwen3_5"} <= set(composite)
+
+
 def test_a_hub_config_dry_runs_with_the_class_parameter_count(tmp_path, capsys):
     from tests.models.generic.helpers import upstream_params
 
@@ -237,6 +342,19 @@ REFUSED = {
     "nested-unread": ({"model_type": "lightnet", **SMALL, "attn": {**SAMBA_ATTN, "rope_theta": 500000.0}},
                       "attn.rope_theta 500000.0: FLA's LightNetConfig's blocks build their attention without "
                       "rope_theta (fla/models/lightnet/modeling_lightnet.py)"),
+    # transformers' BitNet (another model than FLA's) takes the key: the line names the other implementation
+    "other-impl": ({"model_type": "bitnet", **SMALL, "attention_dropout": 0.0},
+                   "attention_dropout is not a key of FLA's BitNetConfig: the class would ignore it; remove it or "
+                   "correct its name, or pass --model.impl hf to train transformers' BitNetConfig's model, which "
+                   "takes it (docs/models.md#config-keys)"),
+    "hf-name": ({"model_type": "gla", **SMALL, "num_attention_heads": 4, "attn": {**SAMBA_ATTN, "num_key_value_heads": 2}},
+                "attn.num_key_value_heads is not a key of FLA's GLAConfig's attn spec (did you mean num_kv_heads?)"),
+    "no-other-impl": ({"model_type": "gla", **SMALL, "attention_dropout": 0.0},
+                      "attention_dropout is not a key of FLA's GLAConfig: the class would ignore it; remove it or "
+                      "correct its name (docs/models.md#config-keys)"),
+    "typed-field": ({"model_type": "mamba2", **SMALL, "head_dim": 16, "flame_impl": "hf",
+                     "time_step_limit": [0.0, "big"]},
+                    "Mamba2Config refuses this config: Validation error for field 'time_step_limit'"),
 }  # fmt: skip
 
 
