@@ -39,6 +39,7 @@ HF_BOOKKEEPING = {
     "label2id": "classification heads",
     "problem_type": "classification heads",
     "is_encoder_decoder": "transformers' encoder-decoder models; flame's are decoders",
+    "task_specific_params": "the settings of transformers' pipelines per task",
 }
 # Keys of FLA's config classes that leave the model flame's families build unchanged.
 IRRELEVANT_KEYS = {

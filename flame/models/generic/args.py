@@ -339,6 +339,13 @@ class GenericArgs(ModelArgs):
     def validate(self) -> None:
         if not isinstance(self.vocab_size, int) or self.vocab_size <= 0:
             raise ModelConfigError(f"vocab_size must be a positive integer, got {self.vocab_size!r}")
+        pad = self.config.get("pad_token_id")
+        if isinstance(pad, int) and not 0 <= pad < self.vocab_size:
+            # the embedding's padding_idx: torch would stop the build with an assertion
+            raise ModelConfigError(
+                f"pad_token_id {pad} is outside the vocabulary of {self.vocab_size} tokens; set it below vocab_size "
+                "or to null"
+            )
 
     def hf_dict(self) -> dict[str, Any]:
         """The model's config as transformers reads it (the config JSON with this run's vocab_size)."""

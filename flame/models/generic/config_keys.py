@@ -12,11 +12,15 @@ own is passed every key: its model reads them as attributes.
 """
 
 import functools
+import importlib.util
 import inspect
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from huggingface_hub.errors import StrictDataclassError
 
 from flame.errors import ModelConfigError
 from flame.models.common.args import HF_BOOKKEEPING, did_you_mean
@@ -64,12 +68,14 @@ FLA_ATTRIBUTE_KEYS: dict[str, dict[str, str]] = {
 
 @dataclass(frozen=True)
 class SettledKey:
-    """A key FLA 0.6.0's class does not take whose ``accepted`` values (None: any) describe what the class does
-    anyway; under ``only_if`` (a boolean key of the class), other values are accepted while that key is false."""
+    """A key the class does not take whose ``accepted`` values (None: any) describe what the class does anyway;
+    under ``only_if`` (a boolean key of the class), other values are accepted while that key is false; with
+    ``same_as``, the value the config (or the class's default) gives that key, which the class reads instead."""
 
     accepted: tuple | None
     why: str
     only_if: str | None = None
+    same_as: str | None = None
 
 
 # Per model_type; "*" for every FLA class (a key the class takes itself is never looked up here).
@@ -106,6 +112,40 @@ FLA_SETTLED_KEYS: dict[str, dict[str, SettledKey]] = {
             None,
             "Mamba2 computes dt per head in in_proj, with no low-rank projection (FLA 0.5.0, PR 782, removed "
             "the unused key)",
+        ),
+    },
+}
+# Keys of hub config.json files as their publishers wrote them (for their own code, or from an older transformers)
+# that transformers' class of the model_type does not take, per model_type.
+TRANSFORMERS_SETTLED_KEYS: dict[str, dict[str, SettledKey]] = {
+    "deepseek_v3": {
+        "topk_method": SettledKey(("noaux_tc",), "transformers' router takes the bias-corrected group top-k"),
+        "scoring_func": SettledKey(("sigmoid",), "transformers' router scores experts with a sigmoid"),
+        "moe_layer_freq": SettledKey((1,), "every layer from first_k_dense_replace on is an MoE layer"),
+        "ep_size": SettledKey(
+            None, "DeepSeek's own code's expert-parallel degree; flame's parallelism flags lay out"
+        ),
+        "aux_loss_alpha": SettledKey(
+            (0, 0.0), "transformers' DeepseekV3 trains without an auxiliary balance loss"
+        ),
+        "seq_aux": SettledKey((False,), "the auxiliary loss's form", only_if="aux_loss_alpha"),
+    },
+    "gemma2": {
+        "hidden_act": SettledKey(None, "Gemma 2 reads hidden_activation", same_as="hidden_activation"),
+    },
+    "gpt2": {"n_ctx": SettledKey(None, "GPT-2 reads n_positions", same_as="n_positions")},
+    "llama": {
+        # SmolLM's config.json, exported by nanotron
+        "is_llama_config": SettledKey(None, "nanotron's export marker"),
+        "rope_interleaved": SettledKey((False,), "transformers' Llama rotates the two halves of each head"),
+    },
+    "phi3": {"attention_bias": SettledKey((False,), "transformers' Phi-3 projections have no bias")},
+    "qwen3_moe": {
+        # Qwen2's key, in Qwen3-MoE's hub files: the layers past it keep full attention under sliding windows
+        "max_window_layers": SettledKey(
+            None,
+            "transformers' Qwen3-MoE applies sliding_window to every layer",
+            only_if="use_sliding_window",
         ),
     },
 }
@@ -156,6 +196,28 @@ def class_source(klass: type) -> str:
         return inspect.getsource(klass)
     except (OSError, TypeError):  # defined in a REPL or a C extension: nothing to read
         return ""
+
+
+@functools.cache
+def modeling_source(cls: type) -> str:
+    """The source of the model module beside the config class's (configuration_x.py -> modeling_x.py), or ""."""
+    module = cls.__module__.replace(".configuration_", ".modeling_")
+    try:
+        spec = importlib.util.find_spec(module) if module != cls.__module__ else None
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return ""
+    return Path(spec.origin).read_text()
+
+
+def model_reads(cls: type, key: str) -> bool:
+    """Whether the model's code reads the config attribute ``key`` (``config.head_dim``, ``getattr(config,
+    "head_dim", ...)``): transformers keeps a key its class does not take as such an attribute, which many of its
+    models read (Qwen3-MoE's, OLMo-2's and Phi-3's head_dim)."""
+    quoted = rf"""["']{re.escape(key)}["']"""
+    pattern = re.compile(rf"\bconfig\.{re.escape(key)}\b|getattr\(\s*(?:self\.)?config\s*,\s*{quoted}")
+    return bool(pattern.search(modeling_source(cls)))
 
 
 def reads_from_kwargs(cls: type, key: str) -> bool:
@@ -213,7 +275,12 @@ def settle_keys(
     fla = cls.__module__.startswith("fla.")
     renamed = FLA_RENAMED_KEYS.get(model_type, {}) if fla else {}
     aliases = FLA_ATTRIBUTE_KEYS.get(model_type, {}) if fla else {}
-    settled = {**FLA_SETTLED_KEYS["*"], **FLA_SETTLED_KEYS.get(model_type, {})} if fla else {}
+    if fla:
+        settled = {**FLA_SETTLED_KEYS["*"], **FLA_SETTLED_KEYS.get(model_type, {})}
+    elif cls.__module__.startswith("transformers."):
+        settled = TRANSFORMERS_SETTLED_KEYS.get(model_type, {})
+    else:
+        settled = {}
     rope = hasattr(cls, "rope_parameters")
     values, notices, derived = dict(values), [], []
     for key, value in list(values.items()):
@@ -243,9 +310,22 @@ def settle_keys(
                 )
         elif key in settled:
             rule = settled[key]
-            if rule.accepted is None or any(same(value, a) for a in rule.accepted):
-                continue
             if rule.only_if and not values.get(rule.only_if, default_of(cls, rule.only_if)):
+                continue
+            if rule.accepted is None and rule.only_if:
+                raise ModelConfigError(
+                    f"{key} {json.dumps(value)}: {describe(cls)} does not take it ({rule.why}); remove it, or set "
+                    f"{rule.only_if} to false"
+                )
+            if rule.same_as:
+                read = values.get(rule.same_as, default_of(cls, rule.same_as))
+                if same(value, read):
+                    continue
+                raise ModelConfigError(
+                    f"{key} {json.dumps(value)} and {rule.same_as} {json.dumps(read)} disagree: {describe(cls)} "
+                    f"does not take {key} ({rule.why}); remove {key} or set {rule.same_as} to {json.dumps(value)}"
+                )
+            if rule.accepted is None or any(same(value, a) for a in rule.accepted):
                 continue
             raise ModelConfigError(
                 f"{key} {json.dumps(value)}: {describe(cls)} does not take it ({rule.why}); remove it or set it "
@@ -271,10 +351,10 @@ def check_derived(
     cls: type, values: dict[str, Any], keys: list[str], taken: set[str], alternative: type | None = None
 ) -> None:
     """Accept the keys the class derives itself (an attribute of the class built without them) when the config's
-    value is the derived one."""
+    value is the derived one, and those its model reads as attributes."""
     try:
         built = cls(**{k: v for k, v in values.items() if k not in keys})
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, StrictDataclassError):
         built = None  # the class refuses the rest of the config: nothing is derived, every key is unknown
     for key in keys:
         value = values[key]
@@ -286,6 +366,8 @@ def check_derived(
                 f"config's other keys and does not take {key}; remove it or set it to "
                 f"{json.dumps(vars(built)[key])}"
             )
+        if model_reads(cls, key):
+            continue  # transformers keeps it as an attribute, which the model reads
         hint = did_you_mean(key, taken)
         other = (
             f", or pass --model.impl hf to train {describe(alternative)}'s model, which takes it"

@@ -11,13 +11,14 @@ import torch
 from flame.errors import ModelConfigError
 from flame.launch import EXIT_DONE, main
 from flame.models import FAMILIES, model_args_from_dict
-from flame.models.generic.args import config_class
+from flame.models.generic.args import config_class, transformers_config_class
 from flame.models.generic.config_keys import (
     FLA_ATTRIBUTE_KEYS,
     FLA_NESTED_KEYS,
     FLA_RENAMED_KEYS,
     FLA_SETTLED_KEYS,
     FLA_UNREAD_ATTN_KEYS,
+    TRANSFORMERS_SETTLED_KEYS,
     accepted_keys,
 )
 from tests.models.generic.helpers import dry_run_params
@@ -207,7 +208,7 @@ HUB = {
     "olmo2": {"architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
               "eos_token_id": 100257, "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02,
               "intermediate_size": 64, "max_position_embeddings": 4096, "model_type": "olmo2",
-              "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4, "pad_token_id": 100277,
+              "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4, "pad_token_id": 4095,
               "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 500000, "tie_word_embeddings": False,
               "torch_dtype": "float32", "transformers_version": "4.48.0", "use_cache": True, "vocab_size": 4096},
     "mistral": {"architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
@@ -243,6 +244,107 @@ GEMMA3_HUB = {
     "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 2, "torch_dtype": "bfloat16",
     "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 4096,
 }  # fmt: skip
+
+
+# Hub config.json files as published (shapes shrunk), with the keys their publishers wrote that transformers' class
+# does not take: each trains the model transformers builds from the file.
+PUBLISHED = {
+    "Qwen3-30B-A3B": {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                      "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 32,
+                      "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
+                      "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+                      "model_type": "qwen3_moe", "moe_intermediate_size": 32, "norm_topk_prob": True,
+                      "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+                      "num_key_value_heads": 2, "output_router_logits": False, "rms_norm_eps": 1e-06,
+                      "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+                      "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                      "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+                      "vocab_size": 4096},
+    "gemma-2-2b": {"architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                   "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+                   "eos_token_id": [1, 107], "final_logit_softcapping": 30.0, "head_dim": 16,
+                   "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 64,
+                   "initializer_range": 0.02, "intermediate_size": 128, "max_position_embeddings": 8192,
+                   "model_type": "gemma2", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+                   "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+                   "sliding_window": 4096, "torch_dtype": "float32", "transformers_version": "4.42.4",
+                   "use_cache": True, "vocab_size": 4096},
+    "Phi-3-mini-4k-instruct": {"_name_or_path": "Phi-3-mini-4k-instruct", "architectures": ["Phi3ForCausalLM"],
+                               "attention_bias": False, "attention_dropout": 0.0, "auto_map": {
+                                   "AutoConfig": "configuration_phi3.Phi3Config",
+                                   "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"},
+                               "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu",
+                               "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
+                               "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 4,
+                               "num_hidden_layers": 2, "num_key_value_heads": 4,
+                               "original_max_position_embeddings": 4096, "pad_token_id": 0, "resid_pdrop": 0.0,
+                               "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+                               "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                               "transformers_version": "4.40.2", "use_cache": True, "vocab_size": 4096},
+    "SmolLM2-135M": {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                     "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 64,
+                     "initializer_range": 0.041666666666666664, "intermediate_size": 128, "is_llama_config": True,
+                     "max_position_embeddings": 8192, "model_type": "llama", "num_attention_heads": 4,
+                     "num_hidden_layers": 2, "num_key_value_heads": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+                     "rope_interleaved": False, "rope_scaling": None, "rope_theta": 100000,
+                     "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.42.3",
+                     "use_cache": True, "vocab_size": 4096},
+    "gpt2": {"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+             "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
+             "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 64, "n_head": 4, "n_layer": 2,
+             "n_positions": 1024, "resid_pdrop": 0.1, "summary_activation": None, "summary_first_dropout": 0.1,
+             "summary_proj_to_labels": True, "summary_type": "cls_index", "summary_use_proj": True,
+             "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}}, "vocab_size": 4096},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_hub_configs_build_what_transformers_builds(name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flame.models import build_model
+
+    config = PUBLISHED[name]
+    args, notices = model_args_from_dict(config)
+    assert notices == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        own = AutoConfig.for_model(**config)
+        with torch.device("meta"):
+            shapes = {n: p.shape for n, p in build_model(args).named_parameters()}
+            expected = {n: p.shape for n, p in AutoModelForCausalLM.from_config(own).named_parameters()}
+    assert shapes == expected
+    if name == "Qwen3-30B-A3B":  # head_dim, read by the model (getattr(config, "head_dim", ...)), not 64 / 4
+        assert shapes["model.layers.0.self_attn.q_proj.weight"] == (4 * 32, 64)
+
+
+TRANSFORMERS_REFUSED = {
+    "deepseek-aux-loss": ({"model_type": "deepseek_v3", **SMALL, "num_attention_heads": 4, "aux_loss_alpha": 0.001,
+                           "seq_aux": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "ep_size": 1},
+                          "aux_loss_alpha 0.001: transformers' DeepseekV3Config does not take it (transformers' "
+                          "DeepseekV3 trains without an auxiliary balance loss); remove it or set it to 0"),
+    "gemma2-two-activations": ({"model_type": "gemma2", **SMALL, "hidden_act": "silu",
+                                "hidden_activation": "gelu_pytorch_tanh"},
+                               'hidden_act "silu" and hidden_activation "gelu_pytorch_tanh" disagree: transformers\' '
+                               "Gemma2Config does not take hidden_act (Gemma 2 reads hidden_activation); remove "
+                               'hidden_act or set hidden_activation to "silu"'),
+    "qwen3-moe-windows": ({"model_type": "qwen3_moe", **SMALL, "use_sliding_window": True, "max_window_layers": 1},
+                          "max_window_layers 1: transformers' Qwen3MoeConfig does not take it (transformers' "
+                          "Qwen3-MoE applies sliding_window to every layer); remove it, or set use_sliding_window "
+                          "to false"),
+    "unread": ({"model_type": "qwen3_moe", **SMALL, "head_dims": 32},
+               "head_dims is not a key of transformers' Qwen3MoeConfig"),
+    "padding": ({"model_type": "olmo2", **SMALL, "pad_token_id": 100277},
+                "pad_token_id 100277 is outside the vocabulary of 4096 tokens; set it below vocab_size or to null"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(TRANSFORMERS_REFUSED))
+def test_keys_transformers_classes_do_not_take_are_refused_with_their_reason(case):
+    config, message = TRANSFORMERS_REFUSED[case]
+    with pytest.raises(ModelConfigError) as refused:
+        model_args_from_dict(config)
+    assert str(refused.value).startswith(message), str(refused.value)
 
 
 def test_keys_a_transformers_class_reads_from_its_kwargs_are_read():
@@ -408,6 +510,11 @@ def test_fla_tables_match_fla_classes_and_the_docs():
         named += list(settled)
     for model_type in FLA_UNREAD_ATTN_KEYS:
         assert "attn" in accepted_keys(config_class(model_type, "fla"))
+    for model_type, settled in TRANSFORMERS_SETTLED_KEYS.items():
+        cls = transformers_config_class(model_type)
+        assert not set(settled) & accepted_keys(cls), model_type
+        assert all(rule.same_as in accepted_keys(cls) for rule in settled.values() if rule.same_as)
+        named += list(settled)
     for model_type, nested in FLA_NESTED_KEYS.items():
         assert set(nested) <= accepted_keys(config_class(model_type, "fla"))
         named += list(nested)
