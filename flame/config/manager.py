@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import functools
 import importlib
+import os
 import sys
 import types
 import typing
@@ -286,6 +287,11 @@ def _check_flags(argv: list[str], valid: dict[str, dataclasses.Field]) -> None:
                 takes_value = False
             elif previous is not None and _switch(previous, valid):
                 raise ConfigError(f"--{previous} is a switch: give it alone or with true/false, got '{arg}'")
+            elif previous is not None and os.path.exists(arg):
+                raise ConfigError(
+                    f"unexpected argument '{arg}' after --{previous}'s value: it takes one value; if the shell "
+                    f"expanded a glob into several files, quote the glob (--{previous} 'dir/*.jsonl')"
+                )
             else:
                 raise ConfigError(f"unexpected argument '{arg}': options are --section.field [value]")
             continue

@@ -289,6 +289,19 @@ def test_a_switch_with_a_stray_value_is_one_line():
         parse_args(["--training.compile", "on"])
 
 
+def test_a_glob_the_shell_expanded_is_one_line_that_says_to_quote_it(tmp_path):
+    files = [tmp_path / f"part{i}.jsonl" for i in range(2)]
+    for file in files:
+        file.write_text('{"text": "a"}\n')
+    with pytest.raises(ConfigError, match=rf"^unexpected argument '{files[1]}' after --training.data_files's value: "
+                       r"it takes one value; if the shell expanded a glob into several files, quote the glob"):  # fmt: skip
+        parse_args(["--training.dataset", "json", "--training.data_files", *map(str, files)])
+    with pytest.raises(
+        ConfigError, match=r"^unexpected argument 'stray': options are --section.field \[value\]$"
+    ):
+        parse_args(["--training.dataset", "json", "stray"])
+
+
 def test_toml_aliases_yield_to_flags_of_their_target(tmp_path):
     toml = tmp_path / "job.toml"
     toml.write_text("[training]\ncompile = true\nbatch_size = 4\n[checkpoint]\nenable_checkpoint = false\n")
