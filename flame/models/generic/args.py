@@ -303,7 +303,17 @@ class GenericArgs(ModelArgs):
         imports = list(config.get(CUSTOM_IMPORTS_KEY, []))
         custom.import_targets(imports)
         model_type = config["model_type"]
-        config_cls = config_class(model_type, impl)
+        try:
+            config_cls = config_class(model_type, impl)
+        except ModelConfigError as e:
+            remote = config.get("auto_map")
+            if not isinstance(remote, dict) or not remote:
+                raise
+            raise ModelConfigError(
+                f"{e}; its auto_map names remote code ({', '.join(map(str, remote.values()))}), which flame does not "
+                "import on its own: register those classes (AutoConfig.register, AutoModelForCausalLM.register) "
+                "in a module passed with --experimental.custom_model_path"
+            ) from e
         values = {k: v for k, v in config.items() if k not in ("model_type", CUSTOM_IMPORTS_KEY, IMPL_KEY)}
         # Where impl auto chose FLA's class, transformers' own class of the same model_type is the other choice.
         alternative = (

@@ -336,6 +336,14 @@ TRANSFORMERS_REFUSED = {
                "head_dims is not a key of transformers' Qwen3MoeConfig"),
     "padding": ({"model_type": "olmo2", **SMALL, "pad_token_id": 100277},
                 "pad_token_id 100277 is outside the vocabulary of 4096 tokens; set it below vocab_size or to null"),
+    "remote-code": ({"model_type": "my_model", **SMALL, "auto_map": {
+                        "AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyForCausalLM"}},
+                    "model_type 'my_model' is not supported: flame has no family of that name and transformers has no "
+                    "class registered for it (import the package that registers it with "
+                    "--experimental.custom_model_path or --experimental.custom_import); its auto_map names remote code "
+                    "(configuration_my.MyConfig, modeling_my.MyForCausalLM), which flame does not import on its own: "
+                    "register those classes (AutoConfig.register, AutoModelForCausalLM.register) in a module passed "
+                    "with --experimental.custom_model_path"),
 }  # fmt: skip
 
 
