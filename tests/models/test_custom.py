@@ -172,3 +172,26 @@ def test_a_class_without_declared_blocks_is_one_line(model_type, build_body, mes
     with torch.device("meta"), pytest.raises(ModelConfigError, match=message) as error:
         build_model(args)
     assert "_no_split_modules = ['YourDecoderLayer']" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_one_stack_of_like_modules_is_the_blocks_when_nothing_declares_them():
+    """Blenderbot's causal LM declares no _no_split_modules and its num_hidden_layers counts the encoder's layers:
+    the one ModuleList of several modules of one class is taken; two such lists are refused."""
+    from flame.models.generic.model import find_blocks
+
+    class Model(nn.Module):
+        def __init__(self, lists):
+            super().__init__()
+            self.config = type("Config", (), {"num_hidden_layers": 2})()
+            self.stacks = nn.ModuleDict(
+                {f"s{n}": nn.ModuleList([nn.Linear(8, 8) for _ in range(n)]) for n in lists}
+            )
+            self.head = nn.ModuleList(
+                [nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)]
+            )  # mixed classes: not blocks
+
+    assert find_blocks(Model([3])) == ["stacks.s3"]
+    from flame.errors import ModelConfigError
+
+    with pytest.raises(ModelConfigError, match="has no ModuleList of blocks"):
+        find_blocks(Model([3, 4]))

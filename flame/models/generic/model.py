@@ -4,6 +4,8 @@ with flame's calling convention mixed in front of it."""
 import contextlib
 import functools
 import logging
+import re
+import traceback
 from collections.abc import Iterator
 
 import torch
@@ -26,7 +28,7 @@ from flame.compat import (
     transformers_gated_delta_rule_on_flame,
     transformers_grouped_mm_in_the_autocast_dtype,
 )
-from flame.errors import ModelConfigError
+from flame.errors import ModelConfigError, first_line
 from flame.models.common.decoder import LMHead
 from flame.models.generic.args import GenericArgs, is_fla_class
 from flame.models.generic.initialization import check_initialized, initialize_as_constructed
@@ -169,13 +171,17 @@ def causal_lm_class(config) -> type:
 def find_blocks(model: nn.Module) -> list[str]:
     """Names of the ModuleLists holding the model's blocks: those whose modules are all of the class's
     ``_no_split_modules`` (transformers' declaration of its decoder layers; some models have several stacks),
-    else the only ModuleList with num_hidden_layers modules."""
+    else the only ModuleList with num_hidden_layers modules, else the only one of several modules of one class
+    (Blenderbot's causal LM declares none, and its num_hidden_layers counts the encoder's layers)."""
     block_names = set(getattr(model, "_no_split_modules", None) or ())
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     found = [name for name, m in lists if all(type(block).__name__ in block_names for block in m)]
     if not found:
         layers = getattr(model.config, "num_hidden_layers", None)
         found = [name for name, m in lists if len(m) == layers]
+        if not found:
+            stacks = [name for name, m in lists if len(m) > 1 and len({type(block) for block in m}) == 1]
+            found = stacks if len(stacks) == 1 else []
         if len(found) > 1:
             raise ModelConfigError(
                 f"cannot tell which ModuleList of {type(model).__name__} holds its blocks ({', '.join(found)}); "
@@ -236,9 +242,10 @@ def instantiate(lm_class: type, config) -> nn.Module:
     if not is_fla_class(lm_class):
         transformers_gated_delta_rule_on_flame(transformers_chunk_gated_delta_rule)
         transformers_grouped_mm_in_the_autocast_dtype()
-        return cls(config)
+        with refused_by_the_class(lm_class):
+            return cls(config)
     try:
-        with fla_classes_as_flame_builds_them():
+        with fla_classes_as_flame_builds_them(), refused_by_the_class(lm_class):
             model = cls(config)
     except ImportError as e:
         if "flash" not in str(e).lower():
@@ -250,6 +257,26 @@ def instantiate(lm_class: type, config) -> nn.Module:
         ) from e
     report_replaced_layers(model)
     return model
+
+
+@contextlib.contextmanager
+def refused_by_the_class(lm_class: type) -> Iterator[None]:
+    """A value error of the model's own constructor (transformers' or FLA's code, which builds some classes' default
+    configs into models that cannot be built: Nemotron's num_key_value_heads null) as one line naming the class and
+    where it failed, rather than a traceback; an error raised in flame's code passes through."""
+    try:
+        yield
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        frames = traceback.extract_tb(e.__traceback__)
+        last = frames[-1] if frames else None
+        library = last is not None and re.search(r"[/\\](transformers|fla)[/\\]", last.filename)
+        if not library or isinstance(e, ModelConfigError):
+            raise
+        where = last.filename[library.start() + 1 :]
+        raise ModelConfigError(
+            f"{lm_class.__name__} cannot be built from this config: {type(e).__name__}: {first_line(e)} "
+            f"({where}:{last.lineno}); a key the class needs is missing or null there, so set it in the config"
+        ) from e
 
 
 def report_replaced_layers(model: nn.Module) -> None:

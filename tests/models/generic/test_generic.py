@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from flame.errors import ConfigError, ModelConfigError
-from flame.models import build_model, load_model_args, model_spec
+from flame.models import build_model, load_model_args, model_args_from_dict, model_spec
 from flame.models.generic.model import FlameCausalLM
 from tests.models.generic.helpers import CONFIGS, dry_run_params, upstream_params, write_config
 
@@ -229,3 +229,16 @@ def test_fla_classes_need_a_gpu_and_everything_else_trains_on_the_cpu(tmp_path):
         check_device(args, "cuda")
     for path, impl in [(gdn, "auto"), (write_config(tmp_path, "llama"), "auto")]:
         check_device(load_model_args(path, impl)[0], "cpu")
+
+
+def test_a_config_the_class_cannot_build_from_is_one_line_naming_where():
+    """transformers' Nemotron divides by num_key_value_heads, which its config leaves null by default."""
+    config = {"model_type": "nemotron", "vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": None}  # fmt: skip
+    args, _ = model_args_from_dict(config)
+    with pytest.raises(ModelConfigError) as refused, torch.device("meta"):
+        build_model(args)
+    message = str(refused.value)
+    assert message.startswith("NemotronForCausalLM cannot be built from this config: TypeError: ")
+    assert "(transformers/models/nemotron/modeling_nemotron.py:" in message
+    assert message.endswith("a key the class needs is missing or null there, so set it in the config")
