@@ -1,12 +1,15 @@
 """No key of a generic-path config is silently dropped.
 
-transformers' config classes take ``**kwargs`` and keep a key they have no parameter for as an attribute that no
-model reads, so a misspelt or outdated key changes nothing and says nothing. ``settle_keys`` accepts a key only when
-the class takes it, it is transformers' bookkeeping (HF_BOOKKEEPING), transformers' RoPE standardisation consumes it,
-it is the attribute an FLA class stores a parameter under (FLA_ATTRIBUTE_KEYS), an older FLA release's name of a
-parameter (FLA_RENAMED_KEYS, read as the new name), what FLA 0.6.0 does anyway (FLA_SETTLED_KEYS), or an attribute
-the class derives from the other keys and the config's value equals the derived one; anything else is refused in
-one line naming the key, the class and what to do (docs/models.md#config-keys). The keys of FLA's ``attn`` spec
+transformers' config classes take ``**kwargs`` and keep a key they have no parameter for as an attribute, which a
+model may or may not read, so a misspelt or outdated key changes nothing and says nothing. ``settle_keys`` accepts a
+key only when the class takes it, it is transformers' bookkeeping (HF_BOOKKEEPING) or a generation setting,
+transformers' RoPE standardisation or the class's own code consumes it from ``**kwargs``, it is the attribute an FLA
+class stores a parameter under (FLA_ATTRIBUTE_KEYS), an older FLA release's name of a parameter (FLA_RENAMED_KEYS,
+read as the new name), a value that describes what the class builds anyway (FLA_SETTLED_KEYS for FLA 0.6.0's
+classes, TRANSFORMERS_SETTLED_KEYS for the keys hub files of transformers' models carry), an attribute the class
+derives from the other keys whose config value equals the derived one, or an attribute the model's code reads
+(``getattr(config, "head_dim", ...)``); anything else is refused in one line naming the key, the class and what to
+do (docs/models.md#config-keys). The keys of FLA's ``attn`` spec
 (the hybrid layers' softmax attention) are checked the same way. A user's class that declares no parameters of its
 own is passed every key: its model reads them as attributes.
 """
