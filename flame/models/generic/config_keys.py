@@ -133,6 +133,12 @@ TRANSFORMERS_SETTLED_KEYS: dict[str, dict[str, SettledKey]] = {
         ),
         "seq_aux": SettledKey((False,), "the auxiliary loss's form", only_if="aux_loss_alpha"),
     },
+    "falcon": {
+        # Falcon-7B's and -40B's files, from the model's first, remote-code release
+        "apply_residual_connection_post_layernorm": SettledKey(
+            (False,), "transformers' Falcon adds each residual to the layer's input, before its norm"
+        ),
+    },
     "gemma2": {
         "hidden_act": SettledKey(None, "Gemma 2 reads hidden_activation", same_as="hidden_activation"),
     },
