@@ -28,7 +28,6 @@ from flame.hf.configuration import (
 )
 from flame.loss import labelled_tokens, loss_sums
 from flame.models import build_model
-from flame.models.common.config_json import loads_config
 from flame.models.layers.decoding import MixerCache
 
 # transformers renamed the output's cache field from past_key_values to cache (5.2x); write the one it has.
@@ -219,9 +218,10 @@ def from_export(
     flame's, llama, olmo_hybrid), in eval mode: the training model's code, on any device, whichever classes the
     folder's model_type names."""
     from flame.hf.formats import import_adapter
+    from flame.hf.load import read_hf_config
     from flame.hf.safetensors_io import load_safetensors
 
-    adapter = import_adapter(loads_config((Path(path) / "config.json").read_text()))
+    adapter = import_adapter(read_hf_config(Path(path)))
     values = {k: v for k, v in adapter.args.to_dict().items() if k != "model_type"}
     config_class, model_class = next(
         (c, m) for c, m in zip(CONFIG_CLASSES, MODEL_CLASSES) if c.family == adapter.args.model_type

@@ -199,6 +199,12 @@ def sub_config_key(hf_config, sub) -> str:
     return next((key for key, value in vars(hf_config).items() if value is sub), "text_config")
 
 
+def transformers_alternative(model_type: str, impl: str) -> type | None:
+    """transformers' own config class of a model_type whose FLA class ``impl`` auto chose (bitnet, mamba, mamba2):
+    the other choice, which --model.impl hf builds."""
+    return transformers_config_class(model_type) if impl == "auto" else None
+
+
 def builds_fla_class(args: "GenericArgs") -> bool:
     """Whether the model is FLA's class (rather than transformers' own or a user's)."""
     return is_fla_class(config_class(args.model_type, args.impl))
@@ -208,7 +214,7 @@ def fla_kernels_need_cuda(args: "GenericArgs") -> str | None:
     """FLA's classes run FLA's Triton kernels in every layer (norms, gated MLPs, mixers), with no CPU path: on a
     machine without a GPU Triton finds no driver in the first forward."""
     if builds_fla_class(args):
-        own = transformers_config_class(args.model_type) if args.impl == "auto" else None
+        own = transformers_alternative(args.model_type, args.impl)
         other = f" (--model.impl hf builds transformers' own {args.model_type} model instead)" if own else ""
         return f"model_type '{args.model_type}' is FLA's class{other}, whose layers run Triton kernels only"
     return None
@@ -315,10 +321,7 @@ class GenericArgs(ModelArgs):
                 "in a module passed with --experimental.custom_model_path"
             ) from e
         values = {k: v for k, v in config.items() if k not in ("model_type", CUSTOM_IMPORTS_KEY, IMPL_KEY)}
-        # Where impl auto chose FLA's class, transformers' own class of the same model_type is the other choice.
-        alternative = (
-            transformers_config_class(model_type) if impl == "auto" and is_fla_class(config_cls) else None
-        )
+        alternative = transformers_alternative(model_type, impl) if is_fla_class(config_cls) else None
         values, notices = settle_keys(config_cls, model_type, values, alternative)
         try:
             hf_config = config_cls(**values)

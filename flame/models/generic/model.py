@@ -3,10 +3,11 @@ with flame's calling convention mixed in front of it."""
 
 import contextlib
 import functools
+import importlib.util
 import logging
-import re
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -267,16 +268,24 @@ def refused_by_the_class(lm_class: type) -> Iterator[None]:
     try:
         yield
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-        frames = traceback.extract_tb(e.__traceback__)
-        last = frames[-1] if frames else None
-        library = last is not None and re.search(r"[/\\](transformers|fla)[/\\]", last.filename)
-        if not library or isinstance(e, ModelConfigError):
+        last = traceback.extract_tb(e.__traceback__)[-1]
+        where = library_path(last.filename)
+        if where is None or isinstance(e, ModelConfigError):
             raise
-        where = last.filename[library.start() + 1 :]
         raise ModelConfigError(
             f"{lm_class.__name__} cannot be built from this config: {type(e).__name__}: {first_line(e)} "
             f"({where}:{last.lineno}); a key the class needs is missing or null there, so set it in the config"
         ) from e
+
+
+def library_path(filename: str) -> str | None:
+    """``filename`` as a path inside the transformers or FLA package (``transformers/models/...``), or None."""
+    for package in ("transformers", "fla"):
+        spec = importlib.util.find_spec(package)
+        root = Path(spec.origin).parent if spec and spec.origin else None
+        if root is not None and Path(filename).is_relative_to(root):
+            return str(Path(package) / Path(filename).relative_to(root))
+    return None
 
 
 def report_replaced_layers(model: nn.Module) -> None:
